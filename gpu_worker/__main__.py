@@ -1,0 +1,5 @@
+import sys
+
+from gpu_worker.cli import main
+
+sys.exit(main())

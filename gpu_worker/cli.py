@@ -1,0 +1,45 @@
+"""``gpu-worker``: run a training step over a loader service feed."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+from collections.abc import Sequence
+
+from gpu_worker.client import ServiceError
+from gpu_worker.runner import RunConfig, run
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="gpu-worker", description=__doc__)
+    sub = parser.add_subparsers(dest="command", required=True)
+    p = sub.add_parser("run", help="train over the feed, reporting images/s and data stall per epoch")
+    p.add_argument("--endpoint", required=True, help="the service's endpoint (ipc:// or tcp://)")
+    p.add_argument("--step", default=RunConfig.step, help="MODULE:FUNCTION called as step(images, labels)")
+    p.add_argument("--device", default="auto", help="cpu, cuda, cuda:N or auto (default)")
+    p.add_argument("--epochs", type=int, default=1)
+    p.add_argument("--feed", default="", help="feed name (default: the service's feed)")
+    p.add_argument("--timeout", type=float, default=60.0, help="seconds to wait for a batch or the service")
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s gpu-worker[%(process)d] %(message)s")
+    if args.epochs < 1:
+        print("gpu-worker: --epochs must be at least 1", file=sys.stderr)
+        return 2
+    cfg = RunConfig(args.endpoint, args.step, args.device, args.epochs, args.feed, args.timeout)
+    try:
+        run(cfg)
+    except (ServiceError, ValueError, ImportError) as exc:
+        print(f"gpu-worker: {exc}", file=sys.stderr)
+        return 1
+    except KeyboardInterrupt:
+        return 130
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

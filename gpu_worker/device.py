@@ -1,0 +1,78 @@
+"""Moving delivered batches to the training device.
+
+CPU: nothing moves; the trainer gets zero-copy views of shared memory.
+
+CUDA (chosen at run time, never on a CPU-only machine; this path has not run on this project's CI):
+    * the whole slot segment is pinned once per process with ``cudaHostRegister``, so copies from it
+      are true asynchronous DMA; it is unregistered before the segment is unmapped;
+    * each batch is copied with ``non_blocking=True`` on a side stream; the trainer's current stream
+      waits on an event, so the copy overlaps the previous step's kernels and the next step cannot
+      read the images early;
+    * the host batch (and so its slot lease) is kept until that event has completed, then dropped,
+      which releases the slot (NOTE [ Slot lifecycle ] in loader_service/slots.py).
+"""
+
+from __future__ import annotations
+
+import logging
+from collections import deque
+from typing import Any
+
+import torch
+
+log = logging.getLogger(__name__)
+
+
+def resolve_device(name: str) -> torch.device:
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    device = torch.device(name)
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise ValueError(f"device {name!r} requested but CUDA is not available here")
+    if device.type not in ("cpu", "cuda"):
+        raise ValueError(f"unsupported device {name!r}: use cpu, cuda[:N] or auto")
+    return device
+
+
+class CudaStager:
+    def __init__(self, device: torch.device) -> None:
+        self.device = device
+        self._stream = torch.cuda.Stream(device)
+        self._in_flight: deque[tuple[torch.cuda.Event, Any]] = deque()
+        self._pinned: int | None = None
+
+    def pin(self, address: int, nbytes: int) -> None:
+        """Register the mapped segment once; a failure only costs speed (pageable copies)."""
+        err = torch.cuda.cudart().cudaHostRegister(address, nbytes, 0)
+        if int(err) != 0:
+            log.warning("cudaHostRegister failed (%s); copies will not overlap compute", err)
+            return
+        self._pinned = address
+
+    def stage(self, images: torch.Tensor, labels: torch.Tensor, keep_alive: Any) -> tuple[torch.Tensor, torch.Tensor]:
+        """Start the copy; return device tensors the current stream may use in order."""
+        self.collect()
+        with torch.cuda.stream(self._stream):
+            dev_images = images.to(self.device, non_blocking=True)
+            dev_labels = labels.to(self.device, non_blocking=True)
+            done = torch.cuda.Event()
+            done.record(self._stream)
+        current = torch.cuda.current_stream(self.device)
+        current.wait_event(done)
+        # Allocated on the side stream, used on the current one: tell the caching allocator.
+        dev_images.record_stream(current)
+        dev_labels.record_stream(current)
+        self._in_flight.append((done, keep_alive))
+        return dev_images, dev_labels
+
+    def collect(self) -> None:
+        """Drop host batches whose copies have completed, releasing their slots."""
+        while self._in_flight and self._in_flight[0][0].query():
+            self._in_flight.popleft()
+
+    def close(self) -> None:
+        self._stream.synchronize()
+        self._in_flight.clear()
+        if self._pinned is not None:
+            torch.cuda.cudart().cudaHostUnregister(self._pinned)
+            self._pinned = None

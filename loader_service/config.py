@@ -1,0 +1,131 @@
+"""The service's one typed configuration: CLI flags and a TOML file land here, validated once.
+
+Precedence: built-in defaults < TOML file (``--config``) < command-line flags.
+TOML keys are the flag names with underscores (``batch_size = 64``); unknown keys are an error, so a
+typo in a config file is caught at start-up instead of silently falling back to a default.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+from dataclasses import asdict, dataclass, fields, replace
+from pathlib import Path
+from typing import Any
+
+if sys.version_info >= (3, 11):
+    import tomllib
+else:  # pragma: no cover
+    import tomli as tomllib
+
+AUGMENTS = ("train", "eval", "none")
+
+
+class ConfigError(ValueError):
+    """A configuration value that the service cannot run with; the message says which and why."""
+
+
+@dataclass(frozen=True)
+class ServiceConfig:
+    """Everything the loader service process needs, frozen after validation."""
+
+    data: Path
+    """ImageFolder root: one sub-folder per class."""
+    endpoint: str
+    """ZeroMQ endpoint trainers connect to, e.g. ``ipc:///run/dataferry/train.sock`` or ``tcp://127.0.0.1:5555``."""
+    workers: int = 2
+    """Decode worker processes."""
+    batch_size: int = 64
+    image_size: int = 224
+    augment: str = "train"
+    """``train`` (RandomResizedCrop + flip), ``eval`` (resize + center crop) or ``none`` (resize)."""
+    seed: int = 0
+    """Seeds the epoch permutations and all augmentation randomness."""
+    slots: int = 0
+    """Batches in the shared-memory pool; 0 picks ``2 * workers + 8``."""
+    feed: str = "train"
+    """Name trainers may select the feed by."""
+    client_timeout: float = 15.0
+    """Seconds without a heartbeat after which a trainer's leases are reclaimed."""
+    heartbeat_interval: float = 1.0
+    """Seconds between heartbeats the service asks trainers to send, and sends them itself."""
+    log_level: str = "INFO"
+
+    @property
+    def pool_slots(self) -> int:
+        return self.slots or 2 * self.workers + 8
+
+    def validated(self) -> ServiceConfig:
+        """Return a copy with the data path resolved, or raise ConfigError naming the bad value."""
+        _check(self.workers >= 1, "workers must be at least 1")
+        _check(1 <= self.batch_size <= 4096, "batch_size must be between 1 and 4096")
+        _check(8 <= self.image_size <= 2048, "image_size must be between 8 and 2048")
+        _check(self.augment in AUGMENTS, f"augment must be one of {', '.join(AUGMENTS)}")
+        _check(0 <= self.seed < 2**63, "seed must be a non-negative 63-bit integer")
+        _check(0 <= self.slots <= 4096, "slots must be between 0 (auto) and 4096")
+        _check(self.pool_slots >= 2, "slots must be at least 2")
+        _check(bool(self.feed) and len(self.feed) <= 64, "feed must be a name of 1 to 64 characters")
+        _check(self.heartbeat_interval > 0, "heartbeat_interval must be positive")
+        _check(
+            self.client_timeout >= 2 * self.heartbeat_interval,
+            "client_timeout must be at least twice heartbeat_interval",
+        )
+        _check(self.log_level.upper() in ("DEBUG", "INFO", "WARNING", "ERROR"), "bad log_level")
+        _check_endpoint(self.endpoint)
+        data = Path(self.data).expanduser().resolve()
+        _check(data.is_dir(), f"data directory {self.data} does not exist or is not a directory")
+        return replace(self, data=data, log_level=self.log_level.upper())
+
+    def summary(self) -> str:
+        return " ".join(f"{k}={v}" for k, v in asdict(self).items()) + f" pool_slots={self.pool_slots}"
+
+
+def _check(ok: bool, message: str) -> None:
+    if not ok:
+        raise ConfigError(message)
+
+
+def _check_endpoint(endpoint: str) -> None:
+    if endpoint.startswith("ipc://"):
+        path = endpoint[len("ipc://") :]
+        # The kernel's sockaddr_un limit: longer paths fail obscurely inside libzmq.
+        _check(0 < len(path.encode()) <= 107, f"ipc path must be 1 to 107 bytes: {endpoint}")
+        parent = os.path.dirname(path) or "."
+        _check(os.path.isdir(parent), f"directory for ipc endpoint does not exist: {parent}")
+    else:
+        _check(endpoint.startswith("tcp://"), f"endpoint must be ipc://PATH or tcp://HOST:PORT: {endpoint}")
+
+
+_FIELDS = {f.name: f for f in fields(ServiceConfig)}
+
+
+def load_config(file: Path | None, overrides: dict[str, Any]) -> ServiceConfig:
+    """Merge a TOML file and flag overrides (None means 'not given') into a validated config."""
+    values: dict[str, Any] = {}
+    if file is not None:
+        values.update(_read_toml(file))
+    values.update({k: v for k, v in overrides.items() if v is not None})
+    for key in ("data", "endpoint"):
+        _check(key in values, f"{key} is required (flag --{key} or key '{key}' in the config file)")
+    values["data"] = Path(values["data"])
+    try:
+        return ServiceConfig(**values).validated()
+    except TypeError as exc:  # a wrong-typed value from TOML
+        raise ConfigError(str(exc)) from None
+
+
+def _read_toml(file: Path) -> dict[str, Any]:
+    try:
+        with open(file, "rb") as fh:
+            raw = tomllib.load(fh)
+    except (OSError, tomllib.TOMLDecodeError) as exc:
+        raise ConfigError(f"cannot read config file {file}: {exc}") from None
+    unknown = sorted(set(raw) - set(_FIELDS))
+    _check(not unknown, f"unknown keys in {file}: {', '.join(unknown)}")
+    for key, value in raw.items():
+        expected = {"int": int, "float": (int, float), "str": str, "Path": str}[str(_FIELDS[key].type)]
+        _check(
+            isinstance(value, expected) and not isinstance(value, bool),  # type: ignore[arg-type]
+            f"{file}: key {key!r} has the wrong type ({type(value).__name__})",
+        )
+    return raw

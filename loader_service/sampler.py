@@ -1,0 +1,38 @@
+"""Which samples make up batch ``seq`` of ``epoch``: a pure function of (seed, epoch).
+
+Because nothing here depends on process, worker or timing, two services started with the same data
+and seed produce the same batches, and a restarted trainer can continue an epoch by position alone.
+"""
+
+from __future__ import annotations
+
+from functools import lru_cache
+
+import numpy as np
+import numpy.typing as npt
+
+
+def batches_per_epoch(samples: int, batch_size: int) -> int:
+    """Every sample once; the last batch holds the remainder (it may be smaller)."""
+    return -(-samples // batch_size)
+
+
+@lru_cache(maxsize=4)
+def epoch_permutation(seed: int, epoch: int, samples: int) -> npt.NDArray[np.int64]:
+    """The order of samples in ``epoch``; cached because every batch of an epoch slices it."""
+    rng = np.random.Generator(np.random.PCG64(np.random.SeedSequence([seed, epoch, 0x5EED])))
+    perm = rng.permutation(samples).astype(np.int64)
+    perm.setflags(write=False)
+    return perm
+
+
+def batch_indices(seed: int, epoch: int, samples: int, batch_size: int, seq: int) -> npt.NDArray[np.int64]:
+    n = batches_per_epoch(samples, batch_size)
+    if not 0 <= seq < n:
+        raise ValueError(f"batch {seq} outside epoch of {n} batches")
+    return epoch_permutation(seed, epoch, samples)[seq * batch_size : (seq + 1) * batch_size]
+
+
+def sample_rng(seed: int, epoch: int, index: int) -> np.random.Generator:
+    """Augmentation randomness for one sample: the same whichever worker decodes it."""
+    return np.random.Generator(np.random.PCG64(np.random.SeedSequence([seed, epoch, index, 0xA06])))

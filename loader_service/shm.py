@@ -1,0 +1,106 @@
+"""POSIX shared-memory segments the service creates and removes.
+
+Segments are files under /dev/shm opened with ``os.open`` and mapped with ``mmap``, not
+``multiprocessing.shared_memory``: on Python < 3.13 every attach registers with a resource tracker
+that unlinks the segment when an unrelated process exits (CPython gh-82300).
+
+NOTE [ Shared-memory cleanup ]
+    * Names start with ``dataferry-`` and carry the creating service's pid, so whatever a crashed
+      service left behind is recognisable.
+    * Space is reserved with ``posix_fallocate`` at creation: an undersized /dev/shm fails at start-up
+      with a message saying how much is needed, instead of a SIGBUS when a page is first touched.
+    * Mode 0600: only the service's user (and the trainers running as it) can map the pool.
+    * The service unlinks its segments on every exit path (``LoaderService.shutdown``, see NOTE
+      [ Shutdown order ]). Trainers and workers that still map a segment keep their mapping until they
+      unmap it; unlinking only removes the name.
+"""
+
+from __future__ import annotations
+
+import errno
+import mmap
+import os
+import secrets
+from pathlib import Path
+
+from protocol.layout import SEGMENT_PREFIX, validate_segment_name
+
+SHM_DIR = Path("/dev/shm")
+
+
+class SharedMemoryError(RuntimeError):
+    """Shared memory could not be set up; the message says what to change."""
+
+
+def new_segment_name(feed: str) -> str:
+    safe_feed = "".join(ch if ch.isalnum() else "_" for ch in feed)[:40]
+    return validate_segment_name(f"{SEGMENT_PREFIX}{os.getpid()}-{safe_feed}-{secrets.token_hex(4)}")
+
+
+class Segment:
+    """One mapped segment. The creator owns the name and must ``unlink``; attachers only ``close``."""
+
+    def __init__(self, name: str, size: int, mapping: mmap.mmap, owner: bool) -> None:
+        self.name = name
+        self.size = size
+        self.buf = mapping
+        self.owner = owner
+
+    @classmethod
+    def create(cls, name: str, size: int) -> Segment:
+        path = SHM_DIR / validate_segment_name(name)
+        fd = os.open(path, os.O_CREAT | os.O_EXCL | os.O_RDWR, 0o600)
+        try:
+            _reserve(fd, path, size)
+            mapping = mmap.mmap(fd, size, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
+        except BaseException:
+            os.unlink(path)
+            raise
+        finally:
+            os.close(fd)
+        return cls(name, size, mapping, owner=True)
+
+    @classmethod
+    def attach(cls, name: str, size: int) -> Segment:
+        fd = os.open(SHM_DIR / validate_segment_name(name), os.O_RDWR)
+        try:
+            actual = os.fstat(fd).st_size
+            if actual < size:
+                raise SharedMemoryError(f"segment {name} holds {actual} bytes, expected {size}")
+            mapping = mmap.mmap(fd, size, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
+        finally:
+            os.close(fd)
+        return cls(name, size, mapping, owner=False)
+
+    def close(self) -> None:
+        try:
+            self.buf.close()
+        except BufferError:
+            # A numpy view still exports the buffer; the mapping goes when the last view does.
+            pass
+
+    def unlink(self) -> None:
+        try:
+            os.unlink(SHM_DIR / self.name)
+        except FileNotFoundError:
+            pass
+
+
+def _reserve(fd: int, path: Path, size: int) -> None:
+    try:
+        os.posix_fallocate(fd, 0, size)
+    except OSError as exc:
+        if exc.errno not in (errno.ENOSPC, errno.EFBIG):
+            raise
+        free = _free_bytes(SHM_DIR)
+        raise SharedMemoryError(
+            f"/dev/shm has {free / 2**20:.0f} MiB free but the slot pool needs {size / 2**20:.0f} MiB. "
+            "Lower --slots, --batch-size or --image-size, or enlarge /dev/shm "
+            "(docker: --shm-size; Kubernetes: an emptyDir with medium: Memory; "
+            "host: mount -o remount,size=NG /dev/shm)."
+        ) from None
+
+
+def _free_bytes(directory: Path) -> int:
+    st = os.statvfs(directory)
+    return st.f_bavail * st.f_frsize

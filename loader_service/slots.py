@@ -1,0 +1,84 @@
+"""The slot pool: which batch slots of the shared-memory segment are free, being filled, ready or leased.
+
+NOTE [ Slot lifecycle ]
+    A slot moves only along these edges, and only the service's main thread moves it:
+
+        FREE --acquire--> FILLING --filled--> READY --lease--> LEASED --release--> FREE
+                             |                  |
+                             +----cancel--------+----cancel----> FREE
+
+    * FILLING: exactly one decode task owns the slot; nobody else reads or writes it. A worker writes
+      rows and the labels/indices arrays, then reports ``done``; the slot is never announced before that
+      report, so a trainer can never see a half-written batch.
+    * READY: the batch is complete and waits to be announced in order (batches reach a trainer in
+      sequence order, whichever worker finished first).
+    * LEASED: announced to a trainer under a lease id. The service never writes it until the lease
+      comes back: on the trainer's ``release`` (CPU: when the last tensor viewing it is freed; CUDA:
+      when the device copy has completed), on ``bye``, or when the trainer's heartbeat times out.
+    * cancel: a trainer restarted its epoch or left; a FILLING slot whose task is still running is
+      freed when that task reports (the worker may still be writing until then), a READY one at once.
+    A slot is reused only from FREE, so no trainer can be handed memory that another still reads.
+"""
+
+from __future__ import annotations
+
+import enum
+
+
+class SlotState(enum.Enum):
+    FREE = "free"
+    FILLING = "filling"
+    READY = "ready"
+    LEASED = "leased"
+
+
+class SlotStateError(RuntimeError):
+    """A transition that NOTE [ Slot lifecycle ] forbids; always a bug in the service."""
+
+
+class SlotPool:
+    def __init__(self, slots: int) -> None:
+        self._states = [SlotState.FREE] * slots
+        self._free = list(range(slots - 1, -1, -1))
+
+    def __len__(self) -> int:
+        return len(self._states)
+
+    @property
+    def free(self) -> int:
+        return len(self._free)
+
+    def state(self, slot: int) -> SlotState:
+        return self._states[slot]
+
+    def counts(self) -> dict[str, int]:
+        out = {s.value: 0 for s in SlotState}
+        for s in self._states:
+            out[s.value] += 1
+        return out
+
+    def acquire(self) -> int | None:
+        """FREE -> FILLING; None when every slot is in use."""
+        if not self._free:
+            return None
+        slot = self._free.pop()
+        self._move(slot, SlotState.FREE, SlotState.FILLING)
+        return slot
+
+    def filled(self, slot: int) -> None:
+        self._move(slot, SlotState.FILLING, SlotState.READY)
+
+    def lease(self, slot: int) -> None:
+        self._move(slot, SlotState.READY, SlotState.LEASED)
+
+    def release(self, slot: int) -> None:
+        """LEASED, READY or (after its task reported) FILLING -> FREE."""
+        if self._states[slot] is SlotState.FREE:
+            raise SlotStateError(f"slot {slot} released twice")
+        self._states[slot] = SlotState.FREE
+        self._free.append(slot)
+
+    def _move(self, slot: int, expected: SlotState, new: SlotState) -> None:
+        if self._states[slot] is not expected:
+            raise SlotStateError(f"slot {slot} is {self._states[slot].value}, expected {expected.value}")
+        self._states[slot] = new

@@ -1,0 +1,121 @@
+"""A decode worker process: takes tasks from the service, decodes images straight into slots.
+
+Each worker is spawned (never forked: the service holds sockets and threads) and gets one frozen
+``WorkerConfig``. It maps the dataset index and the slot segment read/write, and answers every task
+with ``done``: the rows written and the samples that could not be decoded, which are data, not crashes.
+It exits on ``stop``, and by itself when its parent is gone (checked between polls).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import signal
+from dataclasses import dataclass
+from pathlib import Path
+
+import cv2
+import numpy as np
+import numpy.typing as npt
+import zmq
+
+from loader_service.index import DatasetIndex
+from loader_service.logs import configure_logging
+from loader_service.sampler import sample_rng
+from loader_service.shm import Segment
+from loader_service.transforms import DecodeError, decode_file, transform_into
+from protocol.layout import SlotLayout
+from protocol.messages import MAX_BAD_REPORTS, StopWorker, Task, TaskDone, WorkerReady, decode, encode
+
+log = logging.getLogger(__name__)
+POLL_MS = 500
+
+
+@dataclass(frozen=True)
+class WorkerConfig:
+    worker: int
+    parent_pid: int
+    backend: str
+    segment: str
+    slots: int
+    layout: SlotLayout
+    index_dir: Path
+    data: Path
+    seed: int
+    augment: str
+    log_level: str
+
+
+@dataclass(frozen=True)
+class SlotViews:
+    images: npt.NDArray[np.uint8]
+    labels: npt.NDArray[np.int64]
+    indices: npt.NDArray[np.int64]
+
+
+def slot_views(segment: Segment, layout: SlotLayout, slot: int, slots: int) -> SlotViews:
+    base = layout.slot_offset(slot, slots)
+    cap = layout.capacity
+    return SlotViews(
+        images=np.ndarray((cap, *layout.image_shape), np.uint8, segment.buf, base),
+        labels=np.ndarray((cap,), np.int64, segment.buf, base + layout.labels_offset),
+        indices=np.ndarray((cap,), np.int64, segment.buf, base + layout.indices_offset),
+    )
+
+
+def fill_slot(cfg: WorkerConfig, index: DatasetIndex, views: SlotViews, task: Task) -> TaskDone:
+    """Decode ``task``'s samples into consecutive rows, skipping (and reporting) bad files."""
+    row = 0
+    bad: list[tuple[int, str]] = []
+    for idx in np.frombuffer(task.indices, dtype="<i8").tolist():
+        if not 0 <= idx < len(index):
+            bad.append((idx, "index outside dataset"))
+            continue
+        try:
+            image = decode_file(str(index.path(idx)))
+            transform_into(image, views.images[row], cfg.augment, sample_rng(cfg.seed, task.epoch, idx))
+        except DecodeError as exc:
+            bad.append((idx, str(exc)))
+            continue
+        except Exception as exc:  # an OpenCV failure on one file must not take the worker down
+            bad.append((idx, f"{type(exc).__name__}: {exc}"[:200]))
+            continue
+        views.labels[row] = index.labels[idx]
+        views.indices[row] = idx
+        row += 1
+    return TaskDone(task.task, cfg.worker, row, tuple(bad[:MAX_BAD_REPORTS]))
+
+
+def run_worker(cfg: WorkerConfig) -> None:
+    """Entry point of a spawned decode worker."""
+    configure_logging(cfg.log_level, f"worker-{cfg.worker}")
+    # Ctrl-C reaches the whole process group; the service decides when workers stop.
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    cv2.setNumThreads(1)
+    index = DatasetIndex.load(cfg.index_dir, cfg.data)
+    segment = Segment.attach(cfg.segment, cfg.layout.segment_bytes(cfg.slots))
+    ctx = zmq.Context()
+    sock = ctx.socket(zmq.DEALER)
+    sock.setsockopt(zmq.LINGER, 0)
+    try:
+        sock.connect(cfg.backend)
+        sock.send(encode(WorkerReady(cfg.worker, os.getpid())))
+        _serve(cfg, index, segment, sock)
+    finally:
+        sock.close(linger=0)
+        ctx.term()
+        segment.close()
+
+
+def _serve(cfg: WorkerConfig, index: DatasetIndex, segment: Segment, sock: zmq.Socket[bytes]) -> None:
+    while True:
+        if not sock.poll(POLL_MS):
+            if os.getppid() != cfg.parent_pid:
+                log.warning("service process %d is gone; exiting", cfg.parent_pid)
+                return
+            continue
+        msg = decode(sock.recv(), (Task, StopWorker))
+        if isinstance(msg, StopWorker):
+            return
+        views = slot_views(segment, cfg.layout, msg.slot, cfg.slots)
+        sock.send(encode(fill_slot(cfg, index, views, msg)))

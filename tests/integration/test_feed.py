@@ -1,0 +1,198 @@
+"""The core feed through real processes: a service subprocess, real ZeroMQ, real shared memory."""
+
+from __future__ import annotations
+
+import hashlib
+import signal
+import threading
+from pathlib import Path
+
+import cv2
+import numpy as np
+import pytest
+import torch
+
+from gpu_worker import ServiceError, ServiceLoader, ServiceTimeout
+from loader_service.index import build_index
+from loader_service.transforms import eval_geometry
+from tests.conftest import ServiceFactory, our_segments
+
+pytestmark = pytest.mark.integration
+
+
+def collect_epoch(loader: ServiceLoader) -> list[tuple[list[int], list[int], str]]:
+    """(indices, labels, sha1 of pixels) per batch of one epoch."""
+    out = []
+    for batch in loader:
+        out.append(
+            (
+                batch.indices.tolist(),
+                batch.labels.tolist(),
+                hashlib.sha1(batch.images.numpy().tobytes()).hexdigest(),
+            )
+        )
+    return out
+
+
+def test_two_epochs_deliver_every_image_exactly_once_with_labels(photos: Path, start_service: ServiceFactory) -> None:
+    index = build_index(photos)
+    service = start_service(photos, batch_size=8, image_size=32)
+    orders = []
+    with ServiceLoader(service.endpoint, timeout=30) as loader:
+        assert len(loader) == -(-len(index) // 8)
+        for epoch_no in range(2):
+            seen: list[int] = []
+            batches = 0
+            for b in loader:
+                assert b.epoch == epoch_no
+                assert b.images.shape[1:] == (3, 32, 32) and b.images.dtype == torch.uint8
+                assert b.labels.tolist() == [int(index.labels[i]) for i in b.indices.tolist()]
+                seen += b.indices.tolist()
+                batches += 1
+            assert batches == len(loader)
+            assert sorted(seen) == list(range(len(index))), "each image exactly once per epoch"
+            orders.append(seen)
+    assert orders[0] != orders[1], "epochs are reshuffled"
+
+
+def test_same_seed_gives_same_batches_whichever_worker_decodes(
+    photos: Path, start_service: ServiceFactory
+) -> None:
+    runs = []
+    for workers, name in ((1, "a"), (3, "b")):
+        service = start_service(photos, workers=workers, seed=11, name=name)
+        with ServiceLoader(service.endpoint, timeout=30) as loader:
+            runs.append([collect_epoch(loader), collect_epoch(loader)])
+        assert service.stop() == 0
+    assert runs[0] == runs[1]
+
+    other = start_service(photos, seed=12, name="c")
+    with ServiceLoader(other.endpoint, timeout=30) as loader:
+        assert collect_epoch(loader) != runs[0][0]
+
+
+def reference_eval(path: Path, size: int) -> np.ndarray:
+    """Independent reference: decode, resize the shorter side (area), center crop, RGB, CHW."""
+    bgr = cv2.imread(str(path), cv2.IMREAD_COLOR)
+    new_h, new_w, crop = eval_geometry(bgr.shape[0], bgr.shape[1], size)
+    resized = cv2.resize(bgr, (new_w, new_h), interpolation=cv2.INTER_AREA)
+    rgb = cv2.cvtColor(resized, cv2.COLOR_BGR2RGB)[crop.top : crop.top + size, crop.left : crop.left + size]
+    return np.ascontiguousarray(rgb.transpose(2, 0, 1))
+
+
+def test_eval_pixels_match_reference_decode(photos: Path, start_service: ServiceFactory) -> None:
+    index = build_index(photos)
+    service = start_service(photos, augment="eval", image_size=48)
+    checked = 0
+    with ServiceLoader(service.endpoint, timeout=30) as loader:
+        for batch in loader:
+            for row, idx in enumerate(batch.indices.tolist()):
+                expected = reference_eval(photos / index.relpath(idx), 48)
+                np.testing.assert_array_equal(batch.images[row].numpy(), expected)
+                checked += 1
+    assert checked == len(index)
+
+
+def test_held_batches_stay_intact_while_slots_are_reused(photos: Path, start_service: ServiceFactory) -> None:
+    # 5 slots, 12 batches an epoch: without lease tracking the held batches would be overwritten.
+    service = start_service(photos, slots=5, workers=2)
+    with ServiceLoader(service.endpoint, credits=5, timeout=30) as loader:
+        held, copies = [], []
+        for batch in loader:
+            if len(held) < 3:
+                held.append(batch.images)
+                copies.append(batch.images.clone())
+        del batch  # the loop variable would pin a fourth slot
+        for _ in range(2):
+            for _batch in loader:
+                pass
+        for images, copy in zip(held, copies, strict=True):
+            assert torch.equal(images, copy)
+
+
+def test_writing_into_a_delivered_batch_works(photos: Path, start_service: ServiceFactory) -> None:
+    service = start_service(photos)
+    with ServiceLoader(service.endpoint, timeout=30) as loader:
+        for batch in loader:
+            batch.images[0].fill_(7)
+            batch.images.add_(1)
+            assert int(batch.images[0].min()) == 8
+            (batch.images.float() / 255).mean()  # and the trainer's usual read still works
+
+
+def test_holding_every_credit_is_a_clear_error_not_a_hang(photos: Path, start_service: ServiceFactory) -> None:
+    service = start_service(photos, slots=10)
+    with ServiceLoader(service.endpoint, credits=3, timeout=60) as loader:
+        it = iter(loader)
+        held = [next(it), next(it), next(it)]
+        with pytest.raises(ServiceError, match="references all 3 batches"):
+            next(it)
+        held.pop()
+        assert next(iter(loader)).images.shape[0] > 0, "dropping a batch returns its credit"
+
+
+def test_loader_started_before_service_waits_for_it(
+    photos: Path, start_service: ServiceFactory, tmp_path: Path
+) -> None:
+    endpoint = f"ipc://{tmp_path}/late.sock"
+    result: dict[str, object] = {}
+    attached = threading.Event()
+
+    def trainer() -> None:
+        try:
+            with ServiceLoader(endpoint, connect_timeout=30, timeout=30) as loader:
+                attached.set()
+                result["batches"] = sum(1 for _ in loader)
+        except Exception as exc:  # reported to the test thread below
+            result["error"] = exc
+
+    thread = threading.Thread(target=trainer)
+    thread.start()
+    try:
+        assert not attached.wait(0.5), "attached with no service running"
+        start_service(photos, name="late")
+    finally:
+        thread.join(60)
+    assert "error" not in result, result.get("error")
+    assert result["batches"] == -(-len(build_index(photos)) // 8)
+
+
+def test_connect_timeout_is_a_clear_error(tmp_path: Path) -> None:
+    with pytest.raises(ServiceTimeout, match="no loader service answered"):
+        ServiceLoader(f"ipc://{tmp_path}/nobody.sock", connect_timeout=0.5)
+
+
+def test_unknown_feed_is_refused(photos: Path, start_service: ServiceFactory) -> None:
+    service = start_service(photos)
+    with pytest.raises(ServiceError, match="serves feed 'train'"):
+        ServiceLoader(service.endpoint, feed="val", connect_timeout=10)
+
+
+def test_breaking_out_of_an_epoch_then_continuing(photos: Path, start_service: ServiceFactory) -> None:
+    index = build_index(photos)
+    service = start_service(photos)
+    with ServiceLoader(service.endpoint, timeout=30) as loader:
+        for i, _batch in enumerate(loader):
+            if i == 2:
+                break
+        loader.set_epoch(5)
+        epochs, seen = set(), []
+        for b in loader:
+            epochs.add(b.epoch)
+            seen += b.indices.tolist()
+        assert epochs == {5}
+        assert sorted(seen) == list(range(len(index)))
+
+
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT])
+def test_stop_signal_exits_zero_and_removes_shared_memory(
+    photos: Path, start_service: ServiceFactory, sig: int
+) -> None:
+    service = start_service(photos)
+    segment = service.wait_for(r"\((dataferry-[^)]+)\)").group(1)
+    assert segment in our_segments()
+    with ServiceLoader(service.endpoint, timeout=30) as loader:
+        next(iter(loader))
+        assert service.stop(sig) == 0
+    assert segment not in our_segments()
+    assert "stopped cleanly" in service.log
