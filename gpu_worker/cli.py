@@ -26,7 +26,9 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s gpu-worker[%(process)d] %(message)s")
+    logging.basicConfig(
+        level=logging.INFO, format="%(asctime)s %(levelname)s gpu-worker[%(process)d] %(message)s"
+    )
     if args.epochs < 1:
         print("gpu-worker: --epochs must be at least 1", file=sys.stderr)
         return 2

@@ -75,7 +75,9 @@ class Batch:
 
     __slots__ = ("epoch", "images", "indices", "labels", "seq")
 
-    def __init__(self, images: torch.Tensor, labels: torch.Tensor, indices: torch.Tensor, epoch: int, seq: int):
+    def __init__(
+        self, images: torch.Tensor, labels: torch.Tensor, indices: torch.Tensor, epoch: int, seq: int
+    ):
         self.images = images
         self.labels = labels
         self.indices = indices
@@ -108,7 +110,9 @@ class LoaderConfig:
         if not self.endpoint.startswith(("ipc://", "tcp://")):
             raise ValueError(f"endpoint must be ipc://PATH or tcp://HOST:PORT, got {self.endpoint!r}")
         if not 2 <= self.credits <= 1024:
-            raise ValueError("credits must be between 2 and 1024 (a loop holds one batch while fetching the next)")
+            raise ValueError(
+                "credits must be between 2 and 1024 (a loop holds one batch while fetching the next)"
+            )
         if self.timeout <= 0 or self.connect_timeout <= 0:
             raise ValueError("timeouts must be positive")
         return self
@@ -146,7 +150,9 @@ class ServiceLoader:
         self._slots: SlotMap | None = None
         try:
             self.info, interval = self._attach()
-            self._slots = SlotMap(self.info.segment, SlotLayout(self.info.batch_size, self.info.image_size), self.info.slots)
+            self._slots = SlotMap(
+                self.info.segment, SlotLayout(self.info.batch_size, self.info.image_size), self.info.slots
+            )
             self._start_heartbeat(interval)
             if self.device.type == "cuda":
                 self._stager = CudaStager(self.device)
@@ -204,14 +210,17 @@ class ServiceLoader:
     # --- session --------------------------------------------------------------------------------
 
     def _attach(self) -> tuple[FeedInfo, float]:
-        hello = Hello(f"{socket.gethostname()}:{os.getpid()}"[:128], os.getpid(), self.config.feed, self.config.credits)
+        hello = Hello(
+            f"{socket.gethostname()}:{os.getpid()}"[:128], os.getpid(), self.config.feed, self.config.credits
+        )
         self._sock.send(encode(hello))
         deadline = time.monotonic() + self.config.connect_timeout
         while True:
             msg = self._recv(deadline)
             if msg is None:
                 raise ServiceTimeout(
-                    f"no loader service answered at {self.config.endpoint} within {self.config.connect_timeout:.0f} s "
+                    f"no loader service answered at {self.config.endpoint} "
+                    f"within {self.config.connect_timeout:.0f} s "
                     "(is `loader-service serve` running there?)"
                 )
             if isinstance(msg, Welcome):
@@ -305,7 +314,7 @@ class ServiceLoader:
         if silent > self.config.timeout / 2:
             why = f"the service at {self.config.endpoint} has been silent for {silent:.0f} s"
         else:
-            why = f"the service is alive but sent nothing; this trainer holds {held} of {self.config.credits} credits"
+            why = f"the service is alive but sent nothing; this trainer holds {held} of {self.config.credits}"
         return ServiceTimeout(f"no batch within {self.config.timeout:.0f} s: {why}")
 
     def _wrap(self, msg: BatchReady) -> Batch | None:
@@ -322,11 +331,12 @@ class ServiceLoader:
         # NOTE [ Slot lifecycle ]: the lease ends when ``owner`` dies, i.e. with the last view of it.
         fin = weakref.finalize(owner, self._released.append, msg.lease)
         fin.atexit = False
-        pixels = np.frombuffer(owner, np.uint8, msg.count * layout.image_bytes, 0)
+        view = memoryview(owner)  # numpy keeps view.obj, i.e. ``owner``, as its base
+        pixels = np.frombuffer(view, np.uint8, msg.count * layout.image_bytes, 0)
         images = torch.from_numpy(pixels.reshape(msg.count, *layout.image_shape))
-        labels = torch.from_numpy(np.frombuffer(owner, np.int64, msg.count, layout.labels_offset).copy())
-        indices = torch.from_numpy(np.frombuffer(owner, np.int64, msg.count, layout.indices_offset).copy())
-        del owner
+        labels = torch.from_numpy(np.frombuffer(view, np.int64, msg.count, layout.labels_offset).copy())
+        indices = torch.from_numpy(np.frombuffer(view, np.int64, msg.count, layout.indices_offset).copy())
+        del owner, view
         if self._stager is not None:
             images, labels = self._stager.stage(images, labels, keep_alive=images)
         return Batch(images, labels, indices, msg.epoch, msg.seq)
@@ -335,7 +345,7 @@ class ServiceLoader:
         if not self._released:
             return
         while self._released:
-            leases = []
+            leases: list[int] = []
             while self._released and len(leases) < MAX_RELEASES:
                 lease = self._released.popleft()
                 self._live.discard(lease)

@@ -49,7 +49,9 @@ class CudaStager:
             return
         self._pinned = address
 
-    def stage(self, images: torch.Tensor, labels: torch.Tensor, keep_alive: Any) -> tuple[torch.Tensor, torch.Tensor]:
+    def stage(
+        self, images: torch.Tensor, labels: torch.Tensor, keep_alive: Any
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         """Start the copy; return device tensors the current stream may use in order."""
         self.collect()
         with torch.cuda.stream(self._stream):

@@ -65,7 +65,9 @@ def load_step(spec: str) -> StepFn:
     return fn  # type: ignore[no-any-return]
 
 
-def run_epoch(loader: ServiceLoader, step: StepFn, epoch: int, progress: Callable[[int, int], None]) -> EpochReport:
+def run_epoch(
+    loader: ServiceLoader, step: StepFn, epoch: int, progress: Callable[[int, int], None]
+) -> EpochReport:
     loader.set_epoch(epoch)
     batches = images = 0
     waited = 0.0
@@ -91,7 +93,8 @@ def run(cfg: RunConfig) -> list[EpochReport]:
     with ServiceLoader(cfg.endpoint, device=cfg.device, feed=cfg.feed, timeout=cfg.timeout) as loader:
         info = loader.info
         print(
-            f"attached to feed {info.name!r}: {info.samples} images, {len(loader)} batches of {info.batch_size} "
+            f"attached to feed {info.name!r}: {info.samples} images, "
+            f"{len(loader)} batches of {info.batch_size} "
             f"per epoch, {info.image_size}px, device {loader.device}",
             file=sys.stderr,
             flush=True,

@@ -28,7 +28,9 @@ def _add_serve(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
     p.add_argument("--seed", type=int, help="seed for permutations and augmentation (default 0)")
     p.add_argument("--slots", type=int, help="batches in the shared-memory pool (default 2*workers+8)")
     p.add_argument("--feed", help="feed name trainers may ask for (default train)")
-    p.add_argument("--client-timeout", type=float, help="seconds of trainer silence before its leases are reclaimed")
+    p.add_argument(
+        "--client-timeout", type=float, help="seconds of trainer silence before its leases are reclaimed"
+    )
     p.add_argument("--log-level", help="DEBUG, INFO, WARNING or ERROR")
     p.set_defaults(func=_cmd_serve)
 
@@ -36,8 +38,19 @@ def _add_serve(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
 def _cmd_serve(args: argparse.Namespace) -> int:
     from loader_service.service import LoaderService  # keeps `index` and `--help` fast
 
-    keys = ("data", "endpoint", "workers", "batch_size", "image_size", "augment", "seed", "slots", "feed",
-            "client_timeout", "log_level")
+    keys = (
+        "data",
+        "endpoint",
+        "workers",
+        "batch_size",
+        "image_size",
+        "augment",
+        "seed",
+        "slots",
+        "feed",
+        "client_timeout",
+        "log_level",
+    )
     try:
         config = load_config(args.config, {k: getattr(args, k) for k in keys})
     except ConfigError as exc:
@@ -98,7 +111,10 @@ def _cmd_sample_data(args: argparse.Namespace) -> int:
 
     try:
         summary = make_sample_dataset(
-            args.out, classes=args.classes, per_class=args.per_class, seed=args.seed,
+            args.out,
+            classes=args.classes,
+            per_class=args.per_class,
+            seed=args.seed,
             progress=progress_printer("sample images"),
         )
     except ValueError as exc:

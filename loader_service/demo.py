@@ -28,13 +28,24 @@ def run_demo(args: argparse.Namespace) -> int:
     summary = make_sample_dataset(
         data, classes=args.classes, per_class=args.per_class, progress=progress_printer("sample images")
     )
-    print(f"demo: {summary.images} JPEGs, mean {summary.mean_width:.0f}x{summary.mean_height:.0f}", flush=True)
+    print(
+        f"demo: {summary.images} JPEGs, mean {summary.mean_width:.0f}x{summary.mean_height:.0f}", flush=True
+    )
     with tempfile.TemporaryDirectory(prefix="dataferry-demo-") as run_dir:
         endpoint = f"ipc://{run_dir}/feed.sock"
         service = _start_service(args, data, endpoint)
         try:
             trainer = subprocess.run(
-                [sys.executable, "-m", "gpu_worker", "run", "--endpoint", endpoint, "--epochs", str(args.epochs)],
+                [
+                    sys.executable,
+                    "-m",
+                    "gpu_worker",
+                    "run",
+                    "--endpoint",
+                    endpoint,
+                    "--epochs",
+                    str(args.epochs),
+                ],
                 check=False,
             )
         finally:
@@ -50,8 +61,20 @@ def run_demo(args: argparse.Namespace) -> int:
 
 def _start_service(args: argparse.Namespace, data: Path, endpoint: str) -> subprocess.Popen[bytes]:
     cmd = [
-        sys.executable, "-m", "loader_service", "serve", "--data", str(data), "--endpoint", endpoint,
-        "--workers", str(args.workers), "--batch-size", str(args.batch_size), "--image-size", str(args.image_size),
+        sys.executable,
+        "-m",
+        "loader_service",
+        "serve",
+        "--data",
+        str(data),
+        "--endpoint",
+        endpoint,
+        "--workers",
+        str(args.workers),
+        "--batch-size",
+        str(args.batch_size),
+        "--image-size",
+        str(args.image_size),
     ]
     print("demo: starting", " ".join(cmd[2:]), flush=True)
     return subprocess.Popen(cmd, start_new_session=True)

@@ -59,18 +59,19 @@ class DatasetIndex:
         np.save(directory / "labels.npy", self.labels)
         np.save(directory / "path_offsets.npy", self.path_offsets)
         np.save(directory / "path_blob.npy", self.path_blob)
-        (directory / "classes.txt").write_text("\n".join(self.classes), encoding="utf-8", errors="surrogateescape")
+        (directory / "classes.txt").write_text(
+            "\n".join(self.classes), encoding="utf-8", errors="surrogateescape"
+        )
 
     @classmethod
     def load(cls, directory: Path, root: Path) -> DatasetIndex:
-        mode = "r"
         text = (directory / "classes.txt").read_text(encoding="utf-8", errors="surrogateescape")
         return cls(
             root=root,
             classes=tuple(text.split("\n")) if text else (),
-            labels=np.load(directory / "labels.npy", mmap_mode=mode),
-            path_offsets=np.load(directory / "path_offsets.npy", mmap_mode=mode),
-            path_blob=np.load(directory / "path_blob.npy", mmap_mode=mode),
+            labels=np.load(directory / "labels.npy", mmap_mode="r"),
+            path_offsets=np.load(directory / "path_offsets.npy", mmap_mode="r"),
+            path_blob=np.load(directory / "path_blob.npy", mmap_mode="r"),
         )
 
 

@@ -7,7 +7,7 @@ import sys
 
 
 def configure_logging(level: str, role: str) -> None:
-    """Set up the root logger for this process; ``role`` names it in every line (``service``, ``worker-3``)."""
+    """Set up this process's root logger; ``role`` names it in every line (``service``, ``worker-3``)."""
     handler = logging.StreamHandler(sys.stderr)
     handler.setFormatter(logging.Formatter(f"%(asctime)s %(levelname)s {role}[%(process)d] %(message)s"))
     root = logging.getLogger()

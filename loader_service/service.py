@@ -158,8 +158,8 @@ class LoaderService:
         self._workers = WorkerSet(self._worker_template(backend_endpoint), cfg.workers)
         self.feed_info = self._feed_info()
         log.info(
-            "ready: feed %r, %d samples in %d classes, %d batches/epoch of %d, pool %d slots x %.1f MiB (%s), "
-            "listening on %s",
+            "ready: feed %r, %d samples in %d classes, %d batches/epoch of %d, "
+            "pool %d slots x %.1f MiB (%s), listening on %s",
             cfg.feed,
             len(self.index),
             len(self.index.classes),
@@ -295,7 +295,9 @@ class LoaderService:
             return
         session = self._sessions.get(routing_id)
         if session is None:
-            self._reject(routing_id, "no-session", "send hello first (the service may have restarted)", fatal=True)
+            self._reject(
+                routing_id, "no-session", "send hello first (the service may have restarted)", fatal=True
+            )
             return
         session.last_seen = time.monotonic()
         if isinstance(msg, Start):
@@ -307,7 +309,9 @@ class LoaderService:
 
     def _on_hello(self, routing_id: bytes, msg: Hello) -> None:
         if msg.feed not in ("", self.config.feed):
-            self._reject(routing_id, "no-such-feed", f"this service serves feed {self.config.feed!r}, not {msg.feed!r}")
+            self._reject(
+                routing_id, "no-such-feed", f"this service serves feed {self.config.feed!r}, not {msg.feed!r}"
+            )
             return
         old = self._sessions.get(routing_id)
         if old is not None:
@@ -317,7 +321,9 @@ class LoaderService:
         self._by_session_id[session.session_id] = routing_id
         self._rr.append(routing_id)
         log.info("trainer %s (pid %d) attached as session %s", msg.client, msg.pid, session.session_id)
-        self._send(session.routing_id, Welcome(session.session_id, self.feed_info, self.config.heartbeat_interval))
+        self._send(
+            session.routing_id, Welcome(session.session_id, self.feed_info, self.config.heartbeat_interval)
+        )
 
     def _session_by_id(self, session_id: str) -> Session | None:
         routing_id = self._by_session_id.get(session_id)
@@ -338,7 +344,9 @@ class LoaderService:
                 self.pool.release(slot)
         if unknown:
             self.stats.rejected_messages += 1
-            log.warning("session %s released %d leases it does not hold; ignored", session.session_id, unknown)
+            log.warning(
+                "session %s released %d leases it does not hold; ignored", session.session_id, unknown
+            )
 
     def _cancel_unsent(self, session: Session) -> None:
         """Free READY slots of the session's current run; FILLING ones are freed when their task reports."""
@@ -352,7 +360,11 @@ class LoaderService:
         for slot in session.leases.values():
             self.pool.release(slot)
         log.info(
-            "session %s (%s) detached: %s; %d leases returned", session.session_id, session.client, why, len(session.leases)
+            "session %s (%s) detached: %s; %d leases returned",
+            session.session_id,
+            session.client,
+            why,
+            len(session.leases),
         )
         session.leases.clear()
         del self._sessions[session.routing_id]
@@ -379,7 +391,10 @@ class LoaderService:
             self._next_lease += 1
             self.pool.lease(slot)
             session.leases[lease] = slot
-            self._send(session.routing_id, BatchReady(session.run, session.epoch, session.next_send, lease, slot, count))
+            self._send(
+                session.routing_id,
+                BatchReady(session.run, session.epoch, session.next_send, lease, slot, count),
+            )
             session.next_send += 1
             session.delivered += 1
             self.stats.batches += 1
@@ -496,7 +511,13 @@ class LoaderService:
         indices = batch_indices(self.config.seed, session.epoch, len(self.index), self.config.batch_size, seq)
         self._next_task += 1
         return TaskRecord(
-            self._next_task, session.session_id, session.run, session.epoch, seq, slot, indices.astype("<i8").tobytes()
+            self._next_task,
+            session.session_id,
+            session.run,
+            session.epoch,
+            seq,
+            slot,
+            indices.astype("<i8").tobytes(),
         )
 
 

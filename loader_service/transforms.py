@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from typing import cast
 
 import cv2
 import numpy as np
@@ -42,7 +43,7 @@ def decode_file(path: str) -> U8:
         raise DecodeError(f"cannot read: {exc.strerror or exc}") from None
     if not data:
         raise DecodeError("empty file")
-    image = cv2.imdecode(np.frombuffer(data, dtype=np.uint8), cv2.IMREAD_COLOR)
+    image = cast(U8 | None, cv2.imdecode(np.frombuffer(data, dtype=np.uint8), cv2.IMREAD_COLOR))
     if image is None or image.ndim != 3 or image.shape[2] != 3 or image.size == 0:
         raise DecodeError("not a decodable image")
     return image
@@ -78,8 +79,7 @@ def _central_fallback(height: int, width: int) -> Crop:
 def _resize(image: U8, width: int, height: int) -> U8:
     shrinking = width * height < image.shape[0] * image.shape[1]
     interpolation = cv2.INTER_AREA if shrinking else cv2.INTER_LINEAR
-    resized: U8 = cv2.resize(image, (width, height), interpolation=interpolation)
-    return resized
+    return cast(U8, cv2.resize(image, (width, height), interpolation=interpolation))
 
 
 def _store(hwc_bgr: U8, out: U8, flip: bool = False) -> None:
@@ -95,8 +95,8 @@ def eval_geometry(height: int, width: int, size: int) -> tuple[int, int, Crop]:
         new_h, new_w = short_target, int(short_target * width / height)
     else:
         new_w, new_h = short_target, int(short_target * height / width)
-    top = int(round((new_h - size) / 2.0))
-    left = int(round((new_w - size) / 2.0))
+    top = round((new_h - size) / 2.0)
+    left = round((new_w - size) / 2.0)
     return new_h, new_w, Crop(top, left, size, size)
 
 
@@ -110,7 +110,7 @@ def apply_train(image: U8, out: U8, rng: np.random.Generator) -> None:
 def apply_eval(image: U8, out: U8) -> None:
     size = out.shape[1]
     new_h, new_w, c = eval_geometry(image.shape[0], image.shape[1], size)
-    resized = cv2.resize(image, (new_w, new_h), interpolation=cv2.INTER_AREA)
+    resized = cast(U8, cv2.resize(image, (new_w, new_h), interpolation=cv2.INTER_AREA))
     _store(resized[c.top : c.top + size, c.left : c.left + size], out)
 
 

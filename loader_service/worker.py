@@ -115,7 +115,7 @@ def _serve(cfg: WorkerConfig, index: DatasetIndex, segment: Segment, sock: zmq.S
                 return
             continue
         msg = decode(sock.recv(), (Task, StopWorker))
-        if isinstance(msg, StopWorker):
-            return
+        if not isinstance(msg, Task):
+            return  # stop
         views = slot_views(segment, cfg.layout, msg.slot, cfg.slots)
         sock.send(encode(fill_slot(cfg, index, views, msg)))

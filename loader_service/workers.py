@@ -41,7 +41,9 @@ class WorkerSet:
 
     def _spawn(self, worker: int) -> WorkerHandle:
         cfg = replace(self._template, worker=worker)
-        process = _SPAWN.Process(target=run_worker, args=(cfg,), name=f"dataferry-worker-{worker}", daemon=True)
+        process = _SPAWN.Process(
+            target=run_worker, args=(cfg,), name=f"dataferry-worker-{worker}", daemon=True
+        )
         process.start()
         log.info("started decode worker %d (pid %s)", worker, process.pid)
         return WorkerHandle(worker, process)

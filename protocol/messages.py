@@ -55,7 +55,7 @@ def _int(d: Mapping[str, Any], key: str, lo: int = 0, hi: int = _MAX_INT) -> int
 
 def _float(d: Mapping[str, Any], key: str, lo: float, hi: float) -> float:
     value = d.get(key)
-    if type(value) not in (int, float) or not lo <= value <= hi:
+    if not isinstance(value, (int, float)) or isinstance(value, bool) or not lo <= value <= hi:
         raise ProtocolError(f"field {key!r} must be a number in [{lo}, {hi}], got {value!r:.80}")
     return float(value)
 
@@ -122,7 +122,9 @@ class Hello(Message):
 
     @classmethod
     def from_fields(cls, d: Mapping[str, Any]) -> Hello:
-        return cls(_str(d, "client", 128), _int(d, "pid"), _str(d, "feed", 64), _int(d, "credits", 1, MAX_CREDITS))
+        return cls(
+            _str(d, "client", 128), _int(d, "pid"), _str(d, "feed", 64), _int(d, "credits", 1, MAX_CREDITS)
+        )
 
 
 @dataclass(frozen=True)
@@ -227,7 +229,9 @@ class Welcome(Message):
     @classmethod
     def from_fields(cls, d: Mapping[str, Any]) -> Welcome:
         return cls(
-            _str(d, "session", 64), FeedInfo.from_fields(_map(d, "feed")), _float(d, "heartbeat_interval", 0.01, 3600)
+            _str(d, "session", 64),
+            FeedInfo.from_fields(_map(d, "feed")),
+            _float(d, "heartbeat_interval", 0.01, 3600),
         )
 
 

@@ -89,7 +89,9 @@ class ServiceProcess:
                         return m
                 seen = len(self.lines)
                 if self.proc.poll() is not None and not self._reader.is_alive():
-                    raise AssertionError(f"service exited ({self.proc.returncode}) before {pattern!r}:\n{self.log}")
+                    raise AssertionError(
+                        f"service exited ({self.proc.returncode}) before {pattern!r}:\n{self.log}"
+                    )
                 remaining = deadline - time.monotonic()
                 if remaining <= 0:
                     raise AssertionError(f"timed out waiting for {pattern!r}:\n{self.log}")

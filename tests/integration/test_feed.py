@@ -34,7 +34,9 @@ def collect_epoch(loader: ServiceLoader) -> list[tuple[list[int], list[int], str
     return out
 
 
-def test_two_epochs_deliver_every_image_exactly_once_with_labels(photos: Path, start_service: ServiceFactory) -> None:
+def test_two_epochs_deliver_every_image_exactly_once_with_labels(
+    photos: Path, start_service: ServiceFactory
+) -> None:
     index = build_index(photos)
     service = start_service(photos, batch_size=8, image_size=32)
     orders = []
@@ -120,7 +122,9 @@ def test_writing_into_a_delivered_batch_works(photos: Path, start_service: Servi
             (batch.images.float() / 255).mean()  # and the trainer's usual read still works
 
 
-def test_holding_every_credit_is_a_clear_error_not_a_hang(photos: Path, start_service: ServiceFactory) -> None:
+def test_holding_every_credit_is_a_clear_error_not_a_hang(
+    photos: Path, start_service: ServiceFactory
+) -> None:
     service = start_service(photos, slots=10)
     with ServiceLoader(service.endpoint, credits=3, timeout=60) as loader:
         it = iter(loader)

@@ -1,0 +1,31 @@
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from loader_service.sampler import batch_indices, batches_per_epoch, epoch_permutation, sample_rng
+
+
+def test_permutation_is_a_pure_function_of_seed_and_epoch() -> None:
+    a = epoch_permutation(1, 0, 1000)
+    epoch_permutation.cache_clear()
+    assert np.array_equal(a, epoch_permutation(1, 0, 1000))
+    assert not np.array_equal(a, epoch_permutation(1, 1, 1000))
+    assert not np.array_equal(a, epoch_permutation(2, 0, 1000))
+    assert sorted(a.tolist()) == list(range(1000))
+
+
+def test_batches_cover_the_epoch_once_with_a_short_last_batch() -> None:
+    n, b = 103, 10
+    assert batches_per_epoch(n, b) == 11
+    parts = [batch_indices(5, 3, n, b, s) for s in range(11)]
+    assert [len(p) for p in parts] == [10] * 10 + [3]
+    assert sorted(np.concatenate(parts).tolist()) == list(range(n))
+    with pytest.raises(ValueError):
+        batch_indices(5, 3, n, b, 11)
+
+
+def test_sample_randomness_depends_on_sample_not_order() -> None:
+    assert sample_rng(0, 1, 42).random() == sample_rng(0, 1, 42).random()
+    assert sample_rng(0, 1, 42).random() != sample_rng(0, 2, 42).random()
+    assert sample_rng(0, 1, 42).random() != sample_rng(0, 1, 43).random()
