@@ -66,7 +66,10 @@ def test_random_resized_crop_distribution() -> None:
         areas.append(c.height * c.width / (480 * 640))
         ratios.append(c.width / c.height)
     assert min(areas) > 0.07 and max(areas) <= 1.0
-    assert abs(np.mean(areas) - 0.54) < 0.03  # E[U(0.08, 1)], lightly reduced by rejected draws
+    # Draws of U(0.08, 1) that do not fit the image at the drawn aspect are retried, which lowers the
+    # mean below 0.54 (0.43 for 4:3 images); far outside this band means the sampler is wrong.
+    assert 0.35 < np.mean(areas) < 0.5
+    assert np.mean(np.array(areas) > 0.75) > 0.05, "large crops still happen"
     assert RATIO[0] * 0.95 < min(ratios) and max(ratios) < RATIO[1] * 1.05
     assert abs(np.median(np.log(ratios))) < 0.03
 
