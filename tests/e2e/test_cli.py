@@ -1,0 +1,125 @@
+"""End to end through the console scripts, as a user or systemd would run them."""
+
+from __future__ import annotations
+
+import os
+import re
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from loader_service.index import build_index
+from tests.conftest import REPO, ServiceFactory, ServiceProcess, our_segments
+
+pytestmark = pytest.mark.e2e
+
+
+def script(name: str) -> list[str]:
+    """The installed console script next to this interpreter, else ``python -m``."""
+    found = shutil.which(name, path=str(Path(sys.executable).parent))
+    return [found] if found else [sys.executable, "-m", name.replace("-", "_")]
+
+
+def run(*args: str, timeout: float = 120) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [*script(args[0]), *args[1:]], capture_output=True, text=True, timeout=timeout, cwd=REPO, check=False
+    )
+
+
+def test_index_prints_one_line_per_sample(photos: Path) -> None:
+    result = run("loader-service", "index", "--data", str(photos))
+    assert result.returncode == 0, result.stderr
+    index = build_index(photos)
+    lines = result.stdout.splitlines()
+    assert len(lines) == len(index)
+    for i, line in enumerate(lines):
+        assert line == f"{i}\t{int(index.labels[i])}\t{index.relpath(i)}"
+
+
+def test_index_of_missing_directory_fails_clearly(tmp_path: Path) -> None:
+    result = run("loader-service", "index", "--data", str(tmp_path / "nope"))
+    assert result.returncode == 2
+    assert "does not exist" in result.stderr
+
+
+def test_serve_and_gpu_worker_run_an_epoch(photos: Path, start_service: ServiceFactory) -> None:
+    service = start_service(photos, batch_size=16, image_size=64)
+    result = run("gpu-worker", "run", "--endpoint", service.endpoint, "--epochs", "2", "--device", "cpu")
+    assert result.returncode == 0, result.stderr
+    reports = re.findall(
+        r"epoch (\d): (\d+) images in (\d+) batches.* ([\d.]+) images/s, data stall ([\d.]+)%", result.stdout
+    )
+    assert [r[0] for r in reports] == ["0", "1"]
+    assert all(int(r[1]) == len(build_index(photos)) and float(r[3]) > 0 for r in reports)
+    assert service.stop() == 0
+
+
+def test_config_file_with_flag_override(photos: Path, tmp_path: Path) -> None:
+    cfg = tmp_path / "train.toml"
+    endpoint = f"ipc://{tmp_path}/cfg.sock"
+    cfg.write_text(
+        f'data = "{photos}"\nendpoint = "{endpoint}"\nbatch_size = 5\nimage_size = 40\nworkers = 1\n'
+    )
+    service = ServiceProcess(["serve", "--config", str(cfg), "--batch-size", "7"], endpoint)
+    try:
+        service.wait_for("ready: ")
+        config_lines = [line for line in service.lines if " config: " in line]
+        assert len(config_lines) == 1, "the resolved config is logged once"
+        assert "batch_size=7" in config_lines[0] and "image_size=40" in config_lines[0]
+        assert service.stop() == 0
+    finally:
+        service.kill_group()
+
+
+@pytest.mark.parametrize(
+    ("flags", "message"),
+    [
+        (["--workers", "0"], "workers must be at least 1"),
+        (["--augment", "train", "--image-size", "3"], "image_size"),
+        (["--config", "/nonexistent.toml"], "cannot read config file"),
+    ],
+)
+def test_bad_configuration_exits_2_with_a_message(
+    photos: Path, tmp_path: Path, flags: list[str], message: str
+) -> None:
+    result = run(
+        "loader-service", "serve", "--data", str(photos), "--endpoint", f"ipc://{tmp_path}/x.sock", *flags
+    )
+    assert result.returncode == 2
+    assert message in result.stderr
+
+
+def test_second_service_on_same_endpoint_is_refused(photos: Path, start_service: ServiceFactory) -> None:
+    first = start_service(photos)
+    second = run("loader-service", "serve", "--data", str(photos), "--endpoint", first.endpoint, timeout=60)
+    assert second.returncode == 1
+    assert "already listening" in second.stderr
+    assert os.path.exists(first.endpoint[len("ipc://") :]), (
+        "the refused service must not remove the live socket"
+    )
+
+
+def test_demo_trains_and_cleans_up(tmp_path: Path) -> None:
+    before = our_segments()
+    result = run(
+        "loader-service",
+        "demo",
+        "--dir",
+        str(tmp_path / "demo"),
+        "--classes",
+        "2",
+        "--per-class",
+        "12",
+        "--batch-size",
+        "8",
+        "--image-size",
+        "64",
+        timeout=300,
+    )
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert re.search(r"images/s, data stall [\d.]+%", result.stdout)
+    assert "shared memory left behind: 0 segments" in result.stdout
+    assert our_segments() == before
