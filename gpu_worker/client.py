@@ -36,6 +36,8 @@ from gpu_worker.mapping import SlotMap
 from protocol.layout import SlotLayout
 from protocol.messages import (
     MAX_RELEASES,
+    MODES,
+    REMAINDERS,
     BatchReady,
     Bye,
     EpochEnd,
@@ -99,12 +101,22 @@ class Batch:
 
 @dataclass(frozen=True)
 class LoaderConfig:
+    """Everything a ``ServiceLoader`` is asked for, validated once."""
+
     endpoint: str
     device: str = "cpu"
     feed: str = ""
     credits: int = 6
     timeout: float = 60.0
     connect_timeout: float = 30.0
+    mode: str = "shard"
+    rank: int = 0
+    world_size: int = 1
+    remainder: str = "pad"
+    group: str = "default"
+    group_size: int = 1
+    batch_size: int = 0
+    image_size: int = 0
 
     def validated(self) -> LoaderConfig:
         if not self.endpoint.startswith(("ipc://", "tcp://")):
@@ -115,7 +127,26 @@ class LoaderConfig:
             )
         if self.timeout <= 0 or self.connect_timeout <= 0:
             raise ValueError("timeouts must be positive")
+        if self.mode not in MODES:
+            raise ValueError(f"mode must be one of {', '.join(MODES)}, got {self.mode!r}")
+        if self.remainder not in REMAINDERS:
+            raise ValueError(f"remainder must be one of {', '.join(REMAINDERS)}, got {self.remainder!r}")
+        if not 0 <= self.rank < self.world_size:
+            raise ValueError(f"rank must be in [0, world_size={self.world_size}), got {self.rank}")
+        if not 1 <= self.group_size <= 1024 or not self.group or len(self.group) > 64:
+            raise ValueError("group must be a name of 1 to 64 characters and group_size 1 to 1024")
         return self
+
+
+def _env_int(name: str, default: int) -> int:
+    """torchrun's RANK / WORLD_SIZE, when set."""
+    value = os.environ.get(name)
+    if value is None:
+        return default
+    try:
+        return int(value)
+    except ValueError:
+        raise ValueError(f"environment variable {name}={value!r} is not an integer") from None
 
 
 class ServiceLoader:
@@ -127,12 +158,39 @@ class ServiceLoader:
         *,
         device: str = "cpu",
         feed: str = "",
+        mode: str = "shard",
+        rank: int | None = None,
+        world_size: int | None = None,
+        remainder: str = "pad",
+        group: str = "default",
+        group_size: int = 1,
+        batch_size: int | None = None,
+        image_size: int | None = None,
         credits: int = 6,
         timeout: float = 60.0,
         connect_timeout: float = 30.0,
     ) -> None:
-        self.config = LoaderConfig(endpoint, device, feed, credits, timeout, connect_timeout).validated()
+        shard = mode == "shard"
+        self.config = LoaderConfig(
+            endpoint,
+            device,
+            feed,
+            credits,
+            timeout,
+            connect_timeout,
+            mode,
+            (_env_int("RANK", 0) if rank is None else rank) if shard else 0,
+            (_env_int("WORLD_SIZE", 1) if world_size is None else world_size) if shard else 1,
+            remainder,
+            group,
+            group_size,
+            batch_size or 0,
+            image_size or 0,
+        ).validated()
         self.device = resolve_device(device)
+        self._resume: tuple[int, int] | None = None
+        self._position = 0
+        self._current_epoch: int | None = None
         self._released: deque[int] = deque()
         self._live: set[int] = set()
         self._run = 0
@@ -149,7 +207,7 @@ class ServiceLoader:
         self._stager: CudaStager | None = None
         self._slots: SlotMap | None = None
         try:
-            self.info, interval = self._attach()
+            self.info, interval, self._batches = self._attach()
             self._slots = SlotMap(
                 self.info.segment, SlotLayout(self.info.batch_size, self.info.image_size), self.info.slots
             )
@@ -164,21 +222,78 @@ class ServiceLoader:
     # --- public API -----------------------------------------------------------------------------
 
     def __len__(self) -> int:
-        """Batches per epoch."""
-        return self.info.batches_per_epoch
+        """Batches per epoch for this trainer (its shard's share in shard mode)."""
+        return self._batches
 
     def set_epoch(self, epoch: int) -> None:
         """The epoch the next ``iter()`` delivers (like DistributedSampler.set_epoch)."""
         if epoch < 0:
             raise ValueError("epoch must be >= 0")
         self._next_epoch = epoch
+        self._resume = None
 
     def __iter__(self) -> Iterator[Batch]:
         if self._closed:
             raise ServiceError("this ServiceLoader is closed")
-        epoch = self._next_epoch
-        self._next_epoch += 1
-        return self._epoch(epoch, 0)
+        epoch, position = self._resume or (self._next_epoch, 0)
+        self._resume = None
+        self._next_epoch = epoch + 1
+        return self._epoch(epoch, position)
+
+    def state_dict(self) -> dict[str, Any]:
+        """Where this trainer is: JSON-serialisable, small; ``load_state_dict`` continues from here.
+
+        ``position`` counts the batches of ``epoch`` already handed to the training loop, so a
+        checkpoint taken after a step resumes with the next batch.
+        """
+        if self._resume is not None:
+            epoch, position = self._resume
+        elif self._current_epoch is not None and self._position < self._batches:
+            epoch, position = self._current_epoch, self._position
+        else:
+            epoch, position = self._next_epoch, 0
+        return {
+            "version": 1,
+            "epoch": epoch,
+            "position": position,
+            **self._identity(),
+        }
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Continue from ``state`` at the next ``iter()``; refuse a state from another feed or setup."""
+        if not isinstance(state, dict) or state.get("version") != 1:
+            raise ValueError("not a ServiceLoader state (missing or unknown 'version')")
+        mismatched = [
+            f"{key}: state has {state.get(key)!r}, this loader {mine!r}"
+            for key, mine in self._identity().items()
+            if state.get(key) != mine
+        ]
+        if mismatched:
+            raise ValueError("state belongs to a different feed or setup: " + "; ".join(mismatched))
+        epoch, position = state.get("epoch"), state.get("position")
+        if (
+            type(epoch) is not int
+            or type(position) is not int
+            or epoch < 0
+            or not 0 <= position <= self._batches
+        ):
+            raise ValueError(f"state has an invalid epoch/position: {epoch!r}/{position!r}")
+        self._resume = (epoch, position)
+        self._next_epoch = epoch
+
+    def _identity(self) -> dict[str, Any]:
+        """What must match for a state to be valid here: the same data, order and shard."""
+        cfg = self.config
+        return {
+            "feed": self.info.name,
+            "fingerprint": self.info.fingerprint,
+            "seed": self.info.seed,
+            "batch_size": self.info.batch_size,
+            "mode": cfg.mode,
+            "rank": cfg.rank,
+            "world_size": cfg.world_size,
+            "remainder": cfg.remainder,
+        }
 
     def __enter__(self) -> ServiceLoader:
         return self
@@ -209,23 +324,34 @@ class ServiceLoader:
 
     # --- session --------------------------------------------------------------------------------
 
-    def _attach(self) -> tuple[FeedInfo, float]:
+    def _attach(self) -> tuple[FeedInfo, float, int]:
+        cfg = self.config
         hello = Hello(
-            f"{socket.gethostname()}:{os.getpid()}"[:128], os.getpid(), self.config.feed, self.config.credits
+            client=f"{socket.gethostname()}:{os.getpid()}"[:128],
+            pid=os.getpid(),
+            feed=cfg.feed,
+            credits=cfg.credits,
+            mode=cfg.mode,
+            rank=cfg.rank,
+            world_size=cfg.world_size,
+            remainder=cfg.remainder,
+            group=cfg.group,
+            group_size=cfg.group_size,
+            batch_size=cfg.batch_size,
+            image_size=cfg.image_size,
         )
         self._sock.send(encode(hello))
-        deadline = time.monotonic() + self.config.connect_timeout
+        deadline = time.monotonic() + cfg.connect_timeout
         while True:
             msg = self._recv(deadline)
             if msg is None:
                 raise ServiceTimeout(
-                    f"no loader service answered at {self.config.endpoint} "
-                    f"within {self.config.connect_timeout:.0f} s "
+                    f"no loader service answered at {cfg.endpoint} within {cfg.connect_timeout:.0f} s "
                     "(is `loader-service serve` running there?)"
                 )
             if isinstance(msg, Welcome):
                 self._session = msg.session
-                return msg.feed, msg.heartbeat_interval
+                return msg.feed, msg.heartbeat_interval, msg.batches
 
     def _start_heartbeat(self, interval: float) -> None:
         self._heartbeat = threading.Thread(
@@ -270,12 +396,15 @@ class ServiceLoader:
     def _epoch(self, epoch: int, position: int) -> Iterator[Batch]:
         self._run += 1
         run = self._run
+        self._current_epoch, self._position = epoch, position
         self._sock.send(encode(Start(run, epoch, position)))
         while True:
             msg = self._next_for(run)
             if isinstance(msg, EpochEnd):
+                self._position = self._batches
                 return
             batch = self._wrap(msg)
+            self._position = msg.seq + 1
             if batch is not None:
                 yield batch
             del batch  # the generator must not keep the previous batch's slot while waiting

@@ -50,10 +50,21 @@ class ServiceConfig:
     heartbeat_interval: float = 1.0
     """Seconds between heartbeats the service asks trainers to send, and sends them itself."""
     log_level: str = "INFO"
+    lag_timeout: float = 30.0
+    """Seconds a broadcast group may be held up by one member before that member is evicted."""
+    extra_feeds: tuple[FeedConfig, ...] = ()
+    """Further feeds from ``[feeds.NAME]`` tables of the config file."""
 
     @property
     def pool_slots(self) -> int:
         return self.slots or 2 * self.workers + 8
+
+    def feeds(self) -> tuple[FeedConfig, ...]:
+        """Every feed this service serves; the first one is what a trainer gets by default."""
+        main = FeedConfig(
+            self.feed, self.data, self.batch_size, self.image_size, self.augment, self.seed, self.pool_slots
+        )
+        return (main, *self.extra_feeds)
 
     def validated(self) -> ServiceConfig:
         """Return a copy with the data path resolved, or raise ConfigError naming the bad value."""
@@ -72,12 +83,47 @@ class ServiceConfig:
         )
         _check(self.log_level.upper() in ("DEBUG", "INFO", "WARNING", "ERROR"), "bad log_level")
         _check_endpoint(self.endpoint)
-        data = Path(self.data).expanduser().resolve()
-        _check(data.is_dir(), f"data directory {self.data} does not exist or is not a directory")
-        return replace(self, data=data, log_level=self.log_level.upper())
+        _check(self.lag_timeout > 0, "lag_timeout must be positive")
+        names = [f.name for f in self.extra_feeds]
+        _check(len(set(names)) == len(names) and self.feed not in names, "feed names must be unique")
+        return replace(
+            self,
+            data=_resolve_data(self.data),
+            log_level=self.log_level.upper(),
+            extra_feeds=tuple(f.validated() for f in self.extra_feeds),
+        )
 
     def summary(self) -> str:
         return " ".join(f"{k}={v}" for k, v in asdict(self).items()) + f" pool_slots={self.pool_slots}"
+
+
+@dataclass(frozen=True)
+class FeedConfig:
+    """One feed: a dataset and how its batches are made. The service may serve several."""
+
+    name: str
+    data: Path
+    batch_size: int = 64
+    image_size: int = 224
+    augment: str = "train"
+    seed: int = 0
+    slots: int = 10
+
+    def validated(self) -> FeedConfig:
+        where = f"feed {self.name!r}: "
+        _check(bool(self.name) and len(self.name) <= 64, where + "name must be 1 to 64 characters")
+        _check(1 <= self.batch_size <= 4096, where + "batch_size must be between 1 and 4096")
+        _check(8 <= self.image_size <= 2048, where + "image_size must be between 8 and 2048")
+        _check(self.augment in AUGMENTS, where + f"augment must be one of {', '.join(AUGMENTS)}")
+        _check(0 <= self.seed < 2**63, where + "seed must be a non-negative 63-bit integer")
+        _check(2 <= self.slots <= 4096, where + "slots must be between 2 and 4096")
+        return replace(self, data=_resolve_data(self.data))
+
+
+def _resolve_data(data: Path) -> Path:
+    resolved = Path(data).expanduser().resolve()
+    _check(resolved.is_dir(), f"data directory {data} does not exist or is not a directory")
+    return resolved
 
 
 def _check(ok: bool, message: str) -> None:
@@ -109,9 +155,33 @@ def load_config(file: Path | None, overrides: dict[str, Any]) -> ServiceConfig:
         _check(key in values, f"{key} is required (flag --{key} or key '{key}' in the config file)")
     values["data"] = Path(values["data"])
     try:
+        values["extra_feeds"] = _extra_feeds(values.pop("feeds", {}), values)
         return ServiceConfig(**values).validated()
     except TypeError as exc:  # a wrong-typed value from TOML
         raise ConfigError(str(exc)) from None
+
+
+_FEED_KEYS = ("data", "batch_size", "image_size", "augment", "seed", "slots")
+
+
+def _extra_feeds(tables: dict[str, Any], top: dict[str, Any]) -> tuple[FeedConfig, ...]:
+    """``[feeds.NAME]`` tables; keys not given there default to the top-level (first feed's) values."""
+    feeds = []
+    for name, table in tables.items():
+        _check(isinstance(table, dict), f"[feeds.{name}] must be a table")
+        unknown = sorted(set(table) - set(_FEED_KEYS))
+        _check(not unknown, f"unknown keys in [feeds.{name}]: {', '.join(unknown)}")
+        _check("data" in table, f"[feeds.{name}] needs a data directory")
+        for key, value in table.items():
+            want = str if key in ("data", "augment") else int
+            _check(
+                isinstance(value, want) and not isinstance(value, bool),
+                f"[feeds.{name}] key {key!r} has the wrong type ({type(value).__name__})",
+            )
+        inherited = {k: top[k] for k in _FEED_KEYS[1:] if k in top and k != "slots"}
+        merged = {**inherited, **table, "data": Path(table["data"])}
+        feeds.append(FeedConfig(name=name, **merged))
+    return tuple(feeds)
 
 
 def _read_toml(file: Path) -> dict[str, Any]:
@@ -120,9 +190,12 @@ def _read_toml(file: Path) -> dict[str, Any]:
             raw = tomllib.load(fh)
     except (OSError, tomllib.TOMLDecodeError) as exc:
         raise ConfigError(f"cannot read config file {file}: {exc}") from None
-    unknown = sorted(set(raw) - set(_FIELDS))
+    unknown = sorted(set(raw) - set(_FIELDS) - {"feeds"} | ({"extra_feeds"} & set(raw)))
     _check(not unknown, f"unknown keys in {file}: {', '.join(unknown)}")
     for key, value in raw.items():
+        if key == "feeds":
+            _check(isinstance(value, dict), f"{file}: 'feeds' must hold [feeds.NAME] tables")
+            continue
         expected = {"int": int, "float": (int, float), "str": str, "Path": str}[str(_FIELDS[key].type)]
         _check(
             isinstance(value, expected) and not isinstance(value, bool),  # type: ignore[arg-type]

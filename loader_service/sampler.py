@@ -36,3 +36,27 @@ def batch_indices(seed: int, epoch: int, samples: int, batch_size: int, seq: int
 def sample_rng(seed: int, epoch: int, index: int) -> np.random.Generator:
     """Augmentation randomness for one sample: the same whichever worker decodes it."""
     return np.random.Generator(np.random.PCG64(np.random.SeedSequence([seed, epoch, index, 0xA06])))
+
+
+def shard_size(samples: int, world_size: int, remainder: str) -> int:
+    """Samples per rank per epoch: the same for every rank, so every DDP rank runs as many steps."""
+    return samples // world_size if remainder == "drop" else -(-samples // world_size)
+
+
+@lru_cache(maxsize=16)
+def shard_plan(
+    seed: int, epoch: int, samples: int, rank: int, world_size: int, remainder: str
+) -> npt.NDArray[np.int64]:
+    """Rank ``rank``'s samples of ``epoch``, in order: every ``world_size``-th of the permutation.
+
+    ``pad`` repeats the permutation's first samples to fill the last round (as DistributedSampler
+    does without drop_last); ``drop`` leaves out the last ``samples % world_size``. A pure function of
+    its arguments, so ranks on different hosts agree without talking to each other.
+    """
+    perm = epoch_permutation(seed, epoch, samples)
+    total = shard_size(samples, world_size, remainder) * world_size
+    if total > samples:
+        perm = np.resize(perm, total)  # np.resize repeats from the start
+    plan = np.ascontiguousarray(perm[rank:total:world_size])
+    plan.setflags(write=False)
+    return plan

@@ -1,12 +1,13 @@
-"""The loader service process: one feed, its slot pool, its decode workers and the trainer endpoint.
+"""The loader service process: its feeds, their slot pools, the decode workers and the trainer endpoint.
 
 The main thread runs one loop (NOTE [ Main loop ]); nothing else touches sockets or slot states.
 
 NOTE [ Main loop ]
     Each turn, in this order: poll both sockets (at most ``TICK`` seconds); handle trainer messages;
     handle worker reports; react to a recorded signal; reap and replace dead workers (their tasks are
-    redone); expire trainers whose heartbeats stopped; send heartbeats; hand tasks to idle workers.
-    Signal handlers only record the signal, so shutdown always runs from here in a known state.
+    redone); expire trainers whose heartbeats stopped and evict broadcast members that hold their
+    group up; send heartbeats; hand tasks to idle workers. Signal handlers only record the signal,
+    so shutdown always runs from here in a known state.
 
 NOTE [ Shutdown order ]
     1. Stop scheduling: no new task is handed out once a stop signal is recorded.
@@ -14,8 +15,8 @@ NOTE [ Shutdown order ]
        no worker outlives the service or writes into a pool that is going away.
     3. Close the sockets with linger 0 and terminate the ZeroMQ context, so exit never hangs on peers.
        Trainers notice the silence through their heartbeat timeout.
-    4. Unmap and unlink the shared-memory segment (NOTE [ Shared-memory cleanup ]), then remove the
-       private runtime directory (worker socket, index files).
+    4. Unmap and unlink every feed's shared-memory segment (NOTE [ Shared-memory cleanup ]), then
+       remove the private runtime directory (worker socket, index files).
     Steps 2-4 run from ``finally``, so an exception during start-up or in the loop cleans up too.
 """
 
@@ -26,7 +27,6 @@ import os
 import secrets
 import shutil
 import signal
-import socket
 import tempfile
 import time
 from collections import deque
@@ -38,27 +38,28 @@ from types import FrameType
 import zmq
 
 from loader_service.config import ServiceConfig
-from loader_service.index import DatasetIndex, build_index
-from loader_service.sampler import batch_indices, batches_per_epoch
+from loader_service.endpoint import claim_ipc_path, release_ipc_path
+from loader_service.feeds import Feed
+from loader_service.sampler import shard_size
 from loader_service.sessions import Session
-from loader_service.shm import Segment, new_segment_name
-from loader_service.slots import SlotPool
+from loader_service.slots import SlotState
+from loader_service.streams import Member, StartRefused, Stream
 from loader_service.worker import WorkerConfig
 from loader_service.workers import WorkerSet
-from protocol.layout import SlotLayout
 from protocol.messages import (
     MAX_FRAME_BYTES,
     BatchReady,
     Bye,
     EpochEnd,
     ErrorReply,
-    FeedInfo,
     Heartbeat,
     Hello,
     Message,
     ProtocolError,
     Release,
     Start,
+    StatusReply,
+    StatusRequest,
     StopWorker,
     Task,
     TaskDone,
@@ -71,53 +72,42 @@ from protocol.messages import (
 log = logging.getLogger(__name__)
 TICK = 0.1
 STOP_GRACE = 5.0
-TRAINER_MESSAGES = (Hello, Start, Release, Heartbeat, Bye)
+TRAINER_MESSAGES = (Hello, Start, Release, Heartbeat, Bye, StatusRequest)
 WORKER_MESSAGES = (WorkerReady, TaskDone)
-
-
-class EndpointInUse(RuntimeError):
-    pass
+StreamKey = tuple[object, ...]
 
 
 @dataclass(frozen=True)
 class TaskRecord:
     task: int
-    session_id: str
-    run: int
-    epoch: int
+    feed: int
+    stream: StreamKey
+    gen: int
     seq: int
+    epoch: int
     slot: int
     indices: bytes
-
-
-@dataclass
-class Stats:
-    decoded: int = 0
-    batches: int = 0
-    bad_files: int = 0
-    rejected_messages: int = 0
 
 
 class LoaderService:
     def __init__(self, config: ServiceConfig) -> None:
         self.config = config
-        self.layout = SlotLayout(config.batch_size, config.image_size)
-        self.stats = Stats()
-        self.bad_files: dict[int, str] = {}
+        self.feeds: list[Feed] = []
+        self.rejected_messages = 0
+        self._started_at = time.monotonic()
         self._signal: int | None = None
         self._sessions: dict[bytes, Session] = {}
         self._by_session_id: dict[str, bytes] = {}
+        self._streams: dict[StreamKey, Stream] = {}
+        self._rr: deque[StreamKey] = deque()
         self._tasks: dict[int, TaskRecord] = {}
         self._redo: deque[TaskRecord] = deque()
         self._next_task = 0
         self._next_lease = 0
-        self._rr: deque[bytes] = deque()
         self._last_heartbeat = 0.0
         self._runtime_dir: Path | None = None
-        self._segment: Segment | None = None
         self._ctx: zmq.Context[zmq.Socket[bytes]] | None = None
         self._workers: WorkerSet | None = None
-        self.index: DatasetIndex | None = None
         self._owns_endpoint = False
 
     # --- lifecycle ------------------------------------------------------------------------------
@@ -143,12 +133,9 @@ class LoaderService:
     def _start(self) -> None:
         cfg = self.config
         log.info("config: %s", cfg.summary())
-        self.index = build_index(cfg.data, progress=lambda n: log.info("indexing: %d files so far", n))
-        self.pool = SlotPool(cfg.pool_slots)
-        self.batches_per_epoch = batches_per_epoch(len(self.index), cfg.batch_size)
         self._runtime_dir = Path(tempfile.mkdtemp(prefix="dataferry-"))
-        self.index.save(self._runtime_dir)
-        self._segment = Segment.create(new_segment_name(cfg.feed), self.layout.segment_bytes(cfg.pool_slots))
+        for feed_id, feed_config in enumerate(cfg.feeds()):
+            self.feeds.append(Feed.open(feed_id, feed_config, self._runtime_dir))
         self._ctx = zmq.Context()
         self._frontend = self._bind_frontend(self._ctx)
         backend_endpoint = f"ipc://{self._runtime_dir}/workers.sock"
@@ -156,23 +143,23 @@ class LoaderService:
         self._backend.setsockopt(zmq.LINGER, 0)
         self._backend.bind(backend_endpoint)
         self._workers = WorkerSet(self._worker_template(backend_endpoint), cfg.workers)
-        self.feed_info = self._feed_info()
-        log.info(
-            "ready: feed %r, %d samples in %d classes, %d batches/epoch of %d, "
-            "pool %d slots x %.1f MiB (%s), listening on %s",
-            cfg.feed,
-            len(self.index),
-            len(self.index.classes),
-            self.batches_per_epoch,
-            cfg.batch_size,
-            cfg.pool_slots,
-            self.layout.stride / 2**20,
-            self._segment.name,
-            cfg.endpoint,
-        )
+        for feed in self.feeds:
+            log.info(
+                "ready: feed %r, %d samples in %d classes, %d batches/epoch of %d, "
+                "pool %d slots x %.1f MiB (%s), listening on %s",
+                feed.name,
+                len(feed.index),
+                len(feed.index.classes),
+                feed.shard_batches(1, "pad"),
+                feed.config.batch_size,
+                feed.config.slots,
+                feed.layout.stride / 2**20,
+                feed.segment.name,
+                cfg.endpoint,
+            )
 
     def _bind_frontend(self, ctx: zmq.Context[zmq.Socket[bytes]]) -> zmq.Socket[bytes]:
-        _claim_ipc_path(self.config.endpoint)
+        claim_ipc_path(self.config.endpoint)
         sock = ctx.socket(zmq.ROUTER)
         sock.setsockopt(zmq.LINGER, 0)
         sock.setsockopt(zmq.ROUTER_MANDATORY, 1)
@@ -182,37 +169,12 @@ class LoaderService:
         return sock
 
     def _worker_template(self, backend: str) -> WorkerConfig:
-        assert self._segment is not None and self._runtime_dir is not None
-        cfg = self.config
         return WorkerConfig(
             worker=0,
             parent_pid=os.getpid(),
             backend=backend,
-            segment=self._segment.name,
-            slots=cfg.pool_slots,
-            layout=self.layout,
-            index_dir=self._runtime_dir,
-            data=cfg.data,
-            seed=cfg.seed,
-            augment=cfg.augment,
-            log_level=cfg.log_level,
-        )
-
-    def _feed_info(self) -> FeedInfo:
-        assert self.index is not None and self._segment is not None
-        cfg = self.config
-        return FeedInfo(
-            name=cfg.feed,
-            samples=len(self.index),
-            classes=len(self.index.classes),
-            batch_size=cfg.batch_size,
-            image_size=cfg.image_size,
-            batches_per_epoch=self.batches_per_epoch,
-            seed=cfg.seed,
-            augment=cfg.augment,
-            fingerprint=self.index.fingerprint(),
-            segment=self._segment.name,
-            slots=cfg.pool_slots,
+            feeds=tuple(feed.worker_feed() for feed in self.feeds),
+            log_level=self.config.log_level,
         )
 
     def request_stop(self) -> None:
@@ -229,15 +191,14 @@ class LoaderService:
         if self._ctx is not None:
             self._ctx.destroy(linger=0)
             self._ctx = None
-        if self._segment is not None:
-            self._segment.close()
-            self._segment.unlink()
-            self._segment = None
+        for feed in self.feeds:
+            feed.close()
+        self.feeds = []
         if self._runtime_dir is not None:
             shutil.rmtree(self._runtime_dir, ignore_errors=True)
             self._runtime_dir = None
         if self._owns_endpoint:
-            _release_ipc_path(self.config.endpoint)
+            release_ipc_path(self.config.endpoint)
             self._owns_endpoint = False
 
     # --- the loop -------------------------------------------------------------------------------
@@ -258,6 +219,7 @@ class LoaderService:
             self._reap_workers()
             now = time.monotonic()
             self._expire_sessions(now)
+            self._evict_laggards(now)
             self._send_heartbeats(now)
             self._schedule()
 
@@ -288,6 +250,9 @@ class LoaderService:
         if isinstance(msg, Hello):
             self._on_hello(routing_id, msg)
             return
+        if isinstance(msg, StatusRequest):
+            self._send(routing_id, StatusReply(self.status()))
+            return
         if isinstance(msg, Heartbeat) and msg.session:
             beating = self._session_by_id(msg.session)
             if beating is not None:
@@ -307,58 +272,120 @@ class LoaderService:
         elif isinstance(msg, Bye):
             self._drop_session(session, "said bye")
 
-    def _on_hello(self, routing_id: bytes, msg: Hello) -> None:
-        if msg.feed not in ("", self.config.feed):
-            self._reject(
-                routing_id, "no-such-feed", f"this service serves feed {self.config.feed!r}, not {msg.feed!r}"
-            )
-            return
-        old = self._sessions.get(routing_id)
-        if old is not None:
-            self._drop_session(old, "said hello again")
-        session = Session(routing_id, secrets.token_hex(8), msg.client, msg.credits, time.monotonic())
-        self._sessions[routing_id] = session
-        self._by_session_id[session.session_id] = routing_id
-        self._rr.append(routing_id)
-        log.info("trainer %s (pid %d) attached as session %s", msg.client, msg.pid, session.session_id)
-        self._send(
-            session.routing_id, Welcome(session.session_id, self.feed_info, self.config.heartbeat_interval)
-        )
-
     def _session_by_id(self, session_id: str) -> Session | None:
         routing_id = self._by_session_id.get(session_id)
         return None if routing_id is None else self._sessions.get(routing_id)
 
+    def _find_feed(self, name: str) -> Feed | None:
+        if not name:
+            return self.feeds[0]
+        return next((f for f in self.feeds if f.name == name), None)
+
+    def _refusal(self, msg: Hello) -> str | None:
+        """Why a hello cannot be served, or None."""
+        feed = self._find_feed(msg.feed)
+        if feed is None:
+            served = ", ".join(repr(f.name) for f in self.feeds)
+            return f"this service serves feed(s) {served}, not {msg.feed!r}"
+        cfg = feed.config
+        if msg.batch_size not in (0, cfg.batch_size) or msg.image_size not in (0, cfg.image_size):
+            return (
+                f"feed {feed.name!r} serves batches of {cfg.batch_size} images of {cfg.image_size}px; "
+                f"this trainer asked for {msg.batch_size or 'any'} of {msg.image_size or 'any'}px"
+            )
+        if msg.mode == "broadcast":
+            stream = self._streams.get(("broadcast", feed.id, msg.group or "default"))
+            if stream is not None and stream.group_size != msg.group_size:
+                return (
+                    f"broadcast group {stream.group!r} has group_size {stream.group_size}, "
+                    f"not {msg.group_size}"
+                )
+        return None
+
+    def _on_hello(self, routing_id: bytes, msg: Hello) -> None:
+        refusal = self._refusal(msg)
+        if refusal is not None:
+            self._reject(routing_id, "refused", refusal, fatal=True)
+            return
+        old = self._sessions.get(routing_id)
+        if old is not None:
+            self._drop_session(old, "said hello again")
+        feed = self._find_feed(msg.feed)
+        assert feed is not None
+        session = Session(routing_id, secrets.token_hex(8), msg, feed.id, time.monotonic())
+        self._sessions[routing_id] = session
+        self._by_session_id[session.session_id] = routing_id
+        stream = self._stream_for(session, feed)
+        stream.add(session)
+        log.info(
+            "trainer %s (pid %d) attached to feed %r as session %s (%s)",
+            msg.client,
+            msg.pid,
+            feed.name,
+            session.session_id,
+            f"shard {session.rank}/{session.world_size}"
+            if session.mode == "shard"
+            else f"broadcast group {session.group!r}",
+        )
+        samples = shard_size(len(feed.index), stream.world_size, stream.remainder)
+        welcome = Welcome(
+            session.session_id,
+            feed.info(),
+            self.config.heartbeat_interval,
+            stream.batches_per_epoch(),
+            samples,
+        )
+        self._send(routing_id, welcome)
+
+    def _stream_for(self, session: Session, feed: Feed) -> Stream:
+        key = session.stream_key()
+        stream = self._streams.get(key)
+        if stream is None:
+            stream = self._streams[key] = Stream(key, feed, session)
+            self._rr.append(key)
+        return stream
+
+    def _stream_of(self, session: Session) -> Stream:
+        return self._streams[session.stream_key()]
+
     def _on_start(self, session: Session, msg: Start) -> None:
-        self._cancel_unsent(session)
-        session.begin(msg.run, msg.epoch, msg.position, self.batches_per_epoch)
-        self._maybe_end(session)
+        stream = self._stream_of(session)
+        session.run, session.epoch = msg.run, msg.epoch
+        try:
+            freed = stream.on_start(session.session_id, msg.epoch, msg.position)
+        except StartRefused as exc:
+            self._reject(session.routing_id, "bad-start", str(exc), fatal=True)
+            return
+        self._free(stream.feed, freed)
+        self._deliver(stream)
 
     def _on_release(self, session: Session, msg: Release) -> None:
+        stream = self._stream_of(session)
         unknown = 0
         for lease in msg.leases:
-            slot = session.leases.pop(lease, None)
-            if slot is None:
+            key = session.leases.pop(lease, None)
+            if key is None:
                 unknown += 1
-            else:
-                self.pool.release(slot)
+                continue
+            slot = stream.release(session.session_id, key)
+            if slot is not None:
+                stream.feed.pool.release(slot)
         if unknown:
-            self.stats.rejected_messages += 1
+            self.rejected_messages += 1
             log.warning(
                 "session %s released %d leases it does not hold; ignored", session.session_id, unknown
             )
+        self._deliver(stream)
 
-    def _cancel_unsent(self, session: Session) -> None:
-        """Free READY slots of the session's current run; FILLING ones are freed when their task reports."""
-        for slot, _count in session.ready.values():
-            self.pool.release(slot)
-        session.ready.clear()
+    def _free(self, feed: Feed, slots: list[int]) -> None:
+        for slot in slots:
+            feed.pool.release(slot)
 
     def _drop_session(self, session: Session, why: str) -> None:
         """Return every slot the session holds (NOTE [ Slot lifecycle ]: cancel and lease expiry)."""
-        self._cancel_unsent(session)
-        for slot in session.leases.values():
-            self.pool.release(slot)
+        key = session.stream_key()
+        stream = self._streams[key]
+        self._free(stream.feed, stream.remove(session.session_id))
         log.info(
             "session %s (%s) detached: %s; %d leases returned",
             session.session_id,
@@ -369,12 +396,35 @@ class LoaderService:
         session.leases.clear()
         del self._sessions[session.routing_id]
         self._by_session_id.pop(session.session_id, None)
-        self._rr.remove(session.routing_id)
+        if not stream.members:
+            self._free(stream.feed, [b.slot for b in stream.batches.values()])
+            del self._streams[key]
+            self._rr.remove(key)
+        elif stream.broadcast:
+            self._free(stream.feed, stream.on_member_left())
+            self._deliver(stream)
 
     def _expire_sessions(self, now: float) -> None:
         for session in list(self._sessions.values()):
             if now - session.last_seen > self.config.client_timeout:
                 self._drop_session(session, f"no heartbeat for {self.config.client_timeout:.0f} s")
+
+    def _evict_laggards(self, now: float) -> None:
+        """NOTE [ Broadcast epochs ]: one member may not hold its group up beyond the lag timeout."""
+        for stream in list(self._streams.values()):
+            laggard = stream.laggard()
+            if laggard is None:
+                stream.blocked_since = None
+                continue
+            if stream.blocked_since is None:
+                stream.blocked_since = now
+            elif now - stream.blocked_since > self.config.lag_timeout:
+                stream.blocked_since = None
+                session = self._session_by_id(laggard)
+                if session is not None:
+                    why = f"held broadcast group {stream.group!r} up for over {self.config.lag_timeout:.0f} s"
+                    self._reject(session.routing_id, "evicted", f"evicted: {why}", fatal=True)
+                    self._drop_session(session, why)
 
     def _send_heartbeats(self, now: float) -> None:
         if now - self._last_heartbeat < self.config.heartbeat_interval:
@@ -383,27 +433,28 @@ class LoaderService:
         for routing_id in list(self._sessions):
             self._send(routing_id, Heartbeat())
 
-    def _deliver(self, session: Session) -> None:
-        """Announce finished batches strictly in sequence order."""
-        while session.next_send in session.ready:
-            slot, count = session.ready.pop(session.next_send)
-            lease = self._next_lease
-            self._next_lease += 1
-            self.pool.lease(slot)
-            session.leases[lease] = slot
-            self._send(
-                session.routing_id,
-                BatchReady(session.run, session.epoch, session.next_send, lease, slot, count),
-            )
-            session.next_send += 1
-            session.delivered += 1
-            self.stats.batches += 1
-        self._maybe_end(session)
+    def _deliver(self, stream: Stream) -> None:
+        """Announce what each member may receive, strictly in sequence order."""
+        for member in stream.members.values():
+            session = member.session
+            for key, batch in stream.deliverable(member):
+                lease = self._next_lease
+                self._next_lease += 1
+                if stream.feed.pool.state(batch.slot) is SlotState.READY:
+                    stream.feed.pool.lease(batch.slot)
+                session.leases[lease] = key
+                session.delivered += 1
+                self._send(
+                    session.routing_id,
+                    BatchReady(session.run, stream.epoch, key[1], lease, batch.slot, batch.count),
+                )
+            self._maybe_end(stream, member)
 
-    def _maybe_end(self, session: Session) -> None:
-        if not session.end_sent and session.next_send >= session.end:
-            session.end_sent = True
-            self._send(session.routing_id, EpochEnd(session.run, session.epoch, session.end))
+    def _maybe_end(self, stream: Stream, member: Member) -> None:
+        if member.active and not member.end_sent and member.next_send >= stream.end:
+            member.end_sent = True
+            session = member.session
+            self._send(session.routing_id, EpochEnd(session.run, stream.epoch, stream.end))
 
     def _send(self, routing_id: bytes, msg: Message) -> None:
         try:
@@ -414,7 +465,7 @@ class LoaderService:
             log.debug("could not send %s to %r: %s", msg.KIND, routing_id, exc)
 
     def _reject(self, routing_id: bytes, code: str, message: str, fatal: bool = False) -> None:
-        self.stats.rejected_messages += 1
+        self.rejected_messages += 1
         log.warning("rejected message from %r: %s", routing_id[:16], message)
         self._send(routing_id, ErrorReply(code, message[:2000], fatal))
 
@@ -442,24 +493,17 @@ class LoaderService:
         record = self._tasks.pop(msg.task, None)
         if record is None:
             return
-        self._note_bad_files(msg)
-        self.stats.decoded += msg.count
-        session = self._session_by_id(record.session_id)
-        if session is None or session.run != record.run:
-            self.pool.release(record.slot)  # cancelled while filling
-            return
-        session.filling -= 1
-        self.pool.filled(record.slot)
-        session.ready[record.seq] = (record.slot, msg.count)
-        self._deliver(session)
-
-    def _note_bad_files(self, msg: TaskDone) -> None:
-        assert self.index is not None
+        feed = self.feeds[record.feed]
         for idx, reason in msg.bad:
-            self.stats.bad_files += 1
-            if idx not in self.bad_files and 0 <= idx < len(self.index):
-                self.bad_files[idx] = reason
-                log.warning("bad file skipped: %s: %s", self.index.relpath(idx), reason)
+            feed.note_bad(idx, reason)
+        feed.counters.decoded += msg.count
+        stream = self._streams.get(record.stream)
+        if stream is None or not stream.filled(record.gen, record.seq, record.slot, msg.count):
+            feed.pool.release(record.slot)  # its plan was abandoned while the slot was filling
+            return
+        feed.counters.batches += 1
+        feed.pool.filled(record.slot)
+        self._deliver(stream)
 
     def _reap_workers(self) -> None:
         assert self._workers is not None
@@ -487,70 +531,62 @@ class LoaderService:
             assert handle.routing_id is not None
             handle.task = record.task
             self._tasks[record.task] = record
-            self._send_worker(handle.routing_id, Task(record.task, record.slot, record.epoch, record.indices))
+            task = Task(record.task, record.feed, record.slot, record.epoch, record.indices)
+            self._send_worker(handle.routing_id, task)
 
     def _next_job(self) -> TaskRecord | None:
-        """Round-robin over sessions that have credit left, one batch each turn."""
-        if self.pool.free == 0:
-            return None
+        """Round-robin over streams that may produce, one batch each turn."""
         for _ in range(len(self._rr)):
-            routing_id = self._rr[0]
+            key = self._rr[0]
             self._rr.rotate(-1)
-            session = self._sessions[routing_id]
-            if session.wants_batch():
-                return self._plan_batch(session)
+            stream = self._streams[key]
+            if stream.wants_batch() and stream.feed.pool.free:
+                return self._plan_batch(stream)
         return None
 
-    def _plan_batch(self, session: Session) -> TaskRecord:
-        assert self.index is not None
-        slot = self.pool.acquire()
+    def _plan_batch(self, stream: Stream) -> TaskRecord:
+        slot = stream.feed.pool.acquire()
         assert slot is not None
-        seq = session.next_produce
-        session.next_produce += 1
-        session.filling += 1
-        indices = batch_indices(self.config.seed, session.epoch, len(self.index), self.config.batch_size, seq)
+        gen, seq, indices = stream.plan_batch()
         self._next_task += 1
         return TaskRecord(
             self._next_task,
-            session.session_id,
-            session.run,
-            session.epoch,
+            stream.feed.id,
+            stream.key,
+            gen,
             seq,
+            stream.epoch,
             slot,
             indices.astype("<i8").tobytes(),
         )
 
+    # --- status ---------------------------------------------------------------------------------
 
-def _ipc_path(endpoint: str) -> str | None:
-    return endpoint[len("ipc://") :] if endpoint.startswith("ipc://") else None
-
-
-def _claim_ipc_path(endpoint: str) -> None:
-    """Refuse an ipc endpoint another live service listens on; remove a stale socket file.
-
-    A second ZeroMQ bind to the same path silently steals it from the first service.
-    """
-    path = _ipc_path(endpoint)
-    if path is None or not os.path.exists(path):
-        return
-    probe = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-    probe.settimeout(1.0)
-    try:
-        probe.connect(path)
-    except (ConnectionRefusedError, FileNotFoundError):
-        os.unlink(path)  # left behind by a service that died
-        return
-    except OSError:
-        pass
-    finally:
-        probe.close()
-    raise EndpointInUse(f"another process is already listening on {endpoint}")
-
-
-def _release_ipc_path(endpoint: str) -> None:
-    path = _ipc_path(endpoint)
-    if path is not None:
-        try:
-            os.unlink(path)
-        except FileNotFoundError:
-            pass
+    def status(self) -> dict[str, object]:
+        """A JSON-shaped snapshot, bounded so it always fits one frame."""
+        sessions = [
+            {
+                "session": s.session_id,
+                "client": s.client,
+                "feed": self.feeds[s.feed].name,
+                "mode": s.mode,
+                "rank": s.rank,
+                "world_size": s.world_size,
+                "group": s.group if s.mode == "broadcast" else "",
+                "epoch": s.epoch,
+                "delivered": s.delivered,
+                "leased": len(s.leases),
+                "credits": s.credits,
+            }
+            for s in list(self._sessions.values())[:100]
+        ]
+        workers = self._workers
+        return {
+            "uptime": round(time.monotonic() - self._started_at, 1),
+            "feeds": [feed.status() for feed in self.feeds],
+            "sessions": sessions,
+            "attached": len(self._sessions),
+            "workers": 0 if workers is None else sum(1 for _ in workers),
+            "worker_restarts": 0 if workers is None else workers.restarts,
+            "rejected_messages": self.rejected_messages,
+        }

@@ -1,47 +1,64 @@
-"""What the service knows about one attached trainer: its epoch plan, credits and leases."""
+"""What the service knows about one attached trainer (one ``ServiceLoader``)."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from protocol.messages import Hello
+
 
 @dataclass
 class Session:
-    """One trainer connection (one ``ServiceLoader``), keyed by its ZeroMQ routing id.
+    """A trainer connection, keyed by its ZeroMQ routing id; its batches come from one stream.
 
-    Credits bound everything the service has committed to this trainer: batches being filled, batches
-    ready but not yet announced, and batches announced but not yet released. Production stops at the
-    window, so a slow or stalled trainer holds at most ``credits`` slots of the pool.
+    ``credits`` bounds the batches announced to this trainer and not yet released: the service never
+    has more than that many of the pool's slots out with it.
     """
 
     routing_id: bytes
     session_id: str
-    client: str
-    credits: int
+    hello: Hello
+    feed: int
     last_seen: float
     run: int = -1
     epoch: int = 0
-    next_produce: int = 0
-    next_send: int = 0
-    end: int = 0
-    end_sent: bool = True
-    filling: int = 0
-    ready: dict[int, tuple[int, int]] = field(default_factory=dict)
-    """seq -> (slot, count) of finished batches waiting for their turn."""
-    leases: dict[int, int] = field(default_factory=dict)
-    """lease id -> slot of announced, unreleased batches."""
+    leases: dict[int, tuple[int, int]] = field(default_factory=dict)
+    """lease id -> (generation, seq) of the stream batch it names."""
     delivered: int = 0
 
     @property
-    def in_flight(self) -> int:
-        return self.filling + len(self.ready) + len(self.leases)
+    def client(self) -> str:
+        return self.hello.client
 
-    def wants_batch(self) -> bool:
-        return self.run >= 0 and self.next_produce < self.end and self.in_flight < self.credits
+    @property
+    def credits(self) -> int:
+        return self.hello.credits
 
-    def begin(self, run: int, epoch: int, position: int, end: int) -> None:
-        """Start (or restart) an epoch; the caller has already cancelled the previous run's slots."""
-        self.run, self.epoch, self.end = run, epoch, end
-        self.next_produce = self.next_send = min(position, end)
-        self.end_sent = False
-        self.filling = 0
+    @property
+    def mode(self) -> str:
+        return self.hello.mode
+
+    @property
+    def rank(self) -> int:
+        return self.hello.rank if self.mode == "shard" else 0
+
+    @property
+    def world_size(self) -> int:
+        return self.hello.world_size if self.mode == "shard" else 1
+
+    @property
+    def remainder(self) -> str:
+        return self.hello.remainder
+
+    @property
+    def group(self) -> str:
+        return self.hello.group or "default"
+
+    @property
+    def group_size(self) -> int:
+        return self.hello.group_size
+
+    def stream_key(self) -> tuple[object, ...]:
+        if self.mode == "broadcast":
+            return ("broadcast", self.feed, self.group)
+        return ("shard", self.session_id)

@@ -32,10 +32,9 @@ POLL_MS = 500
 
 
 @dataclass(frozen=True)
-class WorkerConfig:
-    worker: int
-    parent_pid: int
-    backend: str
+class WorkerFeed:
+    """What a worker needs to decode for one feed."""
+
     segment: str
     slots: int
     layout: SlotLayout
@@ -43,7 +42,22 @@ class WorkerConfig:
     data: Path
     seed: int
     augment: str
+
+
+@dataclass(frozen=True)
+class WorkerConfig:
+    worker: int
+    parent_pid: int
+    backend: str
+    feeds: tuple[WorkerFeed, ...]
     log_level: str
+
+
+@dataclass
+class OpenFeed:
+    spec: WorkerFeed
+    index: DatasetIndex
+    segment: Segment
 
 
 @dataclass(frozen=True)
@@ -63,8 +77,10 @@ def slot_views(segment: Segment, layout: SlotLayout, slot: int, slots: int) -> S
     )
 
 
-def fill_slot(cfg: WorkerConfig, index: DatasetIndex, views: SlotViews, task: Task) -> TaskDone:
+def fill_slot(worker: int, feed: OpenFeed, task: Task) -> TaskDone:
     """Decode ``task``'s samples into consecutive rows, skipping (and reporting) bad files."""
+    spec, index = feed.spec, feed.index
+    views = slot_views(feed.segment, spec.layout, task.slot, spec.slots)
     row = 0
     bad: list[tuple[int, str]] = []
     for idx in np.frombuffer(task.indices, dtype="<i8").tolist():
@@ -73,7 +89,7 @@ def fill_slot(cfg: WorkerConfig, index: DatasetIndex, views: SlotViews, task: Ta
             continue
         try:
             image = decode_file(str(index.path(idx)))
-            transform_into(image, views.images[row], cfg.augment, sample_rng(cfg.seed, task.epoch, idx))
+            transform_into(image, views.images[row], spec.augment, sample_rng(spec.seed, task.epoch, idx))
         except DecodeError as exc:
             bad.append((idx, str(exc)))
             continue
@@ -83,7 +99,7 @@ def fill_slot(cfg: WorkerConfig, index: DatasetIndex, views: SlotViews, task: Ta
         views.labels[row] = index.labels[idx]
         views.indices[row] = idx
         row += 1
-    return TaskDone(task.task, cfg.worker, row, tuple(bad[:MAX_BAD_REPORTS]))
+    return TaskDone(task.task, worker, row, tuple(bad[:MAX_BAD_REPORTS]))
 
 
 def run_worker(cfg: WorkerConfig) -> None:
@@ -92,22 +108,29 @@ def run_worker(cfg: WorkerConfig) -> None:
     # Ctrl-C reaches the whole process group; the service decides when workers stop.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     cv2.setNumThreads(1)
-    index = DatasetIndex.load(cfg.index_dir, cfg.data)
-    segment = Segment.attach(cfg.segment, cfg.layout.segment_bytes(cfg.slots))
+    feeds = [
+        OpenFeed(
+            f,
+            DatasetIndex.load(f.index_dir, f.data),
+            Segment.attach(f.segment, f.layout.segment_bytes(f.slots)),
+        )
+        for f in cfg.feeds
+    ]
     ctx = zmq.Context()
     sock = ctx.socket(zmq.DEALER)
     sock.setsockopt(zmq.LINGER, 0)
     try:
         sock.connect(cfg.backend)
         sock.send(encode(WorkerReady(cfg.worker, os.getpid())))
-        _serve(cfg, index, segment, sock)
+        _serve(cfg, feeds, sock)
     finally:
         sock.close(linger=0)
         ctx.term()
-        segment.close()
+        for feed in feeds:
+            feed.segment.close()
 
 
-def _serve(cfg: WorkerConfig, index: DatasetIndex, segment: Segment, sock: zmq.Socket[bytes]) -> None:
+def _serve(cfg: WorkerConfig, feeds: list[OpenFeed], sock: zmq.Socket[bytes]) -> None:
     while True:
         if not sock.poll(POLL_MS):
             if os.getppid() != cfg.parent_pid:
@@ -117,5 +140,4 @@ def _serve(cfg: WorkerConfig, index: DatasetIndex, segment: Segment, sock: zmq.S
         msg = decode(sock.recv(), (Task, StopWorker))
         if not isinstance(msg, Task):
             return  # stop
-        views = slot_views(segment, cfg.layout, msg.slot, cfg.slots)
-        sock.send(encode(fill_slot(cfg, index, views, msg)))
+        sock.send(encode(fill_slot(cfg.worker, feeds[msg.feed], msg)))

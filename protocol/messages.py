@@ -18,6 +18,8 @@ Pixels never travel in a message: a ``batch`` names a slot of the feed's shared-
       heartbeat{session}  (from a second socket, every heartbeat interval)
       bye ---------------------------------->
 
+    any peer: status? -> status{body}   (no session needed)
+
 Decode workers speak ``w_ready`` / ``task`` / ``done`` / ``stop`` with the service on a private socket.
 
 Decoding never trusts its input: frames above ``MAX_FRAME_BYTES`` are refused before unpacking, msgpack
@@ -67,6 +69,13 @@ def _str(d: Mapping[str, Any], key: str, max_len: int = _MAX_STR) -> str:
     return value
 
 
+def _choice(d: Mapping[str, Any], key: str, choices: tuple[str, ...]) -> str:
+    value = d.get(key)
+    if value not in choices:
+        raise ProtocolError(f"field {key!r} must be one of {', '.join(choices)}")
+    return str(value)
+
+
 def _bool(d: Mapping[str, Any], key: str) -> bool:
     value = d.get(key)
     if type(value) is not bool:
@@ -109,22 +118,56 @@ class Message:
 # --- trainer -> service -------------------------------------------------------------------------
 
 
+MODES = ("shard", "broadcast")
+REMAINDERS = ("pad", "drop")
+
+
 @dataclass(frozen=True)
 class Hello(Message):
     """Open a session on ``feed`` ("" picks the service's first feed), allowing ``credits`` batches
-    to be delivered and not yet released at any time."""
+    to be delivered and not yet released at any time.
+
+    ``mode="shard"``: this trainer is ``rank`` of ``world_size`` and gets its disjoint share of every
+    epoch (``remainder`` says whether the last uneven samples are padded or dropped).
+    ``mode="broadcast"``: every member of ``group`` gets every batch, decoded once; the group's first
+    epoch starts when ``group_size`` members have started it.
+    ``batch_size`` / ``image_size``, when not 0, are what the trainer expects; a feed serving another
+    geometry refuses the session instead of delivering the wrong shape.
+    """
 
     KIND: ClassVar[str] = "hello"
     client: str
     pid: int
     feed: str = ""
     credits: int = 6
+    mode: str = "shard"
+    rank: int = 0
+    world_size: int = 1
+    remainder: str = "pad"
+    group: str = ""
+    group_size: int = 1
+    batch_size: int = 0
+    image_size: int = 0
 
     @classmethod
     def from_fields(cls, d: Mapping[str, Any]) -> Hello:
-        return cls(
-            _str(d, "client", 128), _int(d, "pid"), _str(d, "feed", 64), _int(d, "credits", 1, MAX_CREDITS)
+        hello = cls(
+            client=_str(d, "client", 128),
+            pid=_int(d, "pid"),
+            feed=_str(d, "feed", 64),
+            credits=_int(d, "credits", 1, MAX_CREDITS),
+            mode=_choice(d, "mode", MODES),
+            rank=_int(d, "rank", 0, 65535),
+            world_size=_int(d, "world_size", 1, 65536),
+            remainder=_choice(d, "remainder", REMAINDERS),
+            group=_str(d, "group", 64),
+            group_size=_int(d, "group_size", 1, 1024),
+            batch_size=_int(d, "batch_size", 0, 65536),
+            image_size=_int(d, "image_size", 0, 8192),
         )
+        if hello.rank >= hello.world_size:
+            raise ProtocolError(f"rank {hello.rank} must be below world_size {hello.world_size}")
+        return hello
 
 
 @dataclass(frozen=True)
@@ -221,10 +264,14 @@ class FeedInfo:
 
 @dataclass(frozen=True)
 class Welcome(Message):
+    """Session accepted: ``batches`` and ``samples`` are this trainer's share of one epoch."""
+
     KIND: ClassVar[str] = "welcome"
     session: str
     feed: FeedInfo
     heartbeat_interval: float
+    batches: int
+    samples: int
 
     @classmethod
     def from_fields(cls, d: Mapping[str, Any]) -> Welcome:
@@ -232,7 +279,32 @@ class Welcome(Message):
             _str(d, "session", 64),
             FeedInfo.from_fields(_map(d, "feed")),
             _float(d, "heartbeat_interval", 0.01, 3600),
+            _int(d, "batches"),
+            _int(d, "samples"),
         )
+
+
+@dataclass(frozen=True)
+class StatusRequest(Message):
+    """Ask for a snapshot of the service; needs no session (``loader-service status``, tests)."""
+
+    KIND: ClassVar[str] = "status?"
+
+    @classmethod
+    def from_fields(cls, d: Mapping[str, Any]) -> StatusRequest:
+        return cls()
+
+
+@dataclass(frozen=True)
+class StatusReply(Message):
+    """``body``: a JSON-shaped map (feeds, sessions, workers, counters); informational, not a contract."""
+
+    KIND: ClassVar[str] = "status"
+    body: Mapping[str, Any]
+
+    @classmethod
+    def from_fields(cls, d: Mapping[str, Any]) -> StatusReply:
+        return cls(_map(d, "body"))
 
 
 @dataclass(frozen=True)
@@ -301,10 +373,11 @@ class WorkerReady(Message):
 
 @dataclass(frozen=True)
 class Task(Message):
-    """Decode the samples ``indices`` (little-endian int64) of ``epoch`` into ``slot``, rows from 0."""
+    """Decode the samples ``indices`` (little-endian int64) of ``epoch`` into ``slot`` of ``feed``."""
 
     KIND: ClassVar[str] = "task"
     task: int
+    feed: int
     slot: int
     epoch: int
     indices: bytes
@@ -314,7 +387,9 @@ class Task(Message):
         indices = _bytes(d, "indices", 8 * 65536)
         if len(indices) % 8:
             raise ProtocolError("field 'indices' must hold whole int64 values")
-        return cls(_int(d, "task"), _int(d, "slot", 0, 65535), _int(d, "epoch"), indices)
+        return cls(
+            _int(d, "task"), _int(d, "feed", 0, 255), _int(d, "slot", 0, 65535), _int(d, "epoch"), indices
+        )
 
 
 @dataclass(frozen=True)
@@ -355,6 +430,8 @@ _KINDS: dict[str, type[Message]] = {
         Heartbeat,
         Bye,
         Welcome,
+        StatusRequest,
+        StatusReply,
         BatchReady,
         EpochEnd,
         ErrorReply,

@@ -168,7 +168,7 @@ def test_connect_timeout_is_a_clear_error(tmp_path: Path) -> None:
 
 def test_unknown_feed_is_refused(photos: Path, start_service: ServiceFactory) -> None:
     service = start_service(photos)
-    with pytest.raises(ServiceError, match="serves feed 'train'"):
+    with pytest.raises(ServiceError, match=r"serves feed\(s\) 'train', not 'val'"):
         ServiceLoader(service.endpoint, feed="val", connect_timeout=10)
 
 

@@ -40,12 +40,12 @@ EXAMPLES: list[Message] = [
     Release((1, 2, 3)),
     Heartbeat("abc"),
     Bye(),
-    Welcome("s1", FEED, 1.0),
+    Welcome("s1", FEED, 1.0, 2, 100),
     BatchReady(1, 2, 3, 4, 5, 64),
     EpochEnd(1, 2, 3),
     ErrorReply("bad", "why", True),
     WorkerReady(1, 99),
-    Task(1, 2, 3, b"\x00" * 16),
+    Task(1, 0, 2, 3, b"\x00" * 16),
     TaskDone(1, 2, 3, ((4, "empty file"),)),
     StopWorker(),
 ]
@@ -90,7 +90,7 @@ def test_malformed_frames_are_refused(raw: bytes, reason: str) -> None:
 
 def test_kind_outside_expected_set_is_refused() -> None:
     with pytest.raises(ProtocolError, match="unexpected message kind"):
-        decode(encode(Task(1, 2, 3, b"")), (Hello, Start))
+        decode(encode(Task(1, 0, 2, 3, b"")), (Hello, Start))
 
 
 def test_integer_keys_are_refused() -> None:

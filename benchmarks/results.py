@@ -1,0 +1,227 @@
+"""What a run produces: measurements per scenario, per-batch timelines, and the targets of issue 5.
+
+A ``Measurement`` keeps every repeat, not only the median, so the JSON lets a reader judge the spread.
+Targets are evaluated here from measurements alone (pure), and reported, never enforced: a run whose
+service misses a target still succeeds as a benchmark.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from benchmarks.stats import growth, is_flat, median, paired_ratio, ratio
+
+SERVICE = "service"
+DL_OPENCV = "dl_opencv"
+DL_PIL = "dl_pil"
+DECODE_LIMIT = "decode_limit"
+CONTENDERS = {
+    SERVICE: "dataferry",
+    DL_OPENCV: "DataLoader+OpenCV",
+    DL_PIL: "DataLoader+PIL",
+    DECODE_LIMIT: "decode limit",
+}
+"""Contender keys (as in the JSON) and the labels tables use."""
+
+# Targets of issue 5 on the 2-core machine.
+A_VS_DATALOADER = 1.15
+A_VS_DECODE_LIMIT = 0.90
+B_PER_TRAINER = 3.5
+C_FIRST_BATCH_SECONDS = 0.1
+D_OVERLAP = 1.05
+E_MEDIAN_MICROSECONDS = 100.0
+E_FLAT = 1.25
+"""(e) reads "flat" as: the median at the largest batch is at most 1.25x the one at the smallest."""
+G_ABSOLUTE_MIB = 4.0
+G_RELATIVE = 0.02
+"""(g) reads "no growth" as: never more than max(4 MiB, 2%) above the first epoch's value."""
+
+
+@dataclass(frozen=True)
+class Measurement:
+    """Repeated values of one quantity, per contender (or per series, for (g))."""
+
+    scenario: str
+    key: str
+    title: str
+    unit: str
+    samples: Mapping[str, Sequence[float]]
+    paired: bool = False
+    """``samples[c][i]`` of every contender were taken in the same round: ratios pair them."""
+    notes: Mapping[str, float] = field(default_factory=dict)
+    """Parameters the scenario chose (a compute step's seconds, a batch size...)."""
+
+    def median(self, contender: str) -> float | None:
+        return median(self.samples.get(contender, ()))
+
+    def ratio(self, first: str, second: str) -> float | None:
+        """``first`` over ``second``: median of paired ratios when paired, else ratio of medians."""
+        a, b = self.samples.get(first, ()), self.samples.get(second, ())
+        if self.paired:
+            return paired_ratio(a, b)
+        return ratio(median(a), median(b))
+
+
+@dataclass(frozen=True)
+class Timeline:
+    """Per batch: when it was done (s since the timeline began), its images, and the wait for it."""
+
+    ends: tuple[float, ...] = ()
+    images: tuple[int, ...] = ()
+    waits: tuple[float, ...] = ()
+
+    def then(self, later: Timeline) -> Timeline:
+        """This timeline followed by ``later``, shifted to start where this one ends."""
+        offset = self.ends[-1] if self.ends else 0.0
+        return Timeline(
+            self.ends + tuple(t + offset for t in later.ends),
+            self.images + later.images,
+            self.waits + later.waits,
+        )
+
+
+@dataclass(frozen=True)
+class Check:
+    """One target of issue 5: what it asks, what was measured, and whether it passed (None: not run)."""
+
+    scenario: str
+    target: str
+    measured: str
+    passed: bool | None
+
+    @property
+    def verdict(self) -> str:
+        return {True: "PASS", False: "FAIL", None: "n/a"}[self.passed]
+
+
+@dataclass(frozen=True)
+class BenchResults:
+    """Everything the reports are made from."""
+
+    settings: Mapping[str, Any]
+    machine: Mapping[str, str]
+    measurements: tuple[Measurement, ...]
+    timelines: Mapping[str, Timeline]
+    cleanup: Mapping[str, Any]
+    started: str
+    seconds: float
+
+    def get(self, key: str) -> Measurement | None:
+        return next((m for m in self.measurements if m.key == key), None)
+
+
+def _fmt(value: float | None, spec: str, suffix: str = "") -> str:
+    return "not measured" if value is None else format(value, spec) + suffix
+
+
+def _at_least(value: float | None, threshold: float) -> bool | None:
+    return None if value is None else value >= threshold
+
+
+def _at_most(value: float | None, threshold: float) -> bool | None:
+    return None if value is None else value <= threshold
+
+
+def check_a(a: Measurement | None) -> list[Check]:
+    vs_dl = a.ratio(SERVICE, DL_OPENCV) if a else None
+    vs_limit = a.ratio(SERVICE, DECODE_LIMIT) if a else None
+    return [
+        Check(
+            "a",
+            f"dataferry >= {A_VS_DATALOADER}x DataLoader+OpenCV",
+            _fmt(vs_dl, ".2f", "x"),
+            _at_least(vs_dl, A_VS_DATALOADER),
+        ),
+        Check(
+            "a",
+            f"dataferry >= {A_VS_DECODE_LIMIT:.0%} of the decode limit",
+            _fmt(vs_limit, ".0%"),
+            _at_least(vs_limit, A_VS_DECODE_LIMIT),
+        ),
+    ]
+
+
+def check_b(b: Measurement | None) -> list[Check]:
+    per_trainer = b.ratio(SERVICE, DL_OPENCV) if b else None
+    return [
+        Check(
+            "b",
+            f"per trainer >= {B_PER_TRAINER}x four DataLoaders",
+            _fmt(per_trainer, ".2f", "x"),
+            _at_least(per_trainer, B_PER_TRAINER),
+        ),
+    ]
+
+
+def check_c(c: Measurement | None) -> list[Check]:
+    seconds = c.median(SERVICE) if c else None
+    return [
+        Check(
+            "c",
+            f"first batch <= {C_FIRST_BATCH_SECONDS} s",
+            _fmt(seconds, ".3f", " s"),
+            _at_most(seconds, C_FIRST_BATCH_SECONDS),
+        ),
+    ]
+
+
+def check_d(d: Measurement | None) -> list[Check]:
+    overlap = d.median(SERVICE) if d else None
+    return [
+        Check(
+            "d",
+            f"epoch <= {D_OVERLAP} x max(load, compute)",
+            _fmt(overlap, ".3f", "x"),
+            _at_most(overlap, D_OVERLAP),
+        ),
+    ]
+
+
+def check_e(costs: Sequence[Measurement]) -> list[Check]:
+    """Under the limit at every batch size, and the largest batch within E_FLAT of the smallest."""
+    ordered = sorted(costs, key=lambda m: m.notes.get("batch_size", 0))
+    medians = [m.median(SERVICE) for m in ordered]
+    complete = len(medians) >= 2 and None not in medians
+    worst = max(m for m in medians if m is not None) if complete else None
+    spread = ratio(medians[-1], medians[0]) if complete else None
+    sizes = "/".join(f"{m.notes.get('batch_size', 0):.0f}" for m in ordered) or "64/256"
+    return [
+        Check(
+            "e",
+            f"next() median <= {E_MEDIAN_MICROSECONDS:.0f} us at batch {sizes}",
+            _fmt(worst, ".0f", " us (worst)"),
+            _at_most(worst, E_MEDIAN_MICROSECONDS),
+        ),
+        Check(
+            "e",
+            f"flat: largest batch <= {E_FLAT}x smallest",
+            _fmt(spread, ".2f", "x"),
+            _at_most(spread, E_FLAT),
+        ),
+    ]
+
+
+def check_g(g: Measurement | None) -> list[Check]:
+    """The service's private memory and its shared memory must both stay flat after epoch 1."""
+    target = "no memory growth after the first epoch"
+    series = [g.samples.get(k, ()) for k in ("rss_anon_mib", "shm_mib")] if g else []
+    if len(series) < 2 or any(len(s) < 2 for s in series):
+        return [Check("g", target, "not measured", None)]
+    flat = all(is_flat(s, G_ABSOLUTE_MIB, G_RELATIVE) for s in series)
+    rises = ", ".join(f"{name} +{growth(s):.1f} MiB" for name, s in zip(("anon", "shm"), series, strict=True))
+    return [Check("g", target, rises, flat)]
+
+
+def evaluate_targets(results: BenchResults) -> list[Check]:
+    """Every target of issue 5, in scenario order; targets of scenarios not run read "n/a"."""
+    costs = [m for m in results.measurements if m.scenario == "e"]
+    return [
+        *check_a(results.get("a")),
+        *check_b(results.get("b")),
+        *check_c(results.get("c")),
+        *check_d(results.get("d")),
+        *check_e(costs),
+        *check_g(results.get("g")),
+    ]

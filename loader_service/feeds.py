@@ -1,0 +1,113 @@
+"""A feed at run time: its dataset index, slot layout, shared-memory pool and counters."""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+import numpy.typing as npt
+
+from loader_service.config import FeedConfig
+from loader_service.index import DatasetIndex, build_index
+from loader_service.sampler import batches_per_epoch, shard_plan, shard_size
+from loader_service.shm import Segment, new_segment_name
+from loader_service.slots import SlotPool
+from loader_service.worker import WorkerFeed
+from protocol.layout import SlotLayout
+from protocol.messages import FeedInfo
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class FeedCounters:
+    decoded: int = 0
+    batches: int = 0
+    bad_files: int = 0
+
+
+@dataclass
+class Feed:
+    id: int
+    config: FeedConfig
+    index: DatasetIndex
+    layout: SlotLayout
+    segment: Segment
+    pool: SlotPool
+    index_dir: Path
+    counters: FeedCounters = field(default_factory=FeedCounters)
+    bad_files: dict[int, str] = field(default_factory=dict)
+
+    @classmethod
+    def open(cls, feed_id: int, config: FeedConfig, runtime_dir: Path) -> Feed:
+        """Index the data and create the pool; the caller closes the feed on every exit path."""
+        index = build_index(
+            config.data, progress=lambda n: log.info("feed %s: indexing, %d files", config.name, n)
+        )
+        index_dir = runtime_dir / f"feed{feed_id}"
+        index_dir.mkdir()
+        index.save(index_dir)
+        layout = SlotLayout(config.batch_size, config.image_size)
+        segment = Segment.create(new_segment_name(config.name), layout.segment_bytes(config.slots))
+        return cls(feed_id, config, index, layout, segment, SlotPool(config.slots), index_dir)
+
+    def close(self) -> None:
+        self.segment.close()
+        self.segment.unlink()
+
+    @property
+    def name(self) -> str:
+        return self.config.name
+
+    def shard_batches(self, world_size: int, remainder: str) -> int:
+        return batches_per_epoch(shard_size(len(self.index), world_size, remainder), self.config.batch_size)
+
+    def plan(self, epoch: int, rank: int, world_size: int, remainder: str) -> npt.NDArray[np.int64]:
+        return shard_plan(self.config.seed, epoch, len(self.index), rank, world_size, remainder)
+
+    def info(self) -> FeedInfo:
+        cfg = self.config
+        return FeedInfo(
+            name=cfg.name,
+            samples=len(self.index),
+            classes=len(self.index.classes),
+            batch_size=cfg.batch_size,
+            image_size=cfg.image_size,
+            batches_per_epoch=self.shard_batches(1, "pad"),
+            seed=cfg.seed,
+            augment=cfg.augment,
+            fingerprint=self.index.fingerprint(),
+            segment=self.segment.name,
+            slots=cfg.slots,
+        )
+
+    def worker_feed(self) -> WorkerFeed:
+        return WorkerFeed(
+            segment=self.segment.name,
+            slots=self.config.slots,
+            layout=self.layout,
+            index_dir=self.index_dir,
+            data=self.config.data,
+            seed=self.config.seed,
+            augment=self.config.augment,
+        )
+
+    def note_bad(self, index: int, reason: str) -> None:
+        self.counters.bad_files += 1
+        if index not in self.bad_files and 0 <= index < len(self.index):
+            self.bad_files[index] = reason
+            log.warning("feed %s: bad file skipped: %s: %s", self.name, self.index.relpath(index), reason)
+
+    def status(self) -> dict[str, object]:
+        recent = [self.index.relpath(i) for i in list(self.bad_files)[-5:]]
+        return {
+            "name": self.name,
+            "samples": len(self.index),
+            "slots": self.pool.counts(),
+            "decoded": self.counters.decoded,
+            "batches": self.counters.batches,
+            "bad_files": self.counters.bad_files,
+            "recent_bad_files": recent,
+        }

@@ -1,0 +1,236 @@
+"""Streams: who gets which batch. A stream produces one epoch plan and delivers it to its members.
+
+* Shard mode: one stream per trainer, planned from (seed, epoch, rank, world_size, remainder). A
+  ``start`` at any epoch and position restarts it there (set_epoch, resume, breaking out of a loop).
+* Broadcast mode: one stream per (feed, group), with every member receiving every batch; each batch
+  is decoded once and its slot is freed when every member has released it (or left).
+
+NOTE [ Broadcast epochs ]
+    The group's first epoch begins when ``group_size`` members have started it (they must agree on
+    the epoch and position). Later epochs begin when every member has finished the current one and
+    started the next: members iterate epochs together. A member that starts the epoch the group is
+    already in (a late joiner, or one that rejoined after dying) receives it from the oldest batch
+    still held, so it may miss the batches before that: exactly-once holds for members that stay.
+    A member that holds the group up for longer than the lag timeout is evicted (service.py), and a
+    dead one is dropped after its heartbeat timeout, so the others never stall forever.
+
+Every batch is keyed by (generation, seq); the generation changes with every (re)start of a plan, so
+slots of an abandoned plan are never delivered, and are freed when their last holder lets go.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+
+import numpy as np
+import numpy.typing as npt
+
+from loader_service.feeds import Feed
+from loader_service.sessions import Session
+
+BatchKey = tuple[int, int]
+
+
+@dataclass
+class SharedBatch:
+    slot: int
+    count: int
+    pending: set[str]
+    """Members that should still receive this batch."""
+    holders: set[str] = field(default_factory=set)
+    """Members holding a lease on it."""
+
+    @property
+    def finished(self) -> bool:
+        return not self.pending and not self.holders
+
+
+@dataclass
+class Member:
+    session: Session
+    want: tuple[int, int] | None = None
+    """(epoch, position) asked by the latest start that has not begun yet."""
+    active: bool = False
+    next_send: int = 0
+    end_sent: bool = True
+
+
+class StartRefused(ValueError):
+    """A start that a broadcast group cannot honour; the message goes to the trainer."""
+
+
+class Stream:
+    def __init__(self, key: tuple[object, ...], feed: Feed, session: Session) -> None:
+        self.key = key
+        self.feed = feed
+        self.broadcast = session.mode == "broadcast"
+        self.rank, self.world_size, self.remainder = session.rank, session.world_size, session.remainder
+        self.group, self.group_size = session.group, session.group_size
+        self.members: dict[str, Member] = {}
+        self.gen = 0
+        self.epoch = -1
+        self.plan: npt.NDArray[np.int64] | None = None
+        self.next_produce = 0
+        self.end = 0
+        self.filling = 0
+        self.batches: dict[BatchKey, SharedBatch] = {}
+        self.blocked_since: float | None = None
+
+    # --- membership -----------------------------------------------------------------------------
+
+    def add(self, session: Session) -> None:
+        self.members[session.session_id] = Member(session)
+
+    def remove(self, session_id: str) -> list[int]:
+        """Forget a member; return the slots that no one needs any more."""
+        self.members.pop(session_id, None)
+        for batch in self.batches.values():
+            batch.pending.discard(session_id)
+            batch.holders.discard(session_id)
+        return self._collect()
+
+    @property
+    def window(self) -> int:
+        return min((m.session.credits for m in self.members.values()), default=0)
+
+    @property
+    def in_flight(self) -> int:
+        return self.filling + len(self.batches)
+
+    def batches_per_epoch(self) -> int:
+        return self.feed.shard_batches(self.world_size, self.remainder)
+
+    # --- starting epochs ------------------------------------------------------------------------
+
+    def on_start(self, session_id: str, epoch: int, position: int) -> list[int]:
+        """Apply a member's start; return slots freed by abandoning a plan. May raise StartRefused."""
+        member = self.members[session_id]
+        if not self.broadcast:
+            freed = self._begin(epoch, position)
+            self._activate(member, position)
+            return freed
+        if self.plan is not None and epoch == self.epoch and not member.active:
+            self._join_running(member)
+            return []
+        self._check_broadcast_start(member, epoch, position)
+        member.active, member.want = False, (epoch, position)
+        return self._maybe_begin_group_epoch()
+
+    def _check_broadcast_start(self, member: Member, epoch: int, position: int) -> None:
+        others = {m.want for m in self.members.values() if m.want is not None and m is not member}
+        if others and others != {(epoch, position)}:
+            raise StartRefused(
+                f"broadcast group {self.group!r} members must start the same epoch and position: "
+                f"others asked for {sorted(others)}, this trainer for {(epoch, position)}"
+            )
+        if self.plan is not None and epoch != self.epoch + 1:
+            raise StartRefused(
+                f"broadcast group {self.group!r} is in epoch {self.epoch}; its members iterate epochs "
+                f"together, so the next one is {self.epoch + 1}, not {epoch}"
+            )
+        if self.plan is not None and position != 0:
+            raise StartRefused("a broadcast group resumes at a position only before its first epoch")
+
+    def _maybe_begin_group_epoch(self) -> list[int]:
+        waiting = [m for m in self.members.values() if m.want is not None]
+        if self.plan is None and len(waiting) < self.group_size:
+            return []  # NOTE [ Broadcast epochs ]: the first epoch waits for group_size members
+        if len(waiting) < len(self.members) or not waiting:
+            return []  # someone is still in the current epoch
+        epoch, position = waiting[0].want  # type: ignore[misc]
+        freed = self._begin(epoch, position)
+        for m in waiting:
+            self._activate(m, position)
+        return freed
+
+    def on_member_left(self) -> list[int]:
+        """A departed member may have been the last one the next epoch was waiting for."""
+        return [] if self.plan is None else self._maybe_begin_group_epoch()
+
+    def _join_running(self, member: Member) -> None:
+        current = [seq for gen, seq in self.batches if gen == self.gen]
+        start = min(current, default=self.next_produce)
+        self._activate(member, start)
+        for (gen, seq), batch in self.batches.items():
+            if gen == self.gen and seq >= start:
+                batch.pending.add(member.session.session_id)
+
+    def _activate(self, member: Member, position: int) -> None:
+        member.want, member.active = None, True
+        member.next_send, member.end_sent = min(position, self.end), False
+
+    def _begin(self, epoch: int, position: int) -> list[int]:
+        """Switch to a new plan; undelivered batches of the old one are dropped."""
+        self.gen += 1
+        self.epoch = epoch
+        self.plan = self.feed.plan(epoch, self.rank, self.world_size, self.remainder)
+        self.end = self.batches_per_epoch()
+        self.next_produce = min(position, self.end)
+        self.filling = 0
+        for batch in self.batches.values():
+            batch.pending.clear()
+        return self._collect()
+
+    # --- production -----------------------------------------------------------------------------
+
+    def wants_batch(self) -> bool:
+        return self.plan is not None and self.next_produce < self.end and self.in_flight < self.window
+
+    def plan_batch(self) -> tuple[int, int, npt.NDArray[np.int64]]:
+        """(generation, seq, sample indices) of the next batch to decode."""
+        assert self.plan is not None
+        seq = self.next_produce
+        self.next_produce += 1
+        self.filling += 1
+        size = self.feed.config.batch_size
+        return self.gen, seq, self.plan[seq * size : (seq + 1) * size]
+
+    def filled(self, gen: int, seq: int, slot: int, count: int) -> bool:
+        """Record a decoded batch; False if its plan was abandoned meanwhile (free the slot)."""
+        if gen != self.gen:
+            return False
+        self.filling -= 1
+        active = {sid for sid, m in self.members.items() if m.active and m.next_send <= seq}
+        if not active:
+            return False
+        self.batches[(gen, seq)] = SharedBatch(slot, count, active)
+        return True
+
+    # --- delivery -------------------------------------------------------------------------------
+
+    def deliverable(self, member: Member) -> Iterator[tuple[BatchKey, SharedBatch]]:
+        """Batches ``member`` may be sent now, in order, within its credits."""
+        sid = member.session.session_id
+        while member.active and len(member.session.leases) < member.session.credits:
+            key = (self.gen, member.next_send)
+            batch = self.batches.get(key)
+            if batch is None:
+                return
+            batch.pending.discard(sid)
+            batch.holders.add(sid)
+            member.next_send += 1
+            yield key, batch
+
+    def release(self, session_id: str, key: BatchKey) -> int | None:
+        """A member let go of a batch; return its slot if nobody needs it any more."""
+        batch = self.batches.get(key)
+        if batch is None:
+            return None
+        batch.holders.discard(session_id)
+        if batch.finished:
+            del self.batches[key]
+            return batch.slot
+        return None
+
+    def _collect(self) -> list[int]:
+        done = [key for key, batch in self.batches.items() if batch.finished]
+        return [self.batches.pop(key).slot for key in done]
+
+    def laggard(self) -> str | None:
+        """The member holding up a full broadcast window: it has not received or released the oldest batch."""
+        if not self.broadcast or len(self.members) < 2 or self.in_flight < self.window or not self.batches:
+            return None
+        oldest = self.batches[min(self.batches)]
+        stuck = sorted(oldest.pending | oldest.holders)
+        return stuck[0] if stuck else None
