@@ -192,6 +192,7 @@ class ServiceLoader:
         self._position = 0
         self._current_epoch: int | None = None
         self._released: deque[int] = deque()
+        self._inbox: deque[Message] = deque()
         self._live: set[int] = set()
         self._run = 0
         self._next_epoch = 0
@@ -363,21 +364,35 @@ class ServiceLoader:
         self._heartbeat.start()
 
     def _recv(self, deadline: float) -> Message | None:
-        """Next message from the service, or None at ``deadline``; sends pending releases meanwhile."""
+        """Next message from the service, or None at ``deadline``; sends pending releases meanwhile.
+
+        Whatever else has already arrived is read too, so that a fatal error (eviction, refusal)
+        queued behind batches is raised now, instead of handing out batches the service disowned.
+        """
         while True:
             if self._stager is not None:
                 self._stager.collect()
             self._flush_releases()
+            if self._inbox:
+                return self._inbox.popleft()
             remaining = deadline - time.monotonic()
             if remaining <= 0:
                 return None
             if self._sock.poll(int(min(remaining, POLL_SLICE) * 1000) + 1):
-                msg = self._decode(self._sock.recv())
-                self._last_heard = time.monotonic()
-                if isinstance(msg, ErrorReply):
-                    self._on_error(msg)
-                    continue
-                return msg
+                self._read_available()
+
+    def _read_available(self) -> None:
+        while True:
+            try:
+                frame = self._sock.recv(zmq.NOBLOCK)
+            except zmq.Again:
+                return
+            msg = self._decode(frame)
+            self._last_heard = time.monotonic()
+            if isinstance(msg, ErrorReply):
+                self._on_error(msg)
+            else:
+                self._inbox.append(msg)
 
     @staticmethod
     def _decode(frame: bytes) -> Message:

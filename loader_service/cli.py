@@ -31,6 +31,9 @@ def _add_serve(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
     p.add_argument(
         "--client-timeout", type=float, help="seconds of trainer silence before its leases are reclaimed"
     )
+    p.add_argument(
+        "--lag-timeout", type=float, help="seconds one broadcast member may hold its group up (30)"
+    )
     p.add_argument("--log-level", help="DEBUG, INFO, WARNING or ERROR")
     p.set_defaults(func=_cmd_serve)
 
@@ -49,6 +52,7 @@ def _cmd_serve(args: argparse.Namespace) -> int:
         "slots",
         "feed",
         "client_timeout",
+        "lag_timeout",
         "log_level",
     )
     try:

@@ -265,7 +265,11 @@ class LoaderService:
             )
             return
         session.last_seen = time.monotonic()
-        if isinstance(msg, Start):
+        if isinstance(msg, Start) and session.evicted:
+            self._reject(
+                routing_id, "evicted", "this trainer was evicted from its broadcast group", fatal=True
+            )
+        elif isinstance(msg, Start):
             self._on_start(session, msg)
         elif isinstance(msg, Release):
             self._on_release(session, msg)
@@ -396,7 +400,7 @@ class LoaderService:
         session.leases.clear()
         del self._sessions[session.routing_id]
         self._by_session_id.pop(session.session_id, None)
-        if not stream.members:
+        if not stream.members and not stream.evicted:
             self._free(stream.feed, [b.slot for b in stream.batches.values()])
             del self._streams[key]
             self._rr.remove(key)
@@ -422,9 +426,16 @@ class LoaderService:
                 stream.blocked_since = None
                 session = self._session_by_id(laggard)
                 if session is not None:
-                    why = f"held broadcast group {stream.group!r} up for over {self.config.lag_timeout:.0f} s"
-                    self._reject(session.routing_id, "evicted", f"evicted: {why}", fatal=True)
-                    self._drop_session(session, why)
+                    self._evict(stream, session)
+
+    def _evict(self, stream: Stream, session: Session) -> None:
+        why = f"held broadcast group {stream.group!r} up for over {self.config.lag_timeout:.0f} s"
+        log.warning("session %s (%s) evicted: %s", session.session_id, session.client, why)
+        session.evicted = True
+        self._free(stream.feed, stream.evict(session.session_id))
+        self._free(stream.feed, stream.on_member_left())
+        self._reject(session.routing_id, "evicted", f"evicted: {why}", fatal=True)
+        self._deliver(stream)
 
     def _send_heartbeats(self, now: float) -> None:
         if now - self._last_heartbeat < self.config.heartbeat_interval:

@@ -25,6 +25,7 @@ class Session:
     leases: dict[int, tuple[int, int]] = field(default_factory=dict)
     """lease id -> (generation, seq) of the stream batch it names."""
     delivered: int = 0
+    evicted: bool = False
 
     @property
     def client(self) -> str:

@@ -11,8 +11,10 @@ NOTE [ Broadcast epochs ]
     started the next: members iterate epochs together. A member that starts the epoch the group is
     already in (a late joiner, or one that rejoined after dying) receives it from the oldest batch
     still held, so it may miss the batches before that: exactly-once holds for members that stay.
-    A member that holds the group up for longer than the lag timeout is evicted (service.py), and a
-    dead one is dropped after its heartbeat timeout, so the others never stall forever.
+    A member that holds the group up for longer than the lag timeout is evicted (service.py): it gets
+    no further batches, but keeps the slots of those it holds until it releases them, so a slow step
+    never sees its batch overwritten. A dead member is dropped after its heartbeat timeout, and its
+    slots with it. Either way the others never stall for longer than those timeouts.
 
 Every batch is keyed by (generation, seq); the generation changes with every (re)start of a plan, so
 slots of an abandoned plan are never delivered, and are freed when their last holder lets go.
@@ -68,6 +70,8 @@ class Stream:
         self.rank, self.world_size, self.remainder = session.rank, session.world_size, session.remainder
         self.group, self.group_size = session.group, session.group_size
         self.members: dict[str, Member] = {}
+        self.evicted: set[str] = set()
+        """Members removed for lag that still hold leases: their slots stay theirs until released."""
         self.gen = 0
         self.epoch = -1
         self.plan: npt.NDArray[np.int64] | None = None
@@ -82,9 +86,18 @@ class Stream:
     def add(self, session: Session) -> None:
         self.members[session.session_id] = Member(session)
 
+    def evict(self, session_id: str) -> list[int]:
+        """Stop delivering to a member but leave it the batches it holds; return slots now unneeded."""
+        self.members.pop(session_id, None)
+        self.evicted.add(session_id)
+        for batch in self.batches.values():
+            batch.pending.discard(session_id)
+        return self._collect()
+
     def remove(self, session_id: str) -> list[int]:
         """Forget a member; return the slots that no one needs any more."""
         self.members.pop(session_id, None)
+        self.evicted.discard(session_id)
         for batch in self.batches.values():
             batch.pending.discard(session_id)
             batch.holders.discard(session_id)
@@ -96,7 +109,8 @@ class Stream:
 
     @property
     def in_flight(self) -> int:
-        return self.filling + len(self.batches)
+        """Batches counted against the window; those held only by evicted members no longer are."""
+        return self.filling + sum(1 for b in self.batches.values() if b.pending or b.holders - self.evicted)
 
     def batches_per_epoch(self) -> int:
         return self.feed.shard_batches(self.world_size, self.remainder)
@@ -231,6 +245,9 @@ class Stream:
         """The member holding up a full broadcast window: it has not received or released the oldest batch."""
         if not self.broadcast or len(self.members) < 2 or self.in_flight < self.window or not self.batches:
             return None
-        oldest = self.batches[min(self.batches)]
-        stuck = sorted(oldest.pending | oldest.holders)
+        live = [key for key, b in self.batches.items() if b.pending or b.holders - self.evicted]
+        if not live:
+            return None
+        oldest = self.batches[min(live)]
+        stuck = sorted((oldest.pending | oldest.holders) - self.evicted)
         return stuck[0] if stuck else None

@@ -1,0 +1,335 @@
+"""Several trainers on one feed: DDP shards, broadcast groups, resume after a kill, several feeds."""
+
+from __future__ import annotations
+
+import json
+import signal
+import subprocess
+import sys
+import threading
+import time
+from collections import Counter
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import pytest
+import zmq
+
+from gpu_worker import ServiceError, ServiceLoader
+from loader_service.index import build_index
+from protocol.messages import StatusReply, StatusRequest, decode, encode
+from tests.conftest import REPO, ServiceFactory, ServiceProcess
+
+pytestmark = pytest.mark.integration
+
+
+def in_threads(jobs: list[Callable[[], Any]], timeout: float = 120) -> list[Any]:
+    """Run ``jobs`` concurrently; return their results, re-raising the first failure."""
+    results: list[Any] = [None] * len(jobs)
+    errors: list[BaseException] = []
+
+    def run(i: int) -> None:
+        try:
+            results[i] = jobs[i]()
+        except BaseException as exc:
+            errors.append(exc)
+
+    threads = [threading.Thread(target=run, args=(i,)) for i in range(len(jobs))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout)
+    assert not any(t.is_alive() for t in threads), "a trainer thread hung"
+    if errors:
+        raise errors[0]
+    return results
+
+
+def epoch_indices(loader: ServiceLoader) -> tuple[list[int], int]:
+    seen: list[int] = []
+    batches = 0
+    for batch in loader:
+        seen += batch.indices.tolist()
+        batches += 1
+    return seen, batches
+
+
+def status(endpoint: str) -> dict[str, Any]:
+    ctx: zmq.Context[zmq.Socket[bytes]] = zmq.Context()
+    sock = ctx.socket(zmq.DEALER)
+    sock.setsockopt(zmq.LINGER, 0)
+    try:
+        sock.connect(endpoint)
+        sock.send(encode(StatusRequest()))
+        deadline = time.monotonic() + 10
+        while sock.poll(max(0, int((deadline - time.monotonic()) * 1000))):
+            frame = sock.recv()
+            try:
+                return dict(decode(frame, (StatusReply,)).body)
+            except ValueError:
+                continue  # a heartbeat or other message
+        raise AssertionError("no status reply")
+    finally:
+        sock.close(linger=0)
+        ctx.term()
+
+
+# --- shard -------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("remainder", ["pad", "drop"])
+def test_four_ranks_cover_an_epoch_once_with_equal_batch_counts(
+    photos: Path, start_service: ServiceFactory, remainder: str
+) -> None:
+    n = len(build_index(photos))  # 90: not a multiple of 4
+    service = start_service(photos, batch_size=8)
+
+    def rank(r: int) -> tuple[list[int], int, int]:
+        with ServiceLoader(service.endpoint, rank=r, world_size=4, remainder=remainder, timeout=30) as loader:
+            seen, batches = epoch_indices(loader)
+            return seen, batches, len(loader)
+
+    results = in_threads([lambda r=r: rank(r) for r in range(4)])
+    counts = {batches for _, batches, _ in results} | {length for _, _, length in results}
+    assert len(counts) == 1, f"every rank must run as many steps: {counts}"
+    assert {len(seen) for seen, _, _ in results} == {-(-n // 4) if remainder == "pad" else n // 4}
+    together = Counter(i for seen, _, _ in results for i in seen)
+    if remainder == "drop":
+        assert len(together) == n - n % 4 and set(together.values()) == {1}
+    else:
+        assert set(together) == set(range(n)), "pad covers every image"
+        assert sum(together.values()) - n == 4 - n % 4, "only the padding repeats"
+
+
+def test_rank_and_world_size_default_to_torchrun_environment(
+    photos: Path, start_service: ServiceFactory, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    service = start_service(photos)
+    monkeypatch.setenv("RANK", "1")
+    monkeypatch.setenv("WORLD_SIZE", "3")
+    with ServiceLoader(service.endpoint, timeout=30) as loader:
+        assert loader.state_dict()["rank"] == 1 and loader.state_dict()["world_size"] == 3
+        assert len(loader) == -(-30 // 8)
+
+
+def test_shards_agree_across_services_without_coordination(
+    photos: Path, start_service: ServiceFactory
+) -> None:
+    """Two hosts = two services with the same data and seed; each serves one rank."""
+    hosts = [start_service(photos, seed=3, name=f"host{h}") for h in range(2)]
+    seen = []
+    for r, host in enumerate(hosts):
+        with ServiceLoader(host.endpoint, rank=r, world_size=2, timeout=30) as loader:
+            loader.set_epoch(4)
+            seen.append(epoch_indices(loader)[0])
+    assert sorted(seen[0] + seen[1]) == list(range(len(build_index(photos))))
+    assert not set(seen[0]) & set(seen[1])
+
+
+# --- broadcast ---------------------------------------------------------------------------------
+
+
+def test_broadcast_group_decodes_once_and_every_member_sees_every_image(
+    photos: Path, start_service: ServiceFactory
+) -> None:
+    n = len(build_index(photos))
+    service = start_service(photos, batch_size=8, slots=8)
+
+    def member() -> list[list[int]]:
+        with ServiceLoader(
+            service.endpoint, mode="broadcast", group="sweep", group_size=4, timeout=30
+        ) as loader:
+            return [epoch_indices(loader)[0] for _ in range(2)]
+
+    results = in_threads([member] * 4)
+    for epochs in results:
+        for seen in epochs:
+            assert sorted(seen) == list(range(n))
+        assert epochs == results[0], "members see the same batches in the same order"
+    decoded = status(service.endpoint)["feeds"][0]["decoded"]
+    assert decoded == 2 * n, f"{decoded} decodes for 2 epochs of {n} images across 4 members"
+
+
+def test_broadcast_waits_for_group_size_before_the_first_batch(
+    photos: Path, start_service: ServiceFactory
+) -> None:
+    service = start_service(photos)
+    with (
+        ServiceLoader(service.endpoint, mode="broadcast", group="g", group_size=2, timeout=1.5) as first,
+        pytest.raises(ServiceError, match="no batch within"),
+    ):
+        next(iter(first))
+
+
+def trainer_process(endpoint: str, script: str, *args: str) -> subprocess.Popen[str]:
+    return subprocess.Popen(
+        [sys.executable, "-c", script, endpoint, *args],
+        cwd=REPO,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+
+
+DIE_AFTER = """
+import os, signal, sys
+from gpu_worker import ServiceLoader
+endpoint, batches, mode = sys.argv[1], int(sys.argv[2]), sys.argv[3]
+kwargs = dict(mode="broadcast", group="g", group_size=3) if mode == "broadcast" else {}
+loader = ServiceLoader(endpoint, timeout=30, **kwargs)
+for i, batch in enumerate(loader):
+    if i + 1 == batches:
+        print("dying", flush=True)
+        os.kill(os.getpid(), signal.SIGKILL)
+"""
+
+
+def test_killed_broadcast_member_does_not_stall_the_rest(photos: Path, start_service: ServiceFactory) -> None:
+    client_timeout = 3.0
+    service = start_service(photos, batch_size=4, slots=6, client_timeout=client_timeout)
+    doomed = trainer_process(service.endpoint, DIE_AFTER, "2", "broadcast")
+
+    def survivor() -> tuple[int, float]:
+        with ServiceLoader(service.endpoint, mode="broadcast", group="g", group_size=3, timeout=30) as loader:
+            images, gap, last = 0, 0.0, time.monotonic()
+            for batch in loader:
+                now = time.monotonic()
+                gap, last = max(gap, now - last), now
+                images += len(batch.indices)
+            return images, gap
+
+    try:
+        results = in_threads([survivor, survivor])
+    finally:
+        doomed.kill()
+        out, _ = doomed.communicate(timeout=30)
+    assert "dying" in out
+    for images, gap in results:
+        assert images == len(build_index(photos))
+        assert gap < client_timeout + 3, f"survivors stalled {gap:.1f} s"
+
+
+def test_member_that_stops_consuming_is_evicted_after_lag_timeout(
+    photos: Path, start_service: ServiceFactory
+) -> None:
+    service = start_service(photos, batch_size=4, slots=6, lag_timeout=2)
+    with ServiceLoader(
+        service.endpoint, mode="broadcast", group="g", group_size=2, credits=3, timeout=30
+    ) as slow:
+
+        def fast() -> int:
+            with ServiceLoader(
+                service.endpoint, mode="broadcast", group="g", group_size=2, timeout=30
+            ) as loader:
+                return sum(len(b.indices) for b in loader)
+
+        stuck = iter(slow)
+        box: list[Any] = []
+
+        def take_one() -> None:
+            batch = next(stuck)
+            box.extend([batch, batch.images.clone()])
+
+        starter = threading.Thread(target=take_one)
+        starter.start()  # the slow member starts the epoch, takes one batch, then never asks again
+        (images,) = in_threads([fast])
+        starter.join(30)
+        assert images == len(build_index(photos)), "the group went on without the slow member"
+        held, copy = box
+        assert held.images.equal(copy), "an evicted member keeps the slots it still holds"
+        with pytest.raises(ServiceError, match="evicted"):
+            next(stuck)
+    assert "evicted" in service.log
+
+
+# --- resume ------------------------------------------------------------------------------------
+
+
+RESUMABLE = """
+import json, os, signal, sys
+from gpu_worker import ServiceLoader
+endpoint, ckpt, die_after = sys.argv[1], sys.argv[2], int(sys.argv[3])
+seen = []
+with ServiceLoader(endpoint, timeout=30) as loader:
+    if os.path.exists(ckpt):
+        saved = json.load(open(ckpt))
+        loader.load_state_dict(saved["loader"])
+        seen = saved["seen"]
+    for i, batch in enumerate(loader):
+        seen += batch.indices.tolist()
+        tmp = ckpt + ".tmp"
+        json.dump({"loader": loader.state_dict(), "seen": seen}, open(tmp, "w"))
+        os.replace(tmp, ckpt)
+        if i + 1 == die_after:
+            os.kill(os.getpid(), signal.SIGKILL)
+print(json.dumps(seen))
+"""
+
+
+def test_trainer_killed_mid_epoch_resumes_from_its_state(
+    photos: Path, start_service: ServiceFactory, tmp_path: Path
+) -> None:
+    service = start_service(photos, batch_size=8, client_timeout=3)
+    ckpt = str(tmp_path / "ckpt.json")
+    first = trainer_process(service.endpoint, RESUMABLE, ckpt, "5")
+    first.communicate(timeout=60)
+    assert first.returncode == -signal.SIGKILL
+    state = json.loads(Path(ckpt).read_text())
+    assert state["loader"]["epoch"] == 0 and state["loader"]["position"] == 5
+    assert len(state["seen"]) == 5 * 8
+    second = trainer_process(service.endpoint, RESUMABLE, ckpt, "0")
+    out, err = second.communicate(timeout=60)
+    assert second.returncode == 0, err
+    seen = json.loads(out)
+    assert sorted(seen) == list(range(len(build_index(photos)))), "each image exactly once across both runs"
+
+
+def test_state_from_another_seed_or_dataset_is_refused(photos: Path, start_service: ServiceFactory) -> None:
+    a = start_service(photos, seed=1, name="a")
+    b = start_service(photos, seed=2, name="b")
+    with ServiceLoader(a.endpoint, timeout=30) as loader:
+        state = loader.state_dict()
+    with ServiceLoader(b.endpoint, timeout=30) as other, pytest.raises(ValueError, match="seed: state has 1"):
+        other.load_state_dict(state)
+    with (
+        ServiceLoader(a.endpoint, rank=1, world_size=2, timeout=30) as other,
+        pytest.raises(ValueError, match="rank"),
+    ):
+        other.load_state_dict(state)
+    json.dumps(state)  # JSON-serialisable
+
+
+# --- feeds and geometry ------------------------------------------------------------------------
+
+
+def test_several_feeds_in_one_service(photos: Path, tmp_path: Path) -> None:
+    endpoint = f"ipc://{tmp_path}/feeds.sock"
+    cfg = tmp_path / "svc.toml"
+    cfg.write_text(
+        f'data = "{photos}"\nendpoint = "{endpoint}"\nbatch_size = 8\nimage_size = 32\nworkers = 2\n'
+        f'[feeds.val]\ndata = "{photos}"\naugment = "eval"\nimage_size = 48\nbatch_size = 5\n'
+    )
+    service = ServiceProcess(["serve", "--config", str(cfg)], endpoint)
+    try:
+        with (
+            ServiceLoader(endpoint, timeout=30, connect_timeout=30) as train,
+            ServiceLoader(endpoint, feed="val", timeout=30) as val,
+        ):
+            assert train.info.name == "train" and val.info.name == "val" and val.info.augment == "eval"
+            t, v = next(iter(train)), next(iter(val))
+            assert tuple(t.images.shape) == (8, 3, 32, 32) and tuple(v.images.shape) == (5, 3, 48, 48)
+            del t, v
+        assert service.stop() == 0
+    finally:
+        service.kill_group()
+
+
+def test_attaching_with_the_wrong_geometry_is_a_clear_error(
+    photos: Path, start_service: ServiceFactory
+) -> None:
+    service = start_service(photos, batch_size=8, image_size=32)
+    with pytest.raises(ServiceError, match="serves batches of 8 images of 32px"):
+        ServiceLoader(service.endpoint, batch_size=64, image_size=224, connect_timeout=10)
+    with ServiceLoader(service.endpoint, batch_size=8, image_size=32, connect_timeout=10) as ok:
+        assert len(ok) > 0
