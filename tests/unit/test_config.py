@@ -50,3 +50,34 @@ def test_bad_values_are_refused(tmp_path: Path, overrides: dict[str, object], me
     fixed = {k: (str(v).replace("DATA", str(tmp_path)) if k == "data" else v) for k, v in overrides.items()}
     with pytest.raises(ConfigError, match=message):
         load_config(None, fixed)
+
+
+def test_feed_tables_add_feeds_inheriting_top_level_values(tmp_path: Path) -> None:
+    cfg_file = tmp_path / "svc.toml"
+    cfg_file.write_text(
+        f'data = "{tmp_path}"\nendpoint = "tcp://127.0.0.1:5555"\nbatch_size = 32\nimage_size = 160\n'
+        f'[feeds.val]\ndata = "{tmp_path}"\naugment = "eval"\nimage_size = 224\n'
+    )
+    train, val = load_config(cfg_file, {}).feeds()
+    assert (train.name, train.batch_size, train.image_size, train.augment) == ("train", 32, 160, "train")
+    assert (val.name, val.batch_size, val.image_size, val.augment) == ("val", 32, 224, "eval")
+
+
+@pytest.mark.parametrize(
+    ("table", "message"),
+    [
+        ('augment = "eval"\n', "needs a data directory"),
+        ('data = "DATA"\nbatch_sise = 3\n', r"unknown keys in \[feeds.val\]"),
+        ('data = "DATA"\nbatch_size = "3"\n', "'batch_size' has the wrong type"),
+        ('data = "DATA"\naugment = "fancy"\n', "feed 'val': augment"),
+        ('data = "DATA/missing"\n', "does not exist"),
+    ],
+)
+def test_bad_feed_tables_are_refused(tmp_path: Path, table: str, message: str) -> None:
+    cfg_file = tmp_path / "svc.toml"
+    cfg_file.write_text(
+        f'data = "{tmp_path}"\nendpoint = "tcp://127.0.0.1:5555"\n[feeds.val]\n'
+        + table.replace("DATA", str(tmp_path))
+    )
+    with pytest.raises(ConfigError, match=message):
+        load_config(cfg_file, {})

@@ -3,7 +3,14 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from loader_service.sampler import batch_indices, batches_per_epoch, epoch_permutation, sample_rng
+from loader_service.sampler import (
+    batch_indices,
+    batches_per_epoch,
+    epoch_permutation,
+    sample_rng,
+    shard_plan,
+    shard_size,
+)
 
 
 def test_permutation_is_a_pure_function_of_seed_and_epoch() -> None:
@@ -29,3 +36,23 @@ def test_sample_randomness_depends_on_sample_not_order() -> None:
     assert sample_rng(0, 1, 42).random() == sample_rng(0, 1, 42).random()
     assert sample_rng(0, 1, 42).random() != sample_rng(0, 2, 42).random()
     assert sample_rng(0, 1, 42).random() != sample_rng(0, 1, 43).random()
+
+
+@pytest.mark.parametrize(("samples", "world"), [(10, 4), (12, 4), (7, 3), (3, 8), (1000, 7)])
+def test_shard_plans_are_disjoint_equal_and_cover_the_epoch(samples: int, world: int) -> None:
+    perm = epoch_permutation(9, 2, samples)
+    for remainder in ("pad", "drop"):
+        plans = [shard_plan(9, 2, samples, r, world, remainder) for r in range(world)]
+        assert len({len(p) for p in plans}) == 1, "equal steps on every rank"
+        assert len(plans[0]) == shard_size(samples, world, remainder)
+        together = np.concatenate(plans)
+        if remainder == "drop":
+            assert len(set(together.tolist())) == len(together) == samples - samples % world
+        else:
+            assert set(together.tolist()) == set(range(samples))
+            assert len(together) - samples == (-samples) % world
+    # rank r takes every world-th element of the permutation, as DistributedSampler does
+    assert (
+        shard_plan(9, 2, samples, 0, world, "drop").tolist()
+        == perm[: samples - samples % world : world].tolist()
+    )

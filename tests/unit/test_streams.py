@@ -1,0 +1,101 @@
+"""Stream bookkeeping without processes: broadcast barriers, refusals, slot freeing."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, cast
+
+import numpy as np
+import pytest
+
+from loader_service.feeds import Feed
+from loader_service.sessions import Session
+from loader_service.streams import StartRefused, Stream
+from protocol.messages import Hello
+
+
+@dataclass
+class FeedStub:
+    """The three things a Stream asks of its feed."""
+
+    batch_size: int = 4
+    samples: int = 10
+
+    @property
+    def config(self) -> Any:
+        return self
+
+    def shard_batches(self, world_size: int, remainder: str) -> int:
+        return -(-self.samples // self.batch_size)
+
+    def plan(self, epoch: int, rank: int, world_size: int, remainder: str) -> np.ndarray:
+        return np.arange(self.samples, dtype=np.int64)
+
+
+def session(sid: str, mode: str = "broadcast", group_size: int = 2, credits: int = 3) -> Session:
+    hello = Hello("t", 1, credits=credits, mode=mode, group="g", group_size=group_size)
+    return Session(sid.encode(), sid, hello, 0, 0.0)
+
+
+def group(*sids: str, group_size: int = 2) -> Stream:
+    first = session(sids[0], group_size=group_size)
+    stream = Stream(("broadcast", 0, "g"), cast(Feed, FeedStub()), first)
+    for sid in sids:
+        stream.add(session(sid, group_size=group_size))
+    return stream
+
+
+def test_first_epoch_waits_for_group_size() -> None:
+    stream = group("a", "b")
+    stream.on_start("a", 0, 0)
+    assert not stream.wants_batch()
+    stream.on_start("b", 0, 0)
+    assert stream.wants_batch() and stream.epoch == 0
+
+
+def test_members_must_agree_on_epochs() -> None:
+    stream = group("a", "b")
+    stream.on_start("a", 0, 0)
+    with pytest.raises(StartRefused, match="same epoch"):
+        stream.on_start("b", 3, 0)
+    stream.on_start("b", 0, 0)
+    with pytest.raises(StartRefused, match="next one is 1"):
+        stream.on_start("a", 5, 0)
+
+
+def test_batch_slot_is_freed_when_every_member_released_it() -> None:
+    stream = group("a", "b")
+    stream.on_start("a", 0, 0)
+    stream.on_start("b", 0, 0)
+    gen, seq, indices = stream.plan_batch()
+    assert indices.tolist() == [0, 1, 2, 3]
+    assert stream.filled(gen, seq, slot=7, count=4)
+    for sid in ("a", "b"):
+        assert [key for key, _ in stream.deliverable(stream.members[sid])] == [(gen, seq)]
+    assert stream.release("a", (gen, seq)) is None
+    assert stream.release("b", (gen, seq)) == 7
+
+
+def test_evicted_member_keeps_its_slot_but_stops_counting() -> None:
+    stream = group("a", "b")
+    stream.on_start("a", 0, 0)
+    stream.on_start("b", 0, 0)
+    gen, seq, _ = stream.plan_batch()
+    stream.filled(gen, seq, slot=1, count=4)
+    for sid in ("a", "b"):
+        list(stream.deliverable(stream.members[sid]))
+    stream.release("a", (gen, seq))
+    assert stream.in_flight == 1
+    assert stream.evict("b") == [], "b still reads slot 1"
+    assert stream.in_flight == 0, "the group's window is free again"
+    assert stream.release("b", (gen, seq)) == 1
+
+
+def test_shard_restart_drops_undelivered_batches() -> None:
+    stream = Stream(("shard", "a"), cast(Feed, FeedStub()), session("a", mode="shard"))
+    stream.add(session("a", mode="shard"))
+    stream.on_start("a", 0, 0)
+    gen, seq, _ = stream.plan_batch()
+    stream.filled(gen, seq, slot=2, count=4)
+    assert stream.on_start("a", 1, 0) == [2], "the unannounced batch's slot is freed"
+    assert not stream.filled(gen, seq + 1, slot=3, count=4), "a late batch of the old plan is refused"
