@@ -34,6 +34,8 @@ def _add_serve(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
     p.add_argument(
         "--lag-timeout", type=float, help="seconds one broadcast member may hold its group up (30)"
     )
+    p.add_argument("--strict", action="store_const", const=True, help="stop at the first undecodable file")
+    p.add_argument("--max-pixels", type=int, help="refuse images claiming more pixels (default 89478485)")
     p.add_argument("--log-level", help="DEBUG, INFO, WARNING or ERROR")
     p.set_defaults(func=_cmd_serve)
 
@@ -53,6 +55,8 @@ def _cmd_serve(args: argparse.Namespace) -> int:
         "feed",
         "client_timeout",
         "lag_timeout",
+        "strict",
+        "max_pixels",
         "log_level",
     )
     try:

@@ -50,6 +50,10 @@ class ServiceConfig:
     heartbeat_interval: float = 1.0
     """Seconds between heartbeats the service asks trainers to send, and sends them itself."""
     log_level: str = "INFO"
+    strict: bool = False
+    """Stop the service at the first file that cannot be decoded, instead of skipping it."""
+    max_pixels: int = 89_478_485
+    """Images whose header claims more pixels are refused before their pixels are allocated."""
     lag_timeout: float = 30.0
     """Seconds a broadcast group may be held up by one member before that member is evicted."""
     extra_feeds: tuple[FeedConfig, ...] = ()
@@ -84,6 +88,7 @@ class ServiceConfig:
         _check(self.log_level.upper() in ("DEBUG", "INFO", "WARNING", "ERROR"), "bad log_level")
         _check_endpoint(self.endpoint)
         _check(self.lag_timeout > 0, "lag_timeout must be positive")
+        _check(10_000 <= self.max_pixels <= 2**40, "max_pixels must be between 10000 and 2**40")
         names = [f.name for f in self.extra_feeds]
         _check(len(set(names)) == len(names) and self.feed not in names, "feed names must be unique")
         return replace(
@@ -196,9 +201,10 @@ def _read_toml(file: Path) -> dict[str, Any]:
         if key == "feeds":
             _check(isinstance(value, dict), f"{file}: 'feeds' must hold [feeds.NAME] tables")
             continue
-        expected = {"int": int, "float": (int, float), "str": str, "Path": str}[str(_FIELDS[key].type)]
+        kinds = {"int": int, "float": (int, float), "str": str, "Path": str, "bool": bool}
+        expected = kinds[str(_FIELDS[key].type)]
         _check(
-            isinstance(value, expected) and not isinstance(value, bool),  # type: ignore[arg-type]
+            isinstance(value, expected) and (expected is bool or not isinstance(value, bool)),  # type: ignore[arg-type]
             f"{file}: key {key!r} has the wrong type ({type(value).__name__})",
         )
     return raw

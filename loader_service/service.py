@@ -109,6 +109,7 @@ class LoaderService:
         self._ctx: zmq.Context[zmq.Socket[bytes]] | None = None
         self._workers: WorkerSet | None = None
         self._owns_endpoint = False
+        self._fatal: str | None = None
 
     # --- lifecycle ------------------------------------------------------------------------------
 
@@ -120,6 +121,9 @@ class LoaderService:
             self._loop()
         finally:
             self.shutdown()
+        if self._fatal is not None:
+            log.error("stopped: %s", self._fatal)
+            return 1
         log.info("stopped cleanly")
         return 0
 
@@ -142,6 +146,8 @@ class LoaderService:
         self._backend = self._ctx.socket(zmq.ROUTER)
         self._backend.setsockopt(zmq.LINGER, 0)
         self._backend.bind(backend_endpoint)
+        # Read by OpenCV when a worker imports it: refuse decompression bombs before allocating.
+        os.environ["OPENCV_IO_MAX_IMAGE_PIXELS"] = str(cfg.max_pixels)
         self._workers = WorkerSet(self._worker_template(backend_endpoint), cfg.workers)
         for feed in self.feeds:
             log.info(
@@ -215,6 +221,8 @@ class LoaderService:
                 self._drain(self._backend, self._on_worker_frames)
             if self._signal is not None:
                 log.info("received %s; shutting down", signal.Signals(self._signal).name)
+                return
+            if self._fatal is not None:
                 return
             self._reap_workers()
             now = time.monotonic()
@@ -507,6 +515,9 @@ class LoaderService:
         feed = self.feeds[record.feed]
         for idx, reason in msg.bad:
             feed.note_bad(idx, reason)
+            if self.config.strict and self._fatal is None:
+                where = feed.index.relpath(idx) if 0 <= idx < len(feed.index) else f"sample {idx}"
+                self._fatal = f"--strict: feed {feed.name!r}: {where}: {reason}"
         feed.counters.decoded += msg.count
         stream = self._streams.get(record.stream)
         if stream is None or not stream.filled(record.gen, record.seq, record.slot, msg.count):

@@ -43,7 +43,15 @@ def decode_file(path: str) -> U8:
         raise DecodeError(f"cannot read: {exc.strerror or exc}") from None
     if not data:
         raise DecodeError("empty file")
-    image = cast(U8 | None, cv2.imdecode(np.frombuffer(data, dtype=np.uint8), cv2.IMREAD_COLOR))
+    try:
+        image = cast(U8 | None, cv2.imdecode(np.frombuffer(data, dtype=np.uint8), cv2.IMREAD_COLOR))
+    except cv2.error as exc:
+        # OpenCV checks OPENCV_IO_MAX_IMAGE_PIXELS against the header before allocating pixels.
+        if "MAX_IMAGE_PIXELS" in str(exc):
+            raise DecodeError(
+                "refused: more pixels than the configured limit (decompression bomb?)"
+            ) from None
+        raise DecodeError(f"decoder error: {str(exc).strip().splitlines()[-1][:160]}") from None
     if image is None or image.ndim != 3 or image.shape[2] != 3 or image.size == 0:
         raise DecodeError("not a decodable image")
     return image

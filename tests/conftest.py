@@ -139,7 +139,8 @@ def start_service(tmp_path: Path) -> Iterator[ServiceFactory]:
         endpoint = f"ipc://{tmp_path}/{name}.sock"
         args = ["serve", "--data", str(data), "--endpoint", endpoint]
         for key, value in {"workers": 2, "batch_size": 8, "image_size": 32, **flags}.items():
-            args += [f"--{key.replace('_', '-')}", str(value)]
+            flag = f"--{key.replace('_', '-')}"
+            args += [flag] if value is True else [flag, str(value)]
         service = ServiceProcess(args, endpoint)
         started.append(service)
         if wait_ready:
@@ -148,8 +149,8 @@ def start_service(tmp_path: Path) -> Iterator[ServiceFactory]:
 
     yield start
     for service in started:
-        if service.proc.poll() is None:
-            try:
+        try:
+            if service.proc.poll() is None:
                 service.stop()
-            finally:
-                service.kill_group()
+        finally:
+            service.kill_group()  # also reaps stray workers and closes the log pipe
