@@ -35,6 +35,7 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from types import FrameType
 
+import numpy as np
 import zmq
 
 from loader_service.config import ServiceConfig
@@ -72,6 +73,7 @@ from protocol.messages import (
 log = logging.getLogger(__name__)
 TICK = 0.1
 STOP_GRACE = 5.0
+MAX_TASK_ATTEMPTS = 3
 TRAINER_MESSAGES = (Hello, Start, Release, Heartbeat, Bye, StatusRequest)
 WORKER_MESSAGES = (WorkerReady, TaskDone)
 StreamKey = tuple[object, ...]
@@ -87,6 +89,7 @@ class TaskRecord:
     epoch: int
     slot: int
     indices: bytes
+    attempts: int = 0
 
 
 class LoaderService:
@@ -500,7 +503,7 @@ class LoaderService:
         if isinstance(msg, WorkerReady):
             handle = self._workers.get(msg.worker)
             if handle is not None and handle.process.pid == msg.pid:
-                handle.routing_id = frames[0]
+                self._workers.mark_ready(handle, frames[0])
         elif isinstance(msg, TaskDone):
             self._on_task_done(msg)
 
@@ -510,17 +513,19 @@ class LoaderService:
         if handle is not None and handle.task == msg.task:
             handle.task = None
         record = self._tasks.pop(msg.task, None)
-        if record is None:
-            return
+        if record is not None:  # else: a report from before a redo (NOTE [ Worker restarts ])
+            self._complete(record, msg.count, msg.bad)
+
+    def _complete(self, record: TaskRecord, count: int, bad: tuple[tuple[int, str], ...]) -> None:
         feed = self.feeds[record.feed]
-        for idx, reason in msg.bad:
+        for idx, reason in bad:
             feed.note_bad(idx, reason)
             if self.config.strict and self._fatal is None:
                 where = feed.index.relpath(idx) if 0 <= idx < len(feed.index) else f"sample {idx}"
                 self._fatal = f"--strict: feed {feed.name!r}: {where}: {reason}"
-        feed.counters.decoded += msg.count
+        feed.counters.decoded += count
         stream = self._streams.get(record.stream)
-        if stream is None or not stream.filled(record.gen, record.seq, record.slot, msg.count):
+        if stream is None or not stream.filled(record.gen, record.seq, record.slot, count):
             feed.pool.release(record.slot)  # its plan was abandoned while the slot was filling
             return
         feed.counters.batches += 1
@@ -529,14 +534,27 @@ class LoaderService:
 
     def _reap_workers(self) -> None:
         assert self._workers is not None
-        for dead in self._workers.reap():
+        for dead in self._workers.reap(time.monotonic()):
             record = self._tasks.pop(dead.task, None) if dead.task is not None else None
-            if record is not None:
-                # The slot stays FILLING and is rewritten from scratch by whoever takes the redo. A fresh
-                # task id makes a late ``done`` from the dead worker unrecognisable, so the slot can never
-                # be announced while the redo is still writing it.
-                self._next_task += 1
-                self._redo.append(replace(record, task=self._next_task))
+            if record is None:
+                continue
+            # The slot stays FILLING and is rewritten from scratch by whoever takes the redo. A fresh
+            # task id makes a late ``done`` from the dead worker unrecognisable, so the slot can never
+            # be announced while the redo is still writing it.
+            self._next_task += 1
+            redo = replace(record, task=self._next_task, attempts=record.attempts + 1)
+            if redo.attempts < MAX_TASK_ATTEMPTS:
+                self._redo.append(redo)
+            else:
+                self._give_up(redo)
+        if self._workers.given_up and self._fatal is None:
+            self._fatal = "decode workers keep failing at start-up; see their errors above"
+
+    def _give_up(self, record: TaskRecord) -> None:
+        """A batch that killed its decoder every time: report its files bad and deliver it empty."""
+        reason = f"decode worker died {record.attempts} times on the batch holding this file"
+        indices = np.frombuffer(record.indices, dtype="<i8").tolist()
+        self._complete(record, 0, tuple((i, reason) for i in indices))
 
     def _send_worker(self, routing_id: bytes, msg: Message) -> None:
         try:
@@ -603,7 +621,16 @@ class LoaderService:
             for s in list(self._sessions.values())[:100]
         ]
         workers = self._workers
+        worker_list = (
+            []
+            if workers is None
+            else [
+                {"worker": h.worker, "pid": h.process.pid, "task": h.task, "ready": h.routing_id is not None}
+                for h in workers
+            ]
+        )
         return {
+            "worker_list": worker_list,
             "uptime": round(time.monotonic() - self._started_at, 1),
             "feeds": [feed.status() for feed in self.feeds],
             "sessions": sessions,

@@ -11,6 +11,7 @@ from __future__ import annotations
 import logging
 import os
 import signal
+import sys
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -29,6 +30,10 @@ from protocol.messages import MAX_BAD_REPORTS, StopWorker, Task, TaskDone, Worke
 
 log = logging.getLogger(__name__)
 POLL_MS = 500
+WORKER_BOOT_ERROR = 3
+"""Exit code of a worker that could not start; the supervisor backs off instead of looping."""
+FAULT_ENV = "DATAFERRY_INJECT_FAULT"
+"""Fault injection for tests: ``worker-boot`` makes every decode worker fail at start-up."""
 
 
 @dataclass(frozen=True)
@@ -108,14 +113,11 @@ def run_worker(cfg: WorkerConfig) -> None:
     # Ctrl-C reaches the whole process group; the service decides when workers stop.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     cv2.setNumThreads(1)
-    feeds = [
-        OpenFeed(
-            f,
-            DatasetIndex.load(f.index_dir, f.data),
-            Segment.attach(f.segment, f.layout.segment_bytes(f.slots)),
-        )
-        for f in cfg.feeds
-    ]
+    try:
+        feeds = _open_feeds(cfg)
+    except Exception as exc:
+        log.error("cannot start: %s: %s", type(exc).__name__, exc)
+        sys.exit(WORKER_BOOT_ERROR)
     ctx = zmq.Context()
     sock = ctx.socket(zmq.DEALER)
     sock.setsockopt(zmq.LINGER, 0)
@@ -130,6 +132,19 @@ def run_worker(cfg: WorkerConfig) -> None:
             feed.segment.close()
 
 
+def _open_feeds(cfg: WorkerConfig) -> list[OpenFeed]:
+    if os.environ.get(FAULT_ENV) == "worker-boot":
+        raise RuntimeError(f"fault injected by {FAULT_ENV}")
+    return [
+        OpenFeed(
+            f,
+            DatasetIndex.load(f.index_dir, f.data),
+            Segment.attach(f.segment, f.layout.segment_bytes(f.slots)),
+        )
+        for f in cfg.feeds
+    ]
+
+
 def _serve(cfg: WorkerConfig, feeds: list[OpenFeed], sock: zmq.Socket[bytes]) -> None:
     while True:
         if not sock.poll(POLL_MS):
@@ -140,4 +155,7 @@ def _serve(cfg: WorkerConfig, feeds: list[OpenFeed], sock: zmq.Socket[bytes]) ->
         msg = decode(sock.recv(), (Task, StopWorker))
         if not isinstance(msg, Task):
             return  # stop
+        if not 0 <= msg.feed < len(feeds):
+            log.error("task %d names feed %d of %d; ignored", msg.task, msg.feed, len(feeds))
+            continue
         sock.send(encode(fill_slot(cfg.worker, feeds[msg.feed], msg)))

@@ -14,10 +14,12 @@ import time
 from collections.abc import Iterator
 from dataclasses import dataclass, replace
 
-from loader_service.worker import WorkerConfig, run_worker
+from loader_service.worker import WORKER_BOOT_ERROR, WorkerConfig, run_worker
 
 log = logging.getLogger(__name__)
 _SPAWN = multiprocessing.get_context("spawn")
+BOOT_BACKOFF = 0.25
+MAX_BOOT_FAILURES = 5
 
 
 @dataclass
@@ -34,10 +36,24 @@ class WorkerHandle:
 
 
 class WorkerSet:
+    """NOTE [ Worker restarts ]
+    A worker that dies after it has said ``w_ready`` (SIGKILL, OOM, a crash inside OpenCV) is
+    replaced at once and its task is redone. A worker that dies before ``w_ready``, or exits with
+    ``WORKER_BOOT_ERROR``, failed to start: it is restarted after a doubling delay, and after
+    ``MAX_BOOT_FAILURES`` such failures in a row ``given_up`` turns true and the service stops with
+    a fatal error instead of restarting forever.
+    """
+
     def __init__(self, template: WorkerConfig, count: int) -> None:
         self._template = template
         self._handles = {i: self._spawn(i) for i in range(count)}
+        self._restart_at: dict[int, float] = {}
         self.restarts = 0
+        self.boot_failures = 0
+
+    @property
+    def given_up(self) -> bool:
+        return self.boot_failures >= MAX_BOOT_FAILURES
 
     def _spawn(self, worker: int) -> WorkerHandle:
         cfg = replace(self._template, worker=worker)
@@ -57,20 +73,35 @@ class WorkerSet:
     def idle(self) -> list[WorkerHandle]:
         return [h for h in self._handles.values() if h.idle]
 
-    def reap(self) -> list[WorkerHandle]:
-        """Replace every worker that has exited; return the dead handles (with the task each held)."""
+    def mark_ready(self, handle: WorkerHandle, routing_id: bytes) -> None:
+        handle.routing_id = routing_id
+        self.boot_failures = 0
+
+    def reap(self, now: float) -> list[WorkerHandle]:
+        """Collect workers that exited and start the replacements that are due; return the dead."""
         dead = [h for h in self._handles.values() if h.process.exitcode is not None]
         for h in dead:
+            del self._handles[h.worker]
+            booted = h.routing_id is not None and h.process.exitcode != WORKER_BOOT_ERROR
             log.error(
-                "decode worker %d (pid %s) died with exit code %s%s",
+                "decode worker %d (pid %s) %s with exit code %s%s",
                 h.worker,
                 h.process.pid,
+                "died" if booted else "failed to start",
                 h.process.exitcode,
                 f" holding task {h.task}" if h.task is not None else "",
             )
             h.process.close()
-            self._handles[h.worker] = self._spawn(h.worker)
-            self.restarts += 1
+            if booted:
+                self._restart_at[h.worker] = now
+            else:
+                self.boot_failures += 1
+                self._restart_at[h.worker] = now + BOOT_BACKOFF * 2 ** (self.boot_failures - 1)
+        for worker, due in list(self._restart_at.items()):
+            if due <= now and not self.given_up:
+                del self._restart_at[worker]
+                self._handles[worker] = self._spawn(worker)
+                self.restarts += 1
         return dead
 
     def join(self, deadline: float) -> None:

@@ -1,0 +1,117 @@
+"""Faults injected for real: killed workers and trainers, failing start-ups, too little shared memory."""
+
+from __future__ import annotations
+
+import os
+import signal
+import stat
+import time
+from pathlib import Path
+
+import pytest
+
+from gpu_worker import ServiceLoader
+from loader_service.index import build_index
+from tests.conftest import SHM, ServiceFactory, ServiceProcess, our_segments
+from tests.integration.test_trainers import DIE_AFTER, status, trainer_process
+
+pytestmark = pytest.mark.integration
+
+
+def busy_worker(endpoint: str) -> int | None:
+    for worker in status(endpoint)["worker_list"]:
+        if worker["task"] is not None:
+            return int(worker["pid"])
+    return None
+
+
+def test_killed_worker_is_replaced_and_no_image_is_lost_or_repeated(
+    photos: Path, start_service: ServiceFactory
+) -> None:
+    n = len(build_index(photos))
+    service = start_service(photos, batch_size=4, workers=2)
+    killed: list[int] = []
+    seen: list[int] = []
+    with ServiceLoader(service.endpoint, timeout=30) as loader:
+        for batch in loader:
+            seen += batch.indices.tolist()
+            if not killed and (pid := busy_worker(service.endpoint)) is not None:
+                os.kill(pid, signal.SIGKILL)
+                killed.append(pid)
+        assert killed, "never caught a worker in the middle of a task"
+        assert sorted(seen) == list(range(n)), "every image exactly once despite the kill"
+        service.wait_for(rf"decode worker \d \(pid {killed[0]}\) died with exit code -9 holding task", 10)
+        assert sorted(i for b in loader for i in b.indices.tolist()) == list(range(n)), "the next epoch too"
+    body = status(service.endpoint)
+    assert body["worker_restarts"] == 1 and all(w["ready"] for w in body["worker_list"])
+
+
+def test_workers_failing_at_start_up_are_not_restarted_forever(photos: Path, tmp_path: Path) -> None:
+    endpoint = f"ipc://{tmp_path}/boot.sock"
+    service = ServiceProcess(
+        ["serve", "--data", str(photos), "--endpoint", endpoint, "--workers", "2"],
+        endpoint,
+        env={"DATAFERRY_INJECT_FAULT": "worker-boot"},
+    )
+    try:
+        started = time.monotonic()
+        assert service.proc.wait(30) == 1
+        assert time.monotonic() - started < 20
+        service.wait_for("stopped: decode workers keep failing at start-up")
+        assert len([line for line in service.lines if "failed to start with exit code 3" in line]) == 5
+        assert "cannot start: RuntimeError: fault injected" in service.log
+    finally:
+        service.kill_group()
+
+
+def test_dead_trainer_leases_are_reclaimed_and_others_never_stall(
+    photos: Path, start_service: ServiceFactory
+) -> None:
+    service = start_service(photos, batch_size=4, slots=8, client_timeout=2)
+    doomed = trainer_process(service.endpoint, DIE_AFTER, "3", "shard")
+    out, _ = doomed.communicate(timeout=60)
+    assert "dying" in out and doomed.returncode == -signal.SIGKILL
+    with ServiceLoader(service.endpoint, timeout=30) as other:
+        assert sum(len(b.indices) for b in other) == len(build_index(photos))
+    service.wait_for(r"detached: no heartbeat for 2 s; \d+ leases returned", 10)
+    slots = status(service.endpoint)["feeds"][0]["slots"]
+    assert slots == {"free": 8, "filling": 0, "ready": 0, "leased": 0}, "the pool is whole again"
+
+
+def test_too_little_shared_memory_fails_at_start_with_the_size_needed(photos: Path, tmp_path: Path) -> None:
+    before = our_segments()
+    # More than the whole of /dev/shm, so the kernel refuses before reserving any page.
+    total = os.statvfs(SHM).f_blocks * os.statvfs(SHM).f_frsize
+    slots = total // (64 * 3 * 1024 * 1024) + 8
+    endpoint = f"ipc://{tmp_path}/big.sock"
+    service = ServiceProcess(
+        [
+            "serve",
+            "--data",
+            str(photos),
+            "--endpoint",
+            endpoint,
+            "--batch-size",
+            "64",
+            "--image-size",
+            "1024",
+            "--slots",
+            str(min(slots, 4096)),
+        ],
+        endpoint,
+    )
+    try:
+        assert service.proc.wait(60) == 1
+        service.wait_for(r"/dev/shm has \d+ MiB free but the slot pool needs \d+ MiB")
+        assert "--shm-size" in service.log
+    finally:
+        service.kill_group()
+    assert our_segments() == before
+    assert not os.path.exists(endpoint[len("ipc://") :])
+
+
+def test_segments_are_private_to_the_service_user(photos: Path, start_service: ServiceFactory) -> None:
+    service = start_service(photos)
+    name = service.wait_for(r"\((dataferry-[^)]+)\)").group(1)
+    mode = stat.S_IMODE(os.stat(SHM / name).st_mode)
+    assert mode == 0o600, oct(mode)
