@@ -7,7 +7,7 @@ import logging
 import sys
 from collections.abc import Sequence
 
-from gpu_worker.client import ServiceError
+from gpu_worker.connection import ServiceError
 from gpu_worker.runner import RunConfig, run
 
 

@@ -5,10 +5,18 @@
             for images, labels in loader:
                 ...
 
-Threads: the iterating thread owns the main socket (hello, start, release, batches); a small daemon
-thread owns a second socket and only sends heartbeats, so a long training step never looks like a
-dead trainer. Slot leases are returned by ``weakref.finalize`` callbacks that only append to a deque
-(they may run on any thread); the iterating thread sends the releases.
+The session itself (sockets, heartbeats, loss detection) is ``gpu_worker.connection``. Slot leases
+are returned by ``weakref.finalize`` callbacks that only append to a deque (they may run on any
+thread); the iterating thread sends the releases.
+
+NOTE [ Reconnecting ]
+    When the service restarts (it answers ``no-session``) or goes silent for several heartbeats, the
+    loader opens a new session on the same endpoint, checks that the feed is the same dataset with
+    the same seed and geometry, maps the new pool, and, if an epoch was under way, starts it again at
+    the position the loop had reached. Batches received but not yet handed out are dropped (the new
+    start covers them); batches the loop still holds stay valid, because their old mapping lives as
+    long as they do. In shard mode each image of the epoch is therefore still seen exactly once. If
+    no service answers within ``timeout`` of the last word from the old one, ServiceTimeout.
 """
 
 from __future__ import annotations
@@ -16,9 +24,6 @@ from __future__ import annotations
 import gc
 import logging
 import os
-import secrets
-import socket
-import threading
 import time
 import weakref
 from collections import deque
@@ -29,8 +34,8 @@ from typing import Any
 
 import numpy as np
 import torch
-import zmq
 
+from gpu_worker.connection import Connection, ServiceError, ServiceTimeout, SessionLost, make_hello
 from gpu_worker.device import CudaStager, resolve_device
 from gpu_worker.mapping import SlotMap
 from protocol.layout import SlotLayout
@@ -41,30 +46,16 @@ from protocol.messages import (
     BatchReady,
     Bye,
     EpochEnd,
-    ErrorReply,
     FeedInfo,
-    Heartbeat,
-    Hello,
-    Message,
-    ProtocolError,
     Release,
     Start,
     Welcome,
-    decode,
-    encode,
 )
 
 log = logging.getLogger(__name__)
-SERVICE_MESSAGES = (Welcome, BatchReady, EpochEnd, Heartbeat, ErrorReply)
-POLL_SLICE = 0.1
-
-
-class ServiceError(RuntimeError):
-    """The service refused the trainer, or answered with something it should not have."""
-
-
-class ServiceTimeout(ServiceError, TimeoutError):
-    """No answer in time; the message says what was awaited and what the trainer still holds."""
+Lease = tuple[int, int]
+"""(session generation, lease id): leases of a lost session are never sent to its successor."""
+__all__ = ["Batch", "LoaderConfig", "ServiceError", "ServiceLoader", "ServiceTimeout"]
 
 
 class Batch:
@@ -191,31 +182,38 @@ class ServiceLoader:
         self._resume: tuple[int, int] | None = None
         self._position = 0
         self._current_epoch: int | None = None
-        self._released: deque[int] = deque()
-        self._inbox: deque[Message] = deque()
-        self._live: set[int] = set()
+        self._in_epoch = False
+        self._released: deque[Lease] = deque()
+        self._live: set[Lease] = set()
         self._run = 0
         self._next_epoch = 0
         self._closed = False
-        self._last_heard = time.monotonic()
-        self._ctx: zmq.Context[zmq.Socket[bytes]] = zmq.Context()
-        self._sock = self._ctx.socket(zmq.DEALER)
-        self._sock.setsockopt(zmq.LINGER, 0)
-        self._sock.setsockopt(zmq.ROUTING_ID, secrets.token_bytes(12))
-        self._sock.connect(endpoint)
-        self._stop_heartbeat = threading.Event()
-        self._heartbeat: threading.Thread | None = None
+        self._reconnected_at = 0.0
         self._stager: CudaStager | None = None
         self._slots: SlotMap | None = None
+        cfg = self.config
+        self._conn = Connection(
+            cfg.endpoint,
+            make_hello(
+                feed=cfg.feed,
+                credits=cfg.credits,
+                mode=cfg.mode,
+                rank=cfg.rank,
+                world_size=cfg.world_size,
+                remainder=cfg.remainder,
+                group=cfg.group,
+                group_size=cfg.group_size,
+                batch_size=cfg.batch_size,
+                image_size=cfg.image_size,
+            ),
+        )
         try:
-            self.info, interval, self._batches = self._attach()
-            self._slots = SlotMap(
-                self.info.segment, SlotLayout(self.info.batch_size, self.info.image_size), self.info.slots
+            welcome = self._conn.open(
+                time.monotonic() + cfg.connect_timeout,
+                f"no loader service answered at {cfg.endpoint} within {cfg.connect_timeout:.0f} s "
+                "(is `loader-service serve` running there?)",
             )
-            self._start_heartbeat(interval)
-            if self.device.type == "cuda":
-                self._stager = CudaStager(self.device)
-                self._stager.pin(self._slots.address, self._slots.nbytes)
+            self._adopt(welcome)
         except BaseException:
             self.close()
             raise
@@ -309,136 +307,108 @@ class ServiceLoader:
         if self._closed:
             return
         self._closed = True
-        if self._live - set(self._released):
-            log.warning("closing with %d batches still referenced", len(self._live - set(self._released)))
-        self._stop_heartbeat.set()
-        if self._heartbeat is not None:
-            self._heartbeat.join(2.0)
+        held = self._held()
+        if held:
+            log.warning("closing with %d batches still referenced", held)
         if self._stager is not None:
             self._stager.close()
-        if hasattr(self, "info"):
-            self._try_send(Bye())
+        if self._conn.session:
+            self._conn.send(Bye())
+        self._conn.close()
         if self._slots is not None:
             self._slots.close()
-        self._sock.close(linger=0)
-        self._ctx.term()
 
     # --- session --------------------------------------------------------------------------------
 
-    def _attach(self) -> tuple[FeedInfo, float, int]:
-        cfg = self.config
-        hello = Hello(
-            client=f"{socket.gethostname()}:{os.getpid()}"[:128],
-            pid=os.getpid(),
-            feed=cfg.feed,
-            credits=cfg.credits,
-            mode=cfg.mode,
-            rank=cfg.rank,
-            world_size=cfg.world_size,
-            remainder=cfg.remainder,
-            group=cfg.group,
-            group_size=cfg.group_size,
-            batch_size=cfg.batch_size,
-            image_size=cfg.image_size,
+    def _adopt(self, welcome: Welcome) -> None:
+        """Use a (new) session's feed: map its pool, pin it for CUDA."""
+        old = self._slots
+        self.info: FeedInfo = welcome.feed
+        self._batches = welcome.batches
+        self._slots = SlotMap(
+            self.info.segment, SlotLayout(self.info.batch_size, self.info.image_size), self.info.slots
         )
-        self._sock.send(encode(hello))
-        deadline = time.monotonic() + cfg.connect_timeout
-        while True:
-            msg = self._recv(deadline)
-            if msg is None:
-                raise ServiceTimeout(
-                    f"no loader service answered at {cfg.endpoint} within {cfg.connect_timeout:.0f} s "
-                    "(is `loader-service serve` running there?)"
-                )
-            if isinstance(msg, Welcome):
-                self._session = msg.session
-                return msg.feed, msg.heartbeat_interval, msg.batches
+        if old is not None:
+            old.close()  # unmaps once the batches still viewing it are gone
+        if self.device.type == "cuda":
+            if self._stager is None:
+                self._stager = CudaStager(self.device)
+            self._stager.pin(self._slots.address, self._slots.nbytes)
 
-    def _start_heartbeat(self, interval: float) -> None:
-        self._heartbeat = threading.Thread(
-            target=_heartbeat_loop,
-            args=(self._ctx, self.config.endpoint, self._session, interval, self._stop_heartbeat),
-            name="dataferry-heartbeat",
-            daemon=True,
+    def _reconnect(self, why: str) -> None:
+        """NOTE [ Reconnecting ]."""
+        log.warning("lost the loader service at %s (%s); reconnecting", self.config.endpoint, why)
+        before = self.info
+        gone_since = self._conn.last_heard
+        welcome = self._conn.open(
+            gone_since + self.config.timeout,
+            f"the loader service at {self.config.endpoint} has been gone "
+            f"for over {self.config.timeout:.0f} s",
         )
-        self._heartbeat.start()
+        same = (welcome.feed.fingerprint, welcome.feed.seed, welcome.feed.batch_size, welcome.feed.image_size)
+        if same != (before.fingerprint, before.seed, before.batch_size, before.image_size):
+            raise ServiceError(
+                f"the service at {self.config.endpoint} came back serving "
+                "a different dataset, seed or geometry"
+            )
+        self._adopt(welcome)
+        self._reconnected_at = time.monotonic()
+        log.warning("reconnected as session %s", self._conn.session)
+        if self._in_epoch and self._current_epoch is not None:
+            self._run += 1
+            self._conn.send(Start(self._run, self._current_epoch, self._position))
 
-    def _recv(self, deadline: float) -> Message | None:
-        """Next message from the service, or None at ``deadline``; sends pending releases meanwhile.
-
-        Whatever else has already arrived is read too, so that a fatal error (eviction, refusal)
-        queued behind batches is raised now, instead of handing out batches the service disowned.
-        """
+    def _recv(self, deadline: float) -> Any:
+        """The next message within ``deadline``, reconnecting on the way if the session was lost."""
         while True:
             if self._stager is not None:
                 self._stager.collect()
             self._flush_releases()
-            if self._inbox:
-                return self._inbox.popleft()
-            remaining = deadline - time.monotonic()
-            if remaining <= 0:
-                return None
-            if self._sock.poll(int(min(remaining, POLL_SLICE) * 1000) + 1):
-                self._read_available()
-
-    def _read_available(self) -> None:
-        while True:
             try:
-                frame = self._sock.recv(zmq.NOBLOCK)
-            except zmq.Again:
-                return
-            msg = self._decode(frame)
-            self._last_heard = time.monotonic()
-            if isinstance(msg, ErrorReply):
-                self._on_error(msg)
-            else:
-                self._inbox.append(msg)
-
-    @staticmethod
-    def _decode(frame: bytes) -> Message:
-        try:
-            return decode(frame, SERVICE_MESSAGES)
-        except ProtocolError as exc:
-            raise ServiceError(f"malformed message from the service: {exc}") from None
-
-    def _on_error(self, msg: ErrorReply) -> None:
-        if msg.fatal or not hasattr(self, "info"):
-            raise ServiceError(f"service refused: {msg.message} ({msg.code})")
-        log.warning("service reported: %s (%s)", msg.message, msg.code)
+                return self._conn.recv(deadline)
+            except SessionLost as lost:
+                self._reconnect(str(lost))
 
     # --- delivery -------------------------------------------------------------------------------
 
     def _epoch(self, epoch: int, position: int) -> Iterator[Batch]:
         self._run += 1
-        run = self._run
-        self._current_epoch, self._position = epoch, position
-        self._sock.send(encode(Start(run, epoch, position)))
-        while True:
-            msg = self._next_for(run)
-            if isinstance(msg, EpochEnd):
-                self._position = self._batches
-                return
-            batch = self._wrap(msg)
-            self._position = msg.seq + 1
-            if batch is not None:
-                yield batch
-            del batch  # the generator must not keep the previous batch's slot while waiting
+        self._current_epoch, self._position, self._in_epoch = epoch, position, True
+        self._conn.send(Start(self._run, epoch, position))
+        try:
+            while True:
+                msg = self._next_batch()
+                if isinstance(msg, EpochEnd):
+                    self._position = self._batches
+                    return
+                batch = self._wrap(msg)
+                self._position = msg.seq + 1
+                if batch is not None:
+                    yield batch
+                del batch  # the generator must not keep the previous batch's slot while waiting
+        finally:
+            self._in_epoch = False
 
-    def _next_for(self, run: int) -> BatchReady | EpochEnd:
-        """Wait for this run's next batch or its end; batches of abandoned runs are released unread."""
+    def _next_batch(self) -> BatchReady | EpochEnd:
+        """Wait for the current run's next batch or its end; batches of older runs are released unread."""
         self._check_not_starved()
-        deadline = time.monotonic() + self.config.timeout
+        started = time.monotonic()
+        deadline = started + self.config.timeout
         while True:
             msg = self._recv(deadline)
             if msg is None:
+                if self._reconnected_at > started:  # the clock restarts with the new session
+                    started = self._reconnected_at
+                    deadline = started + self.config.timeout
+                    continue
                 raise self._timeout_error()
-            if isinstance(msg, (BatchReady, EpochEnd)) and msg.run == run:
+            if isinstance(msg, (BatchReady, EpochEnd)) and msg.run == self._run:
                 return msg
             if isinstance(msg, BatchReady):
-                self._released.append(msg.lease)
+                self._released.append((self._conn.generation, msg.lease))
 
     def _held(self) -> int:
-        return len(self._live) - len(self._released)
+        return len(self._live - set(self._released))
 
     def _check_not_starved(self) -> None:
         """Fail at once, not after the timeout, when held batches use up every credit (CPU zero-copy)."""
@@ -453,7 +423,7 @@ class ServiceLoader:
             )
 
     def _timeout_error(self) -> ServiceTimeout:
-        silent = time.monotonic() - self._last_heard
+        silent = time.monotonic() - self._conn.last_heard
         held = self._held()
         if silent > self.config.timeout / 2:
             why = f"the service at {self.config.endpoint} has been silent for {silent:.0f} s"
@@ -463,17 +433,18 @@ class ServiceLoader:
 
     def _wrap(self, msg: BatchReady) -> Batch | None:
         assert self._slots is not None
+        lease = (self._conn.generation, msg.lease)
         if msg.count == 0 or msg.count > self.info.batch_size:
-            self._released.append(msg.lease)  # every file of the batch was bad
+            self._released.append(lease)  # every file of the batch was bad
             return None
         layout = self._slots.layout
         try:
             owner = self._slots.slot(msg.slot)
         except ValueError as exc:
             raise ServiceError(f"service announced an invalid slot: {exc}") from None
-        self._live.add(msg.lease)
+        self._live.add(lease)
         # NOTE [ Slot lifecycle ]: the lease ends when ``owner`` dies, i.e. with the last view of it.
-        fin = weakref.finalize(owner, self._released.append, msg.lease)
+        fin = weakref.finalize(owner, self._released.append, lease)
         fin.atexit = False
         view = memoryview(owner)  # numpy keeps view.obj, i.e. ``owner``, as its base
         pixels = np.frombuffer(view, np.uint8, msg.count * layout.image_bytes, 0)
@@ -486,35 +457,13 @@ class ServiceLoader:
         return Batch(images, labels, indices, msg.epoch, msg.seq)
 
     def _flush_releases(self) -> None:
-        if not self._released:
-            return
+        current = self._conn.generation
         while self._released:
             leases: list[int] = []
             while self._released and len(leases) < MAX_RELEASES:
-                lease = self._released.popleft()
-                self._live.discard(lease)
-                leases.append(lease)
-            self._try_send(Release(tuple(leases)))
-
-    def _try_send(self, msg: Message) -> None:
-        try:
-            self._sock.send(encode(msg), zmq.NOBLOCK)
-        except zmq.ZMQError as exc:
-            log.debug("could not send %s: %s", msg.KIND, exc)
-
-
-def _heartbeat_loop(
-    ctx: zmq.Context[Any], endpoint: str, session: str, interval: float, stop: threading.Event
-) -> None:
-    sock = ctx.socket(zmq.DEALER)
-    sock.setsockopt(zmq.LINGER, 0)
-    sock.connect(endpoint)
-    frame = encode(Heartbeat(session))
-    try:
-        while not stop.wait(interval):
-            try:
-                sock.send(frame, zmq.NOBLOCK)
-            except zmq.Again:
-                pass
-    finally:
-        sock.close(linger=0)
+                generation, lease = self._released.popleft()
+                self._live.discard((generation, lease))
+                if generation == current:  # a lost session's leases died with it
+                    leases.append(lease)
+            if leases:
+                self._conn.send(Release(tuple(leases)))

@@ -43,10 +43,12 @@ from loader_service.endpoint import claim_ipc_path, release_ipc_path
 from loader_service.feeds import Feed
 from loader_service.sampler import shard_size
 from loader_service.sessions import Session
+from loader_service.shm import SHM_DIR, remove_stale
 from loader_service.slots import SlotState
 from loader_service.streams import Member, StartRefused, Stream
 from loader_service.worker import WorkerConfig
 from loader_service.workers import WorkerSet
+from protocol.layout import SEGMENT_PREFIX
 from protocol.messages import (
     MAX_FRAME_BYTES,
     BatchReady,
@@ -140,7 +142,9 @@ class LoaderService:
     def _start(self) -> None:
         cfg = self.config
         log.info("config: %s", cfg.summary())
-        self._runtime_dir = Path(tempfile.mkdtemp(prefix="dataferry-"))
+        for path in remove_stale((SHM_DIR, Path(tempfile.gettempdir()))):
+            log.warning("removed %s, left behind by a service that was killed", path)
+        self._runtime_dir = Path(tempfile.mkdtemp(prefix=f"{SEGMENT_PREFIX}{os.getpid()}-"))
         for feed_id, feed_config in enumerate(cfg.feeds()):
             self.feeds.append(Feed.open(feed_id, feed_config, self._runtime_dir))
         self._ctx = zmq.Context()

@@ -10,6 +10,8 @@ NOTE [ Shared-memory cleanup ]
     * Space is reserved with ``posix_fallocate`` at creation: an undersized /dev/shm fails at start-up
       with a message saying how much is needed, instead of a SIGBUS when a page is first touched.
     * Mode 0600: only the service's user (and the trainers running as it) can map the pool.
+    * At start, ``remove_stale`` removes what services killed with SIGKILL left behind (their pid is
+      in the name and no longer runs a loader service).
     * The service unlinks its segments on every exit path (``LoaderService.shutdown``, see NOTE
       [ Shutdown order ]). Trainers and workers that still map a segment keep their mapping until they
       unmap it; unlinking only removes the name.
@@ -17,10 +19,12 @@ NOTE [ Shared-memory cleanup ]
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import mmap
 import os
 import secrets
+import shutil
 from pathlib import Path
 
 from protocol.layout import SEGMENT_PREFIX, validate_segment_name
@@ -84,6 +88,43 @@ class Segment:
             os.unlink(SHM_DIR / self.name)
         except FileNotFoundError:
             pass
+
+
+def _owner_alive(pid: int) -> bool:
+    """Is ``pid`` a running loader service? (A recycled pid running something else is not.)"""
+    try:
+        cmdline = Path(f"/proc/{pid}/cmdline").read_bytes()
+    except OSError:
+        return False
+    return b"loader_service" in cmdline or b"loader-service" in cmdline
+
+
+def remove_stale(directories: tuple[Path, ...] = (SHM_DIR,)) -> list[str]:
+    """Remove ``dataferry-<pid>-*`` segments and runtime folders whose service is gone.
+
+    A service killed with SIGKILL cannot clean up after itself (NOTE [ Shared-memory cleanup ]);
+    its successor does it at start. Entries of services that are still running are left alone.
+    """
+    removed = []
+    for directory in directories:
+        for entry in os.scandir(directory):
+            pid = _pid_of(entry.name)
+            if pid is None or pid == os.getpid() or _owner_alive(pid):
+                continue
+            if entry.is_dir(follow_symlinks=False):
+                shutil.rmtree(entry.path, ignore_errors=True)
+            else:
+                with contextlib.suppress(FileNotFoundError):
+                    os.unlink(entry.path)
+            removed.append(entry.path)
+    return removed
+
+
+def _pid_of(name: str) -> int | None:
+    if not name.startswith(SEGMENT_PREFIX):
+        return None
+    head = name[len(SEGMENT_PREFIX) :].split("-", 1)[0]
+    return int(head) if head.isdigit() else None
 
 
 def _reserve(fd: int, path: Path, size: int) -> None:

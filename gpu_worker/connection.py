@@ -1,0 +1,187 @@
+"""A trainer's session with the service: sockets, hello/welcome, heartbeats, and noticing loss.
+
+The iterating thread owns the main socket. A daemon thread owns a second socket and only sends
+heartbeats naming the session, so a long training step never looks like a dead trainer. Every
+``open`` makes a fresh socket (new routing id), so nothing queued for a previous service instance is
+ever delivered to the next one.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import secrets
+import socket
+import threading
+import time
+from collections import deque
+from typing import Any
+
+import zmq
+
+from protocol.messages import (
+    BatchReady,
+    EpochEnd,
+    ErrorReply,
+    Heartbeat,
+    Hello,
+    Message,
+    ProtocolError,
+    Welcome,
+    decode,
+    encode,
+)
+
+log = logging.getLogger(__name__)
+SERVICE_MESSAGES = (Welcome, BatchReady, EpochEnd, Heartbeat, ErrorReply)
+POLL_SLICE = 0.1
+SILENCE_HEARTBEATS = 5
+"""Missed service heartbeats after which the session counts as lost and is reopened."""
+
+
+class ServiceError(RuntimeError):
+    """The service refused the trainer, or answered with something it should not have."""
+
+
+class ServiceTimeout(ServiceError, TimeoutError):
+    """No answer in time; the message says what was awaited and what the trainer still holds."""
+
+
+class SessionLost(Exception):
+    """The service restarted (it no longer knows the session) or has gone silent: reconnect."""
+
+
+class Connection:
+    def __init__(self, endpoint: str, hello: Hello) -> None:
+        self.endpoint = endpoint
+        self._hello = hello
+        self._ctx: zmq.Context[zmq.Socket[bytes]] = zmq.Context()
+        self._sock: zmq.Socket[bytes] | None = None
+        self._inbox: deque[Message] = deque()
+        self._stop_heartbeat = threading.Event()
+        self._heartbeat: threading.Thread | None = None
+        self.session = ""
+        self.generation = 0
+        self.last_heard = time.monotonic()
+        self._silence_limit = float("inf")
+        self._lost: str | None = None
+
+    def open(self, deadline: float, give_up: str) -> Welcome:
+        """Start a new session; raise ServiceTimeout with ``give_up`` if none is had by ``deadline``."""
+        self._close_session()
+        sock = self._sock = self._ctx.socket(zmq.DEALER)
+        sock.setsockopt(zmq.LINGER, 0)
+        sock.setsockopt(zmq.ROUTING_ID, secrets.token_bytes(12))
+        sock.connect(self.endpoint)
+        sock.send(encode(self._hello))
+        while True:
+            msg = self.recv(deadline)
+            if msg is None:
+                raise ServiceTimeout(give_up)
+            if isinstance(msg, Welcome):
+                break
+        self.session, self.generation = msg.session, self.generation + 1
+        self._silence_limit = max(SILENCE_HEARTBEATS * msg.heartbeat_interval, 3.0)
+        self._start_heartbeat(msg.heartbeat_interval)
+        return msg
+
+    def send(self, msg: Message) -> None:
+        if self._sock is None:
+            return
+        try:
+            self._sock.send(encode(msg), zmq.NOBLOCK)
+        except zmq.ZMQError as exc:
+            log.debug("could not send %s: %s", msg.KIND, exc)
+
+    def recv(self, deadline: float) -> Message | None:
+        """The next message, or None at ``deadline``. Raises SessionLost, or ServiceError if fatal.
+
+        Whatever else has already arrived is read too, so that a fatal error (eviction, refusal)
+        queued behind batches is raised now, instead of handing out batches the service disowned.
+        """
+        assert self._sock is not None
+        while True:
+            if self._lost is not None:
+                why, self._lost = self._lost, None
+                raise SessionLost(why)
+            if self._inbox:
+                return self._inbox.popleft()
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                return None
+            if self._sock.poll(int(min(remaining, POLL_SLICE) * 1000) + 1):
+                self._read_available(self._sock)
+            elif self.session and time.monotonic() - self.last_heard > self._silence_limit:
+                self._lost = f"no word from the service for {time.monotonic() - self.last_heard:.0f} s"
+
+    def _read_available(self, sock: zmq.Socket[bytes]) -> None:
+        while True:
+            try:
+                frame = sock.recv(zmq.NOBLOCK)
+            except zmq.Again:
+                return
+            try:
+                msg = decode(frame, SERVICE_MESSAGES)
+            except ProtocolError as exc:
+                raise ServiceError(f"malformed message from the service: {exc}") from None
+            self.last_heard = time.monotonic()
+            if not isinstance(msg, ErrorReply):
+                self._inbox.append(msg)
+            elif msg.code == "no-session" and self.session:
+                self._lost = "the service no longer knows this session (it restarted)"
+                self._inbox.clear()
+                return
+            elif msg.fatal or not self.session:
+                raise ServiceError(f"service refused: {msg.message} ({msg.code})")
+            else:
+                log.warning("service reported: %s (%s)", msg.message, msg.code)
+
+    def discard_pending(self) -> None:
+        """Forget messages of the lost session."""
+        self._inbox.clear()
+
+    def _start_heartbeat(self, interval: float) -> None:
+        self._stop_heartbeat = threading.Event()
+        self._heartbeat = threading.Thread(
+            target=_heartbeat_loop,
+            args=(self._ctx, self.endpoint, self.session, interval, self._stop_heartbeat),
+            name="dataferry-heartbeat",
+            daemon=True,
+        )
+        self._heartbeat.start()
+
+    def _close_session(self) -> None:
+        self._stop_heartbeat.set()
+        if self._heartbeat is not None:
+            self._heartbeat.join(2.0)
+            self._heartbeat = None
+        if self._sock is not None:
+            self._sock.close(linger=0)
+            self._sock = None
+        self._inbox.clear()
+        self.session = ""
+
+    def close(self) -> None:
+        self._close_session()
+        self._ctx.term()
+
+
+def make_hello(**fields: Any) -> Hello:
+    return Hello(client=f"{socket.gethostname()}:{os.getpid()}"[:128], pid=os.getpid(), **fields)
+
+
+def _heartbeat_loop(
+    ctx: zmq.Context[Any], endpoint: str, session: str, interval: float, stop: threading.Event
+) -> None:
+    sock = ctx.socket(zmq.DEALER)
+    sock.setsockopt(zmq.LINGER, 0)
+    sock.connect(endpoint)
+    frame = encode(Heartbeat(session))
+    try:
+        while not stop.wait(interval):
+            try:
+                sock.send(frame, zmq.NOBLOCK)
+            except zmq.Again:
+                pass
+    finally:
+        sock.close(linger=0)

@@ -1,0 +1,88 @@
+"""The service restarts under running trainers: they reconnect and continue where they were."""
+
+from __future__ import annotations
+
+import signal
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from gpu_worker import ServiceLoader, ServiceTimeout
+from loader_service.index import build_index
+from tests.conftest import ServiceFactory, our_segments
+
+pytestmark = pytest.mark.integration
+
+
+def consume_with_pause(
+    loader: ServiceLoader, pause_after: int, paused: threading.Event, go: threading.Event
+) -> list[int]:
+    """One epoch; after ``pause_after`` batches, wait (holding nothing) until ``go`` is set."""
+    seen: list[int] = []
+    for i, batch in enumerate(loader):
+        seen += batch.indices.tolist()
+        del batch
+        if i + 1 == pause_after:
+            paused.set()
+            assert go.wait(60)
+    return seen
+
+
+@pytest.mark.parametrize("how", [signal.SIGTERM, signal.SIGKILL])
+def test_trainer_continues_its_epoch_across_a_service_restart(
+    photos: Path, start_service: ServiceFactory, how: int
+) -> None:
+    n = len(build_index(photos))
+    first = start_service(photos, batch_size=8, name="svc")
+    segment = first.wait_for(r"\((dataferry-[^)]+)\)").group(1)
+    paused, go = threading.Event(), threading.Event()
+    result: dict[str, Any] = {}
+
+    def trainer() -> None:
+        try:
+            with ServiceLoader(first.endpoint, timeout=30) as loader:
+                result["seen"] = consume_with_pause(loader, 4, paused, go)
+                result["next"] = sum(len(b.indices) for b in loader)
+        except BaseException as exc:
+            result["error"] = exc
+
+    thread = threading.Thread(target=trainer)
+    thread.start()
+    try:
+        assert paused.wait(60)
+        if how == signal.SIGKILL:
+            first.kill_group()
+            assert segment in our_segments(), "a killed service cannot clean up"
+        else:
+            assert first.stop(how) == 0
+        second = start_service(photos, batch_size=8, name="svc")
+        if how == signal.SIGKILL:
+            second.wait_for(f"removed /dev/shm/{segment}, left behind by a service that was killed")
+            assert segment not in our_segments()
+        go.set()
+        thread.join(90)
+    finally:
+        go.set()
+        thread.join(5)
+    assert "error" not in result, result.get("error")
+    assert sorted(result["seen"]) == list(range(n)), "each image of the epoch exactly once across the restart"
+    assert result["next"] == n, "and the next epoch is whole"
+    second.wait_for(r"attached to feed 'train'")
+
+
+def test_service_gone_longer_than_timeout_is_a_clear_error(
+    photos: Path, start_service: ServiceFactory
+) -> None:
+    service = start_service(photos, batch_size=8)
+    with ServiceLoader(service.endpoint, timeout=4) as loader:
+        it = iter(loader)
+        next(it)
+        service.stop()
+        started = time.monotonic()
+        with pytest.raises(ServiceTimeout, match=r"has been (silent for|gone for over) 4 s"):
+            for _ in it:
+                pass
+        assert time.monotonic() - started < 15

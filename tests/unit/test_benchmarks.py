@@ -1,0 +1,337 @@
+"""The benchmark's pure parts: medians, ratios, overlap, flatness, targets, table, JSON, markdown, flags."""
+
+from __future__ import annotations
+
+import json
+import math
+import socket
+from pathlib import Path
+
+import pytest
+
+from benchmarks.cli import command_line
+from benchmarks.config import ConfigError, make_config, parse_scenarios
+from benchmarks.machine import cpu_model, mem_total_gib
+from benchmarks.proctree import CLOCK_TICKS, parse_stat, parse_status_kib
+from benchmarks.report import SCHEMA, format_table, format_value, markdown, to_json
+from benchmarks.results import (
+    DECODE_LIMIT,
+    DL_OPENCV,
+    DL_PIL,
+    SERVICE,
+    BenchResults,
+    Measurement,
+    Timeline,
+    evaluate_targets,
+)
+from benchmarks.stats import growth, is_flat, median, overlap_ratio, paired_ratio, rate, ratio, rolling
+
+# --- stats ---------------------------------------------------------------------------------------
+
+
+def test_median_ignores_non_finite_and_is_none_for_nothing() -> None:
+    assert median([3.0, 1.0, 2.0]) == 2.0
+    assert median([1.0, 2.0, 3.0, 4.0]) == 2.5
+    assert median([1.0, math.nan, 3.0]) == 2.0
+    assert median([]) is None
+
+
+def test_ratio_refuses_missing_or_non_positive_denominators() -> None:
+    assert ratio(3.0, 2.0) == 1.5
+    assert ratio(None, 2.0) is None
+    assert ratio(3.0, None) is None
+    assert ratio(3.0, 0.0) is None
+    assert ratio(3.0, -1.0) is None
+
+
+def test_paired_ratio_is_the_median_of_per_round_ratios() -> None:
+    # Round 2 ran under a burst of other work that slowed only the second contender: pairing and the
+    # median leave it out, the ratio of medians (100/50 = 2.0) would not.
+    service = [100.0, 100.0, 100.0]
+    other = [50.0, 10.0, 50.0]
+    assert paired_ratio(service, other) == 2.0
+    assert paired_ratio([200.0, 90.0, 110.0], [100.0, 100.0, 100.0]) == 1.1
+    assert paired_ratio([1.0], [1.0, 2.0]) is None
+    assert paired_ratio([1.0], [0.0]) is None
+
+
+def test_rate_of_an_empty_interval_is_zero() -> None:
+    assert rate(640, 2.0) == 320.0
+    assert rate(640, 0.0) == 0.0
+
+
+def test_overlap_ratio_against_the_slower_of_load_and_compute() -> None:
+    assert overlap_ratio(10.0, 10, load_seconds=1.0, compute_seconds=0.5) == 1.0
+    assert overlap_ratio(20.0, 10, load_seconds=1.0, compute_seconds=1.0) == 2.0  # nothing overlapped
+    assert overlap_ratio(11.0, 10, load_seconds=0.5, compute_seconds=1.0) == pytest.approx(1.1)
+    assert overlap_ratio(1.0, 0, 1.0, 1.0) == math.inf
+
+
+def test_growth_is_measured_from_the_first_value() -> None:
+    assert growth([100.0, 101.0, 99.0]) == 1.0
+    assert growth([100.0, 90.0]) == 0.0
+    assert growth([100.0]) == 0.0
+    assert growth([]) == 0.0
+
+
+def test_is_flat_allows_the_larger_of_absolute_and_relative_slack() -> None:
+    assert is_flat([100.0, 103.9, 102.0], absolute=4.0, relative=0.02)
+    assert not is_flat([100.0, 104.1], absolute=4.0, relative=0.02)
+    assert is_flat([1000.0, 1019.0], absolute=4.0, relative=0.02)
+    assert not is_flat([10.0, 20.0, 30.0, 40.0], absolute=4.0, relative=0.02)  # a leak per epoch
+    assert is_flat([], absolute=4.0, relative=0.02)
+
+
+def test_rolling_rate_and_stall_over_a_window() -> None:
+    ends = [1.0, 2.0, 3.0, 4.0]
+    points = rolling(ends, [10, 10, 10, 40], [0.5, 0.5, 0.0, 0.0], window=2)
+    assert [p.t for p in points] == [2.0, 3.0, 4.0]  # full windows only
+    assert [p.images_per_second for p in points] == [10.0, 10.0, 25.0]
+    assert [p.stall for p in points] == [0.5, 0.25, 0.0]
+    with pytest.raises(ValueError):
+        rolling(ends, [1, 1, 1, 1], [0, 0, 0, 0], window=0)
+
+
+def test_rolling_skips_batches_that_took_no_time() -> None:
+    points = rolling([0.0, 1.0], [5, 5], [0.0, 0.0], window=1)
+    assert [(p.t, p.images_per_second) for p in points] == [(1.0, 5.0)]
+
+
+# --- results and targets -------------------------------------------------------------------------
+
+
+def throughput(service: list[float], dl: list[float], limit: list[float]) -> Measurement:
+    samples = {SERVICE: service, DL_OPENCV: dl, DL_PIL: [x / 2 for x in dl], DECODE_LIMIT: limit}
+    return Measurement("a", "a", "one trainer", "images/s", samples, paired=True)
+
+
+def test_measurement_ratio_pairs_only_paired_samples() -> None:
+    paired = throughput([100.0, 100.0, 100.0], [50.0, 10.0, 50.0], [100.0, 100.0, 100.0])
+    assert paired.ratio(SERVICE, DL_OPENCV) == 2.0
+    unpaired = Measurement("b", "b", "per trainer", "images/s", {SERVICE: [100.0, 30.0], DL_OPENCV: [50.0]})
+    assert unpaired.ratio(SERVICE, DL_OPENCV) == 65.0 / 50.0
+    assert unpaired.ratio(SERVICE, DL_PIL) is None
+    assert unpaired.median(DECODE_LIMIT) is None
+
+
+def test_timeline_then_shifts_the_later_part() -> None:
+    first = Timeline((1.0, 2.0), (64, 64), (0.1, 0.2))
+    joined = first.then(Timeline((0.5,), (32,), (0.0,)))
+    assert joined.ends == (1.0, 2.0, 2.5)
+    assert joined.images == (64, 64, 32)
+    assert (Timeline() + first).ends == first.ends
+
+
+def results_with(*measurements: Measurement) -> BenchResults:
+    return BenchResults(
+        settings={"quick": True, "batch_size": 64, "image_size": 224, "workers": 2, "data": {"images": 1024}},
+        machine={"cpu": "Test CPU", "cores": "2"},
+        measurements=measurements,
+        timelines={"a:service": Timeline((1.0,), (64,), (0.5,))},
+        cleanup={"service_exit_codes": [0], "segments_left": 0},
+        started="2026-01-02T03:04:05+00:00",
+        seconds=12.0,
+    )
+
+
+def full_results() -> BenchResults:
+    return results_with(
+        throughput([1200.0, 1150.0, 1180.0], [1000.0, 1000.0, 1000.0], [1250.0, 1250.0, 1250.0]),
+        Measurement("b", "b", "per trainer", "images/s", {SERVICE: [800.0] * 4, DL_OPENCV: [200.0] * 4}),
+        Measurement("c", "c", "first batch", "s", {SERVICE: [0.08, 0.09, 0.2], DL_OPENCV: [0.5]}),
+        Measurement("d", "d", "overlap", "x", {SERVICE: [1.02], DL_OPENCV: [1.4]}, notes={"compute_s": 0.05}),
+        Measurement("e", "e64", "next()", "us", {SERVICE: [50.0, 60.0, 70.0]}, notes={"batch_size": 64}),
+        Measurement("e", "e256", "next()", "us", {SERVICE: [55.0, 65.0, 75.0]}, notes={"batch_size": 256}),
+        Measurement("f", "f", "CPU", "CPU-s", {SERVICE: [2.0], DL_OPENCV: [3.0]}, paired=True),
+        Measurement(
+            "g",
+            "g",
+            "memory",
+            "MiB",
+            {"rss_mib": [300.0, 301.0], "rss_anon_mib": [80.0, 81.0], "shm_mib": [110.0, 110.0]},
+        ),
+    )
+
+
+def verdicts(results: BenchResults) -> dict[str, list[bool | None]]:
+    out: dict[str, list[bool | None]] = {}
+    for check in evaluate_targets(results):
+        out.setdefault(check.scenario, []).append(check.passed)
+    return out
+
+
+def test_every_target_passes_when_the_figures_meet_it() -> None:
+    assert verdicts(full_results()) == {
+        "a": [True, True],
+        "b": [True],
+        "c": [True],
+        "d": [True],
+        "e": [True, True],
+        "g": [True],
+    }
+
+
+def test_targets_fail_on_the_wrong_side_of_their_thresholds() -> None:
+    results = results_with(
+        throughput([1100.0], [1000.0], [1300.0]),  # 1.10x DataLoader, 85% of the limit
+        Measurement("c", "c", "first batch", "s", {SERVICE: [0.2]}),
+        Measurement("e", "e64", "next()", "us", {SERVICE: [50.0]}, notes={"batch_size": 64}),
+        Measurement("e", "e256", "next()", "us", {SERVICE: [90.0]}, notes={"batch_size": 256}),  # not flat
+        Measurement("g", "g", "memory", "MiB", {"rss_anon_mib": [80.0, 90.0, 100.0], "shm_mib": [110.0] * 3}),
+    )
+    got = verdicts(results)
+    assert got["a"] == [False, False]
+    assert got["c"] == [False]
+    assert got["e"] == [True, False]
+    assert got["g"] == [False]
+
+
+def test_targets_of_scenarios_not_run_are_not_applicable() -> None:
+    checks = evaluate_targets(results_with())
+    assert {c.passed for c in checks} == {None}
+    assert {c.verdict for c in checks} == {"n/a"}
+    assert all(c.measured == "not measured" for c in checks)
+    one_size = results_with(
+        Measurement("e", "e64", "next()", "us", {SERVICE: [50.0]}, notes={"batch_size": 64})
+    )
+    assert verdicts(one_size)["e"] == [None, None]
+
+
+# --- report --------------------------------------------------------------------------------------
+
+
+def test_format_value_per_unit() -> None:
+    assert format_value(1234.56, "images/s") == "1235"
+    assert format_value(0.08123, "s") == "0.081"
+    assert format_value(None, "s") == "-"
+    assert format_value(math.inf, "x") == "-"
+
+
+def test_table_has_a_row_per_measurement_ratios_and_verdicts() -> None:
+    results = results_with(*reversed(full_results().measurements))  # rows come in scenario order
+    table = format_table(results, evaluate_targets(results))
+    assert "(a) one trainer, images/s" in table
+    assert "(b) per trainer, 4 at once, images/s" in table
+    assert "(e) next() on a ready batch of 64, us" in table
+    assert "(e) next() on a ready batch of 256, us" in table
+    assert "vs DataLoader+OpenCV 1.18x" in table  # median of 1.2, 1.15, 1.18
+    assert "vs decode limit 0.94x" in table
+    assert "80.0 -> 81.0" in table
+    labels = [line.split("  ")[0] for line in table.splitlines() if line.startswith("(")]
+    assert [label[:3] for label in labels] == ["(a)", "(b)", "(c)", "(d)", "(e)", "(e)", "(f)", "(g)"]
+    assert "of 64" in labels[4] and "of 256" in labels[5]
+    assert "PASS  (a) dataferry >= 1.15x DataLoader+OpenCV: 1.18x" in table
+    assert "FAIL" not in table
+
+
+def test_json_shape_and_strictness() -> None:
+    results = full_results()
+    doc = to_json(results, evaluate_targets(results))
+    text = json.dumps(doc, allow_nan=False)  # NaN/inf would make the file unreadable by strict parsers
+    assert json.loads(text)["schema"] == SCHEMA
+    assert set(doc) == {
+        "schema", "started", "seconds", "settings", "machine", "contenders",
+        "measurements", "targets", "timelines", "cleanup",
+    }  # fmt: skip
+    a = doc["measurements"]["a"]
+    assert set(a) == {"scenario", "title", "unit", "paired", "samples", "median", "ratios", "notes"}
+    assert a["samples"][SERVICE] == [1200.0, 1150.0, 1180.0]
+    assert a["median"][SERVICE] == 1180.0
+    assert a["ratios"]["service/dl_opencv"] == pytest.approx(1.18)
+    assert set(doc["measurements"]) == {"a", "b", "c", "d", "e64", "e256", "f", "g"}
+    assert doc["targets"][0] == {
+        "scenario": "a",
+        "target": "dataferry >= 1.15x DataLoader+OpenCV",
+        "measured": "1.18x",
+        "passed": True,
+    }
+    assert doc["timelines"]["a:service"] == {"end_s": [1.0], "images": [64], "wait_s": [0.5]}
+
+
+def test_json_of_missing_medians_is_null_not_nan() -> None:
+    results = results_with(Measurement("c", "c", "first batch", "s", {SERVICE: []}))
+    doc = to_json(results, evaluate_targets(results))
+    assert doc["measurements"]["c"]["median"] == {SERVICE: None}
+    json.dumps(doc, allow_nan=False)
+
+
+def test_markdown_has_machine_command_table_and_targets() -> None:
+    results = full_results()
+    text = markdown(results, evaluate_targets(results), "python -m benchmarks --quick")
+    assert text.startswith("## Results of 2026-01-02")
+    assert "| cpu | Test CPU |" in text
+    assert "`python -m benchmarks --quick`" in text
+    assert "| (a) one trainer, images/s | 1180 | 1000 | 500 | 1250 |" in text
+    assert "| (a) dataferry >= 1.15x DataLoader+OpenCV | 1.18x | PASS |" in text
+
+
+def test_reported_settings_hold_no_path_of_this_machine(tmp_path: Path) -> None:
+    from benchmarks.datasets import DataSpec
+    from benchmarks.run import settings
+
+    cfg = make_config(True, data=tmp_path, json_path=tmp_path / "r.json", markdown_path=tmp_path / "b.md")
+    data = DataSpec(tmp_path, "--data", images=10, classes=2, mean_kib=100.0)
+    text = json.dumps(settings(cfg, data))
+    assert str(tmp_path) not in text
+    assert socket.gethostname() not in text
+    assert json.loads(text)["data"]["images"] == 10
+
+
+# --- config, command line, parsers -------------------------------------------------------------
+
+
+def test_parse_scenarios_orders_and_keeps_unknown_for_validation() -> None:
+    assert parse_scenarios("e, a,c") == ("a", "c", "e")
+    assert parse_scenarios("A,,b") == ("a", "b")
+    assert parse_scenarios("a,z") == ("a", "z")
+
+
+def test_quick_preset_and_overrides() -> None:
+    quick = make_config(True, workers=4, images=None)
+    assert quick.quick and quick.workers == 4 and quick.images == 1024
+    assert make_config(False).images == 2560
+    assert make_config(True, images=640).per_class == 80
+
+
+@pytest.mark.parametrize(
+    ("overrides", "message"),
+    [
+        ({"workers": 0}, "--workers"),
+        ({"images": 10}, "--images"),
+        ({"scenarios": ("a", "z")}, "unknown scenarios z"),
+        ({"scenarios": ()}, "selects nothing"),
+        ({"data": Path("/nonexistent/dataferry-bench")}, "--data"),
+    ],
+)
+def test_bad_flags_are_named(overrides: dict[str, object], message: str) -> None:
+    with pytest.raises(ConfigError, match=message):
+        make_config(False, **overrides)
+
+
+def test_command_line_hides_the_data_path(tmp_path: Path) -> None:
+    cfg = make_config(True, data=tmp_path, workers=3, scenarios=("a", "c"))
+    assert command_line(cfg) == "python -m benchmarks --quick --data DIR --workers 3 --scenarios a,c"
+    assert command_line(make_config(False)) == "python -m benchmarks"
+    assert command_line(make_config(False, images=5000)) == "python -m benchmarks --images 5000"
+
+
+def test_cpu_model_and_memory_from_proc_text() -> None:
+    cpuinfo = "processor\t: 0\nvendor_id\t: GenuineIntel\nmodel name\t: Intel(R)  Xeon(R) CPU @ 2.20GHz\n"
+    assert cpu_model(cpuinfo) == "Intel(R) Xeon(R) CPU @ 2.20GHz"
+    assert cpu_model("processor : 0\nModel : Raspberry Pi 4 Model B\n") == "Raspberry Pi 4 Model B"
+    assert mem_total_gib("MemTotal:       24576000 kB\nMemFree: 1 kB\n") == pytest.approx(23.4375)
+    assert mem_total_gib("") is None
+
+
+def test_proc_stat_with_spaces_and_parentheses_in_the_name() -> None:
+    fields = ["S", "41", *["0"] * 9, str(3 * CLOCK_TICKS), str(CLOCK_TICKS), "0"]
+    ppid, cpu = parse_stat(f"42 (python -m (x)) {' '.join(fields)}")
+    assert ppid == 41
+    assert cpu == 4.0
+
+
+def test_proc_status_fields_in_kib() -> None:
+    status = "Name:\tpython\nVmRSS:\t  2048 kB\nRssAnon:\t  1024 kB\n"
+    assert parse_status_kib(status, "VmRSS") == 2048
+    assert parse_status_kib(status, "RssAnon") == 1024
+    assert parse_status_kib(status, "RssShmem") == 0
