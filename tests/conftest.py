@@ -84,17 +84,20 @@ class ServiceProcess:
         with self._changed:
             self._changed.notify_all()
 
-    def wait_for(self, pattern: str, timeout: float = 30.0) -> re.Match[str]:
-        """Block until a stderr line matches ``pattern``; fail with the log if the process exits first."""
+    def wait_for(self, pattern: str, timeout: float = 30.0, count: int = 1) -> re.Match[str]:
+        """Wait for ``count`` stderr lines matching ``pattern``; fail with the log if the process exits."""
         regex = re.compile(pattern)
         deadline = time.monotonic() + timeout
         seen = 0
+        found = 0
         with self._changed:
             while True:
                 for line in self.lines[seen:]:
                     m = regex.search(line)
                     if m:
-                        return m
+                        found += 1
+                        if found >= count:
+                            return m
                 seen = len(self.lines)
                 if self.proc.poll() is not None and not self._reader.is_alive():
                     raise AssertionError(
