@@ -93,18 +93,18 @@ class BenchConfig:
 
 
 QUICK = {
-    "images": 768,
+    "images": 1024,
     "rounds": 3,
     "warmup_batches": 2,
     "timed_batches": 6,
     "trainer_batches": 6,
     "first_batch_repeats": 6,
     "overlap_epochs": 2,
-    "cost_epochs": 2,
+    "cost_epochs": 3,
     "memory_epochs": 4,
     "timeout": 60.0,
 }
-"""What ``--quick`` changes: 768 images is 12 batches of 64 and 3 full batches of 256 per epoch."""
+"""What ``--quick`` changes: 1024 images is 16 batches of 64 and 4 of 256 per epoch."""
 
 
 def parse_scenarios(text: str) -> tuple[str, ...]:

@@ -72,6 +72,10 @@ class Timeline:
     images: tuple[int, ...] = ()
     waits: tuple[float, ...] = ()
 
+    def __add__(self, later: Timeline) -> Timeline:
+        """Both timelines as they are (their times already share an origin)."""
+        return Timeline(self.ends + later.ends, self.images + later.images, self.waits + later.waits)
+
     def then(self, later: Timeline) -> Timeline:
         """This timeline followed by ``later``, shifted to start where this one ends."""
         offset = self.ends[-1] if self.ends else 0.0

@@ -85,13 +85,15 @@ def rolling(
 ) -> list[RollingPoint]:
     """Per-batch rolling throughput and data stall (fraction of wall time spent waiting for a batch).
 
-    ``ends[i]`` is when batch ``i`` was done, in seconds since the timeline began at 0.
+    ``ends[i]`` is when batch ``i`` was done, in seconds since the timeline began at 0. Only full
+    windows count: a point over the first batch or two would show noise, not a rate.
     """
     if window < 1:
         raise ValueError("window must be at least 1")
     points = []
-    for i, end in enumerate(ends):
-        j = max(0, i - window + 1)
+    for i in range(window - 1, len(ends)):
+        end = ends[i]
+        j = i - window + 1
         start = ends[j - 1] if j > 0 else 0.0
         span = end - start
         if span <= 0:

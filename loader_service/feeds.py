@@ -11,6 +11,7 @@ import numpy.typing as npt
 
 from loader_service.config import FeedConfig
 from loader_service.index import DatasetIndex, build_index
+from loader_service.rates import RateMeter
 from loader_service.sampler import batches_per_epoch, shard_plan, shard_size
 from loader_service.shm import Segment, new_segment_name
 from loader_service.slots import SlotPool
@@ -23,7 +24,7 @@ log = logging.getLogger(__name__)
 
 @dataclass
 class FeedCounters:
-    decoded: int = 0
+    decoded: RateMeter = field(default_factory=RateMeter)
     batches: int = 0
     bad_files: int = 0
 
@@ -106,7 +107,8 @@ class Feed:
             "name": self.name,
             "samples": len(self.index),
             "slots": self.pool.counts(),
-            "decoded": self.counters.decoded,
+            "decoded": self.counters.decoded.total,
+            "images_per_second": round(self.counters.decoded.rate(), 1),
             "batches": self.counters.batches,
             "bad_files": self.counters.bad_files,
             "recent_bad_files": recent,

@@ -516,6 +516,7 @@ class LoaderService:
         handle = self._workers.get(msg.worker)
         if handle is not None and handle.task == msg.task:
             handle.task = None
+            handle.decoded.add(msg.count)
         record = self._tasks.pop(msg.task, None)
         if record is not None:  # else: a report from before a redo (NOTE [ Worker restarts ])
             self._complete(record, msg.count, msg.bad)
@@ -527,7 +528,7 @@ class LoaderService:
             if self.config.strict and self._fatal is None:
                 where = feed.index.relpath(idx) if 0 <= idx < len(feed.index) else f"sample {idx}"
                 self._fatal = f"--strict: feed {feed.name!r}: {where}: {reason}"
-        feed.counters.decoded += count
+        feed.counters.decoded.add(count)
         stream = self._streams.get(record.stream)
         if stream is None or not stream.filled(record.gen, record.seq, record.slot, count):
             feed.pool.release(record.slot)  # its plan was abandoned while the slot was filling
@@ -606,6 +607,14 @@ class LoaderService:
 
     # --- status ---------------------------------------------------------------------------------
 
+    def _lag(self, session: Session) -> int:
+        """Batches decoded for this trainer's stream that it has not taken yet."""
+        stream = self._streams.get(session.stream_key())
+        member = None if stream is None else stream.members.get(session.session_id)
+        if stream is None or member is None or not member.active:
+            return 0
+        return max(0, stream.next_produce - stream.filling - member.next_send)
+
     def status(self) -> dict[str, object]:
         """A JSON-shaped snapshot, bounded so it always fits one frame."""
         sessions = [
@@ -621,6 +630,8 @@ class LoaderService:
                 "delivered": s.delivered,
                 "leased": len(s.leases),
                 "credits": s.credits,
+                "lag": self._lag(s),
+                "idle_seconds": round(time.monotonic() - s.last_seen, 1),
             }
             for s in list(self._sessions.values())[:100]
         ]
@@ -629,7 +640,14 @@ class LoaderService:
             []
             if workers is None
             else [
-                {"worker": h.worker, "pid": h.process.pid, "task": h.task, "ready": h.routing_id is not None}
+                {
+                    "worker": h.worker,
+                    "pid": h.process.pid,
+                    "task": h.task,
+                    "ready": h.routing_id is not None,
+                    "decoded": h.decoded.total,
+                    "images_per_second": round(h.decoded.rate(), 1),
+                }
                 for h in workers
             ]
         )

@@ -12,8 +12,9 @@ import multiprocessing
 import multiprocessing.process
 import time
 from collections.abc import Iterator
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 
+from loader_service.rates import RateMeter
 from loader_service.worker import WORKER_BOOT_ERROR, WorkerConfig, run_worker
 
 log = logging.getLogger(__name__)
@@ -29,6 +30,7 @@ class WorkerHandle:
     routing_id: bytes | None = None
     task: int | None = None
     """The task id this worker is decoding, if any."""
+    decoded: RateMeter = field(default_factory=RateMeter)
 
     @property
     def idle(self) -> bool:

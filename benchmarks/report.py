@@ -1,0 +1,189 @@
+"""Turning results into a table for people, JSON for machines and a section for docs/benchmarks.md.
+
+All pure: these functions only format what ``results`` holds, so they are unit-tested directly.
+Ratios are always dataferry over the other contender, whatever the unit: above 1 means dataferry is
+higher (faster for images/s; slower or costlier for seconds, microseconds, CPU and overlap).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from benchmarks.results import CONTENDERS, SERVICE, BenchResults, Check, Measurement, Timeline
+
+SCHEMA = "dataferry-bench/1"
+COLUMNS = tuple(CONTENDERS)
+FORMATS = {"images/s": ".0f", "s": ".3f", "x": ".3f", "us": ".0f", "CPU-s": ".2f", "MiB": ".1f"}
+ROW_LABELS = {
+    "a": "(a) one trainer, images/s",
+    "b": "(b) per trainer, {trainers:.0f} at once, images/s",
+    "c": "(c) first batch, s",
+    "d": "(d) epoch / max(load, compute)",
+    "e": "(e) next() on a ready batch of {batch_size:.0f}, us",
+    "f": "(f) CPU-s per 1000 images",
+    "g": "(g) service memory, MiB",
+}
+
+
+@dataclass(frozen=True)
+class Row:
+    label: str
+    cells: Mapping[str, str]
+    note: str
+
+
+def format_value(value: float | None, unit: str) -> str:
+    return "-" if value is None or not math.isfinite(value) else format(value, FORMATS.get(unit, ".3g"))
+
+
+def ratio_note(m: Measurement) -> str:
+    """``vs DataLoader+OpenCV 1.27x, ...`` for every other contender measured."""
+    parts = []
+    for key in COLUMNS:
+        if key != SERVICE and key in m.samples:
+            r = m.ratio(SERVICE, key)
+            parts.append(f"vs {CONTENDERS[key]} {'-' if r is None else f'{r:.2f}x'}")
+    return ", ".join(parts)
+
+
+def _memory_row(m: Measurement) -> Row:
+    def span(key: str) -> str:
+        series = m.samples.get(key, ())
+        return f"{series[0]:.1f} -> {series[-1]:.1f}" if series else "-"
+
+    epochs = len(m.samples.get("rss_mib", ()))
+    last = m.samples.get("rss_anon_mib", ())
+    note = f"epoch 1 -> {epochs}: RSS {span('rss_mib')}, anon {span('rss_anon_mib')}, shm {span('shm_mib')}"
+    return Row(ROW_LABELS["g"], {SERVICE: format_value(last[-1] if last else None, "MiB")}, note)
+
+
+def row_for(m: Measurement) -> Row:
+    """One table row: the median per contender, then the ratios (for (d), the step's length too)."""
+    if m.scenario == "g":
+        return _memory_row(m)
+    label = ROW_LABELS[m.scenario].format(**{"trainers": 4.0, "batch_size": 0.0, **m.notes})
+    cells = {key: format_value(m.median(key), m.unit) for key in COLUMNS if key in m.samples}
+    note = ratio_note(m)
+    if m.scenario == "d":
+        note = f"step {m.notes.get('compute_s', 0.0) * 1000:.0f} ms; " + note
+    return Row(label, cells, note)
+
+
+def rows(results: BenchResults) -> list[Row]:
+    """In scenario order, (e) by batch size, whatever order the run measured them in."""
+    ordered = sorted(results.measurements, key=lambda m: (m.scenario, m.notes.get("batch_size", 0.0)))
+    return [row_for(m) for m in ordered]
+
+
+def _header() -> list[str]:
+    return ["measure", *(CONTENDERS[k] for k in COLUMNS), "dataferry / other"]
+
+
+def _cells(row: Row) -> list[str]:
+    return [row.label, *(row.cells.get(k, "-") for k in COLUMNS), row.note]
+
+
+def format_table(results: BenchResults, checks: Sequence[Check]) -> str:
+    """The human table: medians per contender with ratios, then every target with PASS/FAIL."""
+    lines = [_title(results), ""]
+    grid = [_header(), *(_cells(r) for r in rows(results))]
+    widths = [max(len(line[i]) for line in grid) for i in range(len(grid[0]) - 1)]
+    for line in grid:
+        first = line[0].ljust(widths[0])
+        numbers = [cell.rjust(width) for cell, width in zip(line[1:-1], widths[1:], strict=True)]
+        lines.append("  ".join([first, *numbers, line[-1]]).rstrip())
+    lines += ["", "targets (issue 5):"]
+    lines += [f"  {c.verdict:4}  ({c.scenario}) {c.target}: {c.measured}" for c in checks]
+    return "\n".join(lines)
+
+
+def _title(results: BenchResults) -> str:
+    s = results.settings
+    data = s.get("data", {})
+    kind = "quick run" if s.get("quick") else "full run"
+    return (
+        f"dataferry vs torch DataLoader ({kind}, {results.seconds:.0f} s): {data.get('images', '?')} images, "
+        f"batch {s.get('batch_size')}, {s.get('image_size')} px, {s.get('workers')} processes each; "
+        "medians of repeats"
+    )
+
+
+def _shape(data: Mapping[str, Any]) -> str:
+    width, height = data.get("mean_width"), data.get("mean_height")
+    return f"{width:.0f}x{height:.0f} px, " if width and height else ""
+
+
+def markdown(results: BenchResults, checks: Sequence[Check], command: str) -> str:
+    """The results section for docs/benchmarks.md: machine, command, table, targets."""
+    s = results.settings
+    data = s.get("data", {})
+    out = [
+        f"## Results of {results.started[:10]}",
+        "",
+        f"Command: `{command}` ({'quick' if s.get('quick') else 'full'} run, {results.seconds:.0f} s).",
+        "",
+        f"Data: {data.get('source', '?')}, {data.get('images', '?')} images, "
+        f"{data.get('classes', '?')} classes, mean {_shape(data)}{data.get('mean_kib', 0):.0f} KiB. "
+        "Every contender: decode, RandomResizedCrop "
+        f"{s.get('image_size')} + flip, CHW uint8, batches of {s.get('batch_size')}, "
+        f"{s.get('workers')} CPU processes.",
+        "",
+        "| machine | |",
+        "| --- | --- |",
+        *(f"| {k} | {v} |" for k, v in results.machine.items()),
+        "",
+        "| " + " | ".join(_header()) + " |",
+        "| " + " | ".join(["---"] + ["---:"] * len(COLUMNS) + ["---"]) + " |",
+        *("| " + " | ".join(_cells(r)) + " |" for r in rows(results)),
+        "",
+        "Medians of repeats; ratios are dataferry over the other contender (above 1: dataferry higher).",
+        "",
+        "| target (issue 5) | measured | result |",
+        "| --- | --- | --- |",
+        *(f"| ({c.scenario}) {c.target} | {c.measured} | {c.verdict} |" for c in checks),
+        "",
+    ]
+    return "\n".join(out)
+
+
+def _measurement_json(m: Measurement) -> dict[str, Any]:
+    medians = {k: m.median(k) for k in m.samples}
+    ratios = {
+        f"{SERVICE}/{k}": m.ratio(SERVICE, k) for k in m.samples if k != SERVICE and SERVICE in m.samples
+    }
+    return {
+        "scenario": m.scenario,
+        "title": m.title,
+        "unit": m.unit,
+        "paired": m.paired,
+        "samples": {k: [float(v) for v in vs] for k, vs in m.samples.items()},
+        "median": medians,
+        "ratios": ratios,
+        "notes": dict(m.notes),
+    }
+
+
+def _timeline_json(t: Timeline) -> dict[str, list[float] | list[int]]:
+    return {"end_s": list(t.ends), "images": list(t.images), "wait_s": list(t.waits)}
+
+
+def to_json(results: BenchResults, checks: Sequence[Check]) -> dict[str, Any]:
+    """Everything measured, every repeat, with medians and ratios precomputed for convenience."""
+    return {
+        "schema": SCHEMA,
+        "started": results.started,
+        "seconds": results.seconds,
+        "settings": dict(results.settings),
+        "machine": dict(results.machine),
+        "contenders": dict(CONTENDERS),
+        "measurements": {m.key: _measurement_json(m) for m in results.measurements},
+        "targets": [
+            {"scenario": c.scenario, "target": c.target, "measured": c.measured, "passed": c.passed}
+            for c in checks
+        ],
+        "timelines": {name: _timeline_json(t) for name, t in results.timelines.items()},
+        "cleanup": dict(results.cleanup),
+    }

@@ -1,0 +1,308 @@
+"""One benchmark run: the selected scenarios, in an order that lets them share processes.
+
+NOTE [ Scenario order ]
+    1. The DataLoader contenders start their workers first, while this process has no ZeroMQ
+       threads yet (DataLoader forks its workers).
+    2. Service A (batch 64) starts, one ServiceLoader attaches; the decode limit runs in this process.
+    3. (a)+(f) share their timed segments; then (d), (c), (e) at batch 64, (g), all on service A.
+    4. Every contender of this process is closed, so that (b)'s eight trainers are alone with the
+       service (an idle trainer attached here would hold slots of its pool).
+    5. Service A is stopped and must exit 0; (e) at batch 256 runs on service B and a DataLoader of 256.
+    Processes are released through ExitStacks, in reverse order of creation (streams, then loaders,
+    then the service), on success and failure alike (NOTE [ Benchmark service lifecycle ]).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import datetime
+import tempfile
+import time
+from dataclasses import asdict
+from pathlib import Path
+from typing import Any
+
+import cv2
+
+from benchmarks.config import SCENARIO_TITLES, BenchConfig
+from benchmarks.contenders import Contender, decode_limit_stream, loader_stream
+from benchmarks.datasets import DataSpec, OpenCVCrops, PILCrops, make_dataloader, prepare_data
+from benchmarks.machine import machine_facts
+from benchmarks.proctree import service_segments
+from benchmarks.progress import LazyProgress, say
+from benchmarks.results import DECODE_LIMIT, DL_OPENCV, DL_PIL, SERVICE, BenchResults, Measurement, Timeline
+from benchmarks.scenarios import (
+    fill_seconds,
+    first_batch_dataloader,
+    first_batch_service,
+    measure_memory,
+    measure_overlap,
+    measure_throughput,
+    ready_costs,
+    time_segment,
+)
+from benchmarks.service_process import ServiceProcess, ServiceSpec, running_service
+from benchmarks.stats import rate
+from benchmarks.trainers import TrainerConfig, measure_trainers
+from gpu_worker import ServiceLoader
+
+SERVICE_CREDITS = 6
+"""ServiceLoader's default: also how many batches may wait for it after it idled."""
+DATALOADER_PREFETCH = 2
+"""DataLoader's default ``prefetch_factor``: batches per worker that may wait after it idled."""
+B_LOADER_KWARGS: dict[str, Any] = {"mode": "broadcast", "group": "bench", "group_size": 4}
+"""(b)'s extra ServiceLoader arguments: the four trainers form one broadcast group, so each image
+is decoded once for all four (README: "Several trainers on one service")."""
+
+
+class BenchRun:
+    """State of one run: config, data, scratch directory, and what has been measured so far."""
+
+    def __init__(self, cfg: BenchConfig, data: DataSpec, run_dir: Path) -> None:
+        self.cfg = cfg
+        self.data = data
+        self.run_dir = run_dir
+        self.measurements: list[Measurement] = []
+        self.timelines: dict[str, Timeline] = {}
+        self.services: list[ServiceProcess] = []
+        self.contenders: dict[str, Contender] = {}
+
+    # --- processes ------------------------------------------------------------------------------
+
+    def batches_per_epoch(self, batch_size: int) -> int:
+        return -(-self.data.images // batch_size)
+
+    def start_service(self, stack: contextlib.ExitStack, name: str, batch_size: int) -> ServiceProcess:
+        cfg = self.cfg
+        spec = ServiceSpec(
+            self.data.root,
+            f"ipc://{self.run_dir}/{name}.sock",
+            cfg.workers,
+            batch_size,
+            cfg.image_size,
+            seed=cfg.seed,
+        )
+        say(f"starting service {name}: {cfg.workers} workers, batch {batch_size}")
+        service = stack.enter_context(running_service(spec, self.run_dir / f"{name}.log"))
+        self.services.append(service)
+        return service
+
+    def dataloader_contender(self, stack: contextlib.ExitStack, key: str, batch_size: int) -> Contender:
+        """A DataLoader with persistent workers, started now (its first batch is taken here)."""
+        cfg = self.cfg
+        dataset = (
+            OpenCVCrops(self.data.root, cfg.image_size)
+            if key == DL_OPENCV
+            else PILCrops(self.data.root, cfg.image_size)
+        )
+        stream = loader_stream(make_dataloader(dataset, cfg.workers, batch_size, cfg.timeout))
+        contender = Contender(key, stream, DATALOADER_PREFETCH * cfg.workers, cfg.warmup_batches)
+        stack.callback(contender.close)
+        contender.pull()
+        return contender
+
+    def service_contender(self, stack: contextlib.ExitStack, service: ServiceProcess) -> Contender:
+        loader = ServiceLoader(
+            service.spec.endpoint, device="cpu", timeout=self.cfg.timeout, credits=SERVICE_CREDITS
+        )
+        stack.callback(loader.close)
+        contender = Contender(SERVICE, loader_stream(loader), SERVICE_CREDITS, self.cfg.warmup_batches)
+        stack.callback(contender.close)  # runs first: the stream ends before its loader closes
+        return contender
+
+    def decode_limit_contender(self) -> Contender:
+        cfg = self.cfg
+        stream = decode_limit_stream(
+            OpenCVCrops(self.data.root, cfg.image_size).index, cfg.batch_size, cfg.image_size, cfg.seed
+        )
+        return Contender(DECODE_LIMIT, stream, backlog=0, warmup=1, scale=cfg.workers)
+
+    # --- phases (NOTE [ Scenario order ]) -------------------------------------------------------
+
+    def setup(self, stack: contextlib.ExitStack, service: ServiceProcess) -> None:
+        """Contenders the batch-64 scenarios need, DataLoaders first."""
+        cfg = self.cfg
+        if cfg.wants("a", "f", "d", "e"):
+            self.contenders[DL_OPENCV] = self.dataloader_contender(stack, DL_OPENCV, cfg.batch_size)
+        if cfg.wants("a", "f"):
+            self.contenders[DL_PIL] = self.dataloader_contender(stack, DL_PIL, cfg.batch_size)
+            self.contenders[DECODE_LIMIT] = self.decode_limit_contender()
+        if cfg.wants("a", "f", "d", "e", "g"):
+            self.contenders[SERVICE] = self.service_contender(stack, service)
+
+    def throughput(self) -> None:
+        say(f"(a, f) {SCENARIO_TITLES['a']}; {SCENARIO_TITLES['f']}")
+        order = [k for k in (SERVICE, DL_OPENCV, DL_PIL, DECODE_LIMIT) if k in self.contenders]
+        a, f, timelines = measure_throughput(
+            [self.contenders[k] for k in order], self.cfg.rounds, self.cfg.timed_batches
+        )
+        self.measurements += [m for m in (a, f) if self.cfg.wants(m.scenario)]
+        self.timelines.update({f"a:{k}": t for k, t in timelines.items()})
+
+    def load_per_batch(self, key: str) -> float:
+        """Seconds to load one batch: from (a) when it ran, else from one timed segment now."""
+        a = next((m for m in self.measurements if m.key == "a"), None)
+        images_per_second = a.median(key) if a else None
+        if images_per_second is None:
+            segment = time_segment(self.contenders[key], self.cfg.timed_batches)
+            images_per_second = rate(segment.images, segment.seconds)
+        return self.cfg.batch_size / images_per_second
+
+    def overlap(self) -> None:
+        say(f"(d) {SCENARIO_TITLES['d']}")
+        keys = (SERVICE, DL_OPENCV)
+        loads = {k: self.load_per_batch(k) for k in keys}
+        d, timelines = measure_overlap(
+            [self.contenders[k] for k in keys],
+            loads,
+            loads[SERVICE],
+            self.cfg.overlap_epochs,
+            self.batches_per_epoch(self.cfg.batch_size),
+        )
+        self.measurements.append(d)
+        self.timelines.update({f"d:{k}": t for k, t in timelines.items()})
+
+    def first_batch(self, service: ServiceProcess) -> None:
+        say(f"(c) {SCENARIO_TITLES['c']}")
+        cfg = self.cfg
+        samples = {
+            SERVICE: first_batch_service(service.spec.endpoint, cfg.first_batch_repeats, cfg.timeout),
+            DL_OPENCV: first_batch_dataloader(
+                OpenCVCrops(self.data.root, cfg.image_size),
+                cfg.workers,
+                cfg.batch_size,
+                max(2, cfg.first_batch_repeats // 2),
+                cfg.timeout,
+            ),
+        }
+        self.measurements.append(Measurement("c", "c", "construct to first batch", "s", samples))
+
+    def per_image_seconds(self) -> float:
+        """One process's seconds per image of the pipeline: from (a)'s decode limit, else timed now."""
+        a = next((m for m in self.measurements if m.key == "a"), None)
+        limit = a.median(DECODE_LIMIT) if a else None
+        if limit:
+            return self.cfg.workers / limit
+        segment = time_segment(self.decode_limit_contender(), 1)
+        return segment.seconds / max(1, segment.images)
+
+    def costs(self, batch_size: int, service: Contender, dataloader: Contender) -> None:
+        cfg = self.cfg
+        say(f"(e) {SCENARIO_TITLES['e']}, batch {batch_size}")
+        bpe = self.batches_per_epoch(batch_size)
+        per_image = self.per_image_seconds()
+        samples = {}
+        for contender, most in (
+            (service, SERVICE_CREDITS - 1),
+            (dataloader, DATALOADER_PREFETCH * cfg.workers - 1),
+        ):
+            ready = min(most, bpe - 1)
+            fill = fill_seconds(ready, cfg.workers, batch_size, per_image)
+            samples[contender.key] = ready_costs(contender, ready, fill, cfg.cost_epochs, bpe, batch_size)
+        notes = {"batch_size": float(batch_size)}
+        self.measurements.append(
+            Measurement("e", f"e{batch_size}", "next() on a ready batch", "us", samples, notes=notes)
+        )
+
+    def memory(self, service: ServiceProcess) -> None:
+        say(f"(g) {SCENARIO_TITLES['g']}")
+        bpe = self.batches_per_epoch(self.cfg.batch_size)
+        self.measurements.append(
+            measure_memory(self.contenders[SERVICE], service.pid, self.cfg.memory_epochs, bpe)
+        )
+
+    def trainers(self, service: ServiceProcess) -> None:
+        cfg = self.cfg
+        say(f"(b) {SCENARIO_TITLES['b']}: {cfg.trainers} ServiceLoaders, then {cfg.trainers} DataLoaders")
+        base = TrainerConfig(
+            0,
+            "",
+            self.data.root,
+            cfg.workers,
+            cfg.batch_size,
+            cfg.image_size,
+            cfg.warmup_batches,
+            cfg.trainer_batches,
+            cfg.timeout,
+        )
+        kwargs = {**B_LOADER_KWARGS, "group_size": cfg.trainers}
+        self.measurements.append(measure_trainers(base, cfg.trainers, service.spec.endpoint, kwargs))
+
+    def large_batch_costs(self) -> None:
+        """(e) at every batch size but the run's own, each on a service and a DataLoader of that size."""
+        for batch_size in (b for b in self.cfg.cost_batch_sizes if b != self.cfg.batch_size):
+            with contextlib.ExitStack() as stack:
+                service = self.start_service(stack, f"batch{batch_size}", batch_size)
+                dataloader = self.dataloader_contender(stack, DL_OPENCV, batch_size)
+                self.costs(batch_size, self.service_contender(stack, service), dataloader)
+
+    def with_service_a(self) -> None:
+        """Every scenario at the run's batch size, on one service (stopped when this returns)."""
+        cfg = self.cfg
+        with contextlib.ExitStack() as stack:
+            service = self.start_service(stack, f"batch{cfg.batch_size}", cfg.batch_size)
+            with contextlib.ExitStack() as contenders:
+                self.setup(contenders, service)
+                self.on_contenders(service)
+            self.contenders.clear()
+            if cfg.wants("b"):
+                self.trainers(service)
+
+    def on_contenders(self, service: ServiceProcess) -> None:
+        cfg = self.cfg
+        if cfg.wants("a", "f"):
+            self.throughput()
+        if cfg.wants("d"):
+            self.overlap()
+        if cfg.wants("c"):
+            self.first_batch(service)
+        if cfg.wants("e") and cfg.batch_size in cfg.cost_batch_sizes:
+            self.costs(cfg.batch_size, self.contenders[SERVICE], self.contenders[DL_OPENCV])
+        if cfg.wants("g"):
+            self.memory(service)
+
+    def run_all(self) -> None:
+        cv2.setNumThreads(1)  # this process only ever does single-process work (the decode limit)
+        self.with_service_a()
+        if self.cfg.wants("e"):
+            self.large_batch_costs()
+
+
+def settings(cfg: BenchConfig, data: DataSpec) -> dict[str, Any]:
+    """The configuration as reported: every knob, no path of this machine."""
+    values = asdict(cfg)
+    for key in ("data", "cache", "json_path", "plot_path", "markdown_path"):
+        values.pop(key)
+    values["scenarios"] = "".join(cfg.scenarios)
+    values["cost_batch_sizes"] = list(cfg.cost_batch_sizes)
+    values["data"] = data.public()
+    return values
+
+
+def cleanup_report(services: list[ServiceProcess]) -> dict[str, Any]:
+    return {
+        "service_exit_codes": [s.exit_code for s in services],
+        "segments_left": sum(len(service_segments(s.pid)) for s in services),
+    }
+
+
+def run(cfg: BenchConfig) -> BenchResults:
+    """Prepare data, run every selected scenario, and gather the results (processes all stopped)."""
+    started = datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")
+    begin = time.monotonic()
+    generation = LazyProgress("generating the sample dataset")
+    data = prepare_data(cfg, progress=generation)
+    generation.close()
+    say(data.describe())
+    with tempfile.TemporaryDirectory(prefix="dataferry-bench-") as scratch:
+        bench = BenchRun(cfg, data, Path(scratch))
+        bench.run_all()
+    return BenchResults(
+        settings=settings(cfg, data),
+        machine=machine_facts(),
+        measurements=tuple(bench.measurements),
+        timelines=bench.timelines,
+        cleanup=cleanup_report(bench.services),
+        started=started,
+        seconds=time.monotonic() - begin,
+    )

@@ -1,0 +1,232 @@
+"""Scenarios (a) and (c)-(g), each driving contenders that ``run`` has set up. (b) is in ``trainers``.
+
+Every scenario returns ``Measurement``s holding each repeat; medians and ratios are taken later, in
+one place (``results``, ``stats``).
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from torch.utils.data import Dataset
+
+from benchmarks.contenders import Contender
+from benchmarks.datasets import Sample, make_dataloader
+from benchmarks.proctree import cpu_seconds, memory, shm_mib, tree
+from benchmarks.progress import progress
+from benchmarks.results import Measurement, Timeline
+from benchmarks.service_process import BenchError
+from benchmarks.stats import overlap_ratio, rate
+from gpu_worker import ServiceLoader
+
+FILL_MARGIN = 1.5
+"""(e) waits this many times the estimated decode time, so the batches timed are really waiting."""
+IDLE_CORES = 0.2
+"""Below this much CPU (in cores) the benchmark's process tree counts as idle."""
+
+
+@dataclass(frozen=True)
+class Segment:
+    images: int
+    seconds: float
+    cpu_seconds: float
+    timeline: Timeline
+
+
+def wait_idle(cores: float = IDLE_CORES, interval: float = 0.2, timeout: float = 10.0) -> None:
+    """Return once this process and its descendants use less than ``cores`` CPU over ``interval`` s.
+
+    A contender that just stopped being timed goes on filling its credits or prefetch queue; timing
+    the next contender meanwhile would charge it that CPU and give it fewer cores. Other users'
+    processes are not in the tree, so a busy machine does not keep this waiting (``timeout`` caps it).
+    """
+    pids = tree(os.getpid())
+    deadline = time.monotonic() + timeout
+    before, start = cpu_seconds(pids), time.perf_counter()
+    while time.monotonic() < deadline:
+        time.sleep(interval)
+        used, now = cpu_seconds(pids), time.perf_counter()
+        if (used - before) / (now - start) < cores:
+            return
+        before, start = used, now
+
+
+def time_segment(contender: Contender, batches: int) -> Segment:
+    """Wait for the tree to idle, skip what may be buffered plus a warm-up, then time ``batches`` batches.
+
+    CPU is counted over this process and every descendant (service, decode workers, DataLoader
+    workers): contenders not being timed sit idle, blocked on their queues.
+    """
+    wait_idle()
+    for _ in range(contender.backlog + contender.warmup):
+        contender.pull()
+    pids = tree(os.getpid())
+    cpu_before = cpu_seconds(pids)
+    start = time.perf_counter()
+    ends, images, waits = [], [], []
+    for _ in range(batches):
+        tick, waited = contender.timed_pull()
+        ends.append(time.perf_counter() - start)
+        images.append(tick.images)
+        waits.append(waited)
+    seconds = time.perf_counter() - start
+    timeline = Timeline(tuple(ends), tuple(images), tuple(waits))
+    return Segment(sum(images), seconds, cpu_seconds(pids) - cpu_before, timeline)
+
+
+def measure_throughput(
+    contenders: Sequence[Contender], rounds: int, batches: int
+) -> tuple[Measurement, Measurement, dict[str, Timeline]]:
+    """(a) and (f): ``rounds`` rounds, each timing every contender once, the order rotating per round.
+
+    Interleaving puts every contender under the same background load within a round, which is what
+    makes the per-round ratios comparable on a shared machine.
+    """
+    rates: dict[str, list[float]] = {c.key: [] for c in contenders}
+    cpu: dict[str, list[float]] = {c.key: [] for c in contenders}
+    timelines = {c.key: Timeline() for c in contenders}
+    bar = progress("(a, f) throughput rounds", rounds * len(contenders))
+    for r in range(rounds):
+        for c in [*contenders[r % len(contenders) :], *contenders[: r % len(contenders)]]:
+            segment = time_segment(c, batches)
+            rates[c.key].append(rate(segment.images, segment.seconds) * c.scale)
+            cpu[c.key].append(segment.cpu_seconds / max(1, segment.images) * 1000)
+            timelines[c.key] = timelines[c.key].then(segment.timeline)
+            bar.update()
+    bar.close()
+    a = Measurement("a", "a", "one trainer, steady state", "images/s", rates, paired=True)
+    f = Measurement("f", "f", "CPU-seconds per 1000 images", "CPU-s", cpu, paired=True)
+    return a, f, timelines
+
+
+def first_batch_service(endpoint: str, repeats: int, timeout: float) -> list[float]:
+    """(c): seconds from constructing a ServiceLoader to holding its first batch, service already warm.
+
+    One untimed attach first, so the service has served a trainer before the timed ones.
+    """
+    times = []
+    bar = progress("(c) first batch, service", repeats)
+    for attempt in range(repeats + 1):
+        start = time.perf_counter()
+        with ServiceLoader(endpoint, device="cpu", timeout=timeout, connect_timeout=timeout) as loader:
+            batch = next(iter(loader))
+            took = time.perf_counter() - start
+            del batch  # before close: a batch must not outlive its loader
+        if attempt:
+            times.append(took)
+            bar.update()
+    bar.close()
+    return times
+
+
+def first_batch_dataloader(
+    dataset: Dataset[Sample], workers: int, batch_size: int, repeats: int, timeout: float
+) -> list[float]:
+    """(c), for context: a fresh DataLoader's construction to first batch (it starts its workers)."""
+    times = []
+    bar = progress("(c) first batch, DataLoader", repeats)
+    for _ in range(repeats):
+        start = time.perf_counter()
+        loader = make_dataloader(dataset, workers, batch_size, timeout)
+        batches = iter(loader)
+        batch = next(batches)
+        times.append(time.perf_counter() - start)
+        del batch, batches, loader  # shuts its persistent workers down
+        bar.update()
+    bar.close()
+    return times
+
+
+def _step_epoch(
+    c: Contender, batches_per_epoch: int, compute: float, origin: float
+) -> tuple[float, Timeline]:
+    """One epoch of ``next()`` then a sleeping step per batch; its seconds and per-batch timeline."""
+    start = time.perf_counter()
+    ends, images, waits = [], [], []
+    for position in range(batches_per_epoch):
+        tick, waited = c.timed_pull()
+        if tick.position != position:
+            raise BenchError(f"{c.key}: expected batch {position} of an epoch, got {tick.position}")
+        time.sleep(compute)  # the accelerator's step: the CPU is free meanwhile
+        ends.append(time.perf_counter() - origin)
+        images.append(tick.images)
+        waits.append(waited)
+    return time.perf_counter() - start, Timeline(tuple(ends), tuple(images), tuple(waits))
+
+
+def measure_overlap(
+    contenders: Sequence[Contender],
+    loads: dict[str, float],
+    compute: float,
+    epochs: int,
+    batches_per_epoch: int,
+) -> tuple[Measurement, dict[str, Timeline]]:
+    """(d): epochs with a simulated step of ``compute`` s; epoch time / (batches x max(load, compute))."""
+    ratios: dict[str, list[float]] = {c.key: [] for c in contenders}
+    timelines = {}
+    bar = progress("(d) epochs with a simulated step", epochs * len(contenders))
+    for c in contenders:
+        c.finish_epoch(batches_per_epoch)
+        wait_idle()
+        origin = time.perf_counter()
+        timeline = Timeline()
+        for _ in range(epochs):
+            seconds, epoch_timeline = _step_epoch(c, batches_per_epoch, compute, origin)
+            timeline += epoch_timeline
+            ratios[c.key].append(overlap_ratio(seconds, batches_per_epoch, loads[c.key], compute))
+            bar.update()
+        timelines[c.key] = timeline
+    bar.close()
+    notes = {"compute_s": compute, **{f"load_s_{k}": v for k, v in loads.items()}}
+    return Measurement("d", "d", "epoch / max(load, compute)", "x", ratios, notes=notes), timelines
+
+
+def fill_seconds(ready: int, workers: int, batch_size: int, per_image: float) -> float:
+    """How long ``ready`` batches take to decode on ``workers`` processes, with a safety margin."""
+    return math.ceil(ready / workers) * batch_size * per_image * FILL_MARGIN + 0.25
+
+
+def ready_costs(
+    c: Contender, ready: int, fill: float, epochs: int, batches_per_epoch: int, batch_size: int
+) -> list[float]:
+    """(e): microseconds inside ``next()`` for batches already waiting when it is called.
+
+    Per epoch: take batch 0 (decoded on demand), sleep ``fill`` s so the next ``ready`` batches are
+    decoded and delivered, take one of them untimed (the first call after a long pause pays for
+    caches the pause let go cold, which a loop busy with its step would not), then time the rest.
+    Each timed call receives one batch, wraps it and drops it (a service slot's release goes out with
+    the following call). Short batches are not counted.
+    """
+    costs = []
+    for _ in range(epochs):
+        c.finish_epoch(batches_per_epoch)
+        c.pull()
+        time.sleep(fill)
+        c.pull()
+        for _ in range(min(ready, batches_per_epoch - 1) - 1):
+            tick, took = c.timed_pull()
+            if tick.images == batch_size:
+                costs.append(took * 1e6)
+    return costs
+
+
+def measure_memory(c: Contender, service_pid: int, epochs: int, batches_per_epoch: int) -> Measurement:
+    """(g): after each of ``epochs`` epochs, the service tree's resident memory and its /dev/shm use."""
+    rss, anon, shm = [], [], []
+    c.finish_epoch(batches_per_epoch)
+    bar = progress("(g) epochs with memory samples", epochs)
+    for _ in range(epochs):
+        for _ in range(batches_per_epoch):
+            c.pull()
+        used = memory(tree(service_pid))
+        rss.append(used.rss_mib)
+        anon.append(used.rss_anon_mib)
+        shm.append(shm_mib(service_pid))
+        bar.update()
+    bar.close()
+    samples = {"rss_mib": rss, "rss_anon_mib": anon, "shm_mib": shm}
+    return Measurement("g", "g", "service memory after each epoch", "MiB", samples)
