@@ -8,6 +8,7 @@ import sys
 from collections.abc import Sequence
 
 from gpu_worker.connection import ServiceError
+from gpu_worker.metrics import MetricsUnavailable
 from gpu_worker.runner import RunConfig, run
 
 
@@ -21,6 +22,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--epochs", type=int, default=1)
     p.add_argument("--feed", default="", help="feed name (default: the service's feed)")
     p.add_argument("--timeout", type=float, default=60.0, help="seconds to wait for a batch or the service")
+    p.add_argument("--metrics-port", type=int, default=0, help="serve the batch-wait histogram (Prometheus)")
     return parser
 
 
@@ -32,10 +34,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.epochs < 1:
         print("gpu-worker: --epochs must be at least 1", file=sys.stderr)
         return 2
-    cfg = RunConfig(args.endpoint, args.step, args.device, args.epochs, args.feed, args.timeout)
+    cfg = RunConfig(
+        args.endpoint, args.step, args.device, args.epochs, args.feed, args.timeout, args.metrics_port
+    )
     try:
         run(cfg)
-    except (ServiceError, ValueError, ImportError) as exc:
+    except (ServiceError, ValueError, ImportError, MetricsUnavailable) as exc:
         print(f"gpu-worker: {exc}", file=sys.stderr)
         return 1
     except KeyboardInterrupt:

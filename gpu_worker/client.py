@@ -325,9 +325,12 @@ class ServiceLoader:
         old = self._slots
         self.info: FeedInfo = welcome.feed
         self._batches = welcome.batches
-        self._slots = SlotMap(
-            self.info.segment, SlotLayout(self.info.batch_size, self.info.image_size), self.info.slots
-        )
+        try:
+            layout = SlotLayout(self.info.batch_size, self.info.image_size)
+            self._slots = SlotMap(self.info.segment, layout, self.info.slots)
+        except (ValueError, OSError) as exc:
+            # Never map memory a message merely names: only our own segments, whole, as announced.
+            raise ServiceError(f"the service announced an unusable slot pool: {exc}") from None
         if old is not None:
             old.close()  # unmaps once the batches still viewing it are gone
         if self.device.type == "cuda":

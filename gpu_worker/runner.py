@@ -17,6 +17,7 @@ from typing import Any
 import torch
 
 from gpu_worker.client import ServiceLoader
+from gpu_worker.metrics import TrainerMetrics
 
 log = logging.getLogger(__name__)
 StepFn = Callable[[torch.Tensor, torch.Tensor], Any]
@@ -30,6 +31,7 @@ class RunConfig:
     epochs: int = 1
     feed: str = ""
     timeout: float = 60.0
+    metrics_port: int = 0
 
 
 @dataclass(frozen=True)
@@ -65,25 +67,60 @@ def load_step(spec: str) -> StepFn:
     return fn  # type: ignore[no-any-return]
 
 
+class Progress:
+    """A tqdm bar per epoch (images/s, stall) on a terminal; a line every tenth of an epoch otherwise."""
+
+    def __init__(self, epoch: int, total: int) -> None:
+        self.epoch, self.total = epoch, total
+        self._bar: Any = None
+        if sys.stderr.isatty():
+            try:
+                from tqdm import tqdm
+            except ImportError:
+                pass
+            else:
+                self._bar = tqdm(total=total, desc=f"epoch {epoch}", unit="batch", leave=False)
+
+    def update(self, batches: int, images: int, waited: float, elapsed: float) -> None:
+        if self._bar is not None:
+            rate = images / elapsed if elapsed > 0 else 0.0
+            self._bar.set_postfix_str(
+                f"{rate:.0f} img/s, stall {waited / max(elapsed, 1e-9):.0%}", refresh=False
+            )
+            self._bar.update(1)
+        elif batches == self.total or batches % max(1, self.total // 10) == 0:
+            print(f"epoch {self.epoch}: batch {batches}/{self.total}", file=sys.stderr, flush=True)
+
+    def close(self) -> None:
+        if self._bar is not None:
+            self._bar.close()
+
+
 def run_epoch(
-    loader: ServiceLoader, step: StepFn, epoch: int, progress: Callable[[int, int], None]
+    loader: ServiceLoader, step: StepFn, epoch: int, on_wait: Callable[[float], None]
 ) -> EpochReport:
     loader.set_epoch(epoch)
     batches = images = 0
     waited = 0.0
+    progress = Progress(epoch, len(loader))
     start = time.perf_counter()
     it = iter(loader)
-    while True:
-        t0 = time.perf_counter()
-        batch = next(it, None)
-        waited += time.perf_counter() - t0
-        if batch is None:
-            break
-        step(batch.images, batch.labels)
-        batches += 1
-        images += int(batch.images.shape[0])
-        del batch  # returns the slot before we wait for the next one
-        progress(batches, len(loader))
+    try:
+        while True:
+            t0 = time.perf_counter()
+            batch = next(it, None)
+            wait = time.perf_counter() - t0
+            if batch is None:
+                break
+            waited += wait
+            on_wait(wait)
+            step(batch.images, batch.labels)
+            batches += 1
+            images += int(batch.images.shape[0])
+            del batch  # returns the slot before we wait for the next one
+            progress.update(batches, images, waited, time.perf_counter() - start)
+    finally:
+        progress.close()
     return EpochReport(epoch, batches, images, time.perf_counter() - start, waited)
 
 
@@ -99,16 +136,26 @@ def run(cfg: RunConfig) -> list[EpochReport]:
             file=sys.stderr,
             flush=True,
         )
-        for epoch in range(cfg.epochs):
-            report = run_epoch(loader, step, epoch, _progress(epoch))
-            print(report.line(), flush=True)
-            reports.append(report)
+        metrics = _start_metrics(cfg.metrics_port)
+        try:
+            for epoch in range(cfg.epochs):
+                report = run_epoch(loader, step, epoch, metrics.observe if metrics else _ignore)
+                print(report.line(), flush=True)
+                reports.append(report)
+        finally:
+            if metrics is not None:
+                metrics.stop()
     return reports
 
 
-def _progress(epoch: int) -> Callable[[int, int], None]:
-    def report(done: int, total: int) -> None:
-        if done == total or done % max(1, total // 10) == 0:
-            print(f"epoch {epoch}: batch {done}/{total}", file=sys.stderr, flush=True)
+def _ignore(_: float) -> None:
+    pass
 
-    return report
+
+def _start_metrics(port: int) -> TrainerMetrics | None:
+    if not port:
+        return None
+    metrics = TrainerMetrics()
+    metrics.start(port)
+    print(f"metrics on http://127.0.0.1:{metrics.port}/metrics", file=sys.stderr, flush=True)
+    return metrics

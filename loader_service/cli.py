@@ -36,11 +36,17 @@ def _add_serve(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
     )
     p.add_argument("--strict", action="store_const", const=True, help="stop at the first undecodable file")
     p.add_argument("--max-pixels", type=int, help="refuse images claiming more pixels (default 89478485)")
+    p.add_argument("--group", help="unix group whose members may attach (segments and socket 0660)")
+    p.add_argument(
+        "--metrics-port", type=int, help="serve Prometheus metrics on this port (needs prometheus_client)"
+    )
+    p.add_argument("--metrics-addr", help="address for the metrics port (default 127.0.0.1)")
     p.add_argument("--log-level", help="DEBUG, INFO, WARNING or ERROR")
     p.set_defaults(func=_cmd_serve)
 
 
 def _cmd_serve(args: argparse.Namespace) -> int:
+    from loader_service.metrics import MetricsUnavailable
     from loader_service.service import LoaderService  # keeps `index` and `--help` fast
 
     keys = (
@@ -57,6 +63,9 @@ def _cmd_serve(args: argparse.Namespace) -> int:
         "lag_timeout",
         "strict",
         "max_pixels",
+        "group",
+        "metrics_port",
+        "metrics_addr",
         "log_level",
     )
     try:
@@ -68,9 +77,26 @@ def _cmd_serve(args: argparse.Namespace) -> int:
     configure_logging(config.log_level, "service")
     try:
         return LoaderService(config).run()
+    except MetricsUnavailable as exc:
+        log.error("configuration error: %s", exc)
+        return 2
     except Exception as exc:
         log.error("fatal: %s", exc, exc_info=config.log_level == "DEBUG")
         return 1
+
+
+def _add_status(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+    p = sub.add_parser("status", help="show a running service: feeds, slots, workers, trainers, bad files")
+    p.add_argument("--endpoint", required=True)
+    p.add_argument("--json", action="store_true", help="print the raw status as JSON")
+    p.add_argument("--timeout", type=float, default=5.0, help="seconds to wait for an answer")
+    p.set_defaults(func=_cmd_status)
+
+
+def _cmd_status(args: argparse.Namespace) -> int:
+    from loader_service.status_view import main_status
+
+    return main_status(args.endpoint, args.json, args.timeout)
 
 
 def _add_index(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
@@ -156,7 +182,7 @@ def _cmd_demo(args: argparse.Namespace) -> int:
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="loader-service", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
-    for add in (_add_serve, _add_index, _add_sample_data, _add_demo):
+    for add in (_add_serve, _add_status, _add_index, _add_sample_data, _add_demo):
         add(sub)
     return parser
 

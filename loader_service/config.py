@@ -54,6 +54,11 @@ class ServiceConfig:
     """Stop the service at the first file that cannot be decoded, instead of skipping it."""
     max_pixels: int = 89_478_485
     """Images whose header claims more pixels are refused before their pixels are allocated."""
+    group: str = ""
+    """Unix group that may attach: segments and the ipc socket become 0660 owned by it (else 0600)."""
+    metrics_port: int = 0
+    """Serve Prometheus metrics on this port (0: off); needs the prometheus_client package."""
+    metrics_addr: str = "127.0.0.1"
     lag_timeout: float = 30.0
     """Seconds a broadcast group may be held up by one member before that member is evicted."""
     extra_feeds: tuple[FeedConfig, ...] = ()
@@ -89,6 +94,7 @@ class ServiceConfig:
         _check_endpoint(self.endpoint)
         _check(self.lag_timeout > 0, "lag_timeout must be positive")
         _check(10_000 <= self.max_pixels <= 2**40, "max_pixels must be between 10000 and 2**40")
+        _check(0 <= self.metrics_port <= 65535, "metrics_port must be a TCP port (0: off)")
         names = [f.name for f in self.extra_feeds]
         _check(len(set(names)) == len(names) and self.feed not in names, "feed names must be unique")
         return replace(

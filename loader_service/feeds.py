@@ -42,7 +42,7 @@ class Feed:
     bad_files: dict[int, str] = field(default_factory=dict)
 
     @classmethod
-    def open(cls, feed_id: int, config: FeedConfig, runtime_dir: Path) -> Feed:
+    def open(cls, feed_id: int, config: FeedConfig, runtime_dir: Path, group: str = "") -> Feed:
         """Index the data and create the pool; the caller closes the feed on every exit path."""
         index = build_index(
             config.data, progress=lambda n: log.info("feed %s: indexing, %d files", config.name, n)
@@ -51,7 +51,7 @@ class Feed:
         index_dir.mkdir()
         index.save(index_dir)
         layout = SlotLayout(config.batch_size, config.image_size)
-        segment = Segment.create(new_segment_name(config.name), layout.segment_bytes(config.slots))
+        segment = Segment.create(new_segment_name(config.name), layout.segment_bytes(config.slots), group)
         return cls(feed_id, config, index, layout, segment, SlotPool(config.slots), index_dir)
 
     def close(self) -> None:

@@ -13,3 +13,30 @@ def configure_logging(level: str, role: str) -> None:
     root = logging.getLogger()
     root.handlers[:] = [handler]
     root.setLevel(level)
+
+
+class LogLimiter:
+    """At most ``per_minute`` lines of one kind; then one line saying how many were left out.
+
+    Hostile or broken traffic must not be able to flood the journal.
+    """
+
+    def __init__(self, what: str, per_minute: int) -> None:
+        self.what = what
+        self.per_minute = per_minute
+        self._window_start = float("-inf")
+        self._count = 0
+        self._suppressed = 0
+
+    def allow(self, now: float) -> bool:
+        if now - self._window_start >= 60.0:
+            if self._suppressed:
+                logging.getLogger(__name__).warning(
+                    "%d more %s in the last minute were not logged", self._suppressed, self.what
+                )
+            self._window_start, self._count, self._suppressed = now, 0, 0
+        self._count += 1
+        if self._count > self.per_minute:
+            self._suppressed += 1
+            return False
+        return True

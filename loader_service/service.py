@@ -38,12 +38,15 @@ from types import FrameType
 import numpy as np
 import zmq
 
+from loader_service import systemd
 from loader_service.config import ServiceConfig
-from loader_service.endpoint import claim_ipc_path, release_ipc_path
+from loader_service.endpoint import claim_ipc_path, ipc_path, release_ipc_path
 from loader_service.feeds import Feed
+from loader_service.logs import LogLimiter
+from loader_service.metrics import ServiceMetrics
 from loader_service.sampler import shard_size
 from loader_service.sessions import Session
-from loader_service.shm import SHM_DIR, remove_stale
+from loader_service.shm import SHM_DIR, remove_stale, restrict
 from loader_service.slots import SlotState
 from loader_service.streams import Member, StartRefused, Stream
 from loader_service.worker import WorkerConfig
@@ -115,6 +118,10 @@ class LoaderService:
         self._workers: WorkerSet | None = None
         self._owns_endpoint = False
         self._fatal: str | None = None
+        self._watchdog = systemd.Watchdog()
+        self._metrics: ServiceMetrics | None = None
+        self._last_report = 0.0
+        self._reject_log = LogLimiter("rejected messages", per_minute=30)
 
     # --- lifecycle ------------------------------------------------------------------------------
 
@@ -146,7 +153,7 @@ class LoaderService:
             log.warning("removed %s, left behind by a service that was killed", path)
         self._runtime_dir = Path(tempfile.mkdtemp(prefix=f"{SEGMENT_PREFIX}{os.getpid()}-"))
         for feed_id, feed_config in enumerate(cfg.feeds()):
-            self.feeds.append(Feed.open(feed_id, feed_config, self._runtime_dir))
+            self.feeds.append(Feed.open(feed_id, feed_config, self._runtime_dir, cfg.group))
         self._ctx = zmq.Context()
         self._frontend = self._bind_frontend(self._ctx)
         backend_endpoint = f"ipc://{self._runtime_dir}/workers.sock"
@@ -156,6 +163,10 @@ class LoaderService:
         # Read by OpenCV when a worker imports it: refuse decompression bombs before allocating.
         os.environ["OPENCV_IO_MAX_IMAGE_PIXELS"] = str(cfg.max_pixels)
         self._workers = WorkerSet(self._worker_template(backend_endpoint), cfg.workers)
+        if cfg.metrics_port:
+            self._metrics = ServiceMetrics()
+            self._metrics.start(cfg.metrics_port, cfg.metrics_addr)
+            log.info("metrics on http://%s:%d/metrics", cfg.metrics_addr, cfg.metrics_port)
         for feed in self.feeds:
             log.info(
                 "ready: feed %r, %d samples in %d classes, %d batches/epoch of %d, "
@@ -170,6 +181,7 @@ class LoaderService:
                 feed.segment.name,
                 cfg.endpoint,
             )
+        systemd.ready(self._summary())
 
     def _bind_frontend(self, ctx: zmq.Context[zmq.Socket[bytes]]) -> zmq.Socket[bytes]:
         claim_ipc_path(self.config.endpoint)
@@ -179,6 +191,9 @@ class LoaderService:
         sock.setsockopt(zmq.MAXMSGSIZE, MAX_FRAME_BYTES)
         sock.bind(self.config.endpoint)
         self._owns_endpoint = True
+        path = ipc_path(self.config.endpoint)
+        if path is not None:
+            restrict(path, self.config.group)  # only the service's user (and group) may connect
         return sock
 
     def _worker_template(self, backend: str) -> WorkerConfig:
@@ -213,6 +228,9 @@ class LoaderService:
         if self._owns_endpoint:
             release_ipc_path(self.config.endpoint)
             self._owns_endpoint = False
+        if self._metrics is not None:
+            self._metrics.stop()
+            self._metrics = None
 
     # --- the loop -------------------------------------------------------------------------------
 
@@ -228,6 +246,7 @@ class LoaderService:
                 self._drain(self._backend, self._on_worker_frames)
             if self._signal is not None:
                 log.info("received %s; shutting down", signal.Signals(self._signal).name)
+                systemd.stopping()
                 return
             if self._fatal is not None:
                 return
@@ -237,6 +256,7 @@ class LoaderService:
             self._evict_laggards(now)
             self._send_heartbeats(now)
             self._schedule()
+            self._report(now)
 
     @staticmethod
     def _drain(sock: zmq.Socket[bytes], handle: Callable[[list[bytes]], None]) -> None:
@@ -492,7 +512,8 @@ class LoaderService:
 
     def _reject(self, routing_id: bytes, code: str, message: str, fatal: bool = False) -> None:
         self.rejected_messages += 1
-        log.warning("rejected message from %r: %s", routing_id[:16], message)
+        if self._reject_log.allow(time.monotonic()):
+            log.warning("rejected message from %r: %s", routing_id[:16], message)
         self._send(routing_id, ErrorReply(code, message[:2000], fatal))
 
     # --- workers --------------------------------------------------------------------------------
@@ -606,6 +627,26 @@ class LoaderService:
         )
 
     # --- status ---------------------------------------------------------------------------------
+
+    def _report(self, now: float) -> None:
+        """Watchdog pings while healthy; STATUS= and metrics about once a second."""
+        if self._fatal is None and self._watchdog.due(now):
+            self._watchdog.ping(now)
+        if now - self._last_report < 1.0:
+            return
+        self._last_report = now
+        systemd.status(self._summary())
+        if self._metrics is not None:
+            self._metrics.update(self.status())
+
+    def _summary(self) -> str:
+        """One line for systemd's STATUS= (``systemctl status``)."""
+        feeds = "; ".join(
+            f"{f.name}: {f.counters.decoded.rate():.0f} img/s, "
+            f"{f.pool.counts()['leased']}/{len(f.pool)} slots leased"
+            for f in self.feeds
+        )
+        return f"{len(self._sessions)} trainers; {feeds}"
 
     def _lag(self, session: Session) -> int:
         """Batches decoded for this trainer's stream that it has not taken yet."""

@@ -9,7 +9,8 @@ NOTE [ Shared-memory cleanup ]
       service left behind is recognisable.
     * Space is reserved with ``posix_fallocate`` at creation: an undersized /dev/shm fails at start-up
       with a message saying how much is needed, instead of a SIGBUS when a page is first touched.
-    * Mode 0600: only the service's user (and the trainers running as it) can map the pool.
+    * Mode 0600: only the service's user (and the trainers running as it) can map the pool; with
+      ``group`` set, 0660 and owned by that group, for trainers running as other users in it.
     * At start, ``remove_stale`` removes what services killed with SIGKILL left behind (their pid is
       in the name and no longer runs a loader service).
     * The service unlinks its segments on every exit path (``LoaderService.shutdown``, see NOTE
@@ -19,8 +20,9 @@ NOTE [ Shared-memory cleanup ]
 
 from __future__ import annotations
 
-import contextlib
 import errno
+import grp
+import logging
 import mmap
 import os
 import secrets
@@ -30,6 +32,7 @@ from pathlib import Path
 from protocol.layout import SEGMENT_PREFIX, validate_segment_name
 
 SHM_DIR = Path("/dev/shm")
+log = logging.getLogger(__name__)
 
 
 class SharedMemoryError(RuntimeError):
@@ -51,10 +54,11 @@ class Segment:
         self.owner = owner
 
     @classmethod
-    def create(cls, name: str, size: int) -> Segment:
+    def create(cls, name: str, size: int, group: str = "") -> Segment:
         path = SHM_DIR / validate_segment_name(name)
         fd = os.open(path, os.O_CREAT | os.O_EXCL | os.O_RDWR, 0o600)
         try:
+            restrict(fd, group)
             _reserve(fd, path, size)
             mapping = mmap.mmap(fd, size, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
         except BaseException:
@@ -90,6 +94,19 @@ class Segment:
             pass
 
 
+def restrict(target: int | str, group: str) -> None:
+    """Mode 0600, or 0660 owned by ``group`` so trainers running as other users of it can attach."""
+    if not group:
+        os.chmod(target, 0o600)
+        return
+    try:
+        gid = grp.getgrnam(group).gr_gid
+    except KeyError:
+        raise SharedMemoryError(f"group {group!r} does not exist") from None
+    os.chown(target, -1, gid)
+    os.chmod(target, 0o660)
+
+
 def _owner_alive(pid: int) -> bool:
     """Is ``pid`` a running loader service? (A recycled pid running something else is not.)"""
     try:
@@ -111,11 +128,16 @@ def remove_stale(directories: tuple[Path, ...] = (SHM_DIR,)) -> list[str]:
             pid = _pid_of(entry.name)
             if pid is None or pid == os.getpid() or _owner_alive(pid):
                 continue
-            if entry.is_dir(follow_symlinks=False):
-                shutil.rmtree(entry.path, ignore_errors=True)
-            else:
-                with contextlib.suppress(FileNotFoundError):
+            try:
+                if entry.is_dir(follow_symlinks=False):
+                    shutil.rmtree(entry.path)
+                else:
                     os.unlink(entry.path)
+            except FileNotFoundError:
+                continue
+            except PermissionError:  # another user's leftovers in the sticky /dev/shm or /tmp
+                log.warning("cannot remove %s left by pid %d: permission denied", entry.path, pid)
+                continue
             removed.append(entry.path)
     return removed
 

@@ -7,8 +7,10 @@
 
 NOTE [ Broadcast epochs ]
     The group's first epoch begins when ``group_size`` members have started it (they must agree on
-    the epoch and position). Later epochs begin when every member has finished the current one and
-    started the next: members iterate epochs together. A member that starts the epoch the group is
+    the epoch; if their positions differ, as after a service restart, the group decodes from the
+    earliest and each member receives from its own, so each still sees each image once). Later
+    epochs begin when every member has finished the current one and started the next: members
+    iterate epochs together. A member that starts the epoch the group is
     already in (a late joiner, or one that rejoined after dying) receives it from the oldest batch
     still held, so it may miss the batches before that: exactly-once holds for members that stay.
     A member that holds the group up for longer than the lag timeout is evicted (service.py): it gets
@@ -132,11 +134,11 @@ class Stream:
         return self._maybe_begin_group_epoch()
 
     def _check_broadcast_start(self, member: Member, epoch: int, position: int) -> None:
-        others = {m.want for m in self.members.values() if m.want is not None and m is not member}
-        if others and others != {(epoch, position)}:
+        others = {m.want[0] for m in self.members.values() if m.want is not None and m is not member}
+        if others and others != {epoch}:
             raise StartRefused(
-                f"broadcast group {self.group!r} members must start the same epoch and position: "
-                f"others asked for {sorted(others)}, this trainer for {(epoch, position)}"
+                f"broadcast group {self.group!r} members must start the same epoch: "
+                f"others asked for {sorted(others)}, this trainer for {epoch}"
             )
         if self.plan is not None and epoch != self.epoch + 1:
             raise StartRefused(
@@ -152,10 +154,14 @@ class Stream:
             return []  # NOTE [ Broadcast epochs ]: the first epoch waits for group_size members
         if len(waiting) < len(self.members) or not waiting:
             return []  # someone is still in the current epoch
-        epoch, position = waiting[0].want  # type: ignore[misc]
-        freed = self._begin(epoch, position)
+        # Members may resume at different positions (after a service restart, each reconnects where
+        # its loop was): the group starts at the earliest, and each member receives from its own.
+        wants = [m.want for m in waiting if m.want is not None]
+        epoch = wants[0][0]
+        freed = self._begin(epoch, min(position for _, position in wants))
         for m in waiting:
-            self._activate(m, position)
+            assert m.want is not None
+            self._activate(m, m.want[1])
         return freed
 
     def on_member_left(self) -> list[int]:

@@ -109,6 +109,9 @@ class WorkerSet:
     def join(self, deadline: float) -> None:
         """Join every worker by ``deadline`` (the caller has sent ``stop``), then terminate, then kill."""
         for h in self._handles.values():
+            if h.routing_id is None:
+                h.process.terminate()  # still starting: it holds no task and cannot hear ``stop``
+        for h in self._handles.values():
             h.process.join(max(0.0, deadline - time.monotonic()))
         for h in self._handles.values():
             if h.process.exitcode is None:

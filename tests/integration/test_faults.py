@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import grp
 import os
 import signal
 import stat
@@ -115,3 +116,19 @@ def test_segments_are_private_to_the_service_user(photos: Path, start_service: S
     name = service.wait_for(r"\((dataferry-[^)]+)\)").group(1)
     mode = stat.S_IMODE(os.stat(SHM / name).st_mode)
     assert mode == 0o600, oct(mode)
+
+
+def test_group_access_makes_segments_and_socket_0660_for_that_group(
+    photos: Path, start_service: ServiceFactory
+) -> None:
+    group = grp.getgrnam("daemon")
+    service = start_service(photos, group="daemon")
+    name = service.wait_for(r"\((dataferry-[^)]+)\)").group(1)
+    for path in (SHM / name, Path(service.endpoint[len("ipc://") :])):
+        st = os.stat(path)
+        assert stat.S_IMODE(st.st_mode) == 0o660 and st.st_gid == group.gr_gid, (path, oct(st.st_mode))
+
+
+def test_ipc_socket_is_private_without_a_group(photos: Path, start_service: ServiceFactory) -> None:
+    service = start_service(photos)
+    assert stat.S_IMODE(os.stat(service.endpoint[len("ipc://") :]).st_mode) == 0o600

@@ -56,7 +56,7 @@ def test_first_epoch_waits_for_group_size() -> None:
 def test_members_must_agree_on_epochs() -> None:
     stream = group("a", "b")
     stream.on_start("a", 0, 0)
-    with pytest.raises(StartRefused, match="same epoch"):
+    with pytest.raises(StartRefused, match="must start the same epoch"):
         stream.on_start("b", 3, 0)
     stream.on_start("b", 0, 0)
     with pytest.raises(StartRefused, match="next one is 1"):
@@ -99,3 +99,15 @@ def test_shard_restart_drops_undelivered_batches() -> None:
     stream.filled(gen, seq, slot=2, count=4)
     assert stream.on_start("a", 1, 0) == [2], "the unannounced batch's slot is freed"
     assert not stream.filled(gen, seq + 1, slot=3, count=4), "a late batch of the old plan is refused"
+
+
+def test_members_resuming_at_different_positions_each_get_their_own_rest() -> None:
+    stream = group("a", "b")
+    stream.on_start("a", 2, 1)
+    stream.on_start("b", 2, 2)
+    assert stream.next_produce == 1, "the group decodes from the earliest position"
+    first = stream.plan_batch()
+    assert stream.filled(first[0], first[1], slot=0, count=4)
+    assert [k for k, _ in stream.deliverable(stream.members["a"])] == [(first[0], 1)]
+    assert list(stream.deliverable(stream.members["b"])) == [], "b had seen batch 1 already"
+    assert stream.release("a", (first[0], 1)) == 0

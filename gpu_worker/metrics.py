@@ -1,0 +1,60 @@
+"""The trainer's Prometheus metric: how long each step waited for its batch (the data stall).
+
+``prometheus_client`` is imported only when metrics are asked for (``gpu-worker run
+--metrics-port``). Kept apart from the service's metrics module: a trainer never imports
+``loader_service``.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from wsgiref.simple_server import WSGIServer
+
+WAIT_BUCKETS = (  # seconds, 100 us to 10 s
+    1e-4, 2.5e-4, 5e-4, 1e-3, 2.5e-3, 5e-3, 1e-2, 2.5e-2, 5e-2, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0,
+)  # fmt: skip
+
+
+class MetricsUnavailable(RuntimeError):
+    """Metrics were asked for but ``prometheus_client`` is not installed."""
+
+
+class TrainerMetrics:
+    """``dataferry_batch_wait_seconds``: a histogram of the time each step waited for its batch."""
+
+    def __init__(self) -> None:
+        try:
+            from prometheus_client import CollectorRegistry, Histogram
+        except ImportError:
+            raise MetricsUnavailable(
+                "metrics need the Python package 'prometheus_client': pip install prometheus_client"
+            ) from None
+        self.registry = CollectorRegistry()
+        self._batch_wait = Histogram(
+            "dataferry_batch_wait_seconds",
+            "Time each training step waited for its next batch (the data stall).",
+            buckets=WAIT_BUCKETS,
+            registry=self.registry,
+        )
+        self._server: WSGIServer | None = None
+
+    def start(self, port: int, addr: str = "127.0.0.1") -> None:
+        """Serve ``/metrics`` on ``addr:port`` (several ranks on one host need one port each)."""
+        from prometheus_client import start_http_server
+
+        self._server, _ = start_http_server(port, addr=addr, registry=self.registry)
+
+    @property
+    def port(self) -> int | None:
+        return None if self._server is None else int(self._server.server_address[1])
+
+    def stop(self) -> None:
+        if self._server is not None:
+            self._server.shutdown()
+            self._server.server_close()
+            self._server = None
+
+    def observe(self, seconds: float) -> None:
+        self._batch_wait.observe(seconds)

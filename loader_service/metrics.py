@@ -1,0 +1,241 @@
+"""Optional Prometheus metrics for the service (``--metrics-port``) and for trainers.
+
+``prometheus_client`` is imported only when metrics are asked for, so the service runs without it;
+asking for them without it raises ``MetricsUnavailable`` naming the package.
+
+The service's metrics are its status snapshot (``LoaderService.status``), handed to
+``ServiceMetrics.update`` from the main loop and turned into samples when Prometheus scrapes. The
+HTTP server thread never touches service state, and trainers or workers that are gone simply stop
+appearing. Counters are the service's own running totals: they restart from 0 with the service,
+which Prometheus's ``rate()`` handles as a counter reset.
+
+    dataferry_uptime_seconds                                   gauge
+    dataferry_trainers_attached                                gauge
+    dataferry_decode_workers                                   gauge
+    dataferry_worker_restarts_total                            counter
+    dataferry_rejected_messages_total                          counter
+    dataferry_decoded_images_total{feed}                       counter
+    dataferry_decode_images_per_second{feed}                   gauge
+    dataferry_batches_total{feed}                              counter
+    dataferry_slots{feed, state}                               gauge   (free, filling, ready, leased)
+    dataferry_bad_files_total{feed}                            counter
+    dataferry_worker_decode_images_per_second{worker}          gauge
+    dataferry_trainer_lag_batches{session, client, feed}       gauge   (decoded, not yet taken)
+    dataferry_trainer_credits{session, client, feed}           gauge
+    dataferry_trainer_leased_batches{session, client, feed}    gauge
+    dataferry_batch_ready_wait_seconds{feed}                   histogram (``observe_ready_wait``)
+
+Trainers have their own: ``dataferry_batch_wait_seconds`` in ``gpu_worker/metrics.py``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator, Mapping
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from wsgiref.simple_server import WSGIServer
+
+    from prometheus_client import CollectorRegistry
+    from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+    from prometheus_client.metrics_core import Metric
+
+PACKAGE = "prometheus_client"
+WAIT_BUCKETS = (  # seconds, 100 us to 10 s
+    1e-4, 2.5e-4, 5e-4, 1e-3, 2.5e-3, 5e-3, 1e-2, 2.5e-2, 5e-2, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0,
+)  # fmt: skip
+SLOT_STATES = ("free", "filling", "ready", "leased")
+SESSION_LABELS = ("session", "client", "feed")
+
+
+class MetricsUnavailable(RuntimeError):
+    """Metrics were asked for but ``prometheus_client`` is not installed."""
+
+
+def require_prometheus_client() -> None:
+    """Raise ``MetricsUnavailable`` with how to install the package unless it can be imported."""
+    try:
+        import prometheus_client  # noqa: F401
+    except ImportError:
+        raise MetricsUnavailable(
+            f"metrics need the Python package {PACKAGE!r}, which is not installed: "
+            f"pip install {PACKAGE} (into the environment that runs dataferry)"
+        ) from None
+
+
+class _MetricsServer:
+    """The HTTP endpoint Prometheus scrapes, serving one registry from a daemon thread."""
+
+    def __init__(self, registry: CollectorRegistry) -> None:
+        self._registry = registry
+        self._server: WSGIServer | None = None
+
+    def start(self, port: int, addr: str) -> None:
+        from prometheus_client import start_http_server
+
+        if self._server is not None:
+            raise RuntimeError("the metrics server is already running")
+        try:
+            self._server, _ = start_http_server(port, addr=addr, registry=self._registry)
+        except OSError as exc:
+            raise OSError(exc.errno, f"cannot serve metrics on {addr}:{port}: {exc.strerror}") from None
+
+    @property
+    def port(self) -> int | None:
+        return None if self._server is None else int(self._server.server_address[1])
+
+    def stop(self) -> None:
+        if self._server is not None:
+            self._server.shutdown()
+            self._server.server_close()
+            self._server = None
+
+
+class ServiceMetrics:
+    """The service's gauges and counters, fed from its status snapshot; a private registry each."""
+
+    def __init__(self) -> None:
+        require_prometheus_client()
+        from prometheus_client import CollectorRegistry, Histogram
+
+        self.registry = CollectorRegistry()
+        self._snapshot = _SnapshotCollector()
+        self.registry.register(self._snapshot)
+        self._ready_wait = Histogram(
+            "dataferry_batch_ready_wait_seconds",
+            "Time a decoded batch waited in a ready slot before a trainer leased it.",
+            ["feed"],
+            buckets=WAIT_BUCKETS,
+            registry=self.registry,
+        )
+        self._server = _MetricsServer(self.registry)
+
+    def start(self, port: int, addr: str = "127.0.0.1") -> None:
+        """Serve ``/metrics`` on ``addr:port`` from a daemon thread (port 0: any free port)."""
+        self._server.start(port, addr)
+
+    @property
+    def port(self) -> int | None:
+        """The port being served, None before ``start``."""
+        return self._server.port
+
+    def stop(self) -> None:
+        self._server.stop()
+
+    def update(self, body: Mapping[str, Any]) -> None:
+        """Take a new status snapshot (call from the main loop, about once a second)."""
+        self._snapshot.body = body
+
+    def observe_ready_wait(self, feed: str, seconds: float) -> None:
+        """A batch of ``feed`` went from ready to leased after waiting ``seconds``."""
+        self._ready_wait.labels(feed=feed).observe(seconds)
+
+
+# --- the status snapshot as metric families ------------------------------------------------------
+
+
+def _num(value: object) -> float | None:
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        return None
+    return float(value)
+
+
+def _records(body: Mapping[str, Any], key: str) -> list[Mapping[str, Any]]:
+    items = body.get(key)
+    return [r for r in items if isinstance(r, Mapping)] if isinstance(items, list) else []
+
+
+class _SnapshotCollector:
+    """Builds every sample from the last snapshot at scrape time (nothing before the first one)."""
+
+    def __init__(self) -> None:
+        self.body: Mapping[str, Any] | None = None
+
+    def collect(self) -> Iterator[Metric]:
+        body = self.body
+        if body is None:
+            return
+        yield from _service_families(body)
+        yield from _feed_families(_records(body, "feeds"))
+        yield from _worker_families(_records(body, "worker_list"))
+        yield from _session_families(_records(body, "sessions"))
+
+
+def _service_families(body: Mapping[str, Any]) -> Iterator[Metric]:
+    from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+
+    gauges = (
+        ("dataferry_uptime_seconds", "Seconds since the service started.", "uptime"),
+        ("dataferry_trainers_attached", "Trainer sessions attached.", "attached"),
+        ("dataferry_decode_workers", "Decode worker processes.", "workers"),
+    )
+    for name, doc, key in gauges:
+        if (value := _num(body.get(key))) is not None:
+            yield GaugeMetricFamily(name, doc, value=value)
+    counters = (
+        ("dataferry_worker_restarts", "Decode workers replaced after dying.", "worker_restarts"),
+        ("dataferry_rejected_messages", "Trainer messages rejected as invalid.", "rejected_messages"),
+    )
+    for name, doc, key in counters:
+        if (value := _num(body.get(key))) is not None:
+            yield CounterMetricFamily(name, doc, value=value)
+
+
+def _feed_families(feeds: list[Mapping[str, Any]]) -> Iterator[Metric]:
+    from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+
+    decoded = CounterMetricFamily("dataferry_decoded_images", "Images decoded, per feed.", labels=["feed"])
+    rate = GaugeMetricFamily(
+        "dataferry_decode_images_per_second", "Recent decode rate, per feed.", labels=["feed"]
+    )
+    batches = CounterMetricFamily("dataferry_batches", "Batches filled, per feed.", labels=["feed"])
+    bad = CounterMetricFamily("dataferry_bad_files", "Files skipped, per feed.", labels=["feed"])
+    slots = GaugeMetricFamily("dataferry_slots", "Batch slots per feed and state.", labels=["feed", "state"])
+    for feed in feeds:
+        name = str(feed.get("name", ""))
+        for family, key in ((decoded, "decoded"), (rate, "images_per_second"), (batches, "batches")):
+            _add(family, [name], feed.get(key))
+        _add(bad, [name], feed.get("bad_files"))
+        counts = feed.get("slots")
+        for state in SLOT_STATES:
+            _add(slots, [name, state], counts.get(state) if isinstance(counts, Mapping) else None)
+    yield from (decoded, rate, batches, bad, slots)
+
+
+def _worker_families(workers: list[Mapping[str, Any]]) -> Iterator[Metric]:
+    from prometheus_client.core import GaugeMetricFamily
+
+    rate = GaugeMetricFamily(
+        "dataferry_worker_decode_images_per_second", "Recent decode rate, per worker.", labels=["worker"]
+    )
+    for worker in workers:
+        _add(rate, [str(worker.get("worker", ""))], worker.get("images_per_second"))
+    yield rate
+
+
+def _session_families(sessions: list[Mapping[str, Any]]) -> Iterator[Metric]:
+    from prometheus_client.core import GaugeMetricFamily
+
+    families = {
+        "lag": GaugeMetricFamily(
+            "dataferry_trainer_lag_batches",
+            "Batches decoded for a trainer that it has not taken yet.",
+            labels=SESSION_LABELS,
+        ),
+        "credits": GaugeMetricFamily(
+            "dataferry_trainer_credits", "Credits a trainer has granted.", labels=SESSION_LABELS
+        ),
+        "leased": GaugeMetricFamily(
+            "dataferry_trainer_leased_batches", "Batches a trainer holds.", labels=SESSION_LABELS
+        ),
+    }
+    for session in sessions:
+        labels = [str(session.get(k, "")) for k in SESSION_LABELS]
+        for key, family in families.items():
+            _add(family, labels, session.get(key))
+    yield from families.values()
+
+
+def _add(family: CounterMetricFamily | GaugeMetricFamily, labels: list[str], value: object) -> None:
+    if (number := _num(value)) is not None:
+        family.add_metric(labels, number)

@@ -1,0 +1,129 @@
+"""A trainer never maps or reads memory just because a message names it (a fake service tries)."""
+
+from __future__ import annotations
+
+import mmap
+import os
+import threading
+from collections.abc import Callable, Iterator
+from pathlib import Path
+
+import pytest
+import zmq
+
+from gpu_worker import ServiceError, ServiceLoader
+from protocol.layout import SlotLayout
+from protocol.messages import (
+    BatchReady,
+    Bye,
+    FeedInfo,
+    Heartbeat,
+    Hello,
+    Release,
+    Start,
+    Welcome,
+    decode,
+    encode,
+)
+
+pytestmark = pytest.mark.integration
+Script = Callable[[zmq.Socket[bytes], bytes], None]
+
+
+def feed_info(segment: str, slots: int = 2) -> FeedInfo:
+    return FeedInfo("train", 8, 2, 4, 8, 2, 0, "train", "ff" * 16, segment, slots)
+
+
+@pytest.fixture
+def fake_service(tmp_path: Path) -> Iterator[Callable[[Script], str]]:
+    """Serve one trainer from a script: ``script(socket, routing_id)`` runs after its hello."""
+    ctx: zmq.Context[zmq.Socket[bytes]] = zmq.Context()
+    threads: list[threading.Thread] = []
+    stop = threading.Event()
+
+    def start(script: Script) -> str:
+        endpoint = f"ipc://{tmp_path}/fake{len(threads)}.sock"
+        sock = ctx.socket(zmq.ROUTER)
+        sock.setsockopt(zmq.LINGER, 0)
+        sock.bind(endpoint)
+
+        def serve() -> None:
+            try:
+                while not stop.is_set():
+                    if sock.poll(100):
+                        routing_id, frame = sock.recv_multipart()
+                        if isinstance(decode(frame, (Hello, Start, Release, Heartbeat, Bye)), Hello):
+                            script(sock, routing_id)
+            finally:
+                sock.close(linger=0)
+
+        thread = threading.Thread(target=serve, daemon=True)
+        thread.start()
+        threads.append(thread)
+        return endpoint
+
+    yield start
+    stop.set()
+    for thread in threads:
+        thread.join(5)
+    ctx.term()
+
+
+@pytest.mark.parametrize(
+    ("segment", "message"),
+    [
+        ("dataferry-../../etc/passwd", "not a dataferry shared-memory segment name"),
+        ("/dev/zero", "not a dataferry shared-memory segment name"),
+        ("dataferry-999999999-nothing-here", "No such file"),
+    ],
+)
+def test_segment_names_from_the_wire_are_checked(
+    fake_service: Callable[[Script], str], segment: str, message: str
+) -> None:
+    def welcome(sock: zmq.Socket[bytes], rid: bytes) -> None:
+        sock.send_multipart([rid, encode(Welcome("s", feed_info(segment), 1.0, 2, 8))])
+
+    with pytest.raises(ServiceError, match=message):
+        ServiceLoader(fake_service(welcome), connect_timeout=10)
+
+
+@pytest.fixture
+def small_segment() -> Iterator[str]:
+    """A real segment of ours holding exactly one slot."""
+    name = f"dataferry-{os.getpid()}-fake-{os.urandom(3).hex()}"
+    path = Path("/dev/shm") / name
+    size = SlotLayout(4, 8).segment_bytes(1)
+    fd = os.open(path, os.O_CREAT | os.O_EXCL | os.O_RDWR, 0o600)
+    try:
+        os.ftruncate(fd, size)
+        with mmap.mmap(fd, size) as m:
+            m[:] = b"\x07" * size
+    finally:
+        os.close(fd)
+    yield name
+    path.unlink(missing_ok=True)
+
+
+def test_a_pool_larger_than_its_segment_is_refused(
+    fake_service: Callable[[Script], str], small_segment: str
+) -> None:
+    def welcome(sock: zmq.Socket[bytes], rid: bytes) -> None:
+        sock.send_multipart([rid, encode(Welcome("s", feed_info(small_segment, slots=64), 1.0, 2, 8))])
+
+    with pytest.raises(ServiceError, match="smaller than"):
+        ServiceLoader(fake_service(welcome), connect_timeout=10)
+
+
+def test_a_slot_outside_the_pool_is_refused(
+    fake_service: Callable[[Script], str], small_segment: str
+) -> None:
+    def welcome_then_bad_slot(sock: zmq.Socket[bytes], rid: bytes) -> None:
+        sock.send_multipart([rid, encode(Welcome("s", feed_info(small_segment, slots=1), 1.0, 2, 8))])
+        sock.send_multipart([rid, encode(BatchReady(1, 0, 0, 0, 5, 4))])
+
+    endpoint = fake_service(welcome_then_bad_slot)
+    with (
+        ServiceLoader(endpoint, connect_timeout=10, timeout=10) as loader,
+        pytest.raises(ServiceError, match="invalid slot"),
+    ):
+        next(iter(loader))
