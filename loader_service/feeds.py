@@ -27,6 +27,8 @@ class FeedCounters:
     decoded: RateMeter = field(default_factory=RateMeter)
     batches: int = 0
     bad_files: int = 0
+    warm_decoded: int = 0
+    """Images decoded for the warm cache (NOTE [ Warm start ]), included in ``decoded``."""
 
 
 @dataclass
@@ -109,6 +111,7 @@ class Feed:
             "slots": self.pool.counts(),
             "decoded": self.counters.decoded.total,
             "images_per_second": round(self.counters.decoded.rate(), 1),
+            "warm_decoded": self.counters.warm_decoded,
             "batches": self.counters.batches,
             "bad_files": self.counters.bad_files,
             "recent_bad_files": recent,

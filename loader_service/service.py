@@ -49,6 +49,7 @@ from loader_service.sessions import Session
 from loader_service.shm import SHM_DIR, remove_stale, restrict
 from loader_service.slots import SlotState
 from loader_service.streams import Member, StartRefused, Stream
+from loader_service.warm import WarmCache
 from loader_service.worker import WorkerConfig
 from loader_service.workers import WorkerSet
 from protocol.layout import SEGMENT_PREFIX
@@ -120,6 +121,7 @@ class LoaderService:
         self._fatal: str | None = None
         self._watchdog = systemd.Watchdog()
         self._metrics: ServiceMetrics | None = None
+        self._warm: dict[int, WarmCache] = {}
         self._last_report = 0.0
         self._reject_log = LogLimiter("rejected messages", per_minute=30)
 
@@ -163,6 +165,7 @@ class LoaderService:
         # Read by OpenCV when a worker imports it: refuse decompression bombs before allocating.
         os.environ["OPENCV_IO_MAX_IMAGE_PIXELS"] = str(cfg.max_pixels)
         self._workers = WorkerSet(self._worker_template(backend_endpoint), cfg.workers)
+        self._warm = {feed.id: WarmCache(feed) for feed in self.feeds}
         if cfg.metrics_port:
             self._metrics = ServiceMetrics()
             self._metrics.start(cfg.metrics_port, cfg.metrics_addr)
@@ -396,6 +399,19 @@ class LoaderService:
             self._reject(session.routing_id, "bad-start", str(exc), fatal=True)
             return
         self._free(stream.feed, freed)
+        warm = self._warm.get(stream.feed.id)
+        if (
+            warm is not None
+            and not stream.broadcast
+            and stream.next_produce == 0
+            and WarmCache.matches(
+                session.mode, session.rank, session.world_size, session.remainder, msg.epoch, msg.position
+            )
+        ):
+            taken, dropped = warm.take()
+            stream.adopt(taken)
+            self._free(stream.feed, dropped)
+            log.debug("session %s took %d warm batches", session.session_id, len(taken))
         self._deliver(stream)
 
     def _on_release(self, session: Session, msg: Release) -> None:
@@ -550,13 +566,18 @@ class LoaderService:
                 where = feed.index.relpath(idx) if 0 <= idx < len(feed.index) else f"sample {idx}"
                 self._fatal = f"--strict: feed {feed.name!r}: {where}: {reason}"
         feed.counters.decoded.add(count)
+        if record.stream[0] == "warm":
+            feed.counters.warm_decoded += count
         stream = self._streams.get(record.stream)
-        if stream is None or not stream.filled(record.gen, record.seq, record.slot, count):
+        warm = self._warm.get(record.feed) if record.stream[0] == "warm" else None
+        target: Stream | WarmCache | None = warm or stream
+        if target is None or not target.filled(record.gen, record.seq, record.slot, count):
             feed.pool.release(record.slot)  # its plan was abandoned while the slot was filling
             return
         feed.counters.batches += 1
         feed.pool.filled(record.slot)
-        self._deliver(stream)
+        if stream is not None:
+            self._deliver(stream)
 
     def _reap_workers(self) -> None:
         assert self._workers is not None
@@ -601,16 +622,24 @@ class LoaderService:
             self._send_worker(handle.routing_id, task)
 
     def _next_job(self) -> TaskRecord | None:
-        """Round-robin over streams that may produce, one batch each turn."""
+        """Round-robin over streams that may produce, one batch each turn; warm batches last."""
         for _ in range(len(self._rr)):
             key = self._rr[0]
             self._rr.rotate(-1)
             stream = self._streams[key]
-            if stream.wants_batch() and stream.feed.pool.free:
+            if not stream.wants_batch():
+                continue
+            if not stream.feed.pool.free:
+                # NOTE [ Warm start ]: a trainer's batch goes before the cache
+                self._free(stream.feed, self._warm[stream.feed.id].drop())
+            if stream.feed.pool.free:
                 return self._plan_batch(stream)
+        for warm in self._warm.values():
+            if warm.wants_batch() and warm.feed.pool.free:
+                return self._plan_batch(warm)
         return None
 
-    def _plan_batch(self, stream: Stream) -> TaskRecord:
+    def _plan_batch(self, stream: Stream | WarmCache) -> TaskRecord:
         slot = stream.feed.pool.acquire()
         assert slot is not None
         gen, seq, indices = stream.plan_batch()

@@ -217,6 +217,13 @@ class Stream:
         self.batches[(gen, seq)] = SharedBatch(slot, count, active)
         return True
 
+    def adopt(self, batches: list[tuple[int, int, int]]) -> None:
+        """Take decoded batches (seq, slot, count) of this plan from the warm cache (NOTE [ Warm start ])."""
+        active = {sid for sid, m in self.members.items() if m.active}
+        for seq, slot, count in batches:
+            self.batches[(self.gen, seq)] = SharedBatch(slot, count, set(active))
+        self.next_produce = max(self.next_produce, len(batches))
+
     # --- delivery -------------------------------------------------------------------------------
 
     def deliverable(self, member: Member) -> Iterator[tuple[BatchKey, SharedBatch]]:

@@ -16,6 +16,7 @@ from gpu_worker import ServiceError, ServiceLoader, ServiceTimeout
 from loader_service.index import build_index
 from loader_service.transforms import eval_geometry
 from tests.conftest import ServiceFactory, our_segments
+from tests.integration.test_trainers import status
 
 pytestmark = pytest.mark.integration
 
@@ -200,3 +201,21 @@ def test_stop_signal_exits_zero_and_removes_shared_memory(
         assert service.stop(sig) == 0
     assert segment not in our_segments()
     assert "stopped cleanly" in service.log
+
+
+def test_first_batches_come_from_the_warm_cache_and_match_a_cold_start(
+    photos: Path, start_service: ServiceFactory
+) -> None:
+    service = start_service(photos, log_level="DEBUG")
+    service.wait_for(r"warm start: 2 batches of feed 'train' ready")
+    warm_before = status(service.endpoint)["feeds"][0]["warm_decoded"]
+    with ServiceLoader(service.endpoint, timeout=30) as loader:
+        warm = [(b.indices.tolist(), b.images.clone()) for _, b in zip(range(3), loader, strict=False)]
+    body = status(service.endpoint)["feeds"][0]
+    assert body["warm_decoded"] >= warm_before
+    # remainder="drop" is the same plan for one trainer but never served from the cache: a cold start
+    with ServiceLoader(service.endpoint, remainder="drop", timeout=30) as loader:
+        cold = [(b.indices.tolist(), b.images.clone()) for _, b in zip(range(3), loader, strict=False)]
+    for (wi, wp), (ci, cp) in zip(warm, cold, strict=True):
+        assert wi == ci and torch.equal(wp, cp), "a warm batch is the batch a cold start decodes"
+    service.wait_for(r"session \w+ took 2 warm batches")

@@ -1,0 +1,80 @@
+"""Warm start: the first batches of a feed's default plan, decoded while the service is idle.
+
+NOTE [ Warm start ]
+    A trainer that attaches and starts epoch 0 at position 0 as rank 0 of 1 (every single-trainer
+    job's first epoch) would otherwise wait for its first batch to be decoded. While the workers have
+    nothing else to do, the service decodes the first ``WARM_BATCHES`` batches of exactly that plan
+    into ordinary slots (FILLING -> READY, NOTE [ Slot lifecycle ]). A session whose start matches
+    takes the ready prefix into its own stream, where they are announced like any other batch; the
+    cache then refills. Warm batches are the lowest priority: they are decoded only when no trainer
+    wants a batch, and dropped (their slots freed) when a trainer needs a slot and the pool is full.
+    The plan is the same pure function of (seed, epoch, rank, world_size) as every other, so what a
+    trainer receives does not depend on whether it came from the cache.
+"""
+
+from __future__ import annotations
+
+import logging
+
+import numpy as np
+import numpy.typing as npt
+
+from loader_service.feeds import Feed
+
+log = logging.getLogger(__name__)
+WARM_BATCHES = 2
+WARM_PLAN = (0, 0, 1, "pad")
+"""(epoch, rank, world_size, remainder) of the plan kept warm."""
+
+
+class WarmCache:
+    def __init__(self, feed: Feed, batches: int = WARM_BATCHES) -> None:
+        self.feed = feed
+        self.key = ("warm", feed.id)
+        epoch, rank, world_size, remainder = WARM_PLAN
+        self._plan = feed.plan(epoch, rank, world_size, remainder)
+        self._end = min(batches, feed.shard_batches(world_size, remainder))
+        self.gen = 0
+        self.epoch = epoch
+        self.next_produce = 0
+        self.ready: dict[int, tuple[int, int]] = {}
+        """seq -> (slot, count) of decoded batches waiting for a taker."""
+
+    @staticmethod
+    def matches(mode: str, rank: int, world_size: int, remainder: str, epoch: int, position: int) -> bool:
+        return mode == "shard" and (epoch, rank, world_size, remainder) == WARM_PLAN and position == 0
+
+    def wants_batch(self) -> bool:
+        return self.next_produce < self._end
+
+    def plan_batch(self) -> tuple[int, int, npt.NDArray[np.int64]]:
+        seq = self.next_produce
+        self.next_produce += 1
+        size = self.feed.config.batch_size
+        return self.gen, seq, self._plan[seq * size : (seq + 1) * size]
+
+    def filled(self, gen: int, seq: int, slot: int, count: int) -> bool:
+        """Keep a decoded batch; False if the cache was emptied meanwhile (free the slot)."""
+        if gen != self.gen:
+            return False
+        self.ready[seq] = (slot, count)
+        if len(self.ready) == self._end:
+            log.debug("warm start: %d batches of feed %r ready", self._end, self.feed.name)
+        return True
+
+    def take(self) -> tuple[list[tuple[int, int, int]], list[int]]:
+        """The ready prefix (seq, slot, count) from batch 0, and the slots of the rest to free."""
+        taken: list[tuple[int, int, int]] = []
+        while len(taken) in self.ready:
+            seq = len(taken)
+            slot, count = self.ready.pop(seq)
+            taken.append((seq, slot, count))
+        return taken, self.drop()
+
+    def drop(self) -> list[int]:
+        """Empty the cache; batches still being decoded are freed when they report (new generation)."""
+        freed = [slot for slot, _count in self.ready.values()]
+        self.ready.clear()
+        self.gen += 1
+        self.next_produce = 0
+        return freed
