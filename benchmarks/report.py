@@ -21,6 +21,7 @@ ROW_LABELS = {
     "a": "(a) one trainer, images/s",
     "b": "(b) per trainer, {trainers:.0f} at once, images/s",
     "c": "(c) first batch, s",
+    "c-cold": "(c) first batch, cold, s",
     "d": "(d) epoch / max(load, compute)",
     "e": "(e) next() on a ready batch of {batch_size:.0f}, us",
     "f": "(f) CPU-s per 1000 images",

@@ -176,6 +176,12 @@ class BenchRun:
             ),
         }
         self.measurements.append(Measurement("c", "c", "construct to first batch", "s", samples))
+        cold = first_batch_service(service.spec.endpoint, cfg.first_batch_repeats, cfg.timeout, settle=False)
+        self.measurements.append(
+            Measurement(
+                "c-cold", "c-cold", "first batch, right after another trainer left", "s", {SERVICE: cold}
+            )
+        )
 
     def per_image_seconds(self) -> float:
         """One process's seconds per image of the pipeline: from (a)'s decode limit, else timed now."""

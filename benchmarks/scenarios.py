@@ -22,6 +22,7 @@ from benchmarks.results import Measurement, Timeline
 from benchmarks.service_process import BenchError
 from benchmarks.stats import overlap_ratio, rate
 from gpu_worker import ServiceLoader
+from loader_service.status_view import query_status
 
 FILL_MARGIN = 1.5
 """(e) waits this many times the estimated decode time, so the batches timed are really waiting."""
@@ -103,14 +104,31 @@ def measure_throughput(
     return a, f, timelines
 
 
-def first_batch_service(endpoint: str, repeats: int, timeout: float) -> list[float]:
-    """(c): seconds from constructing a ServiceLoader to holding its first batch, service already warm.
+def _until_service_idle(endpoint: str, timeout: float) -> None:
+    """Wait until the service has settled after the previous trainer: nothing being decoded, its
+    warm-start batches ready (NOTE [ Warm start ]). A warm service is what (c) is about; the time a
+    trainer waits when it attaches right after another left is the cold case, measured separately."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        feed = query_status(endpoint, timeout)["feeds"][0]
+        if feed["slots"]["filling"] == 0 and feed["slots"]["ready"] >= 1:
+            return
+        time.sleep(0.02)  # polling a remote state: there is no event to wait on
+    raise TimeoutError(f"the service at {endpoint} did not settle within {timeout:.0f} s")
 
-    One untimed attach first, so the service has served a trainer before the timed ones.
+
+def first_batch_service(endpoint: str, repeats: int, timeout: float, settle: bool = True) -> list[float]:
+    """(c): seconds from constructing a ServiceLoader to holding its first batch.
+
+    ``settle``: wait before each attach until the service is idle and warm (the target's case);
+    otherwise attach right after the previous trainer left (the cold case). One untimed attach first,
+    so the service has served a trainer before the timed ones.
     """
     times = []
-    bar = progress("(c) first batch, service", repeats)
+    bar = progress(f"(c) first batch, service ({'warm' if settle else 'cold'})", repeats)
     for attempt in range(repeats + 1):
+        if settle:
+            _until_service_idle(endpoint, timeout)
         start = time.perf_counter()
         with ServiceLoader(endpoint, device="cpu", timeout=timeout, connect_timeout=timeout) as loader:
             batch = next(iter(loader))
