@@ -331,12 +331,12 @@ class ServiceLoader:
         except (ValueError, OSError) as exc:
             # Never map memory a message merely names: only our own segments, whole, as announced.
             raise ServiceError(f"the service announced an unusable slot pool: {exc}") from None
-        if old is not None:
-            old.close()  # unmaps once the batches still viewing it are gone
         if self.device.type == "cuda":
             if self._stager is None:
                 self._stager = CudaStager(self.device)
-            self._stager.pin(self._slots.address, self._slots.nbytes)
+            self._stager.pin(self._slots.address, self._slots.nbytes)  # unregisters the old pool first
+        if old is not None:
+            old.close()  # unmaps once the batches still viewing it are gone
 
     def _reconnect(self, why: str) -> None:
         """NOTE [ Reconnecting ]."""
@@ -383,6 +383,7 @@ class ServiceLoader:
                 msg = self._next_batch()
                 if isinstance(msg, EpochEnd):
                     self._position = self._batches
+                    self._flush_releases()  # credits back now, so the next epoch can be decoded ahead
                     return
                 batch = self._wrap(msg)
                 self._position = msg.seq + 1

@@ -42,7 +42,12 @@ class CudaStager:
         self._pinned: int | None = None
 
     def pin(self, address: int, nbytes: int) -> None:
-        """Register the mapped segment once; a failure only costs speed (pageable copies)."""
+        """Register the mapped segment once; a failure only costs speed (pageable copies).
+
+        After a reconnect the new pool replaces the old one: copies from the old one are finished
+        and it is unregistered first, before its mapping can go away.
+        """
+        self._unpin()
         err = torch.cuda.cudart().cudaHostRegister(address, nbytes, 0)
         if int(err) != 0:
             log.warning("cudaHostRegister failed (%s); copies will not overlap compute", err)
@@ -72,9 +77,14 @@ class CudaStager:
         while self._in_flight and self._in_flight[0][0].query():
             self._in_flight.popleft()
 
+    def _unpin(self) -> None:
+        if self._pinned is not None:
+            self._stream.synchronize()
+            self._in_flight.clear()
+            torch.cuda.cudart().cudaHostUnregister(self._pinned)
+            self._pinned = None
+
     def close(self) -> None:
         self._stream.synchronize()
         self._in_flight.clear()
-        if self._pinned is not None:
-            torch.cuda.cudart().cudaHostUnregister(self._pinned)
-            self._pinned = None
+        self._unpin()

@@ -453,6 +453,8 @@ class LoaderService:
         self._by_session_id.pop(session.session_id, None)
         if not stream.members and not stream.evicted:
             self._free(stream.feed, [b.slot for b in stream.batches.values()])
+            if stream.ahead is not None:
+                self._free(stream.feed, stream.ahead.drop())
             del self._streams[key]
             self._rr.remove(key)
         elif stream.broadcast:
@@ -568,15 +570,20 @@ class LoaderService:
         feed.counters.decoded.add(count)
         if record.stream[0] == "warm":
             feed.counters.warm_decoded += count
-        stream = self._streams.get(record.stream)
-        warm = self._warm.get(record.feed) if record.stream[0] == "warm" else None
-        target: Stream | WarmCache | None = warm or stream
+        lane = record.stream[0]
+        stream = self._streams.get(record.stream[1:] if lane == "ahead" else record.stream)
+        target: Stream | WarmCache | None = stream
+        if lane == "warm":
+            target = self._warm.get(record.feed)
+        elif lane == "ahead":
+            target = None if stream is None else stream.ahead
         if target is None or not target.filled(record.gen, record.seq, record.slot, count):
             feed.pool.release(record.slot)  # its plan was abandoned while the slot was filling
             return
         feed.counters.batches += 1
         feed.pool.filled(record.slot)
-        if stream is not None:
+        if lane in {"shard", "broadcast"}:
+            assert stream is not None
             self._deliver(stream)
 
     def _reap_workers(self) -> None:
@@ -627,6 +634,8 @@ class LoaderService:
             key = self._rr[0]
             self._rr.rotate(-1)
             stream = self._streams[key]
+            if stream.wants_ahead() and stream.feed.pool.free and stream.ahead is not None:
+                return self._plan_batch(stream.ahead)
             if not stream.wants_batch():
                 continue
             if not stream.feed.pool.free:

@@ -24,6 +24,7 @@ slots of an abandoned plan are never delivered, and are freed when their last ho
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 
@@ -32,8 +33,10 @@ import numpy.typing as npt
 
 from loader_service.feeds import Feed
 from loader_service.sessions import Session
+from loader_service.warm import WarmCache
 
 BatchKey = tuple[int, int]
+log = logging.getLogger(__name__)
 
 
 @dataclass
@@ -82,6 +85,8 @@ class Stream:
         self.filling = 0
         self.batches: dict[BatchKey, SharedBatch] = {}
         self.blocked_since: float | None = None
+        self.ahead: WarmCache | None = None
+        """Shard mode: the next epoch's first batches, decoded early (NOTE [ Warm start ])."""
 
     # --- membership -----------------------------------------------------------------------------
 
@@ -112,7 +117,14 @@ class Stream:
     @property
     def in_flight(self) -> int:
         """Batches counted against the window; those held only by evicted members no longer are."""
-        return self.filling + sum(1 for b in self.batches.values() if b.pending or b.holders - self.evicted)
+        live = sum(1 for b in self.batches.values() if b.pending or b.holders - self.evicted)
+        return self.filling + live + (self.ahead.held if self.ahead is not None else 0)
+
+    def wants_ahead(self) -> bool:
+        """Shard mode, epoch fully decoded, credit left: decode the next epoch's first batches."""
+        if self.ahead is None or self.plan is None or self.next_produce < self.end:
+            return False
+        return self.in_flight < self.window and self.ahead.wants_batch()
 
     def batches_per_epoch(self) -> int:
         return self.feed.shard_batches(self.world_size, self.remainder)
@@ -123,15 +135,30 @@ class Stream:
         """Apply a member's start; return slots freed by abandoning a plan. May raise StartRefused."""
         member = self.members[session_id]
         if not self.broadcast:
-            freed = self._begin(epoch, position)
-            self._activate(member, position)
-            return freed
+            return self._start_shard(member, epoch, position)
         if self.plan is not None and epoch == self.epoch and not member.active:
             self._join_running(member)
             return []
         self._check_broadcast_start(member, epoch, position)
         member.active, member.want = False, (epoch, position)
         return self._maybe_begin_group_epoch()
+
+    def _start_shard(self, member: Member, epoch: int, position: int) -> list[int]:
+        """(Re)start the plan; take the batches decoded ahead if they are this start's first ones."""
+        taken: list[tuple[int, int, int]] = []
+        freed: list[int] = []
+        if self.ahead is not None and self.ahead.epoch == epoch and position == 0:
+            taken, freed = self.ahead.take()
+            log.debug("%s took %d batches of epoch %d decoded ahead", self.key[1], len(taken), epoch)
+        freed += self._begin(epoch, position)
+        self._activate(member, position)
+        self.adopt(taken)
+        plan = (epoch + 1, self.rank, self.world_size, self.remainder)
+        if self.ahead is None:
+            self.ahead = WarmCache(self.feed, self.window, plan, ("ahead", *self.key))
+        else:
+            freed += self.ahead.retarget(plan)
+        return freed
 
     def _check_broadcast_start(self, member: Member, epoch: int, position: int) -> None:
         others = {m.want[0] for m in self.members.values() if m.want is not None and m is not member}

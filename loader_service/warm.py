@@ -10,6 +10,9 @@ NOTE [ Warm start ]
     wants a batch, and dropped (their slots freed) when a trainer needs a slot and the pool is full.
     The plan is the same pure function of (seed, epoch, rank, world_size) as every other, so what a
     trainer receives does not depend on whether it came from the cache.
+    The same mechanism keeps a shard trainer fed across epoch boundaries: once its stream has decoded
+    the whole epoch and has credit left, it decodes the first batches of the next epoch ahead, and a
+    start of exactly that epoch at position 0 takes them. Any other start drops them.
 """
 
 from __future__ import annotations
@@ -28,17 +31,39 @@ WARM_PLAN = (0, 0, 1, "pad")
 
 
 class WarmCache:
-    def __init__(self, feed: Feed, batches: int = WARM_BATCHES) -> None:
+    """The first ``batches`` batches of one plan, decoded before anyone asked for them.
+
+    Used for the feed's warm start (``WARM_PLAN``) and, per shard stream, for the first batches of
+    the next epoch while the trainer finishes the current one (NOTE [ Warm start ]).
+    """
+
+    def __init__(
+        self,
+        feed: Feed,
+        batches: int = WARM_BATCHES,
+        plan: tuple[int, int, int, str] = WARM_PLAN,
+        key: tuple[object, ...] | None = None,
+    ) -> None:
         self.feed = feed
-        self.key = ("warm", feed.id)
-        epoch, rank, world_size, remainder = WARM_PLAN
-        self._plan = feed.plan(epoch, rank, world_size, remainder)
-        self._end = min(batches, feed.shard_batches(world_size, remainder))
+        self.key = key or ("warm", feed.id)
+        self._limit = batches
         self.gen = 0
-        self.epoch = epoch
         self.next_produce = 0
+        self.filling = 0
         self.ready: dict[int, tuple[int, int]] = {}
         """seq -> (slot, count) of decoded batches waiting for a taker."""
+        self.retarget(plan)
+
+    def retarget(self, plan: tuple[int, int, int, str]) -> list[int]:
+        """Keep another plan warm; return the slots of the old one's batches to free.
+
+        The generation only grows, so a late batch of any earlier plan is never taken for this one.
+        """
+        epoch, rank, world_size, remainder = plan
+        self.epoch = epoch
+        self._plan = self.feed.plan(epoch, rank, world_size, remainder)
+        self._end = min(self._limit, self.feed.shard_batches(world_size, remainder))
+        return self.drop()
 
     @staticmethod
     def matches(mode: str, rank: int, world_size: int, remainder: str, epoch: int, position: int) -> bool:
@@ -50,6 +75,7 @@ class WarmCache:
     def plan_batch(self) -> tuple[int, int, npt.NDArray[np.int64]]:
         seq = self.next_produce
         self.next_produce += 1
+        self.filling += 1
         size = self.feed.config.batch_size
         return self.gen, seq, self._plan[seq * size : (seq + 1) * size]
 
@@ -57,9 +83,15 @@ class WarmCache:
         """Keep a decoded batch; False if the cache was emptied meanwhile (free the slot)."""
         if gen != self.gen:
             return False
+        self.filling -= 1
         self.ready[seq] = (slot, count)
-        if len(self.ready) == self._end:
-            log.debug("warm start: %d batches of feed %r ready", self._end, self.feed.name)
+        log.debug(
+            "warm start: batch %d of epoch %d of feed %r ready (%s)",
+            seq,
+            self.epoch,
+            self.feed.name,
+            self.key[0],
+        )
         return True
 
     def take(self) -> tuple[list[tuple[int, int, int]], list[int]]:
@@ -77,4 +109,10 @@ class WarmCache:
         self.ready.clear()
         self.gen += 1
         self.next_produce = 0
+        self.filling = 0
         return freed
+
+    @property
+    def held(self) -> int:
+        """Slots this cache holds or is filling."""
+        return self.filling + len(self.ready)

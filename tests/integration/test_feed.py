@@ -207,7 +207,7 @@ def test_first_batches_come_from_the_warm_cache_and_match_a_cold_start(
     photos: Path, start_service: ServiceFactory
 ) -> None:
     service = start_service(photos, log_level="DEBUG")
-    service.wait_for(r"warm start: 2 batches of feed 'train' ready")
+    service.wait_for(r"warm start: batch 1 of epoch 0 of feed 'train' ready \(warm\)")
     warm_before = status(service.endpoint)["feeds"][0]["warm_decoded"]
     with ServiceLoader(service.endpoint, timeout=30) as loader:
         warm = [(b.indices.tolist(), b.images.clone()) for _, b in zip(range(3), loader, strict=False)]
@@ -219,3 +219,20 @@ def test_first_batches_come_from_the_warm_cache_and_match_a_cold_start(
     for (wi, wp), (ci, cp) in zip(warm, cold, strict=True):
         assert wi == ci and torch.equal(wp, cp), "a warm batch is the batch a cold start decodes"
     service.wait_for(r"session \w+ took 2 warm batches")
+
+
+def test_next_epoch_starts_from_batches_decoded_ahead(photos: Path, start_service: ServiceFactory) -> None:
+    service = start_service(photos, log_level="DEBUG")
+    with ServiceLoader(service.endpoint, timeout=30) as loader:
+        for _batch in loader:
+            pass
+        del _batch
+        # the step a real trainer would run here leaves the service time to decode ahead
+        service.wait_for(r"warm start: batch 0 of epoch 1 of feed 'train' ready \(ahead\)")
+        ahead = [(b.indices.tolist(), b.images.clone()) for _, b in zip(range(3), loader, strict=False)]
+    service.wait_for(r"took [1-9]\d* batches of epoch 1 decoded ahead")
+    with ServiceLoader(service.endpoint, remainder="drop", timeout=30) as loader:  # same plan, cold
+        loader.set_epoch(1)
+        cold = [(b.indices.tolist(), b.images.clone()) for _, b in zip(range(3), loader, strict=False)]
+    for (ai, ap), (ci, cp) in zip(ahead, cold, strict=True):
+        assert ai == ci and torch.equal(ap, cp), "a batch decoded ahead is the batch a cold start decodes"
