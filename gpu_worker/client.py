@@ -247,7 +247,7 @@ class ServiceLoader:
         """
         if self._resume is not None:
             epoch, position = self._resume
-        elif self._current_epoch is not None and self._position < self._batches:
+        elif self._in_epoch and self._current_epoch is not None and self._position < self._batches:
             epoch, position = self._current_epoch, self._position
         else:
             epoch, position = self._next_epoch, 0
@@ -376,6 +376,7 @@ class ServiceLoader:
 
     def _epoch(self, epoch: int, position: int) -> Iterator[Batch]:
         self._run += 1
+        mine = self._run
         self._current_epoch, self._position, self._in_epoch = epoch, position, True
         self._conn.send(Start(self._run, epoch, position))
         try:
@@ -391,7 +392,8 @@ class ServiceLoader:
                     yield batch
                 del batch  # the generator must not keep the previous batch's slot while waiting
         finally:
-            self._in_epoch = False
+            if self._run == mine:  # an abandoned older pass must not end the current one
+                self._in_epoch = False
 
     def _next_batch(self) -> BatchReady | EpochEnd:
         """Wait for the current run's next batch or its end; batches of older runs are released unread."""

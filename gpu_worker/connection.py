@@ -35,6 +35,7 @@ from protocol.messages import (
 log = logging.getLogger(__name__)
 SERVICE_MESSAGES = (Welcome, BatchReady, EpochEnd, Heartbeat, ErrorReply)
 POLL_SLICE = 0.1
+BYE_LINGER_MS = 500
 SILENCE_HEARTBEATS = 5
 """Missed service heartbeats after which the session counts as lost and is reopened."""
 
@@ -136,10 +137,6 @@ class Connection:
             else:
                 log.warning("service reported: %s (%s)", msg.message, msg.code)
 
-    def discard_pending(self) -> None:
-        """Forget messages of the lost session."""
-        self._inbox.clear()
-
     def _start_heartbeat(self, interval: float) -> None:
         self._stop_heartbeat = threading.Event()
         self._heartbeat = threading.Thread(
@@ -150,19 +147,21 @@ class Connection:
         )
         self._heartbeat.start()
 
-    def _close_session(self) -> None:
+    def _close_session(self, linger_ms: int = 0) -> None:
         self._stop_heartbeat.set()
         if self._heartbeat is not None:
             self._heartbeat.join(2.0)
             self._heartbeat = None
         if self._sock is not None:
-            self._sock.close(linger=0)
+            self._sock.close(linger=linger_ms)
             self._sock = None
         self._inbox.clear()
         self.session = ""
 
     def close(self) -> None:
-        self._close_session()
+        # A short linger lets a final ``bye`` reach the service, so it frees this trainer's slots now
+        # rather than after its heartbeat timeout; it cannot hang: the service is local or gone.
+        self._close_session(linger_ms=BYE_LINGER_MS)
         self._ctx.term()
 
 

@@ -48,7 +48,8 @@ class CudaStager:
         and it is unregistered first, before its mapping can go away.
         """
         self._unpin()
-        err = torch.cuda.cudart().cudaHostRegister(address, nbytes, 0)
+        with torch.cuda.device(self.device):  # not a context on GPU 0 for every rank
+            err = torch.cuda.cudart().cudaHostRegister(address, nbytes, 0)
         if int(err) != 0:
             log.warning("cudaHostRegister failed (%s); copies will not overlap compute", err)
             return
@@ -81,7 +82,8 @@ class CudaStager:
         if self._pinned is not None:
             self._stream.synchronize()
             self._in_flight.clear()
-            torch.cuda.cudart().cudaHostUnregister(self._pinned)
+            with torch.cuda.device(self.device):
+                torch.cuda.cudart().cudaHostUnregister(self._pinned)
             self._pinned = None
 
     def close(self) -> None:

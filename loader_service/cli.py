@@ -41,6 +41,7 @@ def _add_serve(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
         "--metrics-port", type=int, help="serve Prometheus metrics on this port (needs prometheus_client)"
     )
     p.add_argument("--metrics-addr", help="address for the metrics port (default 127.0.0.1)")
+    p.add_argument("--task-timeout", type=float, help="seconds a worker may spend on one batch (120)")
     p.add_argument("--log-level", help="DEBUG, INFO, WARNING or ERROR")
     p.set_defaults(func=_cmd_serve)
 
@@ -61,6 +62,7 @@ def _cmd_serve(args: argparse.Namespace) -> int:
         "feed",
         "client_timeout",
         "lag_timeout",
+        "task_timeout",
         "strict",
         "max_pixels",
         "group",

@@ -59,6 +59,8 @@ class ServiceConfig:
     metrics_port: int = 0
     """Serve Prometheus metrics on this port (0: off); needs the prometheus_client package."""
     metrics_addr: str = "127.0.0.1"
+    task_timeout: float = 120.0
+    """Seconds one batch may take a worker before it is killed and the batch redone (hung I/O)."""
     lag_timeout: float = 30.0
     """Seconds a broadcast group may be held up by one member before that member is evicted."""
     extra_feeds: tuple[FeedConfig, ...] = ()
@@ -93,6 +95,7 @@ class ServiceConfig:
         _check(self.log_level.upper() in ("DEBUG", "INFO", "WARNING", "ERROR"), "bad log_level")
         _check_endpoint(self.endpoint)
         _check(self.lag_timeout > 0, "lag_timeout must be positive")
+        _check(self.task_timeout > 0, "task_timeout must be positive")
         _check(10_000 <= self.max_pixels <= 2**40, "max_pixels must be between 10000 and 2**40")
         _check(0 <= self.metrics_port <= 65535, "metrics_port must be a TCP port (0: off)")
         names = [f.name for f in self.extra_feeds]

@@ -40,6 +40,8 @@ class Feed:
     segment: Segment
     pool: SlotPool
     index_dir: Path
+    fingerprint: str = ""
+    """Of the index, computed once at open: hashing a large index costs a noticeable fraction of a second."""
     counters: FeedCounters = field(default_factory=FeedCounters)
     bad_files: dict[int, str] = field(default_factory=dict)
 
@@ -54,7 +56,9 @@ class Feed:
         index.save(index_dir)
         layout = SlotLayout(config.batch_size, config.image_size)
         segment = Segment.create(new_segment_name(config.name), layout.segment_bytes(config.slots), group)
-        return cls(feed_id, config, index, layout, segment, SlotPool(config.slots), index_dir)
+        return cls(
+            feed_id, config, index, layout, segment, SlotPool(config.slots), index_dir, index.fingerprint()
+        )
 
     def close(self) -> None:
         self.segment.close()
@@ -81,7 +85,7 @@ class Feed:
             batches_per_epoch=self.shard_batches(1, "pad"),
             seed=cfg.seed,
             augment=cfg.augment,
-            fingerprint=self.index.fingerprint(),
+            fingerprint=self.fingerprint,
             segment=self.segment.name,
             slots=cfg.slots,
         )
@@ -104,7 +108,7 @@ class Feed:
             log.warning("feed %s: bad file skipped: %s: %s", self.name, self.index.relpath(index), reason)
 
     def status(self) -> dict[str, object]:
-        recent = [self.index.relpath(i) for i in list(self.bad_files)[-5:]]
+        recent = [self.index.relpath(i)[-200:] for i in list(self.bad_files)[-5:]]
         return {
             "name": self.name,
             "samples": len(self.index),

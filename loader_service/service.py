@@ -80,6 +80,9 @@ log = logging.getLogger(__name__)
 TICK = 0.1
 STOP_GRACE = 5.0
 MAX_TASK_ATTEMPTS = 3
+STATUS_SESSIONS = 100
+STATUS_WORKERS = 64
+"""Bounds on the lists in a status reply, which must fit one frame (protocol.MAX_FRAME_BYTES)."""
 TRAINER_MESSAGES = (Hello, Start, Release, Heartbeat, Bye, StatusRequest)
 WORKER_MESSAGES = (WorkerReady, TaskDone)
 StreamKey = tuple[object, ...]
@@ -207,9 +210,6 @@ class LoaderService:
             feeds=tuple(feed.worker_feed() for feed in self.feeds),
             log_level=self.config.log_level,
         )
-
-    def request_stop(self) -> None:
-        self._signal = signal.SIGTERM
 
     def shutdown(self) -> None:
         """NOTE [ Shutdown order ] steps 2-4; safe to call on a partly started service."""
@@ -523,6 +523,8 @@ class LoaderService:
     def _send(self, routing_id: bytes, msg: Message) -> None:
         try:
             self._frontend.send_multipart([routing_id, encode(msg)], zmq.NOBLOCK)
+        except ProtocolError as exc:  # a reply too large for a frame: a bug, never worth the loop
+            log.error("could not encode %s: %s", msg.KIND, exc)
         except zmq.ZMQError as exc:
             # Unreachable (gone) or full peer: never block the loop. A session that is really gone is
             # reclaimed by its heartbeat timeout, never sooner, so a trainer's mapped slots stay valid.
@@ -588,6 +590,7 @@ class LoaderService:
 
     def _reap_workers(self) -> None:
         assert self._workers is not None
+        self._workers.kill_stuck(time.monotonic(), self.config.task_timeout)
         for dead in self._workers.reap(time.monotonic()):
             record = self._tasks.pop(dead.task, None) if dead.task is not None else None
             if record is None:
@@ -613,7 +616,7 @@ class LoaderService:
     def _send_worker(self, routing_id: bytes, msg: Message) -> None:
         try:
             self._backend.send_multipart([routing_id, encode(msg)], zmq.NOBLOCK)
-        except zmq.ZMQError as exc:
+        except (zmq.ZMQError, ProtocolError) as exc:
             log.debug("could not reach worker: %s", exc)
 
     def _schedule(self) -> None:
@@ -623,26 +626,28 @@ class LoaderService:
             if record is None:
                 return
             assert handle.routing_id is not None
-            handle.task = record.task
+            handle.task, handle.task_since = record.task, time.monotonic()
             self._tasks[record.task] = record
             task = Task(record.task, record.feed, record.slot, record.epoch, record.indices)
             self._send_worker(handle.routing_id, task)
 
     def _next_job(self) -> TaskRecord | None:
-        """Round-robin over streams that may produce, one batch each turn; warm batches last."""
-        for _ in range(len(self._rr)):
-            key = self._rr[0]
-            self._rr.rotate(-1)
-            stream = self._streams[key]
-            if stream.wants_ahead() and stream.feed.pool.free and stream.ahead is not None:
-                return self._plan_batch(stream.ahead)
-            if not stream.wants_batch():
-                continue
+        """The next batch to decode: for the stream with the fewest batches in flight (the trainer
+        closest to waiting: with DDP ranks sharing a pool smaller than their credits, the rank that is
+        behind must not be starved by the prefetch of ranks blocked in an all-reduce); then the next
+        epoch's first batches; warm-start batches last. Ties go round-robin."""
+        self._rr.rotate(-1)
+        wanting = [self._streams[key] for key in self._rr if self._streams[key].wants_batch()]
+        for stream in sorted(wanting, key=lambda s: s.in_flight):
             if not stream.feed.pool.free:
                 # NOTE [ Warm start ]: a trainer's batch goes before the cache
                 self._free(stream.feed, self._warm[stream.feed.id].drop())
             if stream.feed.pool.free:
                 return self._plan_batch(stream)
+        for key in self._rr:
+            stream = self._streams[key]
+            if stream.ahead is not None and stream.wants_ahead() and stream.feed.pool.free:
+                return self._plan_batch(stream.ahead)
         for warm in self._warm.values():
             if warm.wants_batch() and warm.feed.pool.free:
                 return self._plan_batch(warm)
@@ -712,7 +717,7 @@ class LoaderService:
                 "lag": self._lag(s),
                 "idle_seconds": round(time.monotonic() - s.last_seen, 1),
             }
-            for s in list(self._sessions.values())[:100]
+            for s in list(self._sessions.values())[:STATUS_SESSIONS]
         ]
         workers = self._workers
         worker_list = (
@@ -731,9 +736,9 @@ class LoaderService:
             ]
         )
         return {
-            "worker_list": worker_list,
+            "worker_list": worker_list[:STATUS_WORKERS],
             "uptime": round(time.monotonic() - self._started_at, 1),
-            "feeds": [feed.status() for feed in self.feeds],
+            "feeds": [feed.status() for feed in self.feeds[:16]],
             "sessions": sessions,
             "attached": len(self._sessions),
             "workers": 0 if workers is None else sum(1 for _ in workers),

@@ -24,6 +24,7 @@ slots of an abandoned plan are never delivered, and are freed when their last ho
 
 from __future__ import annotations
 
+import itertools
 import logging
 from collections.abc import Iterator
 from dataclasses import dataclass, field
@@ -37,6 +38,7 @@ from loader_service.warm import WarmCache
 
 BatchKey = tuple[int, int]
 log = logging.getLogger(__name__)
+_GENERATIONS = itertools.count(1)
 
 
 @dataclass
@@ -209,7 +211,9 @@ class Stream:
 
     def _begin(self, epoch: int, position: int) -> list[int]:
         """Switch to a new plan; undelivered batches of the old one are dropped."""
-        self.gen += 1
+        # Unique across streams: a broadcast group recreated under the same key must never take a
+        # late batch of its predecessor's plan for its own.
+        self.gen = next(_GENERATIONS)
         self.epoch = epoch
         self.plan = self.feed.plan(epoch, self.rank, self.world_size, self.remainder)
         self.end = self.batches_per_epoch()

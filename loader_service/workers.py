@@ -30,6 +30,7 @@ class WorkerHandle:
     routing_id: bytes | None = None
     task: int | None = None
     """The task id this worker is decoding, if any."""
+    task_since: float = 0.0
     decoded: RateMeter = field(default_factory=RateMeter)
 
     @property
@@ -74,6 +75,21 @@ class WorkerSet:
 
     def idle(self) -> list[WorkerHandle]:
         return [h for h in self._handles.values() if h.idle]
+
+    def kill_stuck(self, now: float, limit: float) -> list[WorkerHandle]:
+        """SIGKILL workers whose task has run for more than ``limit`` seconds (a hung read, a decoder
+        that never returns); ``reap`` then replaces them and their task is redone."""
+        stuck = [h for h in self._handles.values() if h.task is not None and now - h.task_since > limit]
+        for h in stuck:
+            log.error(
+                "decode worker %d (pid %s) spent over %.0f s on task %s; killing it",
+                h.worker,
+                h.process.pid,
+                limit,
+                h.task,
+            )
+            h.process.kill()
+        return stuck
 
     def mark_ready(self, handle: WorkerHandle, routing_id: bytes) -> None:
         handle.routing_id = routing_id

@@ -13,7 +13,7 @@ Pixels never travel in a message: a ``batch`` names a slot of the feed's shared-
       start{run, epoch, position} -------->
                            <---------------- batch{run, epoch, seq, lease, slot, count}   (<= credits
                            <---------------- batch ...                                     unreleased)
-      release{leases, credit} ------------->
+      release{leases} --------------------->
                            <---------------- end{run, epoch, batches}
       heartbeat{session}  (from a second socket, every heartbeat interval)
       bye ---------------------------------->
@@ -189,18 +189,17 @@ class Start(Message):
 
 @dataclass(frozen=True)
 class Release(Message):
-    """Hand ``leases`` back (their slots may be reused) and grant ``credit`` more batches."""
+    """Hand ``leases`` back: their slots may be reused, and each returns one credit."""
 
     KIND: ClassVar[str] = "release"
     leases: tuple[int, ...]
-    credit: int = 0
 
     @classmethod
     def from_fields(cls, d: Mapping[str, Any]) -> Release:
         leases = _list(d, "leases", MAX_RELEASES)
         if any(type(x) is not int or not 0 <= x < _MAX_INT for x in leases):
             raise ProtocolError("field 'leases' must hold non-negative integers")
-        return cls(tuple(leases), _int(d, "credit", 0, MAX_RELEASES))
+        return cls(tuple(leases))
 
 
 @dataclass(frozen=True)
@@ -470,7 +469,13 @@ def decode(frame: bytes | memoryview, expect: tuple[type[M], ...]) -> M:
         raise ProtocolError("a message must be a msgpack map")
     if d.get("v") != PROTOCOL_VERSION:
         raise ProtocolError(f"protocol version {d.get('v')!r:.20} is not {PROTOCOL_VERSION}")
-    cls = _KINDS.get(d.get("k"))  # type: ignore[arg-type]
+    kind = d.get("k")
+    cls = _KINDS.get(kind) if type(kind) is str else None
     if cls is None or not issubclass(cls, expect):
-        raise ProtocolError(f"unexpected message kind {d.get('k')!r:.40}")
-    return cls.from_fields(d)  # type: ignore[return-value]
+        raise ProtocolError(f"unexpected message kind {kind!r:.40}")
+    try:
+        return cls.from_fields(d)  # type: ignore[return-value]
+    except ProtocolError:
+        raise
+    except (TypeError, ValueError, KeyError) as exc:  # never let a field check crash a receiver
+        raise ProtocolError(f"malformed {kind} message: {type(exc).__name__}") from None

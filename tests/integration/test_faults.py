@@ -134,3 +134,25 @@ def test_group_access_makes_segments_and_socket_0660_for_that_group(
 def test_ipc_socket_is_private_without_a_group(photos: Path, start_service: ServiceFactory) -> None:
     service = start_service(photos)
     assert stat.S_IMODE(os.stat(service.endpoint[len("ipc://") :]).st_mode) == 0o600
+
+
+def test_a_worker_stuck_on_a_file_is_killed_and_the_batch_given_up_after_three_tries(
+    photos: Path, start_service: ServiceFactory, tmp_path: Path
+) -> None:
+    data = tmp_path / "stuck"
+    (data / "a").mkdir(parents=True)
+    for p in sorted(photos.glob("class_000/*.jpg"))[:7]:
+        (data / "a" / p.name).write_bytes(p.read_bytes())
+    os.mkfifo(data / "a" / "fifo.jpg")  # reading it blocks forever: no writer ever comes
+    index = build_index(data)
+    fifo = next(i for i in range(len(index)) if index.relpath(i).endswith("fifo.jpg"))
+    service = start_service(data, batch_size=4, task_timeout=1.5)
+    with ServiceLoader(service.endpoint, timeout=60) as loader:
+        seen = [i for batch in loader for i in batch.indices.tolist()]
+    assert fifo not in seen
+    assert len(seen) >= len(index) - 4, "only the batch holding the stuck file is lost"
+    assert len(set(seen)) == len(seen)
+    service.wait_for(r"spent over 2 s on task", count=3)
+    service.wait_for(r"a/fifo.jpg: decode worker died 3 times on the batch holding this file")
+    # three for the trainer's batch, and maybe more for the warm-start cache decoding the same batch
+    assert status(service.endpoint)["worker_restarts"] >= 3

@@ -170,3 +170,9 @@ def test_slot_layout_is_aligned_and_disjoint() -> None:
     assert lay.slot_offset(3, 4) == 3 * lay.stride
     with pytest.raises(ValueError):
         lay.slot_offset(4, 4)
+
+
+@pytest.mark.parametrize("kind", [[1], {"a": 1}, 3, None, b"hello"])
+def test_kinds_of_the_wrong_type_are_refused_not_crashed_on(kind: object) -> None:
+    with pytest.raises(ProtocolError, match="unexpected message kind"):
+        decode(msgpack.packb({"v": PROTOCOL_VERSION, "k": kind}, use_bin_type=True), ALL)
