@@ -156,3 +156,29 @@ def test_a_worker_stuck_on_a_file_is_killed_and_the_batch_given_up_after_three_t
     service.wait_for(r"a/fifo.jpg: decode worker died 3 times on the batch holding this file")
     # three for the trainer's batch, and maybe more for the warm-start cache decoding the same batch
     assert status(service.endpoint)["worker_restarts"] >= 3
+
+
+FREEZE_AFTER = """
+import os, signal, sys
+from gpu_worker import ServiceLoader
+loader = ServiceLoader(sys.argv[1], timeout=30)
+for i, batch in enumerate(loader):
+    if i == 2:
+        print("freezing", flush=True)
+        os.kill(os.getpid(), signal.SIGSTOP)  # hung: alive, holding slots, silent
+"""
+
+
+def test_a_frozen_trainer_loses_its_slots_after_the_heartbeat_timeout(
+    photos: Path, start_service: ServiceFactory
+) -> None:
+    service = start_service(photos, batch_size=4, slots=8, client_timeout=2)
+    frozen = trainer_process(service.endpoint, FREEZE_AFTER)
+    try:
+        assert frozen.stdout is not None and frozen.stdout.readline().strip() == "freezing"
+        service.wait_for(r"detached: no heartbeat for 2 s; \d+ leases returned", 15)
+        with ServiceLoader(service.endpoint, timeout=30) as other:
+            assert sum(len(b.indices) for b in other) == len(build_index(photos))
+    finally:
+        frozen.kill()
+        frozen.communicate(timeout=30)

@@ -11,6 +11,7 @@ import zmq
 
 from gpu_worker import ServiceLoader
 from protocol.messages import (
+    MAX_FRAME_BYTES,
     BatchReady,
     EpochEnd,
     ErrorReply,
@@ -79,5 +80,12 @@ def test_bad_traffic_is_refused_and_others_are_still_served(dealer: tuple[zmq.So
     sock.send(encode(Hello("raw", 1, "", credits=2)))
     assert isinstance(receive(sock, 10), Welcome)
     sock.send(encode(Release((123456, 7))))  # leases never given to this session: ignored
+    with ServiceLoader(endpoint, timeout=30) as loader:
+        assert sum(len(b.indices) for b in loader) == loader.info.samples
+
+
+def test_an_oversized_frame_cuts_off_only_its_sender(dealer: tuple[zmq.Socket[bytes], str]) -> None:
+    sock, endpoint = dealer
+    sock.send(b"\x81" + b"\x00" * (MAX_FRAME_BYTES * 2))  # ZMQ_MAXMSGSIZE drops this peer's connection
     with ServiceLoader(endpoint, timeout=30) as loader:
         assert sum(len(b.indices) for b in loader) == loader.info.samples
