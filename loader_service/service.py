@@ -394,24 +394,13 @@ class LoaderService:
         stream = self._stream_of(session)
         session.run, session.epoch = msg.run, msg.epoch
         try:
-            freed = stream.on_start(session.session_id, msg.epoch, msg.position)
+            freed = stream.on_start(
+                session.session_id, msg.epoch, msg.position, self._warm.get(stream.feed.id)
+            )
         except StartRefused as exc:
             self._reject(session.routing_id, "bad-start", str(exc), fatal=True)
             return
         self._free(stream.feed, freed)
-        warm = self._warm.get(stream.feed.id)
-        if (
-            warm is not None
-            and not stream.broadcast
-            and stream.next_produce == 0
-            and WarmCache.matches(
-                session.mode, session.rank, session.world_size, session.remainder, msg.epoch, msg.position
-            )
-        ):
-            taken, dropped = warm.take()
-            stream.adopt(taken)
-            self._free(stream.feed, dropped)
-            log.debug("session %s took %d warm batches", session.session_id, len(taken))
         self._deliver(stream)
 
     def _on_release(self, session: Session, msg: Release) -> None:

@@ -133,11 +133,16 @@ class Stream:
 
     # --- starting epochs ------------------------------------------------------------------------
 
-    def on_start(self, session_id: str, epoch: int, position: int) -> list[int]:
-        """Apply a member's start; return slots freed by abandoning a plan. May raise StartRefused."""
+    def on_start(
+        self, session_id: str, epoch: int, position: int, warm: WarmCache | None = None
+    ) -> list[int]:
+        """Apply a member's start; return slots freed by abandoning a plan. May raise StartRefused.
+
+        ``warm``: the feed's warm-start cache, which a shard start may take from (NOTE [ Warm start ]).
+        """
         member = self.members[session_id]
         if not self.broadcast:
-            return self._start_shard(member, epoch, position)
+            return self._start_shard(member, epoch, position, warm)
         if self.plan is not None and epoch == self.epoch and not member.active:
             self._join_running(member)
             return []
@@ -145,21 +150,29 @@ class Stream:
         member.active, member.want = False, (epoch, position)
         return self._maybe_begin_group_epoch()
 
-    def _start_shard(self, member: Member, epoch: int, position: int) -> list[int]:
-        """(Re)start the plan; take the batches decoded ahead if they are this start's first ones."""
+    def _start_shard(self, member: Member, epoch: int, position: int, warm: WarmCache | None) -> list[int]:
+        """(Re)start the plan; take batches decoded early (ahead, or warm) if they are its first ones."""
         taken: list[tuple[int, int, int]] = []
         freed: list[int] = []
-        if self.ahead is not None and self.ahead.epoch == epoch and position == 0:
-            taken, freed = self.ahead.take()
-            log.debug("%s took %d batches of epoch %d decoded ahead", self.key[1], len(taken), epoch)
+        plan = (epoch, self.rank, self.world_size, self.remainder)
+        cache = next((c for c in (self.ahead, warm) if c is not None and c.serves(*plan, position)), None)
+        if cache is not None:
+            taken, freed = cache.take()
+            log.debug(
+                "%s took %d batches of epoch %d from the %s cache",
+                self.key[1],
+                len(taken),
+                epoch,
+                cache.key[0],
+            )
         freed += self._begin(epoch, position)
         self._activate(member, position)
         self.adopt(taken)
-        plan = (epoch + 1, self.rank, self.world_size, self.remainder)
+        following = (epoch + 1, self.rank, self.world_size, self.remainder)
         if self.ahead is None:
-            self.ahead = WarmCache(self.feed, self.window, plan, ("ahead", *self.key))
+            self.ahead = WarmCache(self.feed, self.window, following, ("ahead", *self.key))
         else:
-            freed += self.ahead.retarget(plan)
+            freed += self.ahead.retarget(following)
         return freed
 
     def _check_broadcast_start(self, member: Member, epoch: int, position: int) -> None:

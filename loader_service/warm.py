@@ -60,14 +60,15 @@ class WarmCache:
         The generation only grows, so a late batch of any earlier plan is never taken for this one.
         """
         epoch, rank, world_size, remainder = plan
+        self.plan_key = plan
         self.epoch = epoch
         self._plan = self.feed.plan(epoch, rank, world_size, remainder)
         self._end = min(self._limit, self.feed.shard_batches(world_size, remainder))
         return self.drop()
 
-    @staticmethod
-    def matches(mode: str, rank: int, world_size: int, remainder: str, epoch: int, position: int) -> bool:
-        return mode == "shard" and (epoch, rank, world_size, remainder) == WARM_PLAN and position == 0
+    def serves(self, epoch: int, rank: int, world_size: int, remainder: str, position: int) -> bool:
+        """Are this cache's batches the first ones of that start?"""
+        return position == 0 and (epoch, rank, world_size, remainder) == self.plan_key
 
     def wants_batch(self) -> bool:
         return self.next_produce < self._end
