@@ -186,6 +186,7 @@ class ServiceLoader:
         self._released: deque[Lease] = deque()
         self._live: set[Lease] = set()
         self._run = 0
+        self._passes = 0
         self._next_epoch = 0
         self._closed = False
         self._reconnected_at = 0.0
@@ -376,7 +377,8 @@ class ServiceLoader:
 
     def _epoch(self, epoch: int, position: int) -> Iterator[Batch]:
         self._run += 1
-        mine = self._run
+        self._passes += 1
+        mine = self._passes  # runs also change on reconnects and restarts; passes only here
         self._current_epoch, self._position, self._in_epoch = epoch, position, True
         self._conn.send(Start(self._run, epoch, position))
         try:
@@ -392,7 +394,7 @@ class ServiceLoader:
                     yield batch
                 del batch  # the generator must not keep the previous batch's slot while waiting
         finally:
-            if self._run == mine:  # an abandoned older pass must not end the current one
+            if self._passes == mine:  # an abandoned older pass must not end the current one
                 self._in_epoch = False
 
     def _next_batch(self) -> BatchReady | EpochEnd:
@@ -408,10 +410,22 @@ class ServiceLoader:
                     deadline = started + self.config.timeout
                     continue
                 raise self._timeout_error()
+            shard = self.config.mode == "shard"  # a broadcast member may join where its group is
+            if shard and isinstance(msg, BatchReady) and msg.run == self._run and msg.seq != self._position:
+                self._released.append((self._conn.generation, msg.lease))
+                self._restart_at_position(msg.seq)
+                continue
             if isinstance(msg, (BatchReady, EpochEnd)) and msg.run == self._run:
                 return msg
             if isinstance(msg, BatchReady):
                 self._released.append((self._conn.generation, msg.lease))
+
+    def _restart_at_position(self, arrived: int) -> None:
+        """A batch went missing on the way: ask for the epoch again from the one that is due."""
+        log.warning("batch %d arrived where %d was due; restarting the epoch there", arrived, self._position)
+        assert self._current_epoch is not None
+        self._run += 1
+        self._conn.send(Start(self._run, self._current_epoch, self._position))
 
     def _held(self) -> int:
         return len(self._live - set(self._released))

@@ -485,6 +485,8 @@ class LoaderService:
         self._last_heartbeat = now
         for routing_id in list(self._sessions):
             self._send(routing_id, Heartbeat())
+        for stream in list(self._streams.values()):
+            self._deliver(stream)  # retries announcements a full or briefly unreachable peer missed
 
     def _deliver(self, stream: Stream) -> None:
         """Announce what each member may receive, strictly in sequence order."""
@@ -493,14 +495,14 @@ class LoaderService:
             for key, batch in stream.deliverable(member):
                 lease = self._next_lease
                 self._next_lease += 1
+                announced = BatchReady(session.run, stream.epoch, key[1], lease, batch.slot, batch.count)
+                if not self._send(session.routing_id, announced):
+                    stream.undeliver(member, key)  # retried on the next delivery round
+                    break
                 if stream.feed.pool.state(batch.slot) is SlotState.READY:
                     stream.feed.pool.lease(batch.slot)
                 session.leases[lease] = key
                 session.delivered += 1
-                self._send(
-                    session.routing_id,
-                    BatchReady(session.run, stream.epoch, key[1], lease, batch.slot, batch.count),
-                )
             self._maybe_end(stream, member)
 
     def _maybe_end(self, stream: Stream, member: Member) -> None:
@@ -509,15 +511,19 @@ class LoaderService:
             session = member.session
             self._send(session.routing_id, EpochEnd(session.run, stream.epoch, stream.end))
 
-    def _send(self, routing_id: bytes, msg: Message) -> None:
+    def _send(self, routing_id: bytes, msg: Message) -> bool:
+        """Send without ever blocking the loop; False if the message did not go out."""
         try:
             self._frontend.send_multipart([routing_id, encode(msg)], zmq.NOBLOCK)
         except ProtocolError as exc:  # a reply too large for a frame: a bug, never worth the loop
             log.error("could not encode %s: %s", msg.KIND, exc)
+            return False
         except zmq.ZMQError as exc:
-            # Unreachable (gone) or full peer: never block the loop. A session that is really gone is
-            # reclaimed by its heartbeat timeout, never sooner, so a trainer's mapped slots stay valid.
+            # Unreachable (gone) or full peer. A session that is really gone is reclaimed by its
+            # heartbeat timeout, never sooner, so a trainer's mapped slots stay valid.
             log.debug("could not send %s to %r: %s", msg.KIND, routing_id, exc)
+            return False
+        return True
 
     def _reject(self, routing_id: bytes, code: str, message: str, fatal: bool = False) -> None:
         self.rejected_messages += 1

@@ -283,6 +283,14 @@ class Stream:
             member.next_send += 1
             yield key, batch
 
+    def undeliver(self, member: Member, key: BatchKey) -> None:
+        """Take back a batch whose announcement could not be sent: it is due to the member again."""
+        sid = member.session.session_id
+        batch = self.batches[key]
+        batch.holders.discard(sid)
+        batch.pending.add(sid)
+        member.next_send = key[1]
+
     def release(self, session_id: str, key: BatchKey) -> int | None:
         """A member let go of a batch; return its slot if nobody needs it any more."""
         batch = self.batches.get(key)

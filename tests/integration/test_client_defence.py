@@ -16,6 +16,7 @@ from protocol.layout import SlotLayout
 from protocol.messages import (
     BatchReady,
     Bye,
+    EpochEnd,
     FeedInfo,
     Heartbeat,
     Hello,
@@ -127,3 +128,33 @@ def test_a_slot_outside_the_pool_is_refused(
         pytest.raises(ServiceError, match="invalid slot"),
     ):
         next(iter(loader))
+
+
+def test_a_missing_batch_makes_the_loader_ask_again_from_there(
+    fake_service: Callable[[Script], str], small_segment: str
+) -> None:
+    """The service's announcement of batch 1 is lost; batch 2 arrives; the loader restarts at 1."""
+    starts: list[Start] = []
+
+    def serve(sock: zmq.Socket[bytes], rid: bytes) -> None:
+        sock.send_multipart([rid, encode(Welcome("s", feed_info(small_segment, slots=1), 1.0, 3, 12))])
+        while len(starts) < 2:
+            if not sock.poll(10_000):
+                return
+            _, frame = sock.recv_multipart()
+            msg = decode(frame, (Hello, Start, Release, Heartbeat, Bye))
+            if not isinstance(msg, Start):
+                continue
+            starts.append(msg)
+            seqs = (0, 2) if len(starts) == 1 else (1, 2)
+            for lease, seq in enumerate(seqs):
+                sock.send_multipart(
+                    [rid, encode(BatchReady(msg.run, msg.epoch, seq, 10 * msg.run + lease, 0, 4))]
+                )
+            if len(starts) == 2:
+                sock.send_multipart([rid, encode(EpochEnd(msg.run, msg.epoch, 3))])
+
+    with ServiceLoader(fake_service(serve), connect_timeout=10, timeout=10, credits=4) as loader:
+        got = [b.seq for b in loader]
+    assert got == [0, 1, 2], "each batch once, in order"
+    assert [(s.epoch, s.position) for s in starts] == [(0, 0), (0, 1)]

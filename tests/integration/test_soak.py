@@ -58,12 +58,18 @@ def test_hundred_trainers_come_and_go(photos: Path, start_service: ServiceFactor
     trainer("shard", 30, False)  # warm up: workers imported, pool touched, caches filled
     warm = rss_kib(service.proc.pid)
     killed: list[subprocess.Popen[str]] = []
-    for i in range(KILLED):
-        killed.append(trainer_process(service.endpoint, DIE_AFTER, str(1 + i % 3), "shard"))
-    results = in_threads([lambda p=p: trainer(*p) for p in plans], timeout=240)
-    for proc in killed:
-        proc.communicate(timeout=60)
-        assert proc.returncode == -signal.SIGKILL
+    try:
+        for i in range(KILLED):
+            killed.append(trainer_process(service.endpoint, DIE_AFTER, str(1 + i % 3), "shard"))
+        results = in_threads([lambda p=p: trainer(*p) for p in plans], timeout=240)
+        for proc in killed:
+            proc.wait(90)  # each kills itself after a few batches
+    finally:
+        for proc in killed:
+            if proc.poll() is None:
+                proc.kill()
+            proc.communicate(timeout=60)
+    assert all(proc.returncode == -signal.SIGKILL for proc in killed)
     assert all(r >= 0 for r in results)
     service.wait_for(r"detached: no heartbeat for 2 s", timeout=30, count=KILLED)
     body = status(service.endpoint)
