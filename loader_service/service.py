@@ -46,7 +46,7 @@ from loader_service.logs import LogLimiter
 from loader_service.metrics import ServiceMetrics
 from loader_service.sampler import shard_size
 from loader_service.sessions import Session
-from loader_service.shm import SHM_DIR, remove_stale, restrict
+from loader_service.shm import LOCK_NAME, SHM_DIR, hold_lock, remove_stale, restrict
 from loader_service.slots import SlotState
 from loader_service.streams import Member, StartRefused, Stream
 from loader_service.warm import WarmCache
@@ -118,6 +118,7 @@ class LoaderService:
         self._next_lease = 0
         self._last_heartbeat = 0.0
         self._runtime_dir: Path | None = None
+        self._runtime_lock: int | None = None
         self._ctx: zmq.Context[zmq.Socket[bytes]] | None = None
         self._workers: WorkerSet | None = None
         self._owns_endpoint = False
@@ -157,6 +158,7 @@ class LoaderService:
         for path in remove_stale((SHM_DIR, Path(tempfile.gettempdir()))):
             log.warning("removed %s, left behind by a service that was killed", path)
         self._runtime_dir = Path(tempfile.mkdtemp(prefix=f"{SEGMENT_PREFIX}{os.getpid()}-"))
+        self._runtime_lock = hold_lock(self._runtime_dir / LOCK_NAME)
         for feed_id, feed_config in enumerate(cfg.feeds()):
             self.feeds.append(Feed.open(feed_id, feed_config, self._runtime_dir, cfg.group))
         self._ctx = zmq.Context()
@@ -228,6 +230,9 @@ class LoaderService:
         if self._runtime_dir is not None:
             shutil.rmtree(self._runtime_dir, ignore_errors=True)
             self._runtime_dir = None
+        if self._runtime_lock is not None:
+            os.close(self._runtime_lock)
+            self._runtime_lock = None
         if self._owns_endpoint:
             release_ipc_path(self.config.endpoint)
             self._owns_endpoint = False

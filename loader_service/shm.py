@@ -11,8 +11,10 @@ NOTE [ Shared-memory cleanup ]
       with a message saying how much is needed, instead of a SIGBUS when a page is first touched.
     * Mode 0600: only the service's user (and the trainers running as it) can map the pool; with
       ``group`` set, 0660 and owned by that group, for trainers running as other users in it.
-    * At start, ``remove_stale`` removes what services killed with SIGKILL left behind (their pid is
-      in the name and no longer runs a loader service).
+    * At start, ``remove_stale`` removes what services killed with SIGKILL left behind. A live
+      service holds an exclusive flock on each of its segments (and on a lock file in its runtime
+      folder) for as long as it runs; the kernel drops it when the service dies, so liveness is
+      known even across PID namespaces that share /dev/shm.
     * The service unlinks its segments on every exit path (``LoaderService.shutdown``, see NOTE
       [ Shutdown order ]). Trainers and workers that still map a segment keep their mapping until they
       unmap it; unlinking only removes the name.
@@ -21,6 +23,7 @@ NOTE [ Shared-memory cleanup ]
 from __future__ import annotations
 
 import errno
+import fcntl
 import grp
 import logging
 import mmap
@@ -32,6 +35,8 @@ from pathlib import Path
 from protocol.layout import SEGMENT_PREFIX, validate_segment_name
 
 SHM_DIR = Path("/dev/shm")
+LOCK_NAME = "lock"
+"""File in a service's runtime folder that it keeps flocked while it runs."""
 log = logging.getLogger(__name__)
 
 
@@ -47,26 +52,30 @@ def new_segment_name(feed: str) -> str:
 class Segment:
     """One mapped segment. The creator owns the name and must ``unlink``; attachers only ``close``."""
 
-    def __init__(self, name: str, size: int, mapping: mmap.mmap, owner: bool) -> None:
+    def __init__(
+        self, name: str, size: int, mapping: mmap.mmap, owner: bool, lock_fd: int | None = None
+    ) -> None:
         self.name = name
         self.size = size
         self.buf = mapping
         self.owner = owner
+        self._lock_fd = lock_fd
+        """The creator keeps the segment open with an exclusive flock: the proof it is alive."""
 
     @classmethod
     def create(cls, name: str, size: int, group: str = "") -> Segment:
         path = SHM_DIR / validate_segment_name(name)
         fd = os.open(path, os.O_CREAT | os.O_EXCL | os.O_RDWR, 0o600)
         try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
             restrict(fd, group)
             _reserve(fd, path, size)
             mapping = mmap.mmap(fd, size, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
         except BaseException:
             os.unlink(path)
-            raise
-        finally:
             os.close(fd)
-        return cls(name, size, mapping, owner=True)
+            raise
+        return cls(name, size, mapping, owner=True, lock_fd=fd)
 
     @classmethod
     def attach(cls, name: str, size: int) -> Segment:
@@ -92,6 +101,9 @@ class Segment:
             os.unlink(SHM_DIR / self.name)
         except FileNotFoundError:
             pass
+        if self._lock_fd is not None:
+            os.close(self._lock_fd)
+            self._lock_fd = None
 
 
 def restrict(target: int | str, group: str) -> None:
@@ -116,17 +128,46 @@ def _owner_alive(pid: int) -> bool:
     return b"loader_service" in cmdline or b"loader-service" in cmdline
 
 
+def hold_lock(path: Path) -> int:
+    """Create ``path`` and keep it exclusively flocked for this process's life: its liveness mark."""
+    fd = os.open(path, os.O_CREAT | os.O_RDWR, 0o600)
+    fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    return fd
+
+
+def _locked(path: str) -> bool:
+    """Does a live process hold the flock on ``path``? The kernel drops it when its holder dies,
+    however it dies and whatever PID namespace it runs in."""
+    try:
+        fd = os.open(path, os.O_RDONLY)
+    except OSError:
+        return False
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        return True
+    finally:
+        os.close(fd)
+    return False
+
+
+def _in_use(entry: os.DirEntry[str], pid: int) -> bool:
+    lock = os.path.join(entry.path, LOCK_NAME) if entry.is_dir(follow_symlinks=False) else entry.path
+    return pid == os.getpid() or _locked(lock) or _owner_alive(pid)
+
+
 def remove_stale(directories: tuple[Path, ...] = (SHM_DIR,)) -> list[str]:
     """Remove ``dataferry-<pid>-*`` segments and runtime folders whose service is gone.
 
     A service killed with SIGKILL cannot clean up after itself (NOTE [ Shared-memory cleanup ]);
-    its successor does it at start. Entries of services that are still running are left alone.
+    its successor does it at start. An entry is left alone while its creator holds its flock (a live
+    service, in any PID namespace sharing this /dev/shm), or while its pid runs a loader service.
     """
     removed = []
     for directory in directories:
         for entry in os.scandir(directory):
             pid = _pid_of(entry.name)
-            if pid is None or pid == os.getpid() or _owner_alive(pid):
+            if pid is None or _in_use(entry, pid):
                 continue
             try:
                 if entry.is_dir(follow_symlinks=False):

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import fcntl
 import grp
 import os
 import signal
@@ -182,3 +183,24 @@ def test_a_frozen_trainer_loses_its_slots_after_the_heartbeat_timeout(
     finally:
         frozen.kill()
         frozen.communicate(timeout=30)
+
+
+def test_start_up_cleanup_spares_segments_a_live_process_holds(
+    photos: Path, start_service: ServiceFactory
+) -> None:
+    """A service in another PID namespace sharing /dev/shm has a pid that looks dead from here;
+    its flock on the segment says it is alive. An unlocked leftover with the same pid is removed."""
+    token = os.urandom(3).hex()
+    held, left = SHM / f"dataferry-999999-other-{token}", SHM / f"dataferry-999999-dead-{token}"
+    lock_fd = os.open(held, os.O_CREAT | os.O_RDWR, 0o600)
+    fcntl.flock(lock_fd, fcntl.LOCK_EX)
+    left.write_bytes(b"")
+    try:
+        service = start_service(photos)
+        service.wait_for(f"removed /dev/shm/{left.name}")
+        assert held.exists() and not left.exists()
+        assert f"removed /dev/shm/{held.name}" not in service.log
+    finally:
+        os.close(lock_fd)
+        held.unlink(missing_ok=True)
+        left.unlink(missing_ok=True)
