@@ -11,12 +11,16 @@ thread); the iterating thread sends the releases.
 
 NOTE [ Reconnecting ]
     When the service restarts (it answers ``no-session``) or goes silent for several heartbeats, the
-    loader opens a new session on the same endpoint, checks that the feed is the same dataset with
-    the same seed and geometry, maps the new pool, and, if an epoch was under way, starts it again at
-    the position the loop had reached. Batches received but not yet handed out are dropped (the new
-    start covers them); batches the loop still holds stay valid, because their old mapping lives as
-    long as they do. In shard mode each image of the epoch is therefore still seen exactly once. If
-    no service answers within ``timeout`` of the last word from the old one, ServiceTimeout.
+    loader opens a new connection on the same endpoint and asks to resume its session, naming the
+    leases its loop still holds. A service that was only stalled still has the session: it keeps
+    those leases (their slots stay untouched), returns the others, and carries on with the same pool.
+    A restarted service does not know it: the loader gets a new session, checks that the feed is the
+    same dataset with the same seed and geometry, and maps the new pool. Either way, if an epoch was
+    under way, it is started again at the position the loop had reached. Batches received but not
+    yet handed out are dropped (the new start covers them); batches the loop still holds stay valid
+    (a resumed session keeps their leases; after a restart their old mapping lives as long as they
+    do). In shard mode each image of the epoch is therefore still seen exactly once. If no service
+    answers within ``timeout`` of the last word from the old one, ServiceTimeout.
 """
 
 from __future__ import annotations
@@ -344,10 +348,13 @@ class ServiceLoader:
         log.warning("lost the loader service at %s (%s); reconnecting", self.config.endpoint, why)
         before = self.info
         gone_since = self._conn.last_heard
+        released = set(self._released)
+        held = tuple(lease for gen, lease in self._live - released if gen == self._conn.generation)
         welcome = self._conn.open(
             gone_since + self.config.timeout,
             f"the loader service at {self.config.endpoint} has been gone "
             f"for over {self.config.timeout:.0f} s",
+            held[:MAX_RELEASES],
         )
         same = (welcome.feed.fingerprint, welcome.feed.seed, welcome.feed.batch_size, welcome.feed.image_size)
         if same != (before.fingerprint, before.seed, before.batch_size, before.image_size):
@@ -355,9 +362,16 @@ class ServiceLoader:
                 f"the service at {self.config.endpoint} came back serving "
                 "a different dataset, seed or geometry"
             )
-        self._adopt(welcome)
+        if self._conn.resumed:  # the service returned every lease not in ``held``: forget them
+            current = self._conn.generation
+            self._live = {lease for lease in self._live if lease[0] != current or lease[1] in held}
+            self._released = deque(lease for lease in self._released if lease[0] != current)
+        else:
+            self._adopt(welcome)
         self._reconnected_at = time.monotonic()
-        log.warning("reconnected as session %s", self._conn.session)
+        log.warning(
+            "%s session %s", "resumed" if self._conn.resumed else "reconnected as", self._conn.session
+        )
         if self._in_epoch and self._current_epoch is not None:
             self._run += 1
             self._conn.send(Start(self._run, self._current_epoch, self._position))

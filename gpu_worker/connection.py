@@ -15,6 +15,7 @@ import socket
 import threading
 import time
 from collections import deque
+from dataclasses import replace
 from typing import Any
 
 import zmq
@@ -63,25 +64,31 @@ class Connection:
         self._heartbeat: threading.Thread | None = None
         self.session = ""
         self.generation = 0
+        self.resumed = False
         self.last_heard = time.monotonic()
         self._silence_limit = float("inf")
         self._lost: str | None = None
 
-    def open(self, deadline: float, give_up: str) -> Welcome:
-        """Start a new session; raise ServiceTimeout with ``give_up`` if none is had by ``deadline``."""
+    def open(self, deadline: float, give_up: str, held: tuple[int, ...] = ()) -> Welcome:
+        """Start a session, or take the last one back if the service still has it (``resumed``);
+        raise ServiceTimeout with ``give_up`` if none is had by ``deadline``."""
+        previous = self.session
         self._close_session()
         sock = self._sock = self._ctx.socket(zmq.DEALER)
         sock.setsockopt(zmq.LINGER, 0)
         sock.setsockopt(zmq.ROUTING_ID, secrets.token_bytes(12))
         sock.connect(self.endpoint)
-        sock.send(encode(self._hello))
+        sock.send(encode(replace(self._hello, resume=previous, held=held if previous else ())))
         while True:
             msg = self.recv(deadline)
             if msg is None:
                 raise ServiceTimeout(give_up)
             if isinstance(msg, Welcome):
                 break
-        self.session, self.generation = msg.session, self.generation + 1
+        self.resumed = bool(previous) and msg.session == previous
+        if not self.resumed:  # a new session: leases of the old one died with it
+            self.generation += 1
+        self.session = msg.session
         self._silence_limit = max(SILENCE_HEARTBEATS * msg.heartbeat_interval, 3.0)
         self._start_heartbeat(msg.heartbeat_interval)
         return msg

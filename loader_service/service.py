@@ -354,6 +354,10 @@ class LoaderService:
         if refusal is not None:
             self._reject(routing_id, "refused", refusal, fatal=True)
             return
+        resumed = self._session_by_id(msg.resume) if msg.resume else None
+        if resumed is not None and resumed.hello.pid == msg.pid and not resumed.evicted:
+            self._rebind(resumed, routing_id, set(msg.held))
+            return
         old = self._sessions.get(routing_id)
         if old is not None:
             self._drop_session(old, "said hello again")
@@ -374,15 +378,36 @@ class LoaderService:
             if session.mode == "shard"
             else f"broadcast group {session.group!r}",
         )
+        self._send(routing_id, self._welcome(session))
+
+    def _rebind(self, session: Session, routing_id: bytes, held: set[int]) -> None:
+        """NOTE [ Reconnecting ]: a trainer that lost touch with this (live) service takes its session
+        back on a new socket. The leases of batches its loop still holds keep their slots; the others
+        (announcements lost on the old socket, releases not sent) are returned now."""
+        stream = self._stream_of(session)
+        for lease in [lease for lease in session.leases if lease not in held]:
+            slot = stream.release(session.session_id, session.leases.pop(lease))
+            if slot is not None:
+                stream.feed.pool.release(slot)
+        del self._sessions[session.routing_id]
+        session.routing_id = routing_id
+        session.last_seen = time.monotonic()
+        self._sessions[routing_id] = session
+        self._by_session_id[session.session_id] = routing_id
+        log.info("session %s (%s) resumed on a new connection", session.session_id, session.client)
+        self._send(routing_id, self._welcome(session))
+
+    def _welcome(self, session: Session) -> Welcome:
+        feed = self.feeds[session.feed]
+        stream = self._stream_of(session)
         samples = shard_size(len(feed.index), stream.world_size, stream.remainder)
-        welcome = Welcome(
+        return Welcome(
             session.session_id,
             feed.info(),
             self.config.heartbeat_interval,
             stream.batches_per_epoch(),
             samples,
         )
-        self._send(routing_id, welcome)
 
     def _stream_for(self, session: Session, feed: Feed) -> Stream:
         key = session.stream_key()

@@ -69,6 +69,13 @@ def _str(d: Mapping[str, Any], key: str, max_len: int = _MAX_STR) -> str:
     return value
 
 
+def _leases(d: Mapping[str, Any], key: str) -> tuple[int, ...]:
+    leases = _list(d, key, MAX_RELEASES)
+    if any(type(x) is not int or not 0 <= x < _MAX_INT for x in leases):
+        raise ProtocolError(f"field {key!r} must hold non-negative integers")
+    return tuple(leases)
+
+
 def _choice(d: Mapping[str, Any], key: str, choices: tuple[str, ...]) -> str:
     value = d.get(key)
     if value not in choices:
@@ -148,6 +155,10 @@ class Hello(Message):
     group_size: int = 1
     batch_size: int = 0
     image_size: int = 0
+    resume: str = ""
+    """A session this trainer had, to take over (it lost touch with a live service) ..."""
+    held: tuple[int, ...] = ()
+    """... keeping only these of its leases: the batches its loop still holds."""
 
     @classmethod
     def from_fields(cls, d: Mapping[str, Any]) -> Hello:
@@ -164,6 +175,8 @@ class Hello(Message):
             group_size=_int(d, "group_size", 1, 1024),
             batch_size=_int(d, "batch_size", 0, 65536),
             image_size=_int(d, "image_size", 0, 8192),
+            resume=_str(d, "resume", 64) if "resume" in d else "",
+            held=_leases(d, "held") if "held" in d else (),
         )
         if hello.rank >= hello.world_size:
             raise ProtocolError(f"rank {hello.rank} must be below world_size {hello.world_size}")
@@ -196,10 +209,7 @@ class Release(Message):
 
     @classmethod
     def from_fields(cls, d: Mapping[str, Any]) -> Release:
-        leases = _list(d, "leases", MAX_RELEASES)
-        if any(type(x) is not int or not 0 <= x < _MAX_INT for x in leases):
-            raise ProtocolError("field 'leases' must hold non-negative integers")
-        return cls(tuple(leases))
+        return cls(_leases(d, "leases"))
 
 
 @dataclass(frozen=True)
@@ -449,6 +459,8 @@ def encode(message: Message) -> bytes:
     body = asdict(message)
     if isinstance(message, Release):
         body["leases"] = list(message.leases)
+    if isinstance(message, Hello):
+        body["held"] = list(message.held)
     if isinstance(message, TaskDone):
         body["bad"] = [list(b) for b in message.bad]
     frame: bytes = msgpack.packb({"v": PROTOCOL_VERSION, "k": message.KIND, **body}, use_bin_type=True)

@@ -9,6 +9,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+import torch
 
 from gpu_worker import ServiceLoader, ServiceTimeout
 from loader_service.index import build_index
@@ -86,3 +87,35 @@ def test_service_gone_longer_than_timeout_is_a_clear_error(
             for _ in it:
                 pass
         assert time.monotonic() - started < 15
+
+
+def test_a_trainer_that_lost_touch_with_a_live_service_takes_its_session_back(
+    photos: Path, start_service: ServiceFactory
+) -> None:
+    """The service stops answering for longer than the trainer waits (SIGSTOP), then comes back:
+    the trainer resumes its session, the batch it holds keeps its slot, and the epoch is whole."""
+    n = len(build_index(photos))
+    client_timeout = 8.0
+    service = start_service(photos, batch_size=8, slots=6, client_timeout=client_timeout)
+    with ServiceLoader(service.endpoint, timeout=60) as loader:
+        it = iter(loader)
+        held = next(it)
+        copy = held.images.clone()
+        seen = held.indices.tolist()
+        service.proc.send_signal(signal.SIGSTOP)
+        resumer = threading.Timer(7.0, service.proc.send_signal, args=(signal.SIGCONT,))
+        resumer.start()  # the trainer gives the session up after 5 silent heartbeats
+        try:
+            seen += [i for batch in it for i in batch.indices.tolist()]
+        finally:
+            resumer.join()
+            service.proc.send_signal(signal.SIGCONT)
+        assert sorted(seen) == list(range(n)), "each image once across the reconnect"
+        # Had the trainer opened a new session instead, the old one (holding ``held``'s slot) would
+        # expire within client_timeout and the slot would be refilled by the epochs below.
+        until = time.monotonic() + client_timeout + 2
+        while time.monotonic() < until:
+            assert sum(len(b.indices) for b in loader) == n
+        assert torch.equal(held.images, copy), "the held batch kept its slot through the reconnect"
+    service.wait_for(r"session \w+ \(\S+\) resumed on a new connection")
+    assert "no heartbeat" not in service.log
