@@ -26,11 +26,12 @@ def epoch_permutation(seed: int, epoch: int, samples: int) -> npt.NDArray[np.int
     return perm
 
 
-def batch_indices(seed: int, epoch: int, samples: int, batch_size: int, seq: int) -> npt.NDArray[np.int64]:
-    n = batches_per_epoch(samples, batch_size)
+def batch_of(plan: npt.NDArray[np.int64], seq: int, batch_size: int) -> npt.NDArray[np.int64]:
+    """Batch ``seq`` of an epoch plan: its ``seq``-th slice of ``batch_size`` (the last may be short)."""
+    n = batches_per_epoch(len(plan), batch_size)
     if not 0 <= seq < n:
         raise ValueError(f"batch {seq} outside epoch of {n} batches")
-    return epoch_permutation(seed, epoch, samples)[seq * batch_size : (seq + 1) * batch_size]
+    return plan[seq * batch_size : (seq + 1) * batch_size]
 
 
 def sample_rng(seed: int, epoch: int, index: int) -> np.random.Generator:

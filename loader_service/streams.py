@@ -33,6 +33,7 @@ import numpy as np
 import numpy.typing as npt
 
 from loader_service.feeds import Feed
+from loader_service.sampler import batch_of
 from loader_service.sessions import Session
 from loader_service.warm import WarmCache
 
@@ -247,8 +248,7 @@ class Stream:
         seq = self.next_produce
         self.next_produce += 1
         self.filling += 1
-        size = self.feed.config.batch_size
-        return self.gen, seq, self.plan[seq * size : (seq + 1) * size]
+        return self.gen, seq, batch_of(self.plan, seq, self.feed.config.batch_size)
 
     def filled(self, gen: int, seq: int, slot: int, count: int) -> bool:
         """Record a decoded batch; False if its plan was abandoned meanwhile (free the slot)."""

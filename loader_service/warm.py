@@ -23,6 +23,7 @@ import numpy as np
 import numpy.typing as npt
 
 from loader_service.feeds import Feed
+from loader_service.sampler import batch_of
 
 log = logging.getLogger(__name__)
 WARM_BATCHES = 2
@@ -52,6 +53,7 @@ class WarmCache:
         self.filling = 0
         self.ready: dict[int, tuple[int, int]] = {}
         """seq -> (slot, count) of decoded batches waiting for a taker."""
+        self._plan: npt.NDArray[np.int64] | None = None
         self.retarget(plan)
 
     def retarget(self, plan: tuple[int, int, int, str]) -> list[int]:
@@ -59,10 +61,10 @@ class WarmCache:
 
         The generation only grows, so a late batch of any earlier plan is never taken for this one.
         """
-        epoch, rank, world_size, remainder = plan
+        epoch, _rank, world_size, remainder = plan
         self.plan_key = plan
         self.epoch = epoch
-        self._plan = self.feed.plan(epoch, rank, world_size, remainder)
+        self._plan = None  # computed when the first batch is decoded: most plans never are
         self._end = min(self._limit, self.feed.shard_batches(world_size, remainder))
         return self.drop()
 
@@ -74,11 +76,12 @@ class WarmCache:
         return self.next_produce < self._end
 
     def plan_batch(self) -> tuple[int, int, npt.NDArray[np.int64]]:
+        if self._plan is None:
+            self._plan = self.feed.plan(*self.plan_key)
         seq = self.next_produce
         self.next_produce += 1
         self.filling += 1
-        size = self.feed.config.batch_size
-        return self.gen, seq, self._plan[seq * size : (seq + 1) * size]
+        return self.gen, seq, batch_of(self._plan, seq, self.feed.config.batch_size)
 
     def filled(self, gen: int, seq: int, slot: int, count: int) -> bool:
         """Keep a decoded batch; False if the cache was emptied meanwhile (free the slot)."""

@@ -4,7 +4,7 @@ import numpy as np
 import pytest
 
 from loader_service.sampler import (
-    batch_indices,
+    batch_of,
     batches_per_epoch,
     epoch_permutation,
     sample_rng,
@@ -25,11 +25,12 @@ def test_permutation_is_a_pure_function_of_seed_and_epoch() -> None:
 def test_batches_cover_the_epoch_once_with_a_short_last_batch() -> None:
     n, b = 103, 10
     assert batches_per_epoch(n, b) == 11
-    parts = [batch_indices(5, 3, n, b, s) for s in range(11)]
+    plan = epoch_permutation(5, 3, n)
+    parts = [batch_of(plan, s, b) for s in range(11)]
     assert [len(p) for p in parts] == [10] * 10 + [3]
     assert sorted(np.concatenate(parts).tolist()) == list(range(n))
     with pytest.raises(ValueError):
-        batch_indices(5, 3, n, b, 11)
+        batch_of(plan, 11, b)
 
 
 def test_sample_randomness_depends_on_sample_not_order() -> None:
