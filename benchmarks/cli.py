@@ -27,6 +27,7 @@ from benchmarks.progress import say
 from benchmarks.report import format_table, markdown, to_json
 from benchmarks.results import BenchResults, evaluate_targets
 from benchmarks.service_process import BenchError
+from loader_service.transforms import DECODERS
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -38,6 +39,11 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument("--images", type=int, help="size of the generated dataset (default 2560; --quick 1024)")
     p.add_argument("--workers", type=int, help="CPU processes for every contender (default 2)")
+    p.add_argument(
+        "--decoder",
+        choices=DECODERS,
+        help="the service's JPEG decoding (default auto: the region decoder where it is built)",
+    )
     p.add_argument(
         "--scenarios",
         type=parse_scenarios,
@@ -66,7 +72,10 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def config_from(args: argparse.Namespace) -> BenchConfig:
-    keys = ("data", "cache", "images", "workers", "scenarios", "json_path", "plot_path", "markdown_path")
+    keys = (
+        "data", "cache", "images", "workers", "decoder", "scenarios", "json_path", "plot_path",
+        "markdown_path",
+    )  # fmt: skip
     cfg = make_config(args.quick, **{k: getattr(args, k) for k in keys})
     return replace(cfg, plot_path=None) if args.no_plot else cfg
 
@@ -83,6 +92,8 @@ def command_line(cfg: BenchConfig) -> str:
         parts.append(f"--images {cfg.images}")
     if cfg.workers != preset.workers:
         parts.append(f"--workers {cfg.workers}")
+    if cfg.decoder != preset.decoder:
+        parts.append(f"--decoder {cfg.decoder}")
     if cfg.scenarios != preset.scenarios:
         parts.append(f"--scenarios {','.join(cfg.scenarios)}")
     return " ".join(parts)

@@ -11,6 +11,8 @@ import math
 from dataclasses import dataclass, replace
 from pathlib import Path
 
+from loader_service.transforms import DECODERS, roi_decoder_version
+
 SCENARIOS = ("a", "b", "c", "d", "e", "f", "g")
 SCENARIO_TITLES = {
     "a": "steady-state throughput of one trainer",
@@ -44,6 +46,8 @@ class BenchConfig:
     batch_size: int = 64
     image_size: int = 224
     seed: int = 0
+    decoder: str = "auto"
+    """The service's ``--decoder``; the decode limit runs the same per-sample work."""
     scenarios: tuple[str, ...] = SCENARIOS
     quick: bool = False
     rounds: int = 5
@@ -72,6 +76,11 @@ class BenchConfig:
     markdown_path: Path | None = None
 
     @property
+    def roi(self) -> bool:
+        """Whether the service (and so the decode limit) decodes train crops with the region decoder."""
+        return self.decoder != "opencv" and roi_decoder_version() is not None
+
+    @property
     def per_class(self) -> int:
         return math.ceil(self.images / CLASSES)
 
@@ -86,6 +95,11 @@ class BenchConfig:
         _check(bool(self.scenarios), "--scenarios selects nothing")
         unknown = sorted(set(self.scenarios) - set(SCENARIOS))
         _check(not unknown, f"unknown scenarios {','.join(unknown)} (choose from {','.join(SCENARIOS)})")
+        _check(self.decoder in DECODERS, f"--decoder must be one of {', '.join(DECODERS)}")
+        _check(
+            self.decoder != "jpeg-roi" or roi_decoder_version() is not None,
+            "--decoder jpeg-roi: the region decoder is not built here",
+        )
         _check(self.data is None or self.data.is_dir(), f"--data {self.data} is not a directory")
         for name in ("rounds", "timed_batches", "trainers", "trainer_batches", "memory_epochs"):
             _check(getattr(self, name) >= 1, f"{name} must be at least 1")

@@ -19,7 +19,7 @@ import numpy as np
 
 from benchmarks.service_process import BenchError
 from loader_service.index import DatasetIndex
-from loader_service.transforms import decode_file, transform_into
+from loader_service.transforms import load_into
 
 
 @dataclass(frozen=True)
@@ -56,8 +56,11 @@ def _sample_rng(seed: int, epoch: int, index: int) -> np.random.Generator:
     return np.random.Generator(np.random.PCG64(np.random.SeedSequence([seed, epoch, index, 0xA06])))
 
 
-def decode_limit_stream(index: DatasetIndex, batch_size: int, image_size: int, seed: int) -> Stream:
-    """The service's per-sample work in this one process, into one reused batch buffer.
+def decode_limit_stream(
+    index: DatasetIndex, batch_size: int, image_size: int, seed: int, roi: bool
+) -> Stream:
+    """The service's per-sample work (``load_into``, with the service's decoder) in this one process,
+    into one reused batch buffer.
 
     No queues, no shared memory, no delivery: its rate times the process count is the most any
     contender with that many single-threaded processes could deliver (the decode limit).
@@ -69,9 +72,7 @@ def decode_limit_stream(index: DatasetIndex, batch_size: int, image_size: int, s
         for position, start in enumerate(range(0, len(order), batch_size)):
             chunk = order[start : start + batch_size].tolist()
             for row, idx in enumerate(chunk):
-                transform_into(
-                    decode_file(str(index.path(idx))), out[row], "train", _sample_rng(seed, epoch, idx)
-                )
+                load_into(str(index.path(idx)), out[row], "train", _sample_rng(seed, epoch, idx), roi)
             yield Tick(epoch, position, len(chunk))
 
 

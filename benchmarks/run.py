@@ -45,6 +45,7 @@ from benchmarks.service_process import ServiceProcess, ServiceSpec, running_serv
 from benchmarks.stats import rate
 from benchmarks.trainers import TrainerConfig, measure_trainers
 from gpu_worker import ServiceLoader
+from loader_service.transforms import describe_decoder
 
 SERVICE_CREDITS = 6
 """ServiceLoader's default: also how many batches may wait for it after it idled."""
@@ -81,6 +82,7 @@ class BenchRun:
             batch_size,
             cfg.image_size,
             seed=cfg.seed,
+            extra_args=("--decoder", cfg.decoder),
         )
         say(f"starting service {name}: {cfg.workers} workers, batch {batch_size}")
         service = stack.enter_context(running_service(spec, self.run_dir / f"{name}.log"))
@@ -113,7 +115,11 @@ class BenchRun:
     def decode_limit_contender(self) -> Contender:
         cfg = self.cfg
         stream = decode_limit_stream(
-            OpenCVCrops(self.data.root, cfg.image_size).index, cfg.batch_size, cfg.image_size, cfg.seed
+            OpenCVCrops(self.data.root, cfg.image_size).index,
+            cfg.batch_size,
+            cfg.image_size,
+            cfg.seed,
+            cfg.roi,
         )
         return Contender(DECODE_LIMIT, stream, backlog=0, warmup=1, scale=cfg.workers)
 
@@ -282,6 +288,7 @@ def settings(cfg: BenchConfig, data: DataSpec) -> dict[str, Any]:
     values["scenarios"] = "".join(cfg.scenarios)
     values["cost_batch_sizes"] = list(cfg.cost_batch_sizes)
     values["data"] = data.public()
+    values["decoder_used"] = describe_decoder(cfg.decoder)
     return values
 
 

@@ -12,6 +12,7 @@ from pathlib import Path
 from loader_service.config import AUGMENTS, ConfigError, load_config
 from loader_service.index import DatasetError, build_index
 from loader_service.logs import configure_logging
+from loader_service.transforms import DECODERS
 
 log = logging.getLogger("loader_service")
 
@@ -36,6 +37,11 @@ def _add_serve(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
     )
     p.add_argument("--strict", action="store_const", const=True, help="stop at the first undecodable file")
     p.add_argument("--max-pixels", type=int, help="refuse images claiming more pixels (default 89478485)")
+    p.add_argument(
+        "--decoder",
+        choices=DECODERS,
+        help="train-transform JPEG decoding: auto (region decoder if built), opencv, jpeg-roi",
+    )
     p.add_argument("--group", help="unix group whose members may attach (segments and socket 0660)")
     p.add_argument(
         "--metrics-port", type=int, help="serve Prometheus metrics on this port (needs prometheus_client)"
@@ -65,6 +71,7 @@ def _cmd_serve(args: argparse.Namespace) -> int:
         "task_timeout",
         "strict",
         "max_pixels",
+        "decoder",
         "group",
         "metrics_port",
         "metrics_addr",

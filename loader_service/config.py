@@ -13,6 +13,8 @@ from dataclasses import asdict, dataclass, fields, replace
 from pathlib import Path
 from typing import Any
 
+from loader_service.transforms import DECODERS, roi_decoder_version
+
 if sys.version_info >= (3, 11):
     import tomllib
 else:  # pragma: no cover
@@ -63,6 +65,9 @@ class ServiceConfig:
     """Seconds one batch may take a worker before it is killed and the batch redone (hung I/O)."""
     lag_timeout: float = 30.0
     """Seconds a broadcast group may be held up by one member before that member is evicted."""
+    decoder: str = "auto"
+    """JPEG decoding for the train transform: ``auto`` (the region decoder when it is built),
+    ``opencv`` (always a full decode) or ``jpeg-roi`` (refuse to start without the region decoder)."""
     extra_feeds: tuple[FeedConfig, ...] = ()
     """Further feeds from ``[feeds.NAME]`` tables of the config file."""
 
@@ -97,6 +102,12 @@ class ServiceConfig:
         _check(self.lag_timeout > 0, "lag_timeout must be positive")
         _check(self.task_timeout > 0, "task_timeout must be positive")
         _check(10_000 <= self.max_pixels <= 2**40, "max_pixels must be between 10000 and 2**40")
+        _check(self.decoder in DECODERS, f"decoder must be one of {', '.join(DECODERS)}")
+        _check(
+            self.decoder != "jpeg-roi" or roi_decoder_version() is not None,
+            "decoder jpeg-roi: the region decoder (loader_service._jpegcrop) is not built; install "
+            "libjpeg-turbo's headers (Debian: libjpeg-dev) and reinstall dataferry, or use auto",
+        )
         _check(0 <= self.metrics_port <= 65535, "metrics_port must be a TCP port (0: off)")
         names = [f.name for f in self.extra_feeds]
         _check(len(set(names)) == len(names) and self.feed not in names, "feed names must be unique")
@@ -106,6 +117,11 @@ class ServiceConfig:
             log_level=self.log_level.upper(),
             extra_feeds=tuple(f.validated() for f in self.extra_feeds),
         )
+
+    @property
+    def roi(self) -> bool:
+        """Whether decode workers use the region decoder."""
+        return self.decoder != "opencv" and roi_decoder_version() is not None
 
     def summary(self) -> str:
         return " ".join(f"{k}={v}" for k, v in asdict(self).items()) + f" pool_slots={self.pool_slots}"

@@ -49,6 +49,7 @@ from loader_service.sessions import Session
 from loader_service.shm import LOCK_NAME, SHM_DIR, hold_lock, remove_stale, restrict
 from loader_service.slots import SlotState
 from loader_service.streams import Member, StartRefused, Stream
+from loader_service.transforms import describe_decoder
 from loader_service.warm import WarmCache
 from loader_service.worker import WorkerConfig
 from loader_service.workers import WorkerSet
@@ -170,6 +171,7 @@ class LoaderService:
         # Read by OpenCV when a worker imports it: refuse decompression bombs before allocating.
         os.environ["OPENCV_IO_MAX_IMAGE_PIXELS"] = str(cfg.max_pixels)
         self._workers = WorkerSet(self._worker_template(backend_endpoint), cfg.workers)
+        log.info("decoder: %s", describe_decoder(cfg.decoder))
         self._warm = {feed.id: WarmCache(feed) for feed in self.feeds}
         if cfg.metrics_port:
             self._metrics = ServiceMetrics()
@@ -211,6 +213,7 @@ class LoaderService:
             backend=backend,
             feeds=tuple(feed.worker_feed() for feed in self.feeds),
             log_level=self.config.log_level,
+            roi=self.config.roi,
         )
 
     def shutdown(self) -> None:

@@ -24,7 +24,7 @@ from loader_service.index import DatasetIndex
 from loader_service.logs import configure_logging
 from loader_service.sampler import sample_rng
 from loader_service.shm import Segment
-from loader_service.transforms import DecodeError, decode_file, transform_into
+from loader_service.transforms import DecodeError, load_into
 from protocol.layout import SlotLayout
 from protocol.messages import MAX_BAD_REPORTS, StopWorker, Task, TaskDone, WorkerReady, decode, encode
 
@@ -56,6 +56,8 @@ class WorkerConfig:
     backend: str
     feeds: tuple[WorkerFeed, ...]
     log_level: str
+    roi: bool = False
+    """Decode train crops with the region decoder (``transforms.load_into``)."""
 
 
 @dataclass
@@ -82,7 +84,7 @@ def slot_views(segment: Segment, layout: SlotLayout, slot: int, slots: int) -> S
     )
 
 
-def fill_slot(worker: int, feed: OpenFeed, task: Task) -> TaskDone:
+def fill_slot(worker: int, feed: OpenFeed, task: Task, roi: bool) -> TaskDone:
     """Decode ``task``'s samples into consecutive rows, skipping (and reporting) bad files."""
     spec, index = feed.spec, feed.index
     views = slot_views(feed.segment, spec.layout, task.slot, spec.slots)
@@ -93,8 +95,8 @@ def fill_slot(worker: int, feed: OpenFeed, task: Task) -> TaskDone:
             bad.append((idx, "index outside dataset"))
             continue
         try:
-            image = decode_file(str(index.path(idx)))
-            transform_into(image, views.images[row], spec.augment, sample_rng(spec.seed, task.epoch, idx))
+            rng = sample_rng(spec.seed, task.epoch, idx)
+            load_into(str(index.path(idx)), views.images[row], spec.augment, rng, roi)
         except DecodeError as exc:
             bad.append((idx, str(exc)))
             continue
@@ -158,4 +160,4 @@ def _serve(cfg: WorkerConfig, feeds: list[OpenFeed], sock: zmq.Socket[bytes]) ->
         if not 0 <= msg.feed < len(feeds):
             log.error("task %d names feed %d of %d; ignored", msg.task, msg.feed, len(feeds))
             continue
-        sock.send(encode(fill_slot(cfg.worker, feeds[msg.feed], msg)))
+        sock.send(encode(fill_slot(cfg.worker, feeds[msg.feed], msg, cfg.roi)))
