@@ -607,14 +607,15 @@ class LoaderService:
             target = self._warm.get(record.feed)
         elif lane == "ahead":
             target = None if stream is None else stream.ahead
+        # A cache's batch may have been handed to a stream while decoding (NOTE [ Warm start ]).
+        receiver = target.forward_target(record.gen) if isinstance(target, WarmCache) else stream
         if target is None or not target.filled(record.gen, record.seq, record.slot, count):
             feed.pool.release(record.slot)  # its plan was abandoned while the slot was filling
             return
         feed.counters.batches += 1
         feed.pool.filled(record.slot)
-        if lane in {"shard", "broadcast"}:
-            assert stream is not None
-            self._deliver(stream)
+        if isinstance(receiver, Stream):
+            self._deliver(receiver)
 
     def _reap_workers(self) -> None:
         assert self._workers is not None

@@ -35,7 +35,7 @@ import numpy.typing as npt
 from loader_service.feeds import Feed
 from loader_service.sampler import batch_of
 from loader_service.sessions import Session
-from loader_service.warm import WarmCache
+from loader_service.warm import Handover, WarmCache
 
 BatchKey = tuple[int, int]
 log = logging.getLogger(__name__)
@@ -153,22 +153,22 @@ class Stream:
 
     def _start_shard(self, member: Member, epoch: int, position: int, warm: WarmCache | None) -> list[int]:
         """(Re)start the plan; take batches decoded early (ahead, or warm) if they are its first ones."""
-        taken: list[tuple[int, int, int]] = []
-        freed: list[int] = []
         plan = (epoch, self.rank, self.world_size, self.remainder)
         cache = next((c for c in (self.ahead, warm) if c is not None and c.serves(*plan, position)), None)
-        if cache is not None:
-            taken, freed = cache.take()
+        handover = cache.take() if cache is not None else None
+        freed = self._begin(epoch, position)
+        self._activate(member, position)
+        if cache is not None and handover is not None:
+            self.adopt(handover)
+            cache.forward(handover, self)
             log.debug(
-                "%s took %d batches of epoch %d from the %s cache",
+                "%s took %d batches of epoch %d from the %s cache, %d of them still decoding",
                 self.key[1],
-                len(taken),
+                len(handover.ready) + len(handover.filling),
                 epoch,
                 cache.key[0],
+                len(handover.filling),
             )
-        freed += self._begin(epoch, position)
-        self._activate(member, position)
-        self.adopt(taken)
         following = (epoch + 1, self.rank, self.world_size, self.remainder)
         if self.ahead is None:
             self.ahead = WarmCache(self.feed, self.window, following, ("ahead", *self.key))
@@ -261,12 +261,14 @@ class Stream:
         self.batches[(gen, seq)] = SharedBatch(slot, count, active)
         return True
 
-    def adopt(self, batches: list[tuple[int, int, int]]) -> None:
-        """Take decoded batches (seq, slot, count) of this plan from the warm cache (NOTE [ Warm start ])."""
+    def adopt(self, handover: Handover) -> None:
+        """Take a cache's batches of this plan, decoded and in flight (NOTE [ Warm start ])."""
         active = {sid for sid, m in self.members.items() if m.active}
-        for seq, slot, count in batches:
+        for seq, slot, count in handover.ready:
             self.batches[(self.gen, seq)] = SharedBatch(slot, count, set(active))
-        self.next_produce = max(self.next_produce, len(batches))
+        self.filling += len(handover.filling)
+        planned = [seq for seq, _slot, _count in handover.ready] + handover.filling
+        self.next_produce = max(self.next_produce, max(planned, default=-1) + 1)
 
     # --- delivery -------------------------------------------------------------------------------
 

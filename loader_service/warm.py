@@ -13,11 +13,17 @@ NOTE [ Warm start ]
     The same mechanism keeps a shard trainer fed across epoch boundaries: once its stream has decoded
     the whole epoch and has credit left, it decodes the first batches of the next epoch ahead, and a
     start of exactly that epoch at position 0 takes them. Any other start drops them.
+    A start takes the batches still being decoded too (``take``): their tasks keep the cache's lane
+    and old generation, and the cache forwards their completions to the stream that took them
+    (``forward``), which counts them as filling. Dropping them instead would throw away work at
+    every epoch boundary, just when the trainer is about to wait for exactly those batches.
 """
 
 from __future__ import annotations
 
 import logging
+from dataclasses import dataclass, field
+from typing import Protocol
 
 import numpy as np
 import numpy.typing as npt
@@ -29,6 +35,33 @@ log = logging.getLogger(__name__)
 WARM_BATCHES = 2
 WARM_PLAN = (0, 0, 1, "pad")
 """(epoch, rank, world_size, remainder) of the plan kept warm."""
+
+
+class Filler(Protocol):
+    """What takes over a cache's batches: a shard ``Stream``."""
+
+    gen: int
+
+    def filled(self, gen: int, seq: int, slot: int, count: int) -> bool: ...
+
+
+@dataclass
+class Handover:
+    """What a start takes from a cache: decoded batches and the ones still being decoded."""
+
+    gen: int
+    """The cache's generation the in-flight tasks were planned under."""
+    ready: list[tuple[int, int, int]] = field(default_factory=list)
+    """(seq, slot, count)"""
+    filling: list[int] = field(default_factory=list)
+    """seqs whose tasks have not reported yet"""
+
+
+@dataclass
+class _Forward:
+    target: Filler
+    target_gen: int
+    remaining: int
 
 
 class WarmCache:
@@ -53,6 +86,8 @@ class WarmCache:
         self.filling = 0
         self.ready: dict[int, tuple[int, int]] = {}
         """seq -> (slot, count) of decoded batches waiting for a taker."""
+        self._forwards: dict[int, _Forward] = {}
+        """Old generation -> the stream its in-flight batches were handed to."""
         self._plan: npt.NDArray[np.int64] | None = None
         self.retarget(plan)
 
@@ -84,9 +119,9 @@ class WarmCache:
         return self.gen, seq, batch_of(self._plan, seq, self.feed.config.batch_size)
 
     def filled(self, gen: int, seq: int, slot: int, count: int) -> bool:
-        """Keep a decoded batch; False if the cache was emptied meanwhile (free the slot)."""
+        """Keep (or forward) a decoded batch; False if nobody wants it any more (free the slot)."""
         if gen != self.gen:
-            return False
+            return self._forward_filled(gen, seq, slot, count)
         self.filling -= 1
         self.ready[seq] = (slot, count)
         log.debug(
@@ -98,14 +133,35 @@ class WarmCache:
         )
         return True
 
-    def take(self) -> tuple[list[tuple[int, int, int]], list[int]]:
-        """The ready prefix (seq, slot, count) from batch 0, and the slots of the rest to free."""
-        taken: list[tuple[int, int, int]] = []
-        while len(taken) in self.ready:
-            seq = len(taken)
-            slot, count = self.ready.pop(seq)
-            taken.append((seq, slot, count))
-        return taken, self.drop()
+    def take(self) -> Handover:
+        """Everything planned so far: decoded batches and in-flight seqs; the cache is then empty.
+
+        The taker must call ``forward`` with itself, once its own generation is set.
+        """
+        handover = Handover(self.gen, sorted((seq, *v) for seq, v in self.ready.items()))
+        handover.filling = [seq for seq in range(self.next_produce) if seq not in self.ready]
+        self.ready.clear()
+        self.drop()
+        return handover
+
+    def forward(self, handover: Handover, target: Filler) -> None:
+        """Route the handed-over in-flight batches' completions to ``target`` (at its current gen)."""
+        if handover.filling:
+            self._forwards[handover.gen] = _Forward(target, target.gen, len(handover.filling))
+
+    def forward_target(self, gen: int) -> Filler | None:
+        """Who gets a completion of generation ``gen``: None for this cache itself or nobody."""
+        forward = self._forwards.get(gen) if gen != self.gen else None
+        return None if forward is None else forward.target
+
+    def _forward_filled(self, gen: int, seq: int, slot: int, count: int) -> bool:
+        forward = self._forwards.get(gen)
+        if forward is None:
+            return False
+        forward.remaining -= 1
+        if forward.remaining <= 0:
+            del self._forwards[gen]
+        return forward.target.filled(forward.target_gen, seq, slot, count)
 
     def drop(self) -> list[int]:
         """Empty the cache; batches still being decoded are freed when they report (new generation)."""

@@ -16,10 +16,11 @@ from protocol.messages import Hello
 
 @dataclass
 class FeedStub:
-    """The three things a Stream asks of its feed."""
+    """What a Stream (and its ahead cache) asks of its feed."""
 
     batch_size: int = 4
     samples: int = 10
+    name: str = "stub"
 
     @property
     def config(self) -> Any:
@@ -111,3 +112,43 @@ def test_members_resuming_at_different_positions_each_get_their_own_rest() -> No
     assert [k for k, _ in stream.deliverable(stream.members["a"])] == [(first[0], 1)]
     assert list(stream.deliverable(stream.members["b"])) == [], "b had seen batch 1 already"
     assert stream.release("a", (first[0], 1)) == 0
+
+
+def test_next_epoch_takes_the_batches_decoded_ahead_and_those_still_decoding() -> None:
+    # 10 samples in batches of 4: 3 batches an epoch; the trainer has 3 credits.
+    stream = Stream(("shard", "a"), cast(Feed, FeedStub()), session("a", mode="shard"))
+    stream.add(session("a", mode="shard"))
+    stream.on_start("a", 0, 0)
+    for slot in range(3):
+        gen, seq, _ = stream.plan_batch()
+        assert stream.filled(gen, seq, slot=slot, count=4)
+    for key, _batch in list(stream.deliverable(stream.members["a"])):
+        stream.release("a", key)  # the trainer consumed epoch 0; slots 0-2 are free again
+    ahead = stream.ahead
+    assert ahead is not None and stream.wants_ahead()
+    first, second = ahead.plan_batch(), ahead.plan_batch()
+    assert ahead.filled(first[0], first[1], slot=5, count=4)  # the second is still decoding
+
+    assert stream.on_start("a", 1, 0) == [], "nothing decoded ahead is thrown away"
+    assert stream.next_produce == 2 and stream.filling == 1, "neither batch is decoded again"
+    assert ahead.filled(second[0], second[1], slot=6, count=4), "its completion reaches the stream"
+    assert stream.filling == 0
+    delivered = [(key[1], batch.slot) for key, batch in stream.deliverable(stream.members["a"])]
+    assert delivered == [(0, 5), (1, 6)]
+
+
+def test_a_handed_over_batch_finishing_after_another_restart_is_refused() -> None:
+    stream = Stream(("shard", "a"), cast(Feed, FeedStub()), session("a", mode="shard"))
+    stream.add(session("a", mode="shard"))
+    stream.on_start("a", 0, 0)
+    for slot in range(3):
+        gen, seq, _ = stream.plan_batch()
+        stream.filled(gen, seq, slot=slot, count=4)
+    for key, _batch in list(stream.deliverable(stream.members["a"])):
+        stream.release("a", key)
+    ahead = stream.ahead
+    assert ahead is not None
+    late = ahead.plan_batch()
+    stream.on_start("a", 1, 0)
+    stream.on_start("a", 5, 0)  # the trainer jumps elsewhere before the batch is done
+    assert not ahead.filled(late[0], late[1], slot=7, count=4), "its slot is freed, not delivered"
