@@ -130,7 +130,7 @@ def markdown(results: BenchResults, checks: Sequence[Check], command: str) -> st
         f"{data.get('classes', '?')} classes, mean {_shape(data)}{data.get('mean_kib', 0):.0f} KiB. "
         "Every contender: decode, RandomResizedCrop "
         f"{s.get('image_size')} + flip, CHW uint8, batches of {s.get('batch_size')}, "
-        f"{s.get('workers')} CPU processes.",
+        f"{s.get('workers')} CPU processes. dataferry's decoder: {s.get('decoder_used', '?')}.",
         "",
         "| machine | |",
         "| --- | --- |",
