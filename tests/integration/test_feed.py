@@ -14,7 +14,7 @@ import torch
 
 from gpu_worker import ServiceError, ServiceLoader, ServiceTimeout
 from loader_service.index import build_index
-from loader_service.transforms import eval_geometry
+from loader_service.transforms import eval_geometry, roi_decoder_version
 from tests.conftest import ServiceFactory, our_segments
 from tests.integration.test_trainers import status
 
@@ -72,6 +72,37 @@ def test_same_seed_gives_same_batches_whichever_worker_decodes(
     other = start_service(photos, seed=12, name="c")
     with ServiceLoader(other.endpoint, timeout=30) as loader:
         assert collect_epoch(loader) != runs[0][0]
+
+
+def epoch_pixels(loader: ServiceLoader) -> dict[int, np.ndarray]:
+    return {
+        idx: batch.images[row].numpy().copy()
+        for batch in loader
+        for row, idx in enumerate(batch.indices.tolist())
+    }
+
+
+@pytest.mark.skipif(roi_decoder_version() is None, reason="the region decoder is not built here")
+def test_region_decoder_gives_the_pixels_of_a_full_decode(
+    photos: Path, start_service: ServiceFactory
+) -> None:
+    # At 96 px a crop is decoded at reduced scale only when 576 px or more on both sides, which few
+    # crops of these ~500x400 photos are: every other sample must have exactly the full decode's
+    # pixels, and the scaled ones nearly.
+    runs = {}
+    for decoder in ("jpeg-roi", "opencv"):
+        service = start_service(photos, decoder=decoder, image_size=96, seed=3, name=decoder)
+        service.wait_for(rf"decoder: {decoder} \(", 10)
+        with ServiceLoader(service.endpoint, timeout=30) as loader:
+            runs[decoder] = epoch_pixels(loader)
+        assert service.stop() == 0
+    assert runs["jpeg-roi"].keys() == runs["opencv"].keys() == set(range(len(build_index(photos))))
+    exact = 0
+    for idx, pixels in runs["opencv"].items():
+        difference = np.abs(runs["jpeg-roi"][idx].astype(int) - pixels).mean()
+        exact += difference == 0
+        assert difference < 5, f"sample {idx}"
+    assert exact >= 0.9 * len(runs["opencv"])
 
 
 def reference_eval(path: Path, size: int) -> np.ndarray:
