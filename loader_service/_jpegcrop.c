@@ -25,10 +25,14 @@
 #include <Python.h>
 
 #include <setjmp.h>
+#include <stdint.h>
 #include <stdio.h>
 #include <string.h>
 
 #include <jpeglib.h>
+
+/* The caller's pixel limit normally applies first; this only keeps the function safe on its own. */
+#define MAX_REGION_BYTES ((uint64_t)1 << 31)
 
 struct error_mgr {
     struct jpeg_error_mgr pub;
@@ -55,7 +59,7 @@ static int exif_orientation(const JOCTET *p, unsigned int n)
     if (n < 14 || memcmp(p, "Exif\0\0", 6) != 0)
         return 1;
     const JOCTET *t = p + 6;
-    unsigned int len = n - 6;
+    uint64_t len = n - 6;
     int little;
     if (t[0] == 'I' && t[1] == 'I')
         little = 1;
@@ -64,14 +68,14 @@ static int exif_orientation(const JOCTET *p, unsigned int n)
     else
         return 1;
 #define U16(q) (little ? (unsigned int)((q)[0] | ((q)[1] << 8)) : (unsigned int)(((q)[0] << 8) | (q)[1]))
-#define U32(q) (little ? ((unsigned long)(q)[0] | ((unsigned long)(q)[1] << 8) | ((unsigned long)(q)[2] << 16) | ((unsigned long)(q)[3] << 24)) \
-                       : (((unsigned long)(q)[0] << 24) | ((unsigned long)(q)[1] << 16) | ((unsigned long)(q)[2] << 8) | (unsigned long)(q)[3]))
-    unsigned long ifd = U32(t + 4);
+#define U32(q) (little ? ((uint64_t)(q)[0] | ((uint64_t)(q)[1] << 8) | ((uint64_t)(q)[2] << 16) | ((uint64_t)(q)[3] << 24)) \
+                       : (((uint64_t)(q)[0] << 24) | ((uint64_t)(q)[1] << 16) | ((uint64_t)(q)[2] << 8) | (uint64_t)(q)[3]))
+    uint64_t ifd = U32(t + 4);
     if (ifd + 2 > len)
         return 1;
     unsigned int entries = U16(t + ifd);
     for (unsigned int i = 0; i < entries; i++) {
-        unsigned long at = ifd + 2 + 12ul * i;
+        uint64_t at = ifd + 2 + 12u * (uint64_t)i;
         if (at + 12 > len)
             return 1;
         if (U16(t + at) == 0x0112) {
@@ -124,12 +128,12 @@ static PyObject *header(PyObject *self, PyObject *args)
         return fail(&s);
     }
     begin(&s, &data, 1);
+    /* OpenCV looks at every APP1 (XMP may come first, or a second EXIF block may carry the tag):
+     * any rotation anywhere sends the file to OpenCV. */
     int orientation = 1;
-    for (jpeg_saved_marker_ptr m = s.cinfo.marker_list; m != NULL; m = m->next) {
-        if (m->marker == JPEG_APP0 + 1) {
+    for (jpeg_saved_marker_ptr m = s.cinfo.marker_list; m != NULL && orientation == 1; m = m->next) {
+        if (m->marker == JPEG_APP0 + 1)
             orientation = exif_orientation(m->data, m->data_length);
-            break;
-        }
     }
     /* Only YCbCr and greyscale (and plain RGB) convert to BGR in libjpeg-turbo; CMYK/YCCK do not. */
     J_COLOR_SPACE cs = s.cinfo.jpeg_color_space;
@@ -146,14 +150,25 @@ static PyObject *decode(PyObject *self, PyObject *args)
 {
     (void)self;
     Py_buffer data;
-    unsigned int top, left, height, width, num;
-    if (!PyArg_ParseTuple(args, "y*IIIII:decode", &data, &top, &left, &height, &width, &num))
+    Py_ssize_t args_in[5];
+    if (!PyArg_ParseTuple(args, "y*nnnnn:decode", &data, &args_in[0], &args_in[1], &args_in[2],
+                          &args_in[3], &args_in[4]))
         return NULL;
-    if (num < 1 || num > 8) {
+    for (int i = 0; i < 4; i++) {
+        if (args_in[i] < 0 || args_in[i] > JPEG_MAX_DIMENSION) {
+            PyBuffer_Release(&data);
+            PyErr_SetString(PyExc_ValueError, "region outside the image");
+            return NULL;
+        }
+    }
+    if (args_in[4] < 1 || args_in[4] > 8) {
         PyBuffer_Release(&data);
         PyErr_SetString(PyExc_ValueError, "scale must be 1/8 to 8/8");
         return NULL;
     }
+    const unsigned int top = (unsigned int)args_in[0], left = (unsigned int)args_in[1];
+    const unsigned int height = (unsigned int)args_in[2], width = (unsigned int)args_in[3];
+    const unsigned int num = (unsigned int)args_in[4];
     struct session s;
     memset(&s, 0, sizeof s);
     PyObject *volatile out = NULL;
@@ -163,8 +178,8 @@ static PyObject *decode(PyObject *self, PyObject *args)
         return fail(&s);
     }
     begin(&s, &data, 0);
-    if (height == 0 || width == 0 || (unsigned long)top + height > s.cinfo.image_height ||
-        (unsigned long)left + width > s.cinfo.image_width) {
+    if (height == 0 || width == 0 || (uint64_t)top + height > s.cinfo.image_height ||
+        (uint64_t)left + width > s.cinfo.image_width) {
         jpeg_destroy_decompress(&s.cinfo);
         PyBuffer_Release(&data);
         PyErr_SetString(PyExc_ValueError, "region outside the image");
@@ -178,10 +193,10 @@ static PyObject *decode(PyObject *self, PyObject *args)
     jpeg_start_decompress(&s.cinfo);
 
     /* The region in output (scaled) pixels: floor of its start, ceiling of its end. */
-    JDIMENSION y0 = (JDIMENSION)((unsigned long)top * num / 8);
-    JDIMENSION x0 = (JDIMENSION)((unsigned long)left * num / 8);
-    JDIMENSION y1 = (JDIMENSION)(((unsigned long)(top + height) * num + 7) / 8);
-    JDIMENSION x1 = (JDIMENSION)(((unsigned long)(left + width) * num + 7) / 8);
+    JDIMENSION y0 = (JDIMENSION)((uint64_t)top * num / 8);
+    JDIMENSION x0 = (JDIMENSION)((uint64_t)left * num / 8);
+    JDIMENSION y1 = (JDIMENSION)((((uint64_t)top + height) * num + 7) / 8);
+    JDIMENSION x1 = (JDIMENSION)((((uint64_t)left + width) * num + 7) / 8);
     if (y1 > s.cinfo.output_height)
         y1 = s.cinfo.output_height;
     if (x1 > s.cinfo.output_width)
@@ -189,7 +204,13 @@ static PyObject *decode(PyObject *self, PyObject *args)
     /* A cropped row ends like an image edge, so fancy upsampling would replicate chroma there
      * instead of interpolating; asking for two more columns on the right and one on the left gives
      * the region's own edge columns their neighbours, and so OpenCV's pixels. */
-    JDIMENSION xoff = x0 > 0 ? x0 - 1 : 0;
+    JDIMENSION pad = 1;
+    if (s.cinfo.progressive_mode) {
+        /* Block smoothing (progressive files with missing coefficients) reads neighbouring
+         * blocks, and a cropped row's left edge looks like the image edge to it. */
+        pad += 2u * (JDIMENSION)(s.cinfo.max_h_samp_factor * s.cinfo.min_DCT_scaled_size);
+    }
+    JDIMENSION xoff = x0 > pad ? x0 - pad : 0;
     JDIMENSION xend = x1 + 2 < s.cinfo.output_width ? x1 + 2 : s.cinfo.output_width;
     JDIMENSION cols = xend - xoff;
     if (cols < s.cinfo.output_width)
@@ -199,6 +220,12 @@ static PyObject *decode(PyObject *self, PyObject *args)
     JDIMENSION rows = y1 - y0;
     /* jpeg_crop_scanline has narrowed output_width to the widened region. */
     size_t row_bytes = (size_t)s.cinfo.output_width * 3;
+    if ((uint64_t)row_bytes * rows > MAX_REGION_BYTES) {
+        jpeg_destroy_decompress(&s.cinfo);
+        PyBuffer_Release(&data);
+        PyErr_SetString(PyExc_ValueError, "region too large");
+        return NULL;
+    }
     out = PyByteArray_FromStringAndSize(NULL, (Py_ssize_t)(row_bytes * rows));
     if (out == NULL) {
         jpeg_destroy_decompress(&s.cinfo);
@@ -221,7 +248,7 @@ static PyObject *decode(PyObject *self, PyObject *args)
         }
     }
     Py_END_ALLOW_THREADS
-    if (failed) {
+    if (failed || setjmp(s.err.jump)) { /* re-armed: the last landing point was in the block */
         Py_DECREF(out);
         PyBuffer_Release(&data);
         return fail(&s);

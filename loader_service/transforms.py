@@ -37,7 +37,7 @@ except ImportError:  # built only where libjpeg-turbo's headers were found at in
 DECODERS = ("auto", "opencv", "jpeg-roi")
 """``auto``: the region decoder when it is built, else OpenCV; ``jpeg-roi`` insists on it."""
 
-_JPEG_START = b"\xff\xd8"
+_JPEG_START = b"\xff\xd8\xff"  # what OpenCV requires; libjpeg alone would skip stray bytes
 # OpenCV refuses a JPEG that ends before its EOI marker, while the region decoder may never read that
 # far; such files (and files with bytes after EOI) go to OpenCV, so both paths reject the same files.
 _JPEG_END = b"\xff\xd9"

@@ -163,6 +163,43 @@ def test_truncated_jpeg_with_an_end_marker_decodes_like_opencv() -> None:
     assert np.array_equal(region(data, Crop(0, 0, 200, 200), 8), full_decode(data))
 
 
+@needs_roi
+def test_arguments_out_of_range_are_refused_not_wrapped() -> None:
+    assert jc is not None
+    data = photo_jpeg(75, 130)
+    for args in [(2**32 + 3, 0, 5, 5, 8), (0, -1, 5, 5, 8), (0, 0, 5, 5, 2**32 + 8), (0, 0, 5, 5, 9)]:
+        with pytest.raises(ValueError):
+            jc.decode(data, *args)
+
+
+def with_xmp_first(jpeg: bytes) -> bytes:
+    """An XMP APP1 segment before the EXIF one, as some editors write them."""
+    body = b"http://ns.adobe.com/xap/1.0/\x00<x:xmpmeta/>"
+    return jpeg[:2] + b"\xff\xe1" + (len(body) + 2).to_bytes(2, "big") + body + jpeg[2:]
+
+
+@needs_roi
+def test_orientation_is_found_behind_an_xmp_block(tmp_path: Path) -> None:
+    assert jc is not None
+    data = with_xmp_first(rotated_jpeg(6))
+    assert jc.header(data)[2] == 6
+    for seed in range(5):
+        assert np.array_equal(
+            load(tmp_path, data, ".jpg", seed, roi=True), load(tmp_path, data, ".jpg", seed, roi=False)
+        )
+
+
+def test_damaged_progressive_jpegs_give_the_same_pixels_on_both_paths(tmp_path: Path) -> None:
+    # Block smoothing of missing coefficients reads neighbouring blocks left of the crop.
+    data = photo_jpeg(240, 320, seed=8, flags=JPEG_KINDS["progressive"])
+    for cut in range(len(data) // 8, len(data) - 2, len(data) // 8):
+        damaged = data[:cut] + b"\xff\xd9"
+        for seed in range(6):
+            a = load(tmp_path, damaged, ".jpg", seed, roi=True, size=224)
+            b = load(tmp_path, damaged, ".jpg", seed, roi=False, size=224)
+            assert np.array_equal(a, b), (cut, seed)
+
+
 def rotated_jpeg(orientation: int) -> bytes:
     image = Image.fromarray(render_photo(np.random.default_rng(5), 2, 160, 90)[:, :, ::-1])
     exif = Image.Exif()
@@ -240,8 +277,12 @@ def test_scaled_train_crops_are_statistically_the_full_path(tmp_path: Path) -> N
 
 @pytest.mark.parametrize(
     "data",
-    [b"\xff\xd8" + bytes(range(256)) * 4 + b"\xff\xd9", photo_jpeg(200, 300)[:6000]],
-    ids=["garbage", "truncated"],
+    [
+        b"\xff\xd8" + bytes(range(256)) * 4 + b"\xff\xd9",
+        photo_jpeg(200, 300)[:6000],
+        photo_jpeg(200, 300)[:2] + b"\x00" + photo_jpeg(200, 300)[2:],
+    ],
+    ids=["garbage", "truncated", "stray-byte-after-soi"],
 )
 def test_bad_jpegs_are_decode_errors_on_either_path(tmp_path: Path, data: bytes) -> None:
     # Truncated: OpenCV refuses it, even where the crop lies in the part that is there.
