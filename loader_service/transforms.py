@@ -208,7 +208,7 @@ def load_into(path: str, out: U8, augment: str, rng: np.random.Generator, roi: b
 
 
 def _whole_jpeg(data: bytes) -> bool:
-    return data[:2] == _JPEG_START and data[-2:] == _JPEG_END
+    return data.startswith(_JPEG_START) and data.endswith(_JPEG_END)
 
 
 def _roi_header(data: bytes) -> tuple[int, int] | None:

@@ -14,7 +14,13 @@ import torch
 
 from gpu_worker import ServiceError, ServiceLoader, ServiceTimeout
 from loader_service.index import build_index
-from loader_service.transforms import eval_geometry, roi_decoder_version
+from loader_service.sampler import sample_rng
+from loader_service.transforms import (
+    eval_geometry,
+    random_resized_crop_params,
+    roi_decoder_version,
+    roi_scale,
+)
 from tests.conftest import ServiceFactory, our_segments
 from tests.integration.test_trainers import status
 
@@ -87,8 +93,8 @@ def test_region_decoder_gives_the_pixels_of_a_full_decode(
     photos: Path, start_service: ServiceFactory
 ) -> None:
     # At 96 px a crop is decoded at reduced scale only when 576 px or more on both sides, which few
-    # crops of these ~500x400 photos are: every other sample must have exactly the full decode's
-    # pixels, and the scaled ones nearly.
+    # crops of these photos are: every other sample must have exactly the full decode's pixels, and
+    # the scaled ones nearly (and not exactly).
     runs = {}
     for decoder in ("jpeg-roi", "opencv"):
         service = start_service(photos, decoder=decoder, image_size=96, seed=3, name=decoder)
@@ -97,12 +103,15 @@ def test_region_decoder_gives_the_pixels_of_a_full_decode(
             runs[decoder] = epoch_pixels(loader)
         assert service.stop() == 0
     assert runs["jpeg-roi"].keys() == runs["opencv"].keys() == set(range(len(build_index(photos))))
-    exact = 0
+    index = build_index(photos)
     for idx, pixels in runs["opencv"].items():
         difference = np.abs(runs["jpeg-roi"][idx].astype(int) - pixels).mean()
-        exact += difference == 0
-        assert difference < 5, f"sample {idx}"
-    assert exact >= 0.9 * len(runs["opencv"])
+        height, width = cv2.imread(str(index.path(idx))).shape[:2]
+        crop = random_resized_crop_params(sample_rng(3, 0, idx), height, width)
+        if roi_scale(crop, 96) == 8:
+            assert difference == 0, f"sample {idx}: unscaled, so exactly the full decode's pixels"
+        else:  # proves the service took the region path: a full decode would be equal here too
+            assert 0 < difference < 5, f"sample {idx}: scaled"
 
 
 def reference_eval(path: Path, size: int) -> np.ndarray:

@@ -10,6 +10,8 @@ import io
 import sysconfig
 from collections.abc import Callable
 from pathlib import Path
+from types import ModuleType
+from typing import Any
 
 import cv2
 import numpy as np
@@ -189,15 +191,19 @@ def test_orientation_is_found_behind_an_xmp_block(tmp_path: Path) -> None:
         )
 
 
-def test_damaged_progressive_jpegs_give_the_same_pixels_on_both_paths(tmp_path: Path) -> None:
-    # Block smoothing of missing coefficients reads neighbouring blocks left of the crop.
+@needs_roi
+def test_damaged_progressive_regions_equal_the_whole_decode() -> None:
+    # Block smoothing of missing coefficients reads neighbouring blocks left of the crop. Compared
+    # with this library's own whole-image decode: OpenCV's bundled libjpeg-turbo smooths damaged
+    # progressive files slightly differently (up to 10 levels here) whatever the region.
     data = photo_jpeg(240, 320, seed=8, flags=JPEG_KINDS["progressive"])
+    rng = np.random.default_rng(0)
     for cut in range(len(data) // 8, len(data) - 2, len(data) // 8):
         damaged = data[:cut] + b"\xff\xd9"
-        for seed in range(6):
-            a = load(tmp_path, damaged, ".jpg", seed, roi=True, size=224)
-            b = load(tmp_path, damaged, ".jpg", seed, roi=False, size=224)
-            assert np.array_equal(a, b), (cut, seed)
+        whole = region(damaged, Crop(0, 0, 240, 320), 8)
+        for c in random_regions(rng, 240, 320, n=15):
+            got = region(damaged, c, 8)
+            assert np.array_equal(got, whole[c.top : c.top + c.height, c.left : c.left + c.width]), (cut, c)
 
 
 def rotated_jpeg(orientation: int) -> bytes:
@@ -244,13 +250,32 @@ def test_what_the_region_decoder_skips_goes_the_full_way(tmp_path: Path, make: C
         )
 
 
-def test_unscaled_train_crops_equal_the_full_path(tmp_path: Path) -> None:
-    # 320x240 at output 224: no crop is ever 448 on both sides, so no scaling: exact equality.
+class CountingDecoder:
+    """The real region decoder, counting its decodes: equal pixels alone cannot show it ran."""
+
+    def __init__(self, module: ModuleType) -> None:
+        self.module = module
+        self.header = module.header
+        self.LIBJPEG_TURBO_VERSION_NUMBER = module.LIBJPEG_TURBO_VERSION_NUMBER
+        self.calls = 0
+
+    def decode(self, *args: Any) -> Any:
+        self.calls += 1
+        return self.module.decode(*args)
+
+
+@needs_roi
+def test_unscaled_train_crops_equal_the_full_path(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    # 320x240 at output 224: no crop is ever 3x224 on both sides, so no scaling: exact equality.
+    assert jc is not None
+    counting = CountingDecoder(jc)
+    monkeypatch.setattr(transforms, "_jpegcrop", counting)
     data = photo_jpeg(240, 320, seed=6)
     for seed in range(30):
         a = load(tmp_path, data, ".jpg", seed, roi=True, size=224)
         b = load(tmp_path, data, ".jpg", seed, roi=False, size=224)
         assert np.array_equal(a, b), seed
+    assert counting.calls == 30, "every crop went through the region decoder"
 
 
 def test_scaled_train_crops_are_statistically_the_full_path(tmp_path: Path) -> None:
@@ -259,13 +284,16 @@ def test_scaled_train_crops_are_statistically_the_full_path(tmp_path: Path) -> N
     diffs, shifts, sharp_roi, sharp_full = [], [], [], []
     for seed in range(40):
         c = random_resized_crop_params(np.random.default_rng(seed), 1200, 1600)
-        scaled += roi_scale(c, 112) < 8
+        is_scaled = roi_scale(c, 112) < 8
+        scaled += is_scaled
         a = load(tmp_path, data, ".jpg", seed, roi=True, size=112).astype(int)
         b = load(tmp_path, data, ".jpg", seed, roi=False, size=112).astype(int)
         # Same crop and same flip: far closer to the full path than to its mirror image.
         assert np.abs(a - b).mean() < 0.25 * np.abs(a - b[:, :, ::-1]).mean(), seed
         diffs.append(np.abs(a - b).mean())
         shifts.append((a - b).mean())
+        if jc is not None:  # unscaled crops are exact; scaled ones show the region path ran
+            assert (diffs[-1] > 0) == is_scaled, seed
         sharp_roi.append(np.abs(np.diff(a, axis=2)).mean())
         sharp_full.append(np.abs(np.diff(b, axis=2)).mean())
     if jc is not None:
