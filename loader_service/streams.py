@@ -24,7 +24,6 @@ slots of an abandoned plan are never delivered, and are freed when their last ho
 
 from __future__ import annotations
 
-import itertools
 import logging
 from collections.abc import Iterator
 from dataclasses import dataclass, field
@@ -35,11 +34,10 @@ import numpy.typing as npt
 from loader_service.feeds import Feed
 from loader_service.sampler import batch_of
 from loader_service.sessions import Session
-from loader_service.warm import Handover, WarmCache
+from loader_service.warm import GENERATIONS, Handover, WarmCache
 
 BatchKey = tuple[int, int]
 log = logging.getLogger(__name__)
-_GENERATIONS = itertools.count(1)
 
 
 @dataclass
@@ -227,7 +225,7 @@ class Stream:
         """Switch to a new plan; undelivered batches of the old one are dropped."""
         # Unique across streams: a broadcast group recreated under the same key must never take a
         # late batch of its predecessor's plan for its own.
-        self.gen = next(_GENERATIONS)
+        self.gen = next(GENERATIONS)
         self.epoch = epoch
         self.plan = self.feed.plan(epoch, self.rank, self.world_size, self.remainder)
         self.end = self.batches_per_epoch()

@@ -21,6 +21,7 @@ NOTE [ Warm start ]
 
 from __future__ import annotations
 
+import itertools
 import logging
 from dataclasses import dataclass, field
 from typing import Protocol
@@ -32,6 +33,9 @@ from loader_service.feeds import Feed
 from loader_service.sampler import batch_of
 
 log = logging.getLogger(__name__)
+GENERATIONS = itertools.count(1)
+"""Plan generations for streams and caches alike: unique in the process, so a completion tagged with
+one can never be taken for another plan's, whichever stream or cache it reaches."""
 WARM_BATCHES = 2
 WARM_PLAN = (0, 0, 1, "pad")
 """(epoch, rank, world_size, remainder) of the plan kept warm."""
@@ -81,7 +85,7 @@ class WarmCache:
         self.feed = feed
         self.key = key or ("warm", feed.id)
         self._limit = batches
-        self.gen = 0
+        self.gen = next(GENERATIONS)
         self.next_produce = 0
         self.filling = 0
         self.ready: dict[int, tuple[int, int]] = {}
@@ -167,7 +171,7 @@ class WarmCache:
         """Empty the cache; batches still being decoded are freed when they report (new generation)."""
         freed = [slot for slot, _count in self.ready.values()]
         self.ready.clear()
-        self.gen += 1
+        self.gen = next(GENERATIONS)
         self.next_produce = 0
         self.filling = 0
         return freed

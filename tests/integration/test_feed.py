@@ -92,26 +92,29 @@ def epoch_pixels(loader: ServiceLoader) -> dict[int, np.ndarray]:
 def test_region_decoder_gives_the_pixels_of_a_full_decode(
     photos: Path, start_service: ServiceFactory
 ) -> None:
-    # At 96 px a crop is decoded at reduced scale only when 576 px or more on both sides, which few
-    # crops of these photos are: every other sample must have exactly the full decode's pixels, and
-    # the scaled ones nearly (and not exactly).
+    # At 64 px a crop is decoded at reduced scale only when 384 px or more on both sides: those
+    # samples must differ slightly (proving the workers took the region path), all others must have
+    # exactly the full decode's pixels.
     runs = {}
     for decoder in ("jpeg-roi", "opencv"):
-        service = start_service(photos, decoder=decoder, image_size=96, seed=3, name=decoder)
+        service = start_service(photos, decoder=decoder, image_size=64, seed=3, name=decoder)
         service.wait_for(rf"decoder: {decoder} \(", 10)
         with ServiceLoader(service.endpoint, timeout=30) as loader:
             runs[decoder] = epoch_pixels(loader)
         assert service.stop() == 0
     assert runs["jpeg-roi"].keys() == runs["opencv"].keys() == set(range(len(build_index(photos))))
     index = build_index(photos)
+    scaled = 0
     for idx, pixels in runs["opencv"].items():
         difference = np.abs(runs["jpeg-roi"][idx].astype(int) - pixels).mean()
         height, width = cv2.imread(str(index.path(idx))).shape[:2]
         crop = random_resized_crop_params(sample_rng(3, 0, idx), height, width)
-        if roi_scale(crop, 96) == 8:
+        if roi_scale(crop, 64) == 8:
             assert difference == 0, f"sample {idx}: unscaled, so exactly the full decode's pixels"
         else:  # proves the service took the region path: a full decode would be equal here too
             assert 0 < difference < 5, f"sample {idx}: scaled"
+            scaled += 1
+    assert scaled >= 5, "too few scaled crops to show the region path ran; change the seed"
 
 
 def reference_eval(path: Path, size: int) -> np.ndarray:

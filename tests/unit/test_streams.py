@@ -150,5 +150,7 @@ def test_a_handed_over_batch_finishing_after_another_restart_is_refused() -> Non
     assert ahead is not None
     late = ahead.plan_batch()
     stream.on_start("a", 1, 0)
+    assert stream.filling == 1, "the batch still decoding is the stream's now"
     stream.on_start("a", 5, 0)  # the trainer jumps elsewhere before the batch is done
     assert not ahead.filled(late[0], late[1], slot=7, count=4), "its slot is freed, not delivered"
+    assert stream.filling == 0 and not stream.batches
