@@ -11,7 +11,7 @@ import math
 from dataclasses import dataclass, replace
 from pathlib import Path
 
-from loader_service.transforms import DECODERS, roi_decoder_version
+from loader_service.transforms import decoder_problem, uses_roi
 
 SCENARIOS = ("a", "b", "c", "d", "e", "f", "g")
 SCENARIO_TITLES = {
@@ -78,7 +78,7 @@ class BenchConfig:
     @property
     def roi(self) -> bool:
         """Whether the service (and so the decode limit) decodes train crops with the region decoder."""
-        return self.decoder != "opencv" and roi_decoder_version() is not None
+        return uses_roi(self.decoder)
 
     @property
     def per_class(self) -> int:
@@ -95,11 +95,8 @@ class BenchConfig:
         _check(bool(self.scenarios), "--scenarios selects nothing")
         unknown = sorted(set(self.scenarios) - set(SCENARIOS))
         _check(not unknown, f"unknown scenarios {','.join(unknown)} (choose from {','.join(SCENARIOS)})")
-        _check(self.decoder in DECODERS, f"--decoder must be one of {', '.join(DECODERS)}")
-        _check(
-            self.decoder != "jpeg-roi" or roi_decoder_version() is not None,
-            "--decoder jpeg-roi: the region decoder is not built here",
-        )
+        if problem := decoder_problem(self.decoder):
+            raise ConfigError(f"--{problem}")
         _check(self.data is None or self.data.is_dir(), f"--data {self.data} is not a directory")
         for name in ("rounds", "timed_batches", "trainers", "trainer_batches", "memory_epochs"):
             _check(getattr(self, name) >= 1, f"{name} must be at least 1")

@@ -13,7 +13,7 @@ from dataclasses import asdict, dataclass, fields, replace
 from pathlib import Path
 from typing import Any
 
-from loader_service.transforms import DECODERS, roi_decoder_version
+from loader_service.transforms import decoder_problem, uses_roi
 
 if sys.version_info >= (3, 11):
     import tomllib
@@ -102,12 +102,8 @@ class ServiceConfig:
         _check(self.lag_timeout > 0, "lag_timeout must be positive")
         _check(self.task_timeout > 0, "task_timeout must be positive")
         _check(10_000 <= self.max_pixels <= 2**40, "max_pixels must be between 10000 and 2**40")
-        _check(self.decoder in DECODERS, f"decoder must be one of {', '.join(DECODERS)}")
-        _check(
-            self.decoder != "jpeg-roi" or roi_decoder_version() is not None,
-            "decoder jpeg-roi: the region decoder (loader_service._jpegcrop) is not built; install "
-            "libjpeg-turbo's headers (Debian: libjpeg-dev) and reinstall dataferry, or use auto",
-        )
+        if problem := decoder_problem(self.decoder):
+            raise ConfigError(problem)
         _check(0 <= self.metrics_port <= 65535, "metrics_port must be a TCP port (0: off)")
         names = [f.name for f in self.extra_feeds]
         _check(len(set(names)) == len(names) and self.feed not in names, "feed names must be unique")
@@ -121,7 +117,7 @@ class ServiceConfig:
     @property
     def roi(self) -> bool:
         """Whether decode workers use the region decoder."""
-        return self.decoder != "opencv" and roi_decoder_version() is not None
+        return uses_roi(self.decoder)
 
     def summary(self) -> str:
         return " ".join(f"{k}={v}" for k, v in asdict(self).items()) + f" pool_slots={self.pool_slots}"

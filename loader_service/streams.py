@@ -153,12 +153,11 @@ class Stream:
         """(Re)start the plan; take batches decoded early (ahead, or warm) if they are its first ones."""
         plan = (epoch, self.rank, self.world_size, self.remainder)
         cache = next((c for c in (self.ahead, warm) if c is not None and c.serves(*plan, position)), None)
-        handover = cache.take() if cache is not None else None
         freed = self._begin(epoch, position)
         self._activate(member, position)
-        if cache is not None and handover is not None:
+        if cache is not None:
+            handover = cache.take(self)
             self.adopt(handover)
-            cache.forward(handover, self)
             log.debug(
                 "%s took %d batches of epoch %d from the %s cache, %d of them still decoding",
                 self.key[1],

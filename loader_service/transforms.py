@@ -66,14 +66,30 @@ def roi_decoder_version() -> str | None:
     return f"{number // 1000000}.{number // 1000 % 1000}.{number % 1000}"
 
 
+def decoder_problem(choice: str) -> str | None:
+    """Why the ``--decoder`` choice cannot be honoured on this install, or None."""
+    if choice not in DECODERS:
+        return f"decoder must be one of {', '.join(DECODERS)}"
+    if choice == "jpeg-roi" and roi_decoder_version() is None:
+        return (
+            "decoder jpeg-roi: the region decoder (loader_service._jpegcrop) is not built; install "
+            "libjpeg-turbo's headers (Debian: libjpeg-dev) and reinstall dataferry, or use auto"
+        )
+    return None
+
+
+def uses_roi(choice: str) -> bool:
+    """Whether a (valid) ``--decoder`` choice makes train crops go through the region decoder."""
+    return choice != "opencv" and roi_decoder_version() is not None
+
+
 def describe_decoder(choice: str) -> str:
     """One line for the service log: how the train transform decodes JPEGs, and why."""
-    version = roi_decoder_version()
+    if uses_roi(choice):
+        return f"jpeg-roi (libjpeg-turbo {roi_decoder_version()}; train crops decode only their region)"
     if choice == "opencv":
         return "opencv (full decode; --decoder opencv)"
-    if version is None:
-        return "opencv (full decode; the region decoder is not built: see README)"
-    return f"jpeg-roi (libjpeg-turbo {version}; train crops decode only their region)"
+    return "opencv (full decode; the region decoder is not built: see README)"
 
 
 def read_file(path: str) -> bytes:

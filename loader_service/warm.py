@@ -14,8 +14,8 @@ NOTE [ Warm start ]
     the whole epoch and has credit left, it decodes the first batches of the next epoch ahead, and a
     start of exactly that epoch at position 0 takes them. Any other start drops them.
     A start takes the batches still being decoded too (``take``): their tasks keep the cache's lane
-    and old generation, and the cache forwards their completions to the stream that took them
-    (``forward``), which counts them as filling. Dropping them instead would throw away work at
+    and old generation, and the cache forwards their completions to the stream that took them,
+    which counts them as filling. Dropping them instead would throw away work at
     every epoch boundary, just when the trainer is about to wait for exactly those batches.
 """
 
@@ -53,8 +53,6 @@ class Filler(Protocol):
 class Handover:
     """What a start takes from a cache: decoded batches and the ones still being decoded."""
 
-    gen: int
-    """The cache's generation the in-flight tasks were planned under."""
     ready: list[tuple[int, int, int]] = field(default_factory=list)
     """(seq, slot, count)"""
     filling: list[int] = field(default_factory=list)
@@ -137,21 +135,19 @@ class WarmCache:
         )
         return True
 
-    def take(self) -> Handover:
-        """Everything planned so far: decoded batches and in-flight seqs; the cache is then empty.
+    def take(self, taker: Filler) -> Handover:
+        """Everything planned so far, for ``taker`` at its current generation; the cache is then empty.
 
-        The taker must call ``forward`` with itself, once its own generation is set.
+        Decoded batches are handed over at once; completions of those still being decoded are
+        forwarded to ``taker`` as they arrive.
         """
-        handover = Handover(self.gen, sorted((seq, *v) for seq, v in self.ready.items()))
+        handover = Handover(sorted((seq, *v) for seq, v in self.ready.items()))
         handover.filling = [seq for seq in range(self.next_produce) if seq not in self.ready]
+        if handover.filling:
+            self._forwards[self.gen] = _Forward(taker, taker.gen, len(handover.filling))
         self.ready.clear()
         self.drop()
         return handover
-
-    def forward(self, handover: Handover, target: Filler) -> None:
-        """Route the handed-over in-flight batches' completions to ``target`` (at its current gen)."""
-        if handover.filling:
-            self._forwards[handover.gen] = _Forward(target, target.gen, len(handover.filling))
 
     def forward_target(self, gen: int) -> Filler | None:
         """Who gets a completion of generation ``gen``: None for this cache itself or nobody."""
