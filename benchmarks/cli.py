@@ -7,6 +7,7 @@ enforced), 1 it could not run (a process failed, a timeout), 2 a bad flag, 130 i
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import json
 import signal
 import sys
@@ -71,6 +72,12 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
+def _check_plotting(cfg: BenchConfig) -> None:
+    """Refuse before the run, not after minutes of measuring, when the PNG cannot be drawn."""
+    if cfg.plot_path is not None and importlib.util.find_spec("matplotlib") is None:
+        raise ConfigError("the plot needs matplotlib: pip install -e .[bench], or pass --no-plot")
+
+
 def config_from(args: argparse.Namespace) -> BenchConfig:
     keys = (
         "data", "cache", "images", "workers", "decoder", "scenarios", "json_path", "plot_path",
@@ -126,6 +133,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
         cfg = config_from(args)
+        _check_plotting(cfg)
     except ConfigError as exc:
         print(f"python -m benchmarks: {exc}", file=sys.stderr)
         return 2

@@ -335,3 +335,16 @@ def test_proc_status_fields_in_kib() -> None:
     assert parse_status_kib(status, "VmRSS") == 2048
     assert parse_status_kib(status, "RssAnon") == 1024
     assert parse_status_kib(status, "RssShmem") == 0
+
+
+def test_a_missing_matplotlib_is_refused_before_the_run(monkeypatch: pytest.MonkeyPatch) -> None:
+    import importlib.util
+
+    from benchmarks import cli
+
+    real = importlib.util.find_spec
+    monkeypatch.setattr(
+        importlib.util, "find_spec", lambda name, *a: None if name == "matplotlib" else real(name, *a)
+    )
+    assert cli.main(["--quick"]) == 2  # a run would take minutes before failing at the plot
+    cli._check_plotting(cli.config_from(cli.build_parser().parse_args(["--no-plot"])))
