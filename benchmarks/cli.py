@@ -28,7 +28,7 @@ from benchmarks.progress import say
 from benchmarks.report import format_table, markdown, to_json
 from benchmarks.results import BenchResults, evaluate_targets
 from benchmarks.service_process import BenchError
-from loader_service.transforms import DECODERS
+from loader_service.decode.transforms import DECODERS
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -11,7 +11,7 @@ import math
 from dataclasses import dataclass, replace
 from pathlib import Path
 
-from loader_service.transforms import decoder_problem, uses_roi
+from loader_service.decode.transforms import decoder_problem, uses_roi
 
 SCENARIOS = ("a", "b", "c", "d", "e", "f", "g")
 SCENARIO_TITLES = {

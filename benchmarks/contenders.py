@@ -18,8 +18,8 @@ import cv2
 import numpy as np
 
 from benchmarks.service_process import BenchError
-from loader_service.index import DatasetIndex
-from loader_service.transforms import load_into
+from loader_service.dataset.index import DatasetIndex
+from loader_service.decode.transforms import load_into
 
 
 @dataclass(frozen=True)

@@ -23,8 +23,8 @@ from PIL import Image
 from torch.utils.data import DataLoader, Dataset
 
 from benchmarks.config import CLASSES, BenchConfig
-from loader_service.index import DatasetIndex, build_index
-from loader_service.transforms import decode_file, random_resized_crop_params, transform_into
+from loader_service.dataset.index import DatasetIndex, build_index
+from loader_service.decode.transforms import decode_file, random_resized_crop_params, transform_into
 
 Sample = tuple[torch.Tensor, int]
 
@@ -63,7 +63,7 @@ def prepare_data(cfg: BenchConfig, progress: Callable[[int, int], None] | None =
     """``--data`` as given, or the sample dataset of ``cfg.images`` images (generated once, then reused)."""
     if cfg.data is not None:
         return _describe_user_data(cfg.data)
-    from loader_service.sample_data import make_sample_dataset
+    from loader_service.tools.sample_data import make_sample_dataset
 
     keep_out_of_git(cfg.cache)
     root = cfg.cache / f"{CLASSES}x{cfg.per_class}-seed{cfg.seed}"
@@ -72,7 +72,7 @@ def prepare_data(cfg: BenchConfig, progress: Callable[[int, int], None] | None =
     )
     return DataSpec(
         root=root,
-        source="generated photo-like JPEGs (loader_service.sample_data)",
+        source="generated photo-like JPEGs (loader_service.tools.sample_data)",
         images=summary.images,
         classes=summary.classes,
         mean_kib=summary.total_bytes / summary.images / 1024,

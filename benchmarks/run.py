@@ -45,7 +45,7 @@ from benchmarks.service_process import ServiceProcess, ServiceSpec, running_serv
 from benchmarks.stats import rate
 from benchmarks.trainers import TrainerConfig, measure_trainers
 from gpu_worker import ServiceLoader
-from loader_service.transforms import describe_decoder
+from loader_service.decode.transforms import describe_decoder
 
 SERVICE_CREDITS = 6
 """ServiceLoader's default: also how many batches may wait for it after it idled."""

@@ -22,7 +22,7 @@ from benchmarks.results import Measurement, Timeline
 from benchmarks.service_process import BenchError
 from benchmarks.stats import overlap_ratio, rate
 from gpu_worker import ServiceLoader
-from loader_service.status_view import query_status
+from loader_service.tools.status_view import query_status
 
 FILL_MARGIN = 1.5
 """(e) waits this many times the estimated decode time, so the batches timed are really waiting."""

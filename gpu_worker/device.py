@@ -9,7 +9,7 @@ CUDA (chosen at run time, never on a CPU-only machine; this path has not run on 
       waits on an event, so the copy overlaps the previous step's kernels and the next step cannot
       read the images early;
     * the host batch (and so its slot lease) is kept until that event has completed, then dropped,
-      which releases the slot (NOTE [ Slot lifecycle ] in loader_service/slots.py).
+      which releases the slot (NOTE [ Slot lifecycle ] in loader_service/supervisor/slots.py).
 """
 
 from __future__ import annotations

@@ -1,5 +1,5 @@
 import sys
 
-from loader_service.cli import main
+from loader_service.tools.cli import main
 
 sys.exit(main())

@@ -13,7 +13,7 @@ from dataclasses import asdict, dataclass, fields, replace
 from pathlib import Path
 from typing import Any
 
-from loader_service.transforms import decoder_problem, uses_roi
+from loader_service.decode.transforms import decoder_problem, uses_roi
 
 if sys.version_info >= (3, 11):
     import tomllib

@@ -11,8 +11,8 @@ from pathlib import Path
 
 import pytest
 
-from loader_service.index import build_index
-from tests.conftest import REPO, ServiceFactory, ServiceProcess, our_segments
+from loader_service.dataset.index import build_index
+from tests.helpers import REPO, ServiceFactory, ServiceProcess, our_segments
 
 pytestmark = pytest.mark.e2e
 

@@ -26,14 +26,14 @@ import zmq
 
 from gpu_worker.metrics import MetricsUnavailable as TrainerMetricsUnavailable
 from gpu_worker.metrics import TrainerMetrics
-from loader_service import systemd
 from loader_service.config import load_config
-from loader_service.metrics import MetricsUnavailable, ServiceMetrics
-from loader_service.sample_data import make_sample_dataset
-from loader_service.service import STOP_GRACE
-from loader_service.status_view import main_status, query_status, render
+from loader_service.supervisor import systemd
+from loader_service.supervisor.metrics import MetricsUnavailable, ServiceMetrics
+from loader_service.supervisor.service import STOP_GRACE
+from loader_service.tools.sample_data import make_sample_dataset
+from loader_service.tools.status_view import main_status, query_status, render
 from protocol.messages import Heartbeat, StatusReply, StatusRequest, decode, encode
-from tests.conftest import REPO, ServiceFactory
+from tests.helpers import REPO, ServiceFactory
 
 pytestmark = pytest.mark.e2e
 

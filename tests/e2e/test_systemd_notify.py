@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.conftest import ServiceProcess, our_segments
+from tests.helpers import ServiceProcess, our_segments
 
 pytestmark = pytest.mark.e2e
 

@@ -15,9 +15,8 @@ import pytest
 from PIL import Image
 
 from gpu_worker import ServiceLoader
-from loader_service.index import build_index
-from tests.conftest import ServiceFactory
-from tests.integration.test_trainers import status
+from loader_service.dataset.index import build_index
+from tests.helpers import ServiceFactory, status
 
 pytestmark = pytest.mark.integration
 

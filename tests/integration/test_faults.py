@@ -13,10 +13,17 @@ from pathlib import Path
 import pytest
 
 from gpu_worker import ServiceLoader
-from loader_service.index import build_index
-from loader_service.warm import WARM_BATCHES
-from tests.conftest import SHM, ServiceFactory, ServiceProcess, our_segments
-from tests.integration.test_trainers import DIE_AFTER, status, trainer_process
+from loader_service.dataset.index import build_index
+from loader_service.supervisor.warm import WARM_BATCHES
+from tests.helpers import (
+    DIE_AFTER,
+    SHM,
+    ServiceFactory,
+    ServiceProcess,
+    our_segments,
+    status,
+    trainer_process,
+)
 
 pytestmark = pytest.mark.integration
 

@@ -13,16 +13,15 @@ import pytest
 import torch
 
 from gpu_worker import ServiceError, ServiceLoader, ServiceTimeout
-from loader_service.index import build_index
-from loader_service.sampler import sample_rng
-from loader_service.transforms import (
+from loader_service.dataset.index import build_index
+from loader_service.dataset.sampler import sample_rng
+from loader_service.decode.transforms import (
     eval_geometry,
     random_resized_crop_params,
     roi_decoder_version,
     roi_scale,
 )
-from tests.conftest import ServiceFactory, our_segments
-from tests.integration.test_trainers import status
+from tests.helpers import ServiceFactory, our_segments, status
 
 pytestmark = pytest.mark.integration
 

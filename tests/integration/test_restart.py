@@ -12,8 +12,8 @@ import pytest
 import torch
 
 from gpu_worker import ServiceLoader, ServiceTimeout
-from loader_service.index import build_index
-from tests.conftest import ServiceFactory, our_segments
+from loader_service.dataset.index import build_index
+from tests.helpers import ServiceFactory, our_segments
 
 pytestmark = pytest.mark.integration
 

@@ -11,9 +11,8 @@ from pathlib import Path
 import pytest
 
 from gpu_worker import ServiceLoader
-from loader_service.warm import WARM_BATCHES
-from tests.conftest import ServiceFactory, our_segments
-from tests.integration.test_trainers import DIE_AFTER, in_threads, status, trainer_process
+from loader_service.supervisor.warm import WARM_BATCHES
+from tests.helpers import DIE_AFTER, ServiceFactory, in_threads, our_segments, status, trainer_process
 
 pytestmark = pytest.mark.integration
 TRAINERS = 100

@@ -4,75 +4,27 @@ from __future__ import annotations
 
 import json
 import signal
-import subprocess
-import sys
 import threading
 import time
 from collections import Counter
-from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import pytest
-import zmq
 
 from gpu_worker import ServiceError, ServiceLoader
-from loader_service.index import build_index
-from protocol.messages import StatusReply, StatusRequest, decode, encode
-from tests.conftest import REPO, ServiceFactory, ServiceProcess
+from loader_service.dataset.index import build_index
+from tests.helpers import (
+    DIE_AFTER,
+    ServiceFactory,
+    ServiceProcess,
+    epoch_indices,
+    in_threads,
+    status,
+    trainer_process,
+)
 
 pytestmark = pytest.mark.integration
-
-
-def in_threads(jobs: list[Callable[[], Any]], timeout: float = 120) -> list[Any]:
-    """Run ``jobs`` concurrently; return their results, re-raising the first failure."""
-    results: list[Any] = [None] * len(jobs)
-    errors: list[BaseException] = []
-
-    def run(i: int) -> None:
-        try:
-            results[i] = jobs[i]()
-        except BaseException as exc:
-            errors.append(exc)
-
-    threads = [threading.Thread(target=run, args=(i,)) for i in range(len(jobs))]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(timeout)
-    assert not any(t.is_alive() for t in threads), "a trainer thread hung"
-    if errors:
-        raise errors[0]
-    return results
-
-
-def epoch_indices(loader: ServiceLoader) -> tuple[list[int], int]:
-    seen: list[int] = []
-    batches = 0
-    for batch in loader:
-        seen += batch.indices.tolist()
-        batches += 1
-    return seen, batches
-
-
-def status(endpoint: str) -> dict[str, Any]:
-    ctx: zmq.Context[zmq.Socket[bytes]] = zmq.Context()
-    sock = ctx.socket(zmq.DEALER)
-    sock.setsockopt(zmq.LINGER, 0)
-    try:
-        sock.connect(endpoint)
-        sock.send(encode(StatusRequest()))
-        deadline = time.monotonic() + 10
-        while sock.poll(max(0, int((deadline - time.monotonic()) * 1000))):
-            frame = sock.recv()
-            try:
-                return dict(decode(frame, (StatusReply,)).body)
-            except ValueError:
-                continue  # a heartbeat or other message
-        raise AssertionError("no status reply")
-    finally:
-        sock.close(linger=0)
-        ctx.term()
 
 
 # --- shard -------------------------------------------------------------------------------------
@@ -161,29 +113,6 @@ def test_broadcast_waits_for_group_size_before_the_first_batch(
         pytest.raises(ServiceError, match="no batch within"),
     ):
         next(iter(first))
-
-
-def trainer_process(endpoint: str, script: str, *args: str) -> subprocess.Popen[str]:
-    return subprocess.Popen(
-        [sys.executable, "-c", script, endpoint, *args],
-        cwd=REPO,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        text=True,
-    )
-
-
-DIE_AFTER = """
-import os, signal, sys
-from gpu_worker import ServiceLoader
-endpoint, batches, mode = sys.argv[1], int(sys.argv[2]), sys.argv[3]
-kwargs = dict(mode="broadcast", group="g", group_size=3) if mode == "broadcast" else {}
-loader = ServiceLoader(endpoint, timeout=30, **kwargs)
-for i, batch in enumerate(loader):
-    if i + 1 == batches:
-        print("dying", flush=True)
-        os.kill(os.getpid(), signal.SIGKILL)
-"""
 
 
 def test_killed_broadcast_member_does_not_stall_the_rest(photos: Path, start_service: ServiceFactory) -> None:

@@ -24,7 +24,7 @@ from protocol.messages import (
     decode,
     encode,
 )
-from tests.conftest import ServiceFactory
+from tests.helpers import ServiceFactory
 
 pytestmark = pytest.mark.integration
 FROM_SERVICE = (Welcome, BatchReady, EpochEnd, ErrorReply, Heartbeat)

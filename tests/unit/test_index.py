@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from loader_service.index import EXTENSIONS, DatasetError, DatasetIndex, build_index
+from loader_service.dataset.index import EXTENSIONS, DatasetError, DatasetIndex, build_index
 
 
 def touch(root: Path, *paths: str) -> None:

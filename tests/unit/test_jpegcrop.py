@@ -1,4 +1,4 @@
-"""The region decoder (loader_service/_jpegcrop.c) and the train path built on it, on real JPEGs.
+"""The region decoder (loader_service/decode/_jpegcrop.c) and the train path built on it, on real JPEGs.
 
 The strongest check is equality: at full scale the region decoder must give exactly OpenCV's pixels,
 and ``load_into`` with it exactly what a full decode + crop gives, for the same per-sample seed.
@@ -18,10 +18,9 @@ import numpy as np
 import pytest
 from PIL import Image
 
-from loader_service import transforms
 from loader_service.config import ConfigError, load_config
-from loader_service.sample_data import render_photo
-from loader_service.transforms import (
+from loader_service.decode import transforms
+from loader_service.decode.transforms import (
     Crop,
     DecodeError,
     load_into,
@@ -29,6 +28,7 @@ from loader_service.transforms import (
     roi_decoder_version,
     roi_scale,
 )
+from loader_service.tools.sample_data import render_photo
 
 jc = transforms._jpegcrop
 needs_roi = pytest.mark.skipif(jc is None, reason="the region decoder is not built here")

@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 from numpy.typing import NDArray
 
-from loader_service.sample_data import (
+from loader_service.tools.sample_data import (
     SampleDatasetSummary,
     make_sample_dataset,
     render_photo,
@@ -122,7 +122,7 @@ def test_marker_short_circuits_regeneration(tmp_path: Path, monkeypatch: pytest.
     def fail(*_: object) -> None:
         raise AssertionError("must not render when the marker matches")
 
-    monkeypatch.setattr("loader_service.sample_data.render_photo", fail)
+    monkeypatch.setattr("loader_service.tools.sample_data.render_photo", fail)
     calls: list[tuple[int, int]] = []
     second = make_sample_dataset(root, classes=2, per_class=2, progress=lambda d, t: calls.append((d, t)))
     assert second == first

@@ -3,7 +3,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from loader_service.sampler import (
+from loader_service.dataset.sampler import (
     batch_of,
     batches_per_epoch,
     epoch_permutation,

@@ -2,7 +2,7 @@ from __future__ import annotations
 
 import pytest
 
-from loader_service.slots import SlotPool, SlotState, SlotStateError
+from loader_service.supervisor.slots import SlotPool, SlotState, SlotStateError
 
 
 def test_full_lifecycle_and_reuse() -> None:

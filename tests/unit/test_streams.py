@@ -8,9 +8,9 @@ from typing import Any, cast
 import numpy as np
 import pytest
 
-from loader_service.feeds import Feed
-from loader_service.sessions import Session
-from loader_service.streams import StartRefused, Stream
+from loader_service.supervisor.feeds import Feed
+from loader_service.supervisor.sessions import Session
+from loader_service.supervisor.streams import StartRefused, Stream
 from protocol.messages import Hello
 
 

@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 from PIL import Image
 
-from loader_service.transforms import (
+from loader_service.decode.transforms import (
     RATIO,
     DecodeError,
     decode_file,

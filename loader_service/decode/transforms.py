@@ -30,7 +30,7 @@ U8 = npt.NDArray[np.uint8]
 
 _jpegcrop: ModuleType | None
 try:
-    from loader_service import _jpegcrop
+    from loader_service.decode import _jpegcrop
 except ImportError:  # built only where libjpeg-turbo's headers were found at install time
     _jpegcrop = None
 
@@ -72,7 +72,7 @@ def decoder_problem(choice: str) -> str | None:
         return f"decoder must be one of {', '.join(DECODERS)}"
     if choice == "jpeg-roi" and roi_decoder_version() is None:
         return (
-            "decoder jpeg-roi: the region decoder (loader_service._jpegcrop) is not built; install "
+            "decoder jpeg-roi: the region decoder (loader_service.decode._jpegcrop) is not built; install "
             "libjpeg-turbo's headers (Debian: libjpeg-dev) and reinstall dataferry, or use auto"
         )
     return None

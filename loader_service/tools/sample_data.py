@@ -15,6 +15,7 @@ import colorsys
 import json
 import math
 import os
+import sys
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from functools import lru_cache
@@ -93,6 +94,17 @@ class _Look:
 # --------------------------------------------------------------------------
 # Public API
 # --------------------------------------------------------------------------
+
+
+def progress_printer(label: str) -> Callable[[int, int], None]:
+    """A ``progress(done, total)`` callback that prints about twenty lines over a run."""
+
+    def report(done: int, total: int) -> None:
+        step = max(1, total // 20)
+        if done == total or done % step == 0:
+            print(f"{label}: {done}/{total}", file=sys.stderr, flush=True)
+
+    return report
 
 
 def make_sample_dataset(

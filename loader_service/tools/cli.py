@@ -6,13 +6,13 @@ import argparse
 import logging
 import os
 import sys
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from pathlib import Path
 
 from loader_service.config import AUGMENTS, ConfigError, load_config
-from loader_service.index import DatasetError, build_index
+from loader_service.dataset.index import DatasetError, build_index
+from loader_service.decode.transforms import DECODERS
 from loader_service.logs import configure_logging
-from loader_service.transforms import DECODERS
 
 log = logging.getLogger("loader_service")
 
@@ -53,8 +53,8 @@ def _add_serve(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
 
 
 def _cmd_serve(args: argparse.Namespace) -> int:
-    from loader_service.metrics import MetricsUnavailable
-    from loader_service.service import LoaderService  # keeps `index` and `--help` fast
+    from loader_service.supervisor.metrics import MetricsUnavailable
+    from loader_service.supervisor.service import LoaderService  # keeps `index` and `--help` fast
 
     keys = (
         "data",
@@ -103,7 +103,7 @@ def _add_status(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> Non
 
 
 def _cmd_status(args: argparse.Namespace) -> int:
-    from loader_service.status_view import main_status
+    from loader_service.tools.status_view import main_status
 
     return main_status(args.endpoint, args.json, args.timeout)
 
@@ -138,19 +138,8 @@ def _add_sample_data(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -
     p.set_defaults(func=_cmd_sample_data)
 
 
-def progress_printer(label: str) -> Callable[[int, int], None]:
-    """A ``progress(done, total)`` callback that prints about twenty lines over a run."""
-
-    def report(done: int, total: int) -> None:
-        step = max(1, total // 20)
-        if done == total or done % step == 0:
-            print(f"{label}: {done}/{total}", file=sys.stderr, flush=True)
-
-    return report
-
-
 def _cmd_sample_data(args: argparse.Namespace) -> int:
-    from loader_service.sample_data import make_sample_dataset
+    from loader_service.tools.sample_data import make_sample_dataset, progress_printer
 
     try:
         summary = make_sample_dataset(
@@ -183,7 +172,7 @@ def _add_demo(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
 
 
 def _cmd_demo(args: argparse.Namespace) -> int:
-    from loader_service.demo import run_demo
+    from loader_service.tools.demo import run_demo
 
     return run_demo(args)
 

@@ -38,21 +38,21 @@ from types import FrameType
 import numpy as np
 import zmq
 
-from loader_service import systemd
 from loader_service.config import ServiceConfig
-from loader_service.endpoint import claim_ipc_path, ipc_path, release_ipc_path
-from loader_service.feeds import Feed
+from loader_service.dataset.sampler import shard_size
+from loader_service.decode.transforms import describe_decoder
+from loader_service.decode.worker import FAULT_ENV, WorkerConfig
 from loader_service.logs import LogLimiter
-from loader_service.metrics import ServiceMetrics
-from loader_service.sampler import shard_size
-from loader_service.sessions import Session
 from loader_service.shm import LOCK_NAME, SHM_DIR, hold_lock, remove_stale, restrict
-from loader_service.slots import SlotState
-from loader_service.streams import Member, StartRefused, Stream
-from loader_service.transforms import describe_decoder
-from loader_service.warm import WarmCache
-from loader_service.worker import WorkerConfig
-from loader_service.workers import WorkerSet
+from loader_service.supervisor import systemd
+from loader_service.supervisor.endpoint import claim_ipc_path, ipc_path, release_ipc_path
+from loader_service.supervisor.feeds import Feed
+from loader_service.supervisor.metrics import ServiceMetrics
+from loader_service.supervisor.sessions import Session
+from loader_service.supervisor.slots import SlotState
+from loader_service.supervisor.streams import Member, StartRefused, Stream
+from loader_service.supervisor.warm import WarmCache
+from loader_service.supervisor.worker_pool import WorkerSet
 from protocol.layout import SEGMENT_PREFIX
 from protocol.messages import (
     MAX_FRAME_BYTES,
@@ -249,6 +249,8 @@ class LoaderService:
         poller = zmq.Poller()
         poller.register(self._frontend, zmq.POLLIN)
         poller.register(self._backend, zmq.POLLIN)
+        if os.environ.get(FAULT_ENV) == "main-loop":
+            raise RuntimeError(f"fault injected by {FAULT_ENV}")
         while True:
             events = dict(poller.poll(int(TICK * 1000)))
             if self._frontend in events:

@@ -29,8 +29,8 @@ from typing import Protocol
 import numpy as np
 import numpy.typing as npt
 
-from loader_service.feeds import Feed
-from loader_service.sampler import batch_of
+from loader_service.dataset.sampler import batch_of
+from loader_service.supervisor.feeds import Feed
 
 log = logging.getLogger(__name__)
 GENERATIONS = itertools.count(1)

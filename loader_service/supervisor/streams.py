@@ -31,10 +31,10 @@ from dataclasses import dataclass, field
 import numpy as np
 import numpy.typing as npt
 
-from loader_service.feeds import Feed
-from loader_service.sampler import batch_of
-from loader_service.sessions import Session
-from loader_service.warm import GENERATIONS, Handover, WarmCache
+from loader_service.dataset.sampler import batch_of
+from loader_service.supervisor.feeds import Feed
+from loader_service.supervisor.sessions import Session
+from loader_service.supervisor.warm import GENERATIONS, Handover, WarmCache
 
 BatchKey = tuple[int, int]
 log = logging.getLogger(__name__)

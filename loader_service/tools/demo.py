@@ -15,8 +15,7 @@ import sys
 import tempfile
 from pathlib import Path
 
-from loader_service.cli import progress_printer
-from loader_service.sample_data import make_sample_dataset
+from loader_service.tools.sample_data import make_sample_dataset, progress_printer
 from protocol.layout import SEGMENT_PREFIX
 
 SERVICE_STOP_TIMEOUT = 20.0

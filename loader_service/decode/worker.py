@@ -20,11 +20,11 @@ import numpy as np
 import numpy.typing as npt
 import zmq
 
-from loader_service.index import DatasetIndex
+from loader_service.dataset.index import DatasetIndex
+from loader_service.dataset.sampler import sample_rng
+from loader_service.decode.transforms import DecodeError, load_into
 from loader_service.logs import configure_logging
-from loader_service.sampler import sample_rng
 from loader_service.shm import Segment
-from loader_service.transforms import DecodeError, load_into
 from protocol.layout import SlotLayout
 from protocol.messages import MAX_BAD_REPORTS, StopWorker, Task, TaskDone, WorkerReady, decode, encode
 
@@ -33,7 +33,8 @@ POLL_MS = 500
 WORKER_BOOT_ERROR = 3
 """Exit code of a worker that could not start; the supervisor backs off instead of looping."""
 FAULT_ENV = "DATAFERRY_INJECT_FAULT"
-"""Fault injection for tests: ``worker-boot`` makes every decode worker fail at start-up."""
+"""Fault injection for tests: ``worker-boot`` makes every decode worker fail at start-up;
+``main-loop`` makes the service's main loop raise as it begins."""
 
 
 @dataclass(frozen=True)

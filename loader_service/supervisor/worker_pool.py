@@ -14,8 +14,8 @@ import time
 from collections.abc import Iterator
 from dataclasses import dataclass, field, replace
 
-from loader_service.rates import RateMeter
-from loader_service.worker import WORKER_BOOT_ERROR, WorkerConfig, run_worker
+from loader_service.decode.worker import WORKER_BOOT_ERROR, WorkerConfig, run_worker
+from loader_service.supervisor.rates import RateMeter
 
 log = logging.getLogger(__name__)
 _SPAWN = multiprocessing.get_context("spawn")

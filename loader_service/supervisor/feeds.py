@@ -10,12 +10,12 @@ import numpy as np
 import numpy.typing as npt
 
 from loader_service.config import FeedConfig
-from loader_service.index import DatasetIndex, build_index
-from loader_service.rates import RateMeter
-from loader_service.sampler import batches_per_epoch, shard_plan, shard_size
+from loader_service.dataset.index import DatasetIndex, build_index
+from loader_service.dataset.sampler import batches_per_epoch, shard_plan, shard_size
+from loader_service.decode.worker import WorkerFeed
 from loader_service.shm import Segment, new_segment_name
-from loader_service.slots import SlotPool
-from loader_service.worker import WorkerFeed
+from loader_service.supervisor.rates import RateMeter
+from loader_service.supervisor.slots import SlotPool
 from protocol.layout import SlotLayout
 from protocol.messages import FeedInfo
 

@@ -1,0 +1,196 @@
+"""Helpers shared by the test tiers: real service processes, status queries, trainer threads.
+
+Fixtures live in ``tests/conftest.py``; what a test imports lives here, so no test module imports
+another.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import signal
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import zmq
+
+from gpu_worker import ServiceLoader
+from protocol.messages import StatusReply, StatusRequest, decode, encode
+
+SHM = Path("/dev/shm")
+REPO = Path(__file__).resolve().parents[1]
+
+
+def our_segments() -> set[str]:
+    return {n for n in os.listdir(SHM) if n.startswith("dataferry-")}
+
+
+def owner_running(segment: str) -> bool:
+    """Is the service whose pid is in ``segment``'s name still running (another run's, say)?"""
+    head = segment[len("dataferry-") :].split("-", 1)[0]
+    return head.isdigit() and Path(f"/proc/{head}").exists()
+
+
+class ServiceProcess:
+    """``loader-service serve`` as a child process, with its stderr collected line by line."""
+
+    def __init__(self, args: list[str], endpoint: str, env: dict[str, str] | None = None) -> None:
+        self.args = args
+        self.endpoint = endpoint
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "loader_service", *args],
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.PIPE,
+            text=True,
+            start_new_session=True,
+            cwd=REPO,
+            env={**os.environ, **(env or {})},
+        )
+        self.lines: list[str] = []
+        self._changed = threading.Condition()
+        self._reader = threading.Thread(target=self._read, daemon=True)
+        self._reader.start()
+
+    def _read(self) -> None:
+        assert self.proc.stderr is not None
+        for line in self.proc.stderr:
+            with self._changed:
+                self.lines.append(line.rstrip("\n"))
+                self._changed.notify_all()
+        with self._changed:
+            self._changed.notify_all()
+
+    def wait_for(self, pattern: str, timeout: float = 30.0, count: int = 1) -> re.Match[str]:
+        """Wait for ``count`` stderr lines matching ``pattern``; fail with the log if the process exits."""
+        regex = re.compile(pattern)
+        deadline = time.monotonic() + timeout
+        seen = 0
+        found = 0
+        with self._changed:
+            while True:
+                for line in self.lines[seen:]:
+                    m = regex.search(line)
+                    if m:
+                        found += 1
+                        if found >= count:
+                            return m
+                seen = len(self.lines)
+                if self.proc.poll() is not None and not self._reader.is_alive():
+                    raise AssertionError(
+                        f"service exited ({self.proc.returncode}) before {pattern!r}:\n{self.log}"
+                    )
+                remaining = deadline - time.monotonic()
+                if remaining <= 0:
+                    raise AssertionError(f"timed out waiting for {pattern!r}:\n{self.log}")
+                self._changed.wait(remaining)
+
+    @property
+    def log(self) -> str:
+        return "\n".join(self.lines)
+
+    def stop(self, sig: int = signal.SIGTERM, timeout: float = 20.0) -> int:
+        if self.proc.poll() is None:
+            self.proc.send_signal(sig)
+        try:
+            code = self.proc.wait(timeout)
+        except subprocess.TimeoutExpired:
+            os.killpg(self.proc.pid, signal.SIGKILL)
+            self.proc.wait()
+            raise AssertionError(f"service did not stop within {timeout} s:\n{self.log}") from None
+        self._close_pipe()
+        return code
+
+    def _close_pipe(self) -> None:
+        self._reader.join(5)
+        if self.proc.stderr is not None:
+            self.proc.stderr.close()
+
+    def kill_group(self) -> None:
+        try:
+            os.killpg(self.proc.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+        self.proc.wait()
+        self._close_pipe()
+
+
+ServiceFactory = Callable[..., ServiceProcess]
+
+
+def in_threads(jobs: list[Callable[[], Any]], timeout: float = 120) -> list[Any]:
+    """Run ``jobs`` concurrently; return their results, re-raising the first failure."""
+    results: list[Any] = [None] * len(jobs)
+    errors: list[BaseException] = []
+
+    def run(i: int) -> None:
+        try:
+            results[i] = jobs[i]()
+        except BaseException as exc:
+            errors.append(exc)
+
+    threads = [threading.Thread(target=run, args=(i,)) for i in range(len(jobs))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout)
+    assert not any(t.is_alive() for t in threads), "a trainer thread hung"
+    if errors:
+        raise errors[0]
+    return results
+
+
+def epoch_indices(loader: ServiceLoader) -> tuple[list[int], int]:
+    seen: list[int] = []
+    batches = 0
+    for batch in loader:
+        seen += batch.indices.tolist()
+        batches += 1
+    return seen, batches
+
+
+def status(endpoint: str) -> dict[str, Any]:
+    ctx: zmq.Context[zmq.Socket[bytes]] = zmq.Context()
+    sock = ctx.socket(zmq.DEALER)
+    sock.setsockopt(zmq.LINGER, 0)
+    try:
+        sock.connect(endpoint)
+        sock.send(encode(StatusRequest()))
+        deadline = time.monotonic() + 10
+        while sock.poll(max(0, int((deadline - time.monotonic()) * 1000))):
+            frame = sock.recv()
+            try:
+                return dict(decode(frame, (StatusReply,)).body)
+            except ValueError:
+                continue  # a heartbeat or other message
+        raise AssertionError("no status reply")
+    finally:
+        sock.close(linger=0)
+        ctx.term()
+
+
+def trainer_process(endpoint: str, script: str, *args: str) -> subprocess.Popen[str]:
+    return subprocess.Popen(
+        [sys.executable, "-c", script, endpoint, *args],
+        cwd=REPO,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+
+
+DIE_AFTER = """
+import os, signal, sys
+from gpu_worker import ServiceLoader
+endpoint, batches, mode = sys.argv[1], int(sys.argv[2]), sys.argv[3]
+kwargs = dict(mode="broadcast", group="g", group_size=3) if mode == "broadcast" else {}
+loader = ServiceLoader(endpoint, timeout=30, **kwargs)
+for i, batch in enumerate(loader):
+    if i + 1 == batches:
+        print("dying", flush=True)
+        os.kill(os.getpid(), signal.SIGKILL)
+"""
