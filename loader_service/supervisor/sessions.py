@@ -6,6 +6,8 @@ from dataclasses import dataclass, field
 
 from protocol.messages import Hello
 
+StreamKey = tuple[object, ...]
+
 
 @dataclass
 class Session:
@@ -59,7 +61,7 @@ class Session:
     def group_size(self) -> int:
         return self.hello.group_size
 
-    def stream_key(self) -> tuple[object, ...]:
+    def stream_key(self) -> StreamKey:
         if self.mode == "broadcast":
             return ("broadcast", self.feed, self.group)
         return ("shard", self.session_id)

@@ -28,13 +28,10 @@ import logging
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 
-import numpy as np
-import numpy.typing as npt
-
-from loader_service.dataset.sampler import batch_of
 from loader_service.supervisor.feeds import Feed
+from loader_service.supervisor.producers import Producer
 from loader_service.supervisor.sessions import Session
-from loader_service.supervisor.warm import GENERATIONS, Handover, WarmCache
+from loader_service.supervisor.warm import Handover, WarmCache
 
 BatchKey = tuple[int, int]
 log = logging.getLogger(__name__)
@@ -68,22 +65,24 @@ class StartRefused(ValueError):
     """A start that a broadcast group cannot honour; the message goes to the trainer."""
 
 
-class Stream:
+class Stream(Producer):
+    """The batches of one shard trainer, or of one broadcast group, and who has received which.
+
+    Every method that makes a batch unneeded frees its slot itself (NOTE [ Slot lifecycle ]).
+    """
+
     def __init__(self, key: tuple[object, ...], feed: Feed, session: Session) -> None:
-        self.key = key
-        self.feed = feed
-        self.broadcast = session.mode == "broadcast"
         self.rank, self.world_size, self.remainder = session.rank, session.world_size, session.remainder
+        super().__init__(feed, (-1, self.rank, self.world_size, self.remainder))
+        self.key = key
+        self.broadcast = session.mode == "broadcast"
+        self.started = False
+        """Whether an epoch has begun."""
         self.group, self.group_size = session.group, session.group_size
         self.members: dict[str, Member] = {}
         self.evicted: set[str] = set()
         """Members removed for lag that still hold leases: their slots stay theirs until released."""
-        self.gen = 0
-        self.epoch = -1
-        self.plan: npt.NDArray[np.int64] | None = None
-        self.next_produce = 0
         self.end = 0
-        self.filling = 0
         self.batches: dict[BatchKey, SharedBatch] = {}
         self.blocked_since: float | None = None
         self.ahead: WarmCache | None = None
@@ -94,22 +93,22 @@ class Stream:
     def add(self, session: Session) -> None:
         self.members[session.session_id] = Member(session)
 
-    def evict(self, session_id: str) -> list[int]:
-        """Stop delivering to a member but leave it the batches it holds; return slots now unneeded."""
+    def evict(self, session_id: str) -> None:
+        """Stop delivering to a member but leave it the batches it holds; free slots now unneeded."""
         self.members.pop(session_id, None)
         self.evicted.add(session_id)
         for batch in self.batches.values():
             batch.pending.discard(session_id)
-        return self._collect()
+        self._collect()
 
-    def remove(self, session_id: str) -> list[int]:
-        """Forget a member; return the slots that no one needs any more."""
+    def remove(self, session_id: str) -> None:
+        """Forget a member; free the slots that no one needs any more."""
         self.members.pop(session_id, None)
         self.evicted.discard(session_id)
         for batch in self.batches.values():
             batch.pending.discard(session_id)
             batch.holders.discard(session_id)
-        return self._collect()
+        self._collect()
 
     @property
     def window(self) -> int:
@@ -123,7 +122,7 @@ class Stream:
 
     def wants_ahead(self) -> bool:
         """Shard mode, epoch fully decoded, credit left: decode the next epoch's first batches."""
-        if self.ahead is None or self.plan is None or self.next_produce < self.end:
+        if self.ahead is None or not self.started or self.next_produce < self.end:
             return False
         return self.in_flight < self.window and self.ahead.wants_batch()
 
@@ -132,28 +131,26 @@ class Stream:
 
     # --- starting epochs ------------------------------------------------------------------------
 
-    def on_start(
-        self, session_id: str, epoch: int, position: int, warm: WarmCache | None = None
-    ) -> list[int]:
-        """Apply a member's start; return slots freed by abandoning a plan. May raise StartRefused.
+    def on_start(self, session_id: str, epoch: int, position: int, warm: WarmCache | None = None) -> None:
+        """Apply a member's start, freeing the slots of an abandoned plan. May raise StartRefused.
 
         ``warm``: the feed's warm-start cache, which a shard start may take from (NOTE [ Warm start ]).
         """
         member = self.members[session_id]
         if not self.broadcast:
             return self._start_shard(member, epoch, position, warm)
-        if self.plan is not None and epoch == self.epoch and not member.active:
+        if self.started and epoch == self.epoch and not member.active:
             self._join_running(member)
-            return []
+            return
         self._check_broadcast_start(member, epoch, position)
         member.active, member.want = False, (epoch, position)
-        return self._maybe_begin_group_epoch()
+        self._maybe_begin_group_epoch()
 
-    def _start_shard(self, member: Member, epoch: int, position: int, warm: WarmCache | None) -> list[int]:
+    def _start_shard(self, member: Member, epoch: int, position: int, warm: WarmCache | None) -> None:
         """(Re)start the plan; take batches decoded early (ahead, or warm) if they are its first ones."""
         plan = (epoch, self.rank, self.world_size, self.remainder)
         cache = next((c for c in (self.ahead, warm) if c is not None and c.serves(*plan, position)), None)
-        freed = self._begin(epoch, position)
+        self._begin(epoch, position)
         self._activate(member, position)
         if cache is not None:
             handover = cache.take(self)
@@ -163,15 +160,14 @@ class Stream:
                 self.key[1],
                 len(handover.ready) + len(handover.filling),
                 epoch,
-                cache.key[0],
+                cache.lane,
                 len(handover.filling),
             )
         following = (epoch + 1, self.rank, self.world_size, self.remainder)
         if self.ahead is None:
-            self.ahead = WarmCache(self.feed, self.window, following, ("ahead", *self.key))
+            self.ahead = WarmCache(self.feed, self.window, following, lane="ahead")
         else:
-            freed += self.ahead.retarget(following)
-        return freed
+            self.ahead.retarget(following)
 
     def _check_broadcast_start(self, member: Member, epoch: int, position: int) -> None:
         others = {m.want[0] for m in self.members.values() if m.want is not None and m is not member}
@@ -180,33 +176,33 @@ class Stream:
                 f"broadcast group {self.group!r} members must start the same epoch: "
                 f"others asked for {sorted(others)}, this trainer for {epoch}"
             )
-        if self.plan is not None and epoch != self.epoch + 1:
+        if self.started and epoch != self.epoch + 1:
             raise StartRefused(
                 f"broadcast group {self.group!r} is in epoch {self.epoch}; its members iterate epochs "
                 f"together, so the next one is {self.epoch + 1}, not {epoch}"
             )
-        if self.plan is not None and position != 0:
+        if self.started and position != 0:
             raise StartRefused("a broadcast group resumes at a position only before its first epoch")
 
-    def _maybe_begin_group_epoch(self) -> list[int]:
+    def _maybe_begin_group_epoch(self) -> None:
         waiting = [m for m in self.members.values() if m.want is not None]
-        if self.plan is None and len(waiting) < self.group_size:
-            return []  # NOTE [ Broadcast epochs ]: the first epoch waits for group_size members
+        if not self.started and len(waiting) < self.group_size:
+            return  # NOTE [ Broadcast epochs ]: the first epoch waits for group_size members
         if len(waiting) < len(self.members) or not waiting:
-            return []  # someone is still in the current epoch
+            return  # someone is still in the current epoch
         # Members may resume at different positions (after a service restart, each reconnects where
         # its loop was): the group starts at the earliest, and each member receives from its own.
         wants = [m.want for m in waiting if m.want is not None]
         epoch = wants[0][0]
-        freed = self._begin(epoch, min(position for _, position in wants))
+        self._begin(epoch, min(position for _, position in wants))
         for m in waiting:
             assert m.want is not None
             self._activate(m, m.want[1])
-        return freed
 
-    def on_member_left(self) -> list[int]:
+    def on_member_left(self) -> None:
         """A departed member may have been the last one the next epoch was waiting for."""
-        return [] if self.plan is None else self._maybe_begin_group_epoch()
+        if self.started:
+            self._maybe_begin_group_epoch()
 
     def _join_running(self, member: Member) -> None:
         current = [seq for gen, seq in self.batches if gen == self.gen]
@@ -220,35 +216,31 @@ class Stream:
         member.want, member.active = None, True
         member.next_send, member.end_sent = min(position, self.end), False
 
-    def _begin(self, epoch: int, position: int) -> list[int]:
-        """Switch to a new plan; undelivered batches of the old one are dropped."""
-        # Unique across streams: a broadcast group recreated under the same key must never take a
-        # late batch of its predecessor's plan for its own.
-        self.gen = next(GENERATIONS)
-        self.epoch = epoch
-        self.plan = self.feed.plan(epoch, self.rank, self.world_size, self.remainder)
+    def _begin(self, epoch: int, position: int) -> None:
+        """Switch to a new plan (NOTE [ Plan generations ]); the old one's undelivered batches are dropped."""
         self.end = self.batches_per_epoch()
-        self.next_produce = min(position, self.end)
-        self.filling = 0
+        self.restart((epoch, self.rank, self.world_size, self.remainder), min(position, self.end))
+        self.started = True
         for batch in self.batches.values():
             batch.pending.clear()
-        return self._collect()
+        self._collect()
+
+    def close(self) -> None:
+        """The last member left: free every batch; those still decoding are freed when they report."""
+        self.free(batch.slot for batch in self.batches.values())
+        self.batches.clear()
+        if self.ahead is not None:
+            self.ahead.drop()
+        self.restart(self.plan_key)
+        self.started = False
 
     # --- production -----------------------------------------------------------------------------
 
     def wants_batch(self) -> bool:
-        return self.plan is not None and self.next_produce < self.end and self.in_flight < self.window
-
-    def plan_batch(self) -> tuple[int, int, npt.NDArray[np.int64]]:
-        """(generation, seq, sample indices) of the next batch to decode."""
-        assert self.plan is not None
-        seq = self.next_produce
-        self.next_produce += 1
-        self.filling += 1
-        return self.gen, seq, batch_of(self.plan, seq, self.feed.config.batch_size)
+        return self.started and self.next_produce < self.end and self.in_flight < self.window
 
     def filled(self, gen: int, seq: int, slot: int, count: int) -> bool:
-        """Record a decoded batch; False if its plan was abandoned meanwhile (free the slot)."""
+        """Record a decoded batch; False if its plan was abandoned meanwhile."""
         if gen != self.gen:
             return False
         self.filling -= 1
@@ -257,6 +249,9 @@ class Stream:
             return False
         self.batches[(gen, seq)] = SharedBatch(slot, count, active)
         return True
+
+    def receiver(self, gen: int) -> Stream | None:
+        return self
 
     def adopt(self, handover: Handover) -> None:
         """Take a cache's batches of this plan, decoded and in flight (NOTE [ Warm start ])."""
@@ -290,20 +285,19 @@ class Stream:
         batch.pending.add(sid)
         member.next_send = key[1]
 
-    def release(self, session_id: str, key: BatchKey) -> int | None:
-        """A member let go of a batch; return its slot if nobody needs it any more."""
+    def release(self, session_id: str, key: BatchKey) -> None:
+        """A member let go of a batch; its slot is freed if nobody needs it any more."""
         batch = self.batches.get(key)
         if batch is None:
-            return None
+            return
         batch.holders.discard(session_id)
         if batch.finished:
             del self.batches[key]
-            return batch.slot
-        return None
+            self.feed.pool.release(batch.slot)
 
-    def _collect(self) -> list[int]:
+    def _collect(self) -> None:
         done = [key for key, batch in self.batches.items() if batch.finished]
-        return [self.batches.pop(key).slot for key in done]
+        self.free(self.batches.pop(key).slot for key in done)
 
     def laggard(self) -> str | None:
         """The member holding up a full broadcast window: it has not received or released the oldest batch."""

@@ -21,32 +21,20 @@ NOTE [ Warm start ]
 
 from __future__ import annotations
 
-import itertools
 import logging
 from dataclasses import dataclass, field
-from typing import Protocol
+from typing import TYPE_CHECKING
 
-import numpy as np
-import numpy.typing as npt
-
-from loader_service.dataset.sampler import batch_of
 from loader_service.supervisor.feeds import Feed
+from loader_service.supervisor.producers import PlanKey, Producer
+
+if TYPE_CHECKING:
+    from loader_service.supervisor.streams import Stream
 
 log = logging.getLogger(__name__)
-GENERATIONS = itertools.count(1)
-"""Plan generations for streams and caches alike: unique in the process, so a completion tagged with
-one can never be taken for another plan's, whichever stream or cache it reaches."""
 WARM_BATCHES = 2
-WARM_PLAN = (0, 0, 1, "pad")
+WARM_PLAN: PlanKey = (0, 0, 1, "pad")
 """(epoch, rank, world_size, remainder) of the plan kept warm."""
-
-
-class Filler(Protocol):
-    """What takes over a cache's batches: a shard ``Stream``."""
-
-    gen: int
-
-    def filled(self, gen: int, seq: int, slot: int, count: int) -> bool: ...
 
 
 @dataclass
@@ -61,49 +49,40 @@ class Handover:
 
 @dataclass
 class _Forward:
-    target: Filler
+    target: Stream
     target_gen: int
     remaining: int
 
 
-class WarmCache:
+class WarmCache(Producer):
     """The first ``batches`` batches of one plan, decoded before anyone asked for them.
 
-    Used for the feed's warm start (``WARM_PLAN``) and, per shard stream, for the first batches of
-    the next epoch while the trainer finishes the current one (NOTE [ Warm start ]).
+    Used for the feed's warm start (``WARM_PLAN``, lane ``warm``) and, per shard stream, for the
+    first batches of the next epoch while the trainer finishes the current one (lane ``ahead``,
+    NOTE [ Warm start ]).
     """
 
     def __init__(
-        self,
-        feed: Feed,
-        batches: int = WARM_BATCHES,
-        plan: tuple[int, int, int, str] = WARM_PLAN,
-        key: tuple[object, ...] | None = None,
+        self, feed: Feed, batches: int = WARM_BATCHES, plan: PlanKey = WARM_PLAN, lane: str = "warm"
     ) -> None:
-        self.feed = feed
-        self.key = key or ("warm", feed.id)
+        super().__init__(feed, plan)
+        self.lane = lane
         self._limit = batches
-        self.gen = next(GENERATIONS)
-        self.next_produce = 0
-        self.filling = 0
         self.ready: dict[int, tuple[int, int]] = {}
         """seq -> (slot, count) of decoded batches waiting for a taker."""
         self._forwards: dict[int, _Forward] = {}
         """Old generation -> the stream its in-flight batches were handed to."""
-        self._plan: npt.NDArray[np.int64] | None = None
         self.retarget(plan)
 
-    def retarget(self, plan: tuple[int, int, int, str]) -> list[int]:
-        """Keep another plan warm; return the slots of the old one's batches to free.
+    def retarget(self, plan: PlanKey) -> None:
+        """Keep another plan warm; the old one's decoded batches are freed.
 
         The generation only grows, so a late batch of any earlier plan is never taken for this one.
         """
-        epoch, _rank, world_size, remainder = plan
-        self.plan_key = plan
-        self.epoch = epoch
-        self._plan = None  # computed when the first batch is decoded: most plans never are
+        _epoch, _rank, world_size, remainder = plan
         self._end = min(self._limit, self.feed.shard_batches(world_size, remainder))
-        return self.drop()
+        self.drop()
+        self.plan_key = plan
 
     def serves(self, epoch: int, rank: int, world_size: int, remainder: str, position: int) -> bool:
         """Are this cache's batches the first ones of that start?"""
@@ -112,16 +91,8 @@ class WarmCache:
     def wants_batch(self) -> bool:
         return self.next_produce < self._end
 
-    def plan_batch(self) -> tuple[int, int, npt.NDArray[np.int64]]:
-        if self._plan is None:
-            self._plan = self.feed.plan(*self.plan_key)
-        seq = self.next_produce
-        self.next_produce += 1
-        self.filling += 1
-        return self.gen, seq, batch_of(self._plan, seq, self.feed.config.batch_size)
-
     def filled(self, gen: int, seq: int, slot: int, count: int) -> bool:
-        """Keep (or forward) a decoded batch; False if nobody wants it any more (free the slot)."""
+        """Keep (or forward) a decoded batch; False if nobody wants it any more."""
         if gen != self.gen:
             return self._forward_filled(gen, seq, slot, count)
         self.filling -= 1
@@ -131,11 +102,16 @@ class WarmCache:
             seq,
             self.epoch,
             self.feed.name,
-            self.key[0],
+            self.lane,
         )
         return True
 
-    def take(self, taker: Filler) -> Handover:
+    def receiver(self, gen: int) -> Stream | None:
+        """The stream this cache's batches of generation ``gen`` were handed to, if any."""
+        forward = self._forwards.get(gen) if gen != self.gen else None
+        return None if forward is None else forward.target
+
+    def take(self, taker: Stream) -> Handover:
         """Everything planned so far, for ``taker`` at its current generation; the cache is then empty.
 
         Decoded batches are handed over at once; completions of those still being decoded are
@@ -149,11 +125,6 @@ class WarmCache:
         self.drop()
         return handover
 
-    def forward_target(self, gen: int) -> Filler | None:
-        """Who gets a completion of generation ``gen``: None for this cache itself or nobody."""
-        forward = self._forwards.get(gen) if gen != self.gen else None
-        return None if forward is None else forward.target
-
     def _forward_filled(self, gen: int, seq: int, slot: int, count: int) -> bool:
         forward = self._forwards.get(gen)
         if forward is None:
@@ -163,14 +134,12 @@ class WarmCache:
             del self._forwards[gen]
         return forward.target.filled(forward.target_gen, seq, slot, count)
 
-    def drop(self) -> list[int]:
-        """Empty the cache; batches still being decoded are freed when they report (new generation)."""
-        freed = [slot for slot, _count in self.ready.values()]
+    def drop(self) -> None:
+        """Empty the cache and free its decoded batches; those still being decoded are freed when
+        they report, since they now carry an old generation."""
+        self.free(slot for slot, _count in self.ready.values())
         self.ready.clear()
-        self.gen = next(GENERATIONS)
-        self.next_produce = 0
-        self.filling = 0
-        return freed
+        self.restart(self.plan_key)
 
     @property
     def held(self) -> int:

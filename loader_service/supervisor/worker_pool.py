@@ -11,7 +11,7 @@ import logging
 import multiprocessing
 import multiprocessing.process
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field, replace
 
 from loader_service.decode.worker import WORKER_BOOT_ERROR, WorkerConfig, run_worker
@@ -21,6 +21,9 @@ log = logging.getLogger(__name__)
 _SPAWN = multiprocessing.get_context("spawn")
 BOOT_BACKOFF = 0.25
 MAX_BOOT_FAILURES = 5
+LOST_AFTER = 5.0
+"""Seconds a worker may take to exit after SIGKILL before it is given up for lost (NOTE [ Stuck workers ])."""
+Spawner = Callable[[WorkerConfig], multiprocessing.process.BaseProcess]
 
 
 @dataclass
@@ -32,6 +35,8 @@ class WorkerHandle:
     """The task id this worker is decoding, if any."""
     task_since: float = 0.0
     decoded: RateMeter = field(default_factory=RateMeter)
+    killed_at: float | None = None
+    """When it was killed for overrunning its task; it is killed (and logged) only once."""
 
     @property
     def idle(self) -> bool:
@@ -45,11 +50,25 @@ class WorkerSet:
     ``WORKER_BOOT_ERROR``, failed to start: it is restarted after a doubling delay, and after
     ``MAX_BOOT_FAILURES`` such failures in a row ``given_up`` turns true and the service stops with
     a fatal error instead of restarting forever.
+
+    NOTE [ Stuck workers ]
+    A worker whose task runs past the task timeout (a read that never returns, a decoder that loops)
+    is sent SIGKILL once and logged once. Normally it exits at once and ``reap`` replaces it like any
+    dead worker. A process in uninterruptible sleep (a hung network filesystem) cannot die until
+    the kernel call returns; if it has not exited ``LOST_AFTER`` seconds after the kill, it is
+    given up for lost, once: a replacement starts, its task is redone, and the old pid is watched
+    (never again signalled or logged) until it finally exits. Redoing its batch into the same slot
+    is safe because a SIGKILLed process never runs user code again, and workers read files into
+    their own buffers, never straight into slot memory: the kernel cannot write into the slot on
+    its behalf when it wakes.
     """
 
-    def __init__(self, template: WorkerConfig, count: int) -> None:
+    def __init__(self, template: WorkerConfig, count: int, spawn: Spawner | None = None) -> None:
         self._template = template
+        self._start_process = spawn or _spawn_process
         self._handles = {i: self._spawn(i) for i in range(count)}
+        self._lost: list[WorkerHandle] = []
+        """Killed workers that would not exit, watched until they do."""
         self._restart_at: dict[int, float] = {}
         self.restarts = 0
         self.boot_failures = 0
@@ -59,11 +78,7 @@ class WorkerSet:
         return self.boot_failures >= MAX_BOOT_FAILURES
 
     def _spawn(self, worker: int) -> WorkerHandle:
-        cfg = replace(self._template, worker=worker)
-        process = _SPAWN.Process(
-            target=run_worker, args=(cfg,), name=f"dataferry-worker-{worker}", daemon=True
-        )
-        process.start()
+        process = self._start_process(replace(self._template, worker=worker))
         log.info("started decode worker %d (pid %s)", worker, process.pid)
         return WorkerHandle(worker, process)
 
@@ -76,20 +91,38 @@ class WorkerSet:
     def idle(self) -> list[WorkerHandle]:
         return [h for h in self._handles.values() if h.idle]
 
-    def kill_stuck(self, now: float, limit: float) -> list[WorkerHandle]:
-        """SIGKILL workers whose task has run for more than ``limit`` seconds (a hung read, a decoder
-        that never returns); ``reap`` then replaces them and their task is redone."""
-        stuck = [h for h in self._handles.values() if h.task is not None and now - h.task_since > limit]
-        for h in stuck:
+    def check_stuck(self, now: float, limit: float, lost_after: float = LOST_AFTER) -> list[WorkerHandle]:
+        """Kill workers whose task has run past ``limit``; return those given up for lost, whose
+        tasks must be redone now (NOTE [ Stuck workers ])."""
+        for h in self._handles.values():
+            if h.task is not None and h.killed_at is None and now - h.task_since > limit:
+                log.error(
+                    "decode worker %d (pid %s) spent over %.0f s on task %s; killing it",
+                    h.worker,
+                    h.process.pid,
+                    limit,
+                    h.task,
+                )
+                h.killed_at = now
+                h.process.kill()
+        lost = [
+            h
+            for h in self._handles.values()
+            if h.killed_at is not None and now - h.killed_at > lost_after and h.process.exitcode is None
+        ]
+        for h in lost:
             log.error(
-                "decode worker %d (pid %s) spent over %.0f s on task %s; killing it",
+                "decode worker %d (pid %s) has not exited %.0f s after SIGKILL (uninterruptible sleep?); "
+                "starting a replacement, redoing task %s, and watching the old process until it exits",
                 h.worker,
                 h.process.pid,
-                limit,
+                lost_after,
                 h.task,
             )
-            h.process.kill()
-        return stuck
+            del self._handles[h.worker]
+            self._lost.append(h)
+            self._restart_at[h.worker] = now
+        return lost
 
     def mark_ready(self, handle: WorkerHandle, routing_id: bytes) -> None:
         handle.routing_id = routing_id
@@ -97,6 +130,7 @@ class WorkerSet:
 
     def reap(self, now: float) -> list[WorkerHandle]:
         """Collect workers that exited and start the replacements that are due; return the dead."""
+        self._reap_lost()
         dead = [h for h in self._handles.values() if h.process.exitcode is not None]
         for h in dead:
             del self._handles[h.worker]
@@ -122,6 +156,17 @@ class WorkerSet:
                 self.restarts += 1
         return dead
 
+    def _reap_lost(self) -> None:
+        for h in [h for h in self._lost if h.process.exitcode is not None]:
+            log.info("lost decode worker (pid %s) finally exited", h.process.pid)
+            h.process.close()
+            self._lost.remove(h)
+
+    @property
+    def lost(self) -> int:
+        """Killed workers that have not exited yet."""
+        return len(self._lost)
+
     def join(self, deadline: float) -> None:
         """Join every worker by ``deadline`` (the caller has sent ``stop``), then terminate, then kill."""
         for h in self._handles.values():
@@ -137,3 +182,13 @@ class WorkerSet:
             if h.process.exitcode is None:
                 h.process.kill()
                 h.process.join(1.0)
+        for h in self._lost:
+            h.process.join(max(0.0, deadline - time.monotonic()))
+
+
+def _spawn_process(cfg: WorkerConfig) -> multiprocessing.process.BaseProcess:
+    process = _SPAWN.Process(
+        target=run_worker, args=(cfg,), name=f"dataferry-worker-{cfg.worker}", daemon=True
+    )
+    process.start()
+    return process

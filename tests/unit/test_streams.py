@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, cast
 
 import numpy as np
@@ -14,6 +14,16 @@ from loader_service.supervisor.streams import StartRefused, Stream
 from protocol.messages import Hello
 
 
+class PoolStub:
+    """Records the slots a stream frees, in order."""
+
+    def __init__(self) -> None:
+        self.freed: list[int] = []
+
+    def release(self, slot: int) -> None:
+        self.freed.append(slot)
+
+
 @dataclass
 class FeedStub:
     """What a Stream (and its ahead cache) asks of its feed."""
@@ -21,6 +31,7 @@ class FeedStub:
     batch_size: int = 4
     samples: int = 10
     name: str = "stub"
+    pool: PoolStub = field(default_factory=PoolStub)
 
     @property
     def config(self) -> Any:
@@ -31,6 +42,10 @@ class FeedStub:
 
     def plan(self, epoch: int, rank: int, world_size: int, remainder: str) -> np.ndarray:
         return np.arange(self.samples, dtype=np.int64)
+
+
+def freed(stream: Stream) -> list[int]:
+    return cast(FeedStub, stream.feed).pool.freed
 
 
 def session(sid: str, mode: str = "broadcast", group_size: int = 2, credits: int = 3) -> Session:
@@ -73,8 +88,10 @@ def test_batch_slot_is_freed_when_every_member_released_it() -> None:
     assert stream.filled(gen, seq, slot=7, count=4)
     for sid in ("a", "b"):
         assert [key for key, _ in stream.deliverable(stream.members[sid])] == [(gen, seq)]
-    assert stream.release("a", (gen, seq)) is None
-    assert stream.release("b", (gen, seq)) == 7
+    stream.release("a", (gen, seq))
+    assert freed(stream) == []
+    stream.release("b", (gen, seq))
+    assert freed(stream) == [7]
 
 
 def test_evicted_member_keeps_its_slot_but_stops_counting() -> None:
@@ -87,9 +104,11 @@ def test_evicted_member_keeps_its_slot_but_stops_counting() -> None:
         list(stream.deliverable(stream.members[sid]))
     stream.release("a", (gen, seq))
     assert stream.in_flight == 1
-    assert stream.evict("b") == [], "b still reads slot 1"
+    stream.evict("b")
+    assert freed(stream) == [], "b still reads slot 1"
     assert stream.in_flight == 0, "the group's window is free again"
-    assert stream.release("b", (gen, seq)) == 1
+    stream.release("b", (gen, seq))
+    assert freed(stream) == [1]
 
 
 def test_shard_restart_drops_undelivered_batches() -> None:
@@ -98,7 +117,8 @@ def test_shard_restart_drops_undelivered_batches() -> None:
     stream.on_start("a", 0, 0)
     gen, seq, _ = stream.plan_batch()
     stream.filled(gen, seq, slot=2, count=4)
-    assert stream.on_start("a", 1, 0) == [2], "the unannounced batch's slot is freed"
+    stream.on_start("a", 1, 0)
+    assert freed(stream) == [2], "the unannounced batch's slot is freed"
     assert not stream.filled(gen, seq + 1, slot=3, count=4), "a late batch of the old plan is refused"
 
 
@@ -111,7 +131,8 @@ def test_members_resuming_at_different_positions_each_get_their_own_rest() -> No
     assert stream.filled(first[0], first[1], slot=0, count=4)
     assert [k for k, _ in stream.deliverable(stream.members["a"])] == [(first[0], 1)]
     assert list(stream.deliverable(stream.members["b"])) == [], "b had seen batch 1 already"
-    assert stream.release("a", (first[0], 1)) == 0
+    stream.release("a", (first[0], 1))
+    assert freed(stream) == [0]
 
 
 def test_next_epoch_takes_the_batches_decoded_ahead_and_those_still_decoding() -> None:
@@ -129,7 +150,9 @@ def test_next_epoch_takes_the_batches_decoded_ahead_and_those_still_decoding() -
     first, second = ahead.plan_batch(), ahead.plan_batch()
     assert ahead.filled(first[0], first[1], slot=5, count=4)  # the second is still decoding
 
-    assert stream.on_start("a", 1, 0) == [], "nothing decoded ahead is thrown away"
+    already = list(freed(stream))
+    stream.on_start("a", 1, 0)
+    assert freed(stream) == already, "nothing decoded ahead is thrown away"
     assert stream.next_produce == 2 and stream.filling == 1, "neither batch is decoded again"
     assert ahead.filled(second[0], second[1], slot=6, count=4), "its completion reaches the stream"
     assert stream.filling == 0

@@ -1,0 +1,81 @@
+"""Everything the service sends to trainers: announcements in order, epoch ends, heartbeats, refusals.
+
+Nothing here ever blocks the main loop: a message that cannot go out now (a full or briefly
+unreachable peer) is kept as owed and sent again on a later delivery round (NOTE [ Owed messages ]).
+
+NOTE [ Owed messages ]
+    A ``batch`` announcement that fails to send is taken back (``Stream.undeliver``) and the lease is
+    never recorded; an ``epoch_end`` is marked sent only once it has gone out. Every heartbeat
+    interval the loop runs a delivery round over every stream, so both are retried until the peer
+    takes them or its session ends. Heartbeats and refusals are not retried: the next heartbeat
+    replaces a lost one, and a refused peer asks again.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable
+
+from loader_service.logs import LogLimiter
+from loader_service.supervisor.attachments import Attachments
+from loader_service.supervisor.slots import SlotState
+from loader_service.supervisor.streams import Member, Stream
+from protocol.messages import BatchReady, EpochEnd, ErrorReply, Heartbeat, Message
+
+log = logging.getLogger(__name__)
+Send = Callable[[bytes, Message], bool]
+"""Send a message to a routing id without blocking; False if it did not go out."""
+
+
+class Outbox:
+    def __init__(self, send: Send, attached: Attachments, heartbeat_interval: float) -> None:
+        self.send = send
+        self._attached = attached
+        self._heartbeat_interval = heartbeat_interval
+        self._next_lease = 0
+        self._last_heartbeat = 0.0
+        self.rejected_messages = 0
+        self._reject_log = LogLimiter("rejected messages", per_minute=30)
+
+    def deliver(self, stream: Stream) -> None:
+        """Announce what each member may receive, strictly in sequence order."""
+        for member in stream.members.values():
+            self._announce(stream, member)
+            self._maybe_end(stream, member)
+
+    def _announce(self, stream: Stream, member: Member) -> None:
+        session = member.session
+        for key, batch in stream.deliverable(member):
+            lease = self._next_lease
+            self._next_lease += 1
+            announced = BatchReady(session.run, stream.epoch, key[1], lease, batch.slot, batch.count)
+            if not self.send(session.routing_id, announced):
+                stream.undeliver(member, key)  # NOTE [ Owed messages ]
+                return
+            if stream.feed.pool.state(batch.slot) is SlotState.READY:
+                stream.feed.pool.lease(batch.slot)
+            session.leases[lease] = key
+            session.delivered += 1
+
+    def _maybe_end(self, stream: Stream, member: Member) -> None:
+        if member.active and not member.end_sent and member.next_send >= stream.end:
+            session = member.session
+            # NOTE [ Owed messages ]: marked sent only once it went out, so a lost one is sent again.
+            member.end_sent = self.send(session.routing_id, EpochEnd(session.run, stream.epoch, stream.end))
+
+    def heartbeat(self, now: float) -> None:
+        """Heartbeat every trainer, and retry what is owed, once per heartbeat interval."""
+        if now - self._last_heartbeat < self._heartbeat_interval:
+            return
+        self._last_heartbeat = now
+        for routing_id in list(self._attached.sessions):
+            self.send(routing_id, Heartbeat())
+        for stream in list(self._attached.streams.values()):
+            self.deliver(stream)
+
+    def reject(self, routing_id: bytes, code: str, message: str, fatal: bool = False) -> None:
+        self.rejected_messages += 1
+        if self._reject_log.allow(time.monotonic()):
+            log.warning("rejected message from %r: %s", routing_id[:16], message)
+        self.send(routing_id, ErrorReply(code, message[:2000], fatal))

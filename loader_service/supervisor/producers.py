@@ -1,0 +1,96 @@
+"""What every batch producer shares: one plan of one feed, decoded batch by batch into the feed's slots.
+
+A producer is a shard or broadcast ``Stream`` (batches trainers asked for) or a ``WarmCache`` (batches
+decoded before anyone asked). The scheduler asks a producer for its next batch (``plan_batch``), hands
+the task the producer itself, and gives the worker's report back to it (``complete``). A producer
+frees the slots it no longer needs itself, so no caller ever holds a bare list of slots to free.
+
+NOTE [ Plan generations ]
+    Every (re)start of a plan takes a new generation from one process-wide counter, and every task
+    carries the generation it was planned under. A completion whose generation is not the
+    producer's current one belongs to an abandoned plan: its slot is freed, never delivered. Because
+    the counter is shared by streams and caches, a completion can never be taken for another
+    producer's plan, even one recreated under the same name.
+"""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Iterable
+from typing import TYPE_CHECKING
+
+import numpy as np
+import numpy.typing as npt
+
+from loader_service.dataset.sampler import batch_of
+from loader_service.supervisor.feeds import Feed
+
+if TYPE_CHECKING:
+    from loader_service.supervisor.streams import Stream
+
+GENERATIONS = itertools.count(1)
+PlanKey = tuple[int, int, int, str]
+"""(epoch, rank, world_size, remainder): a plan is a pure function of these and the feed's seed."""
+
+
+class Producer:
+    """One plan's batches, planned in order; subclasses decide what a decoded batch is for."""
+
+    lane = "stream"
+    """How the batch counts in status: ``stream``, ``ahead`` or ``warm``."""
+
+    def __init__(self, feed: Feed, plan_key: PlanKey) -> None:
+        self.feed = feed
+        self.gen = next(GENERATIONS)
+        self.plan_key = plan_key
+        self.next_produce = 0
+        """Seq of the next batch to plan."""
+        self.filling = 0
+        """Batches planned and not yet reported by their worker."""
+        self._order: npt.NDArray[np.int64] | None = None
+
+    @property
+    def epoch(self) -> int:
+        return self.plan_key[0]
+
+    def restart(self, plan_key: PlanKey, position: int = 0) -> None:
+        """Switch to a plan under a new generation (NOTE [ Plan generations ]), nothing in flight."""
+        self.gen = next(GENERATIONS)
+        self.plan_key = plan_key
+        self._order = None  # computed when the first batch is planned: many plans never are
+        self.next_produce = position
+        self.filling = 0
+
+    def plan_batch(self) -> tuple[int, int, npt.NDArray[np.int64]]:
+        """(generation, seq, sample indices) of the next batch to decode."""
+        if self._order is None:
+            self._order = self.feed.plan(*self.plan_key)
+        seq = self.next_produce
+        self.next_produce += 1
+        self.filling += 1
+        return self.gen, seq, batch_of(self._order, seq, self.feed.config.batch_size)
+
+    def complete(self, gen: int, seq: int, slot: int, count: int) -> Stream | None:
+        """A worker filled ``slot`` for batch (gen, seq): keep it or free it (NOTE [ Slot lifecycle ]).
+
+        Returns the stream whose members may now be sent something, if any.
+        """
+        receiver = self.receiver(gen)
+        if not self.filled(gen, seq, slot, count):
+            self.feed.pool.release(slot)  # its plan was abandoned while the slot was filling
+            return None
+        self.feed.counters.batches += 1
+        self.feed.pool.filled(slot)
+        return receiver
+
+    def free(self, slots: Iterable[int]) -> None:
+        for slot in slots:
+            self.feed.pool.release(slot)
+
+    def filled(self, gen: int, seq: int, slot: int, count: int) -> bool:
+        """Record a decoded batch; False if nobody wants it any more."""
+        raise NotImplementedError
+
+    def receiver(self, gen: int) -> Stream | None:
+        """The stream a completion of generation ``gen`` may be delivered from."""
+        raise NotImplementedError

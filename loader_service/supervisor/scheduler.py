@@ -1,0 +1,183 @@
+"""Decode tasks: which batch each idle worker decodes next, and what happens to its report or its death.
+
+A task is one batch of one producer (a stream or a cache, ``producers.py``) in one slot. The task
+carries the producer itself, so a worker's report goes straight back to it (NOTE [ Plan
+generations ]); a task whose worker died is redone under a fresh id (NOTE [ Worker restarts ]).
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections import deque
+from collections.abc import Callable
+from dataclasses import dataclass, replace
+
+import numpy as np
+
+from loader_service.config import ServiceConfig
+from loader_service.supervisor.attachments import Attachments
+from loader_service.supervisor.feeds import Feed
+from loader_service.supervisor.producers import Producer
+from loader_service.supervisor.streams import Stream
+from loader_service.supervisor.warm import WarmCache
+from loader_service.supervisor.worker_pool import WorkerSet
+from protocol.messages import Message, ProtocolError, Task, TaskDone, WorkerReady, decode
+
+log = logging.getLogger(__name__)
+MAX_TASK_ATTEMPTS = 3
+WORKER_MESSAGES = (WorkerReady, TaskDone)
+
+
+@dataclass(frozen=True)
+class TaskRecord:
+    task: int
+    producer: Producer
+    gen: int
+    seq: int
+    epoch: int
+    """Of the plan at planning time: a cache may move on to another epoch while its batch decodes."""
+    slot: int
+    indices: bytes
+    attempts: int = 0
+
+    @property
+    def feed(self) -> Feed:
+        return self.producer.feed
+
+
+class Scheduler:
+    def __init__(
+        self,
+        config: ServiceConfig,
+        workers: WorkerSet,
+        attached: Attachments,
+        warm: dict[int, WarmCache],
+        send_worker: Callable[[bytes, Message], None],
+        deliver: Callable[[Stream], None],
+    ) -> None:
+        self._config = config
+        self._workers = workers
+        self._attached = attached
+        self._warm = warm
+        self._send_worker = send_worker
+        self._deliver = deliver
+        self._tasks: dict[int, TaskRecord] = {}
+        self._redo: deque[TaskRecord] = deque()
+        self._next_task = 0
+        self.fatal: str | None = None
+        """Why the service must stop: ``--strict`` met a bad file, or workers cannot start."""
+
+    # --- worker reports -------------------------------------------------------------------------
+
+    def on_frames(self, frames: list[bytes]) -> None:
+        try:
+            msg = decode(frames[-1], WORKER_MESSAGES)
+        except ProtocolError as exc:
+            log.error("bad message from a decode worker: %s", exc)
+            return
+        if isinstance(msg, WorkerReady):
+            handle = self._workers.get(msg.worker)
+            if handle is not None and handle.process.pid == msg.pid:
+                self._workers.mark_ready(handle, frames[0])
+        elif isinstance(msg, TaskDone):
+            self._on_task_done(msg)
+
+    def _on_task_done(self, msg: TaskDone) -> None:
+        handle = self._workers.get(msg.worker)
+        if handle is not None and handle.task == msg.task:
+            handle.task = None
+            handle.decoded.add(msg.count)
+        record = self._tasks.pop(msg.task, None)
+        if record is not None:  # else: a report from before a redo (NOTE [ Worker restarts ])
+            self._complete(record, msg.count, msg.bad)
+
+    def _complete(self, record: TaskRecord, count: int, bad: tuple[tuple[int, str], ...]) -> None:
+        feed = record.feed
+        for idx, reason in bad:
+            feed.note_bad(idx, reason)
+            if self._config.strict and self.fatal is None:
+                where = feed.index.relpath(idx) if 0 <= idx < len(feed.index) else f"sample {idx}"
+                self.fatal = f"--strict: feed {feed.name!r}: {where}: {reason}"
+        feed.counters.decoded.add(count)
+        if record.producer.lane == "warm":
+            feed.counters.warm_decoded += count
+        receiver = record.producer.complete(record.gen, record.seq, record.slot, count)
+        if receiver is not None:
+            self._deliver(receiver)
+
+    # --- worker deaths --------------------------------------------------------------------------
+
+    def reap(self) -> None:
+        """Replace dead or lost workers and redo their tasks (NOTE [ Worker restarts ])."""
+        now = time.monotonic()
+        for lost in self._workers.check_stuck(now, self._config.task_timeout):
+            self._redo_task(lost.task)
+        for dead in self._workers.reap(now):
+            self._redo_task(dead.task)
+        if self._workers.given_up and self.fatal is None:
+            self.fatal = "decode workers keep failing at start-up; see their errors above"
+
+    def _redo_task(self, task: int | None) -> None:
+        record = self._tasks.pop(task, None) if task is not None else None
+        if record is None:
+            return
+        # The slot stays FILLING and is rewritten from scratch by whoever takes the redo. A fresh
+        # task id makes a late ``done`` from the dead worker unrecognisable, so the slot can never
+        # be announced while the redo is still writing it.
+        self._next_task += 1
+        redo = replace(record, task=self._next_task, attempts=record.attempts + 1)
+        if redo.attempts < MAX_TASK_ATTEMPTS:
+            self._redo.append(redo)
+        else:
+            self._give_up(redo)
+
+    def _give_up(self, record: TaskRecord) -> None:
+        """A batch that killed its decoder every time: report its files bad and deliver it empty."""
+        reason = f"decode worker died {record.attempts} times on the batch holding this file"
+        indices = np.frombuffer(record.indices, dtype="<i8").tolist()
+        self._complete(record, 0, tuple((i, reason) for i in indices))
+
+    # --- handing out tasks ----------------------------------------------------------------------
+
+    def schedule(self) -> None:
+        for handle in self._workers.idle():
+            record = self._redo.popleft() if self._redo else self._next_job()
+            if record is None:
+                return
+            assert handle.routing_id is not None
+            handle.task, handle.task_since = record.task, time.monotonic()
+            self._tasks[record.task] = record
+            task = Task(record.task, record.feed.id, record.slot, record.epoch, record.indices)
+            self._send_worker(handle.routing_id, task)
+
+    def _next_job(self) -> TaskRecord | None:
+        """The next batch to decode: for the stream with the fewest batches in flight (the trainer
+        closest to waiting: with DDP ranks sharing a pool smaller than their credits, the rank that is
+        behind must not be starved by the prefetch of ranks blocked in an all-reduce); then the next
+        epoch's first batches; warm-start batches last. Ties go round-robin."""
+        order = self._attached.order
+        streams = self._attached.streams
+        order.rotate(-1)
+        wanting = [streams[key] for key in order if streams[key].wants_batch()]
+        for stream in sorted(wanting, key=lambda s: s.in_flight):
+            if not stream.feed.pool.free:
+                self._warm[stream.feed.id].drop()  # NOTE [ Warm start ]: a trainer's batch goes first
+            if stream.feed.pool.free:
+                return self._plan(stream)
+        for key in order:
+            ahead = streams[key].ahead
+            if ahead is not None and streams[key].wants_ahead() and ahead.feed.pool.free:
+                return self._plan(ahead)
+        for warm in self._warm.values():
+            if warm.wants_batch() and warm.feed.pool.free:
+                return self._plan(warm)
+        return None
+
+    def _plan(self, producer: Producer) -> TaskRecord:
+        slot = producer.feed.pool.acquire()
+        assert slot is not None
+        gen, seq, indices = producer.plan_batch()
+        self._next_task += 1
+        indices_bytes = indices.astype("<i8").tobytes()
+        return TaskRecord(self._next_task, producer, gen, seq, producer.epoch, slot, indices_bytes)

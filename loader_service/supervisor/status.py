@@ -1,0 +1,94 @@
+"""The service's status: the ``status?`` reply, systemd's one-line STATUS= and the metrics source.
+
+Every list is bounded so a reply always fits one frame (``protocol.MAX_FRAME_BYTES``).
+"""
+
+from __future__ import annotations
+
+import time
+
+from loader_service.supervisor.attachments import Attachments
+from loader_service.supervisor.feeds import Feed
+from loader_service.supervisor.sessions import Session
+from loader_service.supervisor.worker_pool import WorkerSet
+
+STATUS_SESSIONS = 100
+STATUS_WORKERS = 64
+STATUS_FEEDS = 16
+
+
+def summary(feeds: list[Feed], attached: Attachments) -> str:
+    """One line for systemd's STATUS= (``systemctl status``)."""
+    per_feed = "; ".join(
+        f"{f.name}: {f.counters.decoded.rate():.0f} img/s, "
+        f"{f.pool.counts()['leased']}/{len(f.pool)} slots leased"
+        for f in feeds
+    )
+    return f"{len(attached.sessions)} trainers; {per_feed}"
+
+
+def lag(attached: Attachments, session: Session) -> int:
+    """Batches decoded for this trainer's stream that it has not taken yet."""
+    stream = attached.streams.get(session.stream_key())
+    member = None if stream is None else stream.members.get(session.session_id)
+    if stream is None or member is None or not member.active:
+        return 0
+    return max(0, stream.next_produce - stream.filling - member.next_send)
+
+
+def _session(feeds: list[Feed], attached: Attachments, s: Session, now: float) -> dict[str, object]:
+    return {
+        "session": s.session_id,
+        "client": s.client,
+        "feed": feeds[s.feed].name,
+        "mode": s.mode,
+        "rank": s.rank,
+        "world_size": s.world_size,
+        "group": s.group if s.mode == "broadcast" else "",
+        "epoch": s.epoch,
+        "delivered": s.delivered,
+        "leased": len(s.leases),
+        "credits": s.credits,
+        "lag": lag(attached, s),
+        "idle_seconds": round(now - s.last_seen, 1),
+    }
+
+
+def _workers(workers: WorkerSet | None) -> list[dict[str, object]]:
+    if workers is None:
+        return []
+    listed: list[dict[str, object]] = [
+        {
+            "worker": h.worker,
+            "pid": h.process.pid,
+            "task": h.task,
+            "ready": h.routing_id is not None,
+            "decoded": h.decoded.total,
+            "images_per_second": round(h.decoded.rate(), 1),
+        }
+        for h in workers
+    ]
+    return listed[:STATUS_WORKERS]
+
+
+def snapshot(
+    feeds: list[Feed],
+    attached: Attachments,
+    workers: WorkerSet | None,
+    started_at: float,
+    rejected_messages: int,
+) -> dict[str, object]:
+    """A JSON-shaped snapshot of the whole service."""
+    now = time.monotonic()
+    sessions = list(attached.sessions.values())[:STATUS_SESSIONS]
+    worker_list = _workers(workers)
+    return {
+        "worker_list": worker_list,
+        "uptime": round(now - started_at, 1),
+        "feeds": [feed.status() for feed in feeds[:STATUS_FEEDS]],
+        "sessions": [_session(feeds, attached, s, now) for s in sessions],
+        "attached": len(attached.sessions),
+        "workers": 0 if workers is None else sum(1 for _ in workers),
+        "worker_restarts": 0 if workers is None else workers.restarts,
+        "rejected_messages": rejected_messages,
+    }

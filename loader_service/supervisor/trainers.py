@@ -1,0 +1,254 @@
+"""Trainer messages: hello, start, release, heartbeat and bye, and the sessions they open and end.
+
+Also the two ways a session ends without a bye: its heartbeats stop (``expire``), or it holds its
+broadcast group up for too long (``evict_laggards``, NOTE [ Broadcast epochs ]).
+"""
+
+from __future__ import annotations
+
+import logging
+import secrets
+import time
+from collections.abc import Callable
+
+from loader_service.config import ServiceConfig
+from loader_service.dataset.sampler import shard_size
+from loader_service.supervisor.attachments import Attachments
+from loader_service.supervisor.feeds import Feed
+from loader_service.supervisor.outbox import Outbox
+from loader_service.supervisor.sessions import Session
+from loader_service.supervisor.streams import StartRefused, Stream
+from loader_service.supervisor.warm import WarmCache
+from protocol.messages import (
+    Bye,
+    Heartbeat,
+    Hello,
+    Message,
+    ProtocolError,
+    Release,
+    Start,
+    StatusReply,
+    StatusRequest,
+    Welcome,
+    decode,
+)
+
+log = logging.getLogger(__name__)
+TRAINER_MESSAGES = (Hello, Start, Release, Heartbeat, Bye, StatusRequest)
+
+
+class TrainerDesk:
+    def __init__(
+        self,
+        config: ServiceConfig,
+        feeds: list[Feed],
+        warm: dict[int, WarmCache],
+        attached: Attachments,
+        outbox: Outbox,
+        status: Callable[[], dict[str, object]],
+    ) -> None:
+        self._config = config
+        self._feeds = feeds
+        self._warm = warm
+        self._attached = attached
+        self._outbox = outbox
+        self._status = status
+
+    def on_frames(self, frames: list[bytes]) -> None:
+        routing_id = frames[0]
+        try:
+            if len(frames) != 2:
+                raise ProtocolError(f"expected one frame, got {len(frames) - 1}")
+            msg = decode(frames[1], TRAINER_MESSAGES)
+        except ProtocolError as exc:
+            self._outbox.reject(routing_id, "bad-message", str(exc))
+            return
+        self._on_message(routing_id, msg)
+
+    def _on_message(self, routing_id: bytes, msg: Message) -> None:
+        if isinstance(msg, Hello):
+            self._on_hello(routing_id, msg)
+            return
+        if isinstance(msg, StatusRequest):
+            self._outbox.send(routing_id, StatusReply(self._status()))
+            return
+        if isinstance(msg, Heartbeat) and msg.session:
+            beating = self._attached.by_id(msg.session)
+            if beating is not None:
+                beating.last_seen = time.monotonic()
+            return
+        session = self._attached.sessions.get(routing_id)
+        if session is None:
+            why = "send hello first (the service may have restarted)"
+            self._outbox.reject(routing_id, "no-session", why, fatal=True)
+            return
+        session.last_seen = time.monotonic()
+        if isinstance(msg, Start) and session.evicted:
+            why = "this trainer was evicted from its broadcast group"
+            self._outbox.reject(routing_id, "evicted", why, fatal=True)
+        elif isinstance(msg, Start):
+            self._on_start(session, msg)
+        elif isinstance(msg, Release):
+            self._on_release(session, msg)
+        elif isinstance(msg, Bye):
+            self.drop(session, "said bye")
+
+    # --- attaching ------------------------------------------------------------------------------
+
+    def _find_feed(self, name: str) -> Feed | None:
+        if not name:
+            return self._feeds[0]
+        return next((f for f in self._feeds if f.name == name), None)
+
+    def _refusal(self, msg: Hello) -> str | None:
+        """Why a hello cannot be served, or None."""
+        feed = self._find_feed(msg.feed)
+        if feed is None:
+            served = ", ".join(repr(f.name) for f in self._feeds)
+            return f"this service serves feed(s) {served}, not {msg.feed!r}"
+        cfg = feed.config
+        if msg.batch_size not in (0, cfg.batch_size) or msg.image_size not in (0, cfg.image_size):
+            return (
+                f"feed {feed.name!r} serves batches of {cfg.batch_size} images of {cfg.image_size}px; "
+                f"this trainer asked for {msg.batch_size or 'any'} of {msg.image_size or 'any'}px"
+            )
+        if msg.mode == "broadcast":
+            stream = self._attached.streams.get(("broadcast", feed.id, msg.group or "default"))
+            if stream is not None and stream.group_size != msg.group_size:
+                return (
+                    f"broadcast group {stream.group!r} has group_size {stream.group_size}, "
+                    f"not {msg.group_size}"
+                )
+        return None
+
+    def _on_hello(self, routing_id: bytes, msg: Hello) -> None:
+        refusal = self._refusal(msg)
+        if refusal is not None:
+            self._outbox.reject(routing_id, "refused", refusal, fatal=True)
+            return
+        resumed = self._attached.by_id(msg.resume) if msg.resume else None
+        if resumed is not None and resumed.hello.pid == msg.pid and not resumed.evicted:
+            self._rebind(resumed, routing_id, set(msg.held))
+            return
+        old = self._attached.sessions.get(routing_id)
+        if old is not None:
+            self.drop(old, "said hello again")
+        feed = self._find_feed(msg.feed)
+        assert feed is not None
+        session = Session(routing_id, secrets.token_hex(8), msg, feed.id, time.monotonic())
+        self._attached.add(session)
+        self._attached.stream_for(session, feed).add(session)
+        log.info(
+            "trainer %s (pid %d) attached to feed %r as session %s (%s)",
+            msg.client,
+            msg.pid,
+            feed.name,
+            session.session_id,
+            f"shard {session.rank}/{session.world_size}"
+            if session.mode == "shard"
+            else f"broadcast group {session.group!r}",
+        )
+        self._outbox.send(routing_id, self._welcome(session))
+
+    def _rebind(self, session: Session, routing_id: bytes, held: set[int]) -> None:
+        """NOTE [ Reconnecting ]: a trainer that lost touch with this (live) service takes its session
+        back on a new socket. The leases of batches its loop still holds keep their slots; the others
+        (announcements lost on the old socket, releases not sent) are returned now."""
+        stream = self._attached.stream_of(session)
+        for lease in [lease for lease in session.leases if lease not in held]:
+            stream.release(session.session_id, session.leases.pop(lease))
+        self._attached.move(session, routing_id)
+        session.last_seen = time.monotonic()
+        log.info("session %s (%s) resumed on a new connection", session.session_id, session.client)
+        self._outbox.send(routing_id, self._welcome(session))
+
+    def _welcome(self, session: Session) -> Welcome:
+        feed = self._feeds[session.feed]
+        stream = self._attached.stream_of(session)
+        samples = shard_size(len(feed.index), stream.world_size, stream.remainder)
+        return Welcome(
+            session.session_id,
+            feed.info(),
+            self._config.heartbeat_interval,
+            stream.batches_per_epoch(),
+            samples,
+        )
+
+    # --- running --------------------------------------------------------------------------------
+
+    def _on_start(self, session: Session, msg: Start) -> None:
+        stream = self._attached.stream_of(session)
+        session.run, session.epoch = msg.run, msg.epoch
+        try:
+            stream.on_start(session.session_id, msg.epoch, msg.position, self._warm.get(stream.feed.id))
+        except StartRefused as exc:
+            self._outbox.reject(session.routing_id, "bad-start", str(exc), fatal=True)
+            return
+        self._outbox.deliver(stream)
+
+    def _on_release(self, session: Session, msg: Release) -> None:
+        stream = self._attached.stream_of(session)
+        unknown = 0
+        for lease in msg.leases:
+            key = session.leases.pop(lease, None)
+            if key is None:
+                unknown += 1
+                continue
+            stream.release(session.session_id, key)
+        if unknown:
+            self._outbox.rejected_messages += 1
+            log.warning(
+                "session %s released %d leases it does not hold; ignored", session.session_id, unknown
+            )
+        self._outbox.deliver(stream)
+
+    # --- ending ---------------------------------------------------------------------------------
+
+    def drop(self, session: Session, why: str) -> None:
+        """Return every slot the session holds (NOTE [ Slot lifecycle ]: cancel and lease expiry)."""
+        stream = self._attached.stream_of(session)
+        stream.remove(session.session_id)
+        log.info(
+            "session %s (%s) detached: %s; %d leases returned",
+            session.session_id,
+            session.client,
+            why,
+            len(session.leases),
+        )
+        session.leases.clear()
+        self._attached.forget(session)
+        if not stream.members and not stream.evicted:
+            self._attached.close_stream(stream)
+        elif stream.broadcast:
+            stream.on_member_left()
+            self._outbox.deliver(stream)
+
+    def expire(self, now: float) -> None:
+        timeout = self._config.client_timeout
+        for session in list(self._attached.sessions.values()):
+            if now - session.last_seen > timeout:
+                self.drop(session, f"no heartbeat for {timeout:.0f} s")
+
+    def evict_laggards(self, now: float) -> None:
+        """NOTE [ Broadcast epochs ]: one member may not hold its group up beyond the lag timeout."""
+        for stream in list(self._attached.streams.values()):
+            laggard = stream.laggard()
+            if laggard is None:
+                stream.blocked_since = None
+                continue
+            if stream.blocked_since is None:
+                stream.blocked_since = now
+            elif now - stream.blocked_since > self._config.lag_timeout:
+                stream.blocked_since = None
+                session = self._attached.by_id(laggard)
+                if session is not None:
+                    self._evict(stream, session)
+
+    def _evict(self, stream: Stream, session: Session) -> None:
+        why = f"held broadcast group {stream.group!r} up for over {self._config.lag_timeout:.0f} s"
+        log.warning("session %s (%s) evicted: %s", session.session_id, session.client, why)
+        session.evicted = True
+        stream.evict(session.session_id)
+        stream.on_member_left()
+        self._outbox.reject(session.routing_id, "evicted", f"evicted: {why}", fatal=True)
+        self._outbox.deliver(stream)
