@@ -1,0 +1,96 @@
+"""The outbox without sockets: what is owed to a trainer is sent again until it goes out."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, cast
+
+import numpy as np
+
+from loader_service.supervisor.attachments import Attachments
+from loader_service.supervisor.feeds import Feed, FeedCounters
+from loader_service.supervisor.outbox import Outbox
+from loader_service.supervisor.sessions import Session
+from loader_service.supervisor.slots import SlotPool, SlotState
+from protocol.messages import BatchReady, EpochEnd, Hello, Message
+
+
+@dataclass
+class FeedStub:
+    """One batch of four samples an epoch, with a real slot pool."""
+
+    batch_size: int = 4
+    samples: int = 4
+    name: str = "stub"
+    id: int = 0
+    pool: SlotPool = field(default_factory=lambda: SlotPool(4))
+    counters: FeedCounters = field(default_factory=FeedCounters)
+
+    @property
+    def config(self) -> Any:
+        return self
+
+    def shard_batches(self, world_size: int, remainder: str) -> int:
+        return 1
+
+    def plan(self, epoch: int, rank: int, world_size: int, remainder: str) -> np.ndarray:
+        return np.arange(self.samples, dtype=np.int64)
+
+
+class FlakyPeer:
+    """A send function whose peer refuses the first message of each kind named in ``refuse``."""
+
+    def __init__(self, *refuse: type[Message]) -> None:
+        self.refuse = set(refuse)
+        self.sent: list[Message] = []
+
+    def __call__(self, routing_id: bytes, msg: Message) -> bool:
+        if type(msg) in self.refuse:
+            self.refuse.discard(type(msg))
+            return False
+        self.sent.append(msg)
+        return True
+
+    def kinds(self) -> list[str]:
+        return [type(m).__name__ for m in self.sent if type(m).__name__ != "Heartbeat"]
+
+
+def one_decoded_batch(peer: FlakyPeer) -> tuple[Outbox, FeedStub, Session]:
+    feed = FeedStub()
+    attached = Attachments()
+    session = Session(b"t", "s1", Hello("t", 1, credits=3, mode="shard"), 0, 0.0)
+    attached.add(session)
+    stream = attached.stream_for(session, cast(Feed, feed))
+    stream.add(session)
+    stream.on_start("s1", 0, 0)
+    slot = feed.pool.acquire()
+    assert slot is not None
+    gen, seq, _ = stream.plan_batch()
+    assert stream.complete(gen, seq, slot, 4) is stream
+    return Outbox(peer, attached, heartbeat_interval=1.0), feed, session
+
+
+def test_an_epoch_end_that_could_not_be_sent_is_sent_on_the_next_round() -> None:
+    peer = FlakyPeer(EpochEnd)
+    outbox, _feed, _session = one_decoded_batch(peer)
+    stream = next(iter(outbox._attached.streams.values()))
+    outbox.deliver(stream)
+    assert peer.kinds() == ["BatchReady"], "the epoch end did not go out"
+    outbox.heartbeat(now=10.0)
+    assert peer.kinds() == ["BatchReady", "EpochEnd"], "owed, so sent again"
+    outbox.heartbeat(now=20.0)
+    assert peer.kinds() == ["BatchReady", "EpochEnd"], "and only once"
+
+
+def test_an_announcement_that_could_not_be_sent_leases_nothing_until_it_goes_out() -> None:
+    peer = FlakyPeer(BatchReady)
+    outbox, feed, session = one_decoded_batch(peer)
+    stream = next(iter(outbox._attached.streams.values()))
+    outbox.deliver(stream)
+    assert peer.kinds() == [] and not session.leases
+    assert feed.pool.counts()["ready"] == 1
+    outbox.heartbeat(now=10.0)
+    assert peer.kinds() == ["BatchReady", "EpochEnd"]
+    (announced,) = [m for m in peer.sent if isinstance(m, BatchReady)]
+    assert list(session.leases) == [announced.lease]
+    assert feed.pool.state(announced.slot) is SlotState.LEASED
