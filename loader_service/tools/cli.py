@@ -8,77 +8,56 @@ import os
 import sys
 from collections.abc import Sequence
 from pathlib import Path
+from typing import Any
 
-from loader_service.config import AUGMENTS, ConfigError, load_config
+from loader_service.config import OPTIONS, ConfigError, Option, load_config
 from loader_service.dataset.index import DatasetError, build_index
-from loader_service.decode.transforms import DECODERS
 from loader_service.logs import configure_logging
 
 log = logging.getLogger("loader_service")
 
 
+_LAYERS = (
+    "Every option is also a key of the --config TOML file (the flag name with underscores) and an "
+    "environment variable (DATAFERRY_ and the key in capitals, e.g. DATAFERRY_BATCH_SIZE=64). "
+    "Precedence: defaults < config file < environment < flags."
+)
+
+
 def _add_serve(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
-    p = sub.add_parser("serve", help="run the loader service in the foreground")
+    p = sub.add_parser("serve", help="run the loader service in the foreground", epilog=_LAYERS)
     p.add_argument("--config", type=Path, help="TOML file; keys are the flag names with underscores")
-    p.add_argument("--data", type=Path, help="ImageFolder root (one folder per class)")
-    p.add_argument("--endpoint", help="ipc:///path/to.sock or tcp://host:port")
-    p.add_argument("--workers", type=int, help="decode worker processes (default 2)")
-    p.add_argument("--batch-size", type=int, help="images per batch (default 64)")
-    p.add_argument("--image-size", type=int, help="output side in pixels (default 224)")
-    p.add_argument("--augment", choices=AUGMENTS, help="transform (default train)")
-    p.add_argument("--seed", type=int, help="seed for permutations and augmentation (default 0)")
-    p.add_argument("--slots", type=int, help="batches in the shared-memory pool (default 2*workers+8)")
-    p.add_argument("--feed", help="feed name trainers may ask for (default train)")
-    p.add_argument(
-        "--client-timeout", type=float, help="seconds of trainer silence before its leases are reclaimed"
-    )
-    p.add_argument(
-        "--lag-timeout", type=float, help="seconds one broadcast member may hold its group up (30)"
-    )
-    p.add_argument("--strict", action="store_const", const=True, help="stop at the first undecodable file")
-    p.add_argument("--max-pixels", type=int, help="refuse images claiming more pixels (default 89478485)")
-    p.add_argument(
-        "--decoder",
-        choices=DECODERS,
-        help="train-transform JPEG decoding: auto (region decoder if built), opencv, jpeg-roi",
-    )
-    p.add_argument("--group", help="unix group whose members may attach (segments and socket 0660)")
-    p.add_argument(
-        "--metrics-port", type=int, help="serve Prometheus metrics on this port (needs prometheus_client)"
-    )
-    p.add_argument("--metrics-addr", help="address for the metrics port (default 127.0.0.1)")
-    p.add_argument("--task-timeout", type=float, help="seconds a worker may spend on one batch (120)")
-    p.add_argument("--log-level", help="DEBUG, INFO, WARNING or ERROR")
+    for opt in OPTIONS.values():
+        p.add_argument(opt.flag, **_flag_spec(opt))
     p.set_defaults(func=_cmd_serve)
+
+
+def _flag_spec(opt: Option) -> dict[str, Any]:
+    """argparse keywords for one option; every default is None, so load_config can tell 'not given'."""
+    spec: dict[str, Any] = {"help": _flag_help(opt)}
+    if opt.type is bool:
+        spec["action"] = argparse.BooleanOptionalAction  # --no-strict undoes `strict = true` in a file
+    else:
+        spec["type"] = opt.type
+    if opt.choices:
+        spec["choices"] = opt.choices
+    return spec
+
+
+def _flag_help(opt: Option) -> str:
+    if opt.required:
+        return f"{opt.help} (required)"
+    if opt.type is bool or opt.default == "":
+        return opt.help
+    return f"{opt.help} (default {opt.default})"
 
 
 def _cmd_serve(args: argparse.Namespace) -> int:
     from loader_service.supervisor.metrics import MetricsUnavailable
     from loader_service.supervisor.service import LoaderService  # keeps `index` and `--help` fast
 
-    keys = (
-        "data",
-        "endpoint",
-        "workers",
-        "batch_size",
-        "image_size",
-        "augment",
-        "seed",
-        "slots",
-        "feed",
-        "client_timeout",
-        "lag_timeout",
-        "task_timeout",
-        "strict",
-        "max_pixels",
-        "decoder",
-        "group",
-        "metrics_port",
-        "metrics_addr",
-        "log_level",
-    )
     try:
-        config = load_config(args.config, {k: getattr(args, k) for k in keys})
+        config = load_config(args.config, {name: getattr(args, name) for name in OPTIONS})
     except ConfigError as exc:
         configure_logging("INFO", "service")
         log.error("configuration error: %s", exc)
@@ -90,7 +69,8 @@ def _cmd_serve(args: argparse.Namespace) -> int:
         log.error("configuration error: %s", exc)
         return 2
     except Exception as exc:
-        log.error("fatal: %s", exc, exc_info=config.log_level == "DEBUG")
+        # The traceback at every level: a crash that happens once in production must be diagnosable.
+        log.exception("fatal: %s", exc)
         return 1
 
 

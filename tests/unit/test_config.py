@@ -1,10 +1,20 @@
 from __future__ import annotations
 
+from dataclasses import fields
 from pathlib import Path
 
 import pytest
 
-from loader_service.config import ConfigError, load_config
+from loader_service.config import (
+    EXTRA_FEED_SLOTS,
+    FEED_OPTIONS,
+    OPTIONS,
+    ConfigError,
+    Option,
+    ServiceConfig,
+    load_config,
+)
+from loader_service.tools.cli import build_parser
 
 
 def test_file_then_flags_precedence(tmp_path: Path) -> None:
@@ -81,3 +91,174 @@ def test_bad_feed_tables_are_refused(tmp_path: Path, table: str, message: str) -
     )
     with pytest.raises(ConfigError, match=message):
         load_config(cfg_file, {})
+
+
+# --- the environment layer -------------------------------------------------------------------------
+
+
+def base_env(tmp_path: Path) -> dict[str, str]:
+    return {"DATAFERRY_DATA": str(tmp_path), "DATAFERRY_ENDPOINT": "tcp://127.0.0.1:5555"}
+
+
+@pytest.mark.parametrize(
+    ("variable", "text", "field", "value"),
+    [
+        ("DATAFERRY_WORKERS", "8", "workers", 8),
+        ("DATAFERRY_BATCH_SIZE", " 16 ", "batch_size", 16),
+        ("DATAFERRY_LAG_TIMEOUT", "2.5", "lag_timeout", 2.5),
+        ("DATAFERRY_TASK_TIMEOUT", "60", "task_timeout", 60.0),
+        ("DATAFERRY_STRICT", "1", "strict", True),
+        ("DATAFERRY_STRICT", "true", "strict", True),
+        ("DATAFERRY_STRICT", "0", "strict", False),
+        ("DATAFERRY_STRICT", "FALSE", "strict", False),
+        ("DATAFERRY_AUGMENT", "eval", "augment", "eval"),
+        ("DATAFERRY_GROUP", "", "group", ""),
+    ],
+)
+def test_environment_values_are_read_as_the_option_type(
+    tmp_path: Path, variable: str, text: str, field: str, value: object
+) -> None:
+    cfg = load_config(None, {}, environ={**base_env(tmp_path), variable: text})
+    assert getattr(cfg, field) == value and type(getattr(cfg, field)) is type(value)
+    assert cfg.data == tmp_path.resolve() and cfg.endpoint == "tcp://127.0.0.1:5555"
+
+
+@pytest.mark.parametrize(
+    ("variable", "text"),
+    [
+        ("DATAFERRY_WORKERS", "eight"),
+        ("DATAFERRY_WORKERS", "8.0"),
+        ("DATAFERRY_CLIENT_TIMEOUT", "soon"),
+        ("DATAFERRY_STRICT", "maybe"),
+        ("DATAFERRY_DATA", ""),
+        ("DATAFERRY_WORKERS", "0"),  # well typed, refused by the check: still says who set it
+        ("DATAFERRY_AUGMENT", "fancy"),
+        ("DATAFERRY_LAG_TIMEOUT", "inf"),
+    ],
+)
+def test_bad_environment_values_name_the_variable(tmp_path: Path, variable: str, text: str) -> None:
+    with pytest.raises(ConfigError, match=variable):
+        load_config(None, {}, environ={**base_env(tmp_path), variable: text})
+
+
+def test_other_dataferry_variables_are_not_options(tmp_path: Path) -> None:
+    environ = {**base_env(tmp_path), "DATAFERRY_INJECT_FAULT": "main-loop", "DATAFERRY_NO_SUCH": "x"}
+    assert load_config(None, {}, environ=environ).workers == 2
+
+
+@pytest.mark.parametrize(
+    ("in_file", "in_env", "flag", "expected"),
+    [
+        (False, False, None, 2),
+        (True, False, None, 3),
+        (True, True, None, 5),
+        (False, True, None, 5),
+        (True, True, 7, 7),
+    ],
+)
+def test_precedence_is_defaults_file_environment_flags(
+    tmp_path: Path, in_file: bool, in_env: bool, flag: int | None, expected: int
+) -> None:
+    cfg_file = tmp_path / "svc.toml"
+    cfg_file.write_text(
+        f'data = "{tmp_path}"\nendpoint = "tcp://127.0.0.1:5555"\n' + "workers = 3\n" * in_file
+    )
+    environ = {"DATAFERRY_WORKERS": "5"} if in_env else {}
+    assert load_config(cfg_file, {"workers": flag}, environ=environ).workers == expected
+
+
+def test_errors_say_which_layer_set_the_bad_value(tmp_path: Path) -> None:
+    cfg_file = tmp_path / "svc.toml"
+    cfg_file.write_text(f'data = "{tmp_path}"\nendpoint = "tcp://127.0.0.1:5555"\nworkers = 0\n')
+    with pytest.raises(ConfigError, match=r"workers must be at least 1 \(set by .*svc.toml\)"):
+        load_config(cfg_file, {}, environ={})
+    with pytest.raises(ConfigError, match=r"workers must be at least 1 \(set by --workers\)"):
+        load_config(cfg_file, {"workers": -1}, environ={"DATAFERRY_WORKERS": "4"})
+
+
+# --- each option declared once ---------------------------------------------------------------------
+
+
+def sample_flag(opt: Option) -> tuple[list[str], object]:
+    """Words after the flag on a command line, and the value argparse should make of them."""
+    text = opt.choices[-1] if opt.choices else "x"
+    samples: dict[type, tuple[list[str], object]] = {
+        int: (["7"], 7),
+        float: (["2.5"], 2.5),
+        str: ([text], text),
+        Path: (["some/dir"], Path("some/dir")),
+        bool: ([], True),
+    }
+    return samples[opt.type]
+
+
+def test_every_field_is_an_option_with_a_flag_an_env_name_and_help() -> None:
+    assert {f.name for f in fields(ServiceConfig)} - {"extra_feeds"} == set(OPTIONS)
+    argv = ["serve"]
+    expected: dict[str, object] = {}
+    for opt in OPTIONS.values():
+        words, expected[opt.name] = sample_flag(opt)
+        argv += [opt.flag, *words]
+        assert opt.help and opt.env == "DATAFERRY_" + opt.name.upper()
+    args = build_parser().parse_args(argv)
+    assert {name: getattr(args, name) for name in OPTIONS} == expected
+
+
+def test_flags_not_given_leave_the_lower_layers_alone(tmp_path: Path) -> None:
+    args = build_parser().parse_args(["serve", "--no-strict"])
+    overrides = {name: getattr(args, name) for name in OPTIONS}
+    assert overrides.pop("strict") is False
+    assert set(overrides.values()) == {None}
+    with pytest.raises(SystemExit):
+        build_parser().parse_args(["serve", "--augment", "fancy"])  # choices come from the declaration
+
+
+def test_readme_lists_every_flag() -> None:
+    readme = (Path(__file__).resolve().parents[2] / "README.md").read_text()
+    missing = [opt.flag for opt in OPTIONS.values() if f"| `{opt.flag}" not in readme]
+    assert not missing, f"README's flag table lacks {missing}"
+
+
+def test_feed_tables_accept_exactly_the_feed_options(tmp_path: Path) -> None:
+    assert set(FEED_OPTIONS) == {"data", "batch_size", "image_size", "augment", "seed", "slots"}
+    table = f'data = "{tmp_path}"\nbatch_size = 8\nimage_size = 32\naugment = "none"\nseed = 3\nslots = 4\n'
+    cfg_file = tmp_path / "svc.toml"
+    cfg_file.write_text(f'data = "{tmp_path}"\nendpoint = "tcp://127.0.0.1:5555"\n[feeds.x]\n{table}')
+    _, x = load_config(cfg_file, {}, environ={}).feeds()
+    assert (x.name, x.batch_size, x.image_size, x.augment, x.seed, x.slots) == ("x", 8, 32, "none", 3, 4)
+    for name in set(OPTIONS) - set(FEED_OPTIONS):
+        cfg_file.write_text(
+            f'data = "{tmp_path}"\nendpoint = "tcp://127.0.0.1:5555"\n[feeds.x]\n{table}{name} = 1\n'
+        )
+        with pytest.raises(ConfigError, match=rf"unknown keys in \[feeds.x\]: {name}"):
+            load_config(cfg_file, {}, environ={})
+
+
+def test_feed_slots_are_not_inherited_and_zero_means_auto(tmp_path: Path) -> None:
+    cfg_file = tmp_path / "svc.toml"
+    cfg_file.write_text(
+        f'data = "{tmp_path}"\nendpoint = "tcp://127.0.0.1:5555"\nworkers = 4\nslots = 30\n'
+        f'[feeds.x]\ndata = "{tmp_path}"\n[feeds.y]\ndata = "{tmp_path}"\nslots = 0\n'
+    )
+    main, x, y = load_config(cfg_file, {}, environ={}).feeds()
+    assert (main.slots, x.slots, y.slots) == (30, EXTRA_FEED_SLOTS, EXTRA_FEED_SLOTS)
+
+
+@pytest.mark.parametrize(
+    ("key", "value"),
+    [("batch_size", 0), ("image_size", 4096), ("augment", "fancy"), ("seed", -1), ("slots", 5000)],
+)
+def test_feed_tables_are_checked_like_the_top_level(tmp_path: Path, key: str, value: object) -> None:
+    base = {"data": tmp_path, "endpoint": "tcp://127.0.0.1:5555"}
+    with pytest.raises(ConfigError) as top:
+        load_config(None, {**base, key: value}, environ={})
+    top_message = str(top.value).removesuffix(f" (set by {OPTIONS[key].flag})")
+    cfg_file = tmp_path / "svc.toml"
+    toml_value = f'"{value}"' if isinstance(value, str) else value
+    cfg_file.write_text(
+        f'data = "{tmp_path}"\nendpoint = "tcp://127.0.0.1:5555"\n'
+        f'[feeds.x]\ndata = "{tmp_path}"\n{key} = {toml_value}\n'
+    )
+    with pytest.raises(ConfigError) as feed:
+        load_config(cfg_file, {}, environ={})
+    assert str(feed.value) == f"feed 'x': {top_message}"

@@ -1,0 +1,101 @@
+"""Loading the configuration one layer at a time: defaults < TOML file < environment < flags."""
+
+from __future__ import annotations
+
+import os
+import sys
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+from loader_service.config.options import (
+    FEED_OPTIONS,
+    OPTIONS,
+    ConfigError,
+    FeedConfig,
+    ServiceConfig,
+    require,
+)
+
+if sys.version_info >= (3, 11):
+    import tomllib
+else:  # pragma: no cover
+    import tomli as tomllib
+
+
+Layer = dict[str, tuple[Any, str]]
+"""Option name -> (typed value, where it was set), for error messages that say which layer is wrong."""
+
+
+def load_config(
+    file: Path | None, overrides: Mapping[str, Any], environ: Mapping[str, str] = os.environ
+) -> ServiceConfig:
+    """Merge defaults < TOML ``file`` < ``environ`` < flag ``overrides`` (None: not given), validated."""
+    file_layer, tables = _read_file(file) if file is not None else ({}, {})
+    merged: Layer = {**file_layer, **_env_layer(environ), **_flag_layer(overrides)}
+    values = {name: value for name, (value, _) in merged.items()}
+    _check_required(values)
+    try:
+        return ServiceConfig(**values, extra_feeds=_extra_feeds(tables, values)).validated()
+    except ConfigError as exc:
+        if exc.key in merged:
+            raise ConfigError(f"{exc} (set by {merged[exc.key][1]})", exc.key) from None
+        raise
+
+
+def _flag_layer(overrides: Mapping[str, Any]) -> Layer:
+    unknown = sorted(set(overrides) - set(OPTIONS))
+    require(not unknown, f"unknown options: {', '.join(unknown)}")
+    layer: Layer = {}
+    for name, value in overrides.items():
+        if value is not None:
+            opt = OPTIONS[name]
+            layer[name] = (opt.typed(value, opt.flag), opt.flag)
+    return layer
+
+
+def _env_layer(environ: Mapping[str, str]) -> Layer:
+    # Only declared names are read: other DATAFERRY_* variables belong to someone else.
+    return {o.name: (o.parse(environ[o.env], o.env), o.env) for o in OPTIONS.values() if o.env in environ}
+
+
+def _check_required(values: Mapping[str, Any]) -> None:
+    for opt in OPTIONS.values():
+        if opt.required and opt.name not in values:
+            where = f"flag {opt.flag}, variable {opt.env} or key '{opt.name}' in the config file"
+            raise ConfigError(f"{opt.name} is required ({where})")
+
+
+def _read_file(file: Path) -> tuple[Layer, dict[str, Any]]:
+    """The file's top-level options, and its ``[feeds.NAME]`` tables (checked when feeds are built)."""
+    raw = _read_toml(file)
+    tables = raw.pop("feeds", {})
+    require(isinstance(tables, dict), f"{file}: 'feeds' must hold [feeds.NAME] tables")
+    unknown = sorted(set(raw) - set(OPTIONS))
+    require(not unknown, f"unknown keys in {file}: {', '.join(unknown)}")
+    return {k: (OPTIONS[k].typed(v, f"{file}: key {k!r}"), str(file)) for k, v in raw.items()}, tables
+
+
+def _read_toml(file: Path) -> dict[str, Any]:
+    try:
+        with open(file, "rb") as fh:
+            return tomllib.load(fh)
+    except (OSError, tomllib.TOMLDecodeError) as exc:
+        raise ConfigError(f"cannot read config file {file}: {exc}") from None
+
+
+def _extra_feeds(tables: Mapping[str, Any], top: Mapping[str, Any]) -> tuple[FeedConfig, ...]:
+    return tuple(_extra_feed(name, table, top) for name, table in tables.items())
+
+
+def _extra_feed(name: str, table: Any, top: Mapping[str, Any]) -> FeedConfig:
+    """``[feeds.NAME]``: the feed options it sets, the rest inherited from the top level (but slots)."""
+    where = f"[feeds.{name}]"
+    require(isinstance(table, dict), f"{where} must be a table")
+    unknown = sorted(set(table) - set(FEED_OPTIONS))
+    require(not unknown, f"unknown keys in {where}: {', '.join(unknown)}")
+    require("data" in table, f"{where} needs a data directory")
+    own = {k: FEED_OPTIONS[k].typed(v, f"{where} key {k!r}") for k, v in table.items()}
+    # Each feed's pool is sized on its own: inheriting the first feed's slots would multiply memory.
+    inherited = {k: top[k] for k in FEED_OPTIONS if k in top and k != "slots"}
+    return FeedConfig(name=name, **{**inherited, **own})

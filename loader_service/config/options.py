@@ -1,0 +1,376 @@
+"""The service's one typed configuration: defaults, a TOML file, the environment and flags land here.
+
+Each option is declared once, as a field of the classes below whose metadata holds its help text,
+choices and check: ``field(default=64, metadata=option("images per batch", check=...))``. From that
+one declaration follow:
+
+- the flag ``--batch-size`` (``tools/cli.py`` builds the parser from ``OPTIONS``),
+- the TOML key ``batch_size = 64`` of the ``--config`` file,
+- the environment variable ``DATAFERRY_BATCH_SIZE=64``, read as the option's type,
+- the check that runs once, in ``validated()``, whichever layer the value came from.
+
+Precedence: built-in defaults < TOML file < environment < flags. Unknown keys in the file are an
+error, so a typo is caught at start-up instead of silently falling back to a default; environment
+variables that name no option (``DATAFERRY_INJECT_FAULT``, say) are not read at all.
+
+The options of ``FeedOptions`` describe one feed. At the top level they configure the first feed;
+each ``[feeds.NAME]`` table of the file adds a feed with exactly those keys, inheriting the top-level
+values it does not set (except ``slots``: each feed's pool is sized on its own).
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import typing
+from collections.abc import Callable, Mapping
+from dataclasses import MISSING, asdict, dataclass, field, fields, replace
+from pathlib import Path
+from typing import Any
+
+from loader_service.decode.transforms import DECODERS, decoder_problem, uses_roi
+
+AUGMENTS = ("train", "eval", "none")
+LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR")
+ENV_PREFIX = "DATAFERRY_"
+EXTRA_FEED_SLOTS = 10
+"""Pool size of a ``[feeds.NAME]`` feed whose ``slots`` is 0 (auto)."""
+
+
+class ConfigError(ValueError):
+    """A configuration value that the service cannot run with; the message says which and why."""
+
+    def __init__(self, message: str, key: str = "") -> None:
+        super().__init__(message)
+        # The top-level option at fault, if it is one: load_config then adds which layer set it.
+        self.key = key
+
+
+# --- checks: (option name, value) -> what is wrong, or None ---------------------------------------
+
+Check = Callable[[str, Any], str | None]
+
+
+def between(low: int, high: int, low_text: str = "") -> Check:
+    def check(name: str, value: Any) -> str | None:
+        ok = low <= value <= high
+        return None if ok else f"{name} must be between {low_text or low} and {high}"
+
+    return check
+
+
+def at_least(low: int) -> Check:
+    return lambda name, value: None if value >= low else f"{name} must be at least {low}"
+
+
+def positive(name: str, value: Any) -> str | None:
+    # A TOML file may say `inf` or `nan`; neither is a usable timeout.
+    return None if math.isfinite(value) and value > 0 else f"{name} must be positive"
+
+
+def _seed(name: str, value: Any) -> str | None:
+    return None if 0 <= value < 2**63 else f"{name} must be a non-negative 63-bit integer"
+
+
+def _feed_name(name: str, value: Any) -> str | None:
+    return None if 1 <= len(value) <= 64 else f"{name} must be 1 to 64 characters"
+
+
+def _log_level(name: str, value: Any) -> str | None:
+    return None if value.upper() in LOG_LEVELS else f"{name} must be one of {', '.join(LOG_LEVELS)}"
+
+
+def _decoder(name: str, value: Any) -> str | None:
+    return decoder_problem(value)
+
+
+def _directory(name: str, value: Any) -> str | None:
+    ok = Path(value).expanduser().is_dir()
+    return None if ok else f"{name} directory {value} does not exist or is not a directory"
+
+
+def _endpoint(name: str, value: Any) -> str | None:
+    if not value.startswith("ipc://"):
+        ok = value.startswith("tcp://")
+        return None if ok else f"{name} must be ipc://PATH or tcp://HOST:PORT: {value}"
+    path = value[len("ipc://") :]
+    # The kernel's sockaddr_un limit: longer paths fail obscurely inside libzmq.
+    if not 0 < len(path.encode()) <= 107:
+        return f"ipc path must be 1 to 107 bytes: {value}"
+    parent = os.path.dirname(path) or "."
+    return None if os.path.isdir(parent) else f"directory for ipc endpoint does not exist: {parent}"
+
+
+# --- the declaration ------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class _Spec:
+    help: str
+    choices: tuple[str, ...]
+    check: Check | None
+
+
+def option(help: str, *, choices: tuple[str, ...] = (), check: Check | None = None) -> dict[str, _Spec]:
+    """Field metadata making a config field an option: a flag, a TOML key and an environment variable."""
+    return {"option": _Spec(help, choices, check)}
+
+
+@dataclass(frozen=True, kw_only=True)
+class FeedOptions:
+    """The options of one feed: the top-level ones make the first feed, ``[feeds.NAME]`` tables others."""
+
+    data: Path = field(metadata=option("ImageFolder root: one sub-folder per class", check=_directory))
+    batch_size: int = field(default=64, metadata=option("images per batch", check=between(1, 4096)))
+    image_size: int = field(
+        default=224,
+        metadata=option("output side S in pixels: batches are 3 x S x S uint8", check=between(8, 2048)),
+    )
+    augment: str = field(
+        default="train",
+        metadata=option(
+            "train (RandomResizedCrop + flip), eval (resize + center crop) or none (resize)", choices=AUGMENTS
+        ),
+    )
+    seed: int = field(
+        default=0,
+        metadata=option("seeds the epoch permutations and all augmentation randomness", check=_seed),
+    )
+    slots: int = field(
+        default=0,
+        metadata=option(
+            "batches in the shared-memory pool; 0 picks 2*workers+8 for the first feed, "
+            f"{EXTRA_FEED_SLOTS} for a [feeds.NAME] one",
+            check=between(0, 4096, "0 (auto)"),
+        ),
+    )
+
+
+@dataclass(frozen=True, kw_only=True)
+class ServiceConfig(FeedOptions):
+    """Everything the loader service process needs, frozen after validation."""
+
+    endpoint: str = field(
+        metadata=option(
+            "ZeroMQ endpoint trainers connect to: ipc:///path.sock (at most 107 bytes, in an existing "
+            "directory) or tcp://host:port",
+            check=_endpoint,
+        )
+    )
+    workers: int = field(default=2, metadata=option("decode worker processes", check=at_least(1)))
+    feed: str = field(
+        default="train", metadata=option("the name trainers may select the first feed by", check=_feed_name)
+    )
+    client_timeout: float = field(
+        default=15.0,
+        metadata=option("seconds of trainer silence before its leases are reclaimed", check=positive),
+    )
+    heartbeat_interval: float = field(
+        default=1.0,
+        metadata=option("seconds between heartbeats, asked of trainers and sent to them", check=positive),
+    )
+    lag_timeout: float = field(
+        default=30.0,
+        metadata=option("seconds one broadcast member may hold its group up before eviction", check=positive),
+    )
+    task_timeout: float = field(
+        default=120.0,
+        metadata=option(
+            "seconds a worker may spend on one batch before it is killed, the batch redone", check=positive
+        ),
+    )
+    strict: bool = field(
+        default=False,
+        metadata=option("stop (exit 1) at the first file that cannot be decoded, instead of skipping it"),
+    )
+    max_pixels: int = field(
+        default=89_478_485,
+        metadata=option(
+            "refuse images whose header claims more pixels, before their pixels are allocated",
+            check=between(10_000, 2**40),
+        ),
+    )
+    decoder: str = field(
+        default="auto",
+        metadata=option(
+            "train-transform JPEG decoding: auto (the region decoder if built), opencv (always a full "
+            "decode) or jpeg-roi (refuse to start without the region decoder)",
+            choices=DECODERS,
+            check=_decoder,
+        ),
+    )
+    group: str = field(
+        default="",
+        metadata=option("Unix group that may attach: segments and the ipc socket become 0660 (else 0600)"),
+    )
+    metrics_port: int = field(
+        default=0,
+        metadata=option(
+            "serve Prometheus metrics on this port (0: off; needs prometheus_client)",
+            check=between(0, 65535, "0 (off)"),
+        ),
+    )
+    metrics_addr: str = field(default="127.0.0.1", metadata=option("address the metrics port listens on"))
+    log_level: str = field(default="INFO", metadata=option("DEBUG, INFO, WARNING or ERROR", check=_log_level))
+    extra_feeds: tuple[FeedConfig, ...] = ()
+    """Further feeds from ``[feeds.NAME]`` tables of the config file (not an option of its own)."""
+
+    @property
+    def pool_slots(self) -> int:
+        return self.slots or 2 * self.workers + 8
+
+    def feeds(self) -> tuple[FeedConfig, ...]:
+        """Every feed this service serves; the first one is what a trainer gets by default."""
+        shared = {f.name: getattr(self, f.name) for f in fields(FeedOptions)}
+        main = FeedConfig(name=self.feed, **{**shared, "slots": self.pool_slots})
+        return (main, *self.extra_feeds)
+
+    def validated(self) -> ServiceConfig:
+        """Return a copy with the data path resolved, or raise ConfigError naming the bad value."""
+        if found := _first_problem(self, OPTIONS):
+            raise ConfigError(found[1], key=found[0])
+        require(self.pool_slots >= 2, "slots must be at least 2", key="slots")
+        require(
+            self.client_timeout >= 2 * self.heartbeat_interval,
+            "client_timeout must be at least twice heartbeat_interval",
+        )
+        names = [f.name for f in self.extra_feeds]
+        require(len(set(names)) == len(names) and self.feed not in names, "feed names must be unique")
+        return replace(
+            self,
+            data=_resolve(self.data),
+            log_level=self.log_level.upper(),
+            extra_feeds=tuple(f.validated() for f in self.extra_feeds),
+        )
+
+    @property
+    def roi(self) -> bool:
+        """Whether decode workers use the region decoder."""
+        return uses_roi(self.decoder)
+
+    def summary(self) -> str:
+        return " ".join(f"{k}={v}" for k, v in asdict(self).items()) + f" pool_slots={self.pool_slots}"
+
+
+@dataclass(frozen=True, kw_only=True)
+class FeedConfig(FeedOptions):
+    """One feed: a dataset and how its batches are made. The service may serve several."""
+
+    name: str
+
+    def validated(self) -> FeedConfig:
+        """The same checks as the top-level options, each message prefixed with the feed's name."""
+        where = f"feed {self.name!r}: "
+        if problem := _feed_name("name", self.name):
+            raise ConfigError(where + problem)
+        if found := _first_problem(self, FEED_OPTIONS):
+            raise ConfigError(where + found[1])
+        slots = self.slots or EXTRA_FEED_SLOTS
+        require(slots >= 2, where + "slots must be at least 2")
+        return replace(self, data=_resolve(self.data), slots=slots)
+
+
+@dataclass(frozen=True)
+class Option:
+    """One setting as the command line, the TOML file and the environment see it."""
+
+    name: str
+    type: type
+    """``int``, ``float``, ``str``, ``bool`` or ``Path``: from the field's annotation."""
+    default: Any
+    help: str
+    choices: tuple[str, ...]
+    check: Check | None
+    per_feed: bool
+    """Also a key of ``[feeds.NAME]`` tables."""
+
+    @property
+    def required(self) -> bool:
+        return self.default is MISSING
+
+    @property
+    def flag(self) -> str:
+        return "--" + self.name.replace("_", "-")
+
+    @property
+    def env(self) -> str:
+        return ENV_PREFIX + self.name.upper()
+
+    def problem(self, value: Any) -> str | None:
+        """What is wrong with a value of the right type, or None."""
+        if self.choices and value not in self.choices:
+            return f"{self.name} must be one of {', '.join(self.choices)}"
+        return self.check(self.name, value) if self.check else None
+
+    def typed(self, value: Any, where: str) -> Any:
+        """A TOML or flag value as this option's type, or ConfigError naming ``where`` it came from."""
+        if self.type is Path and isinstance(value, (str, os.PathLike)):
+            require(str(value) != "", f"{where} is empty")  # Path("") would quietly mean the cwd
+            return Path(value)
+        if self.type is float and isinstance(value, int) and not isinstance(value, bool):
+            return float(value)
+        # bool is an int to isinstance, but `workers = true` is a mistake, not 1.
+        if isinstance(value, self.type) and (self.type is bool or not isinstance(value, bool)):
+            return value
+        raise ConfigError(f"{where} has the wrong type ({type(value).__name__})")
+
+    def parse(self, text: str, variable: str) -> Any:
+        """An environment variable's text as this option's type, or ConfigError naming the variable."""
+        try:
+            value = _FROM_TEXT[self.type](text)
+        except ValueError:
+            raise ConfigError(f"{variable}={text!r} is not {_KIND[self.type]}") from None
+        return self.typed(value, variable)
+
+
+def _boolean(text: str) -> bool:
+    word = text.strip().lower()
+    if word in ("1", "true", "yes", "on"):
+        return True
+    if word in ("0", "false", "no", "off"):
+        return False
+    raise ValueError(text)
+
+
+_FROM_TEXT: dict[type, Callable[[str], Any]] = {int: int, float: float, bool: _boolean, str: str, Path: str}
+_KIND = {
+    int: "an integer",
+    float: "a number",
+    bool: "a boolean (1, true, yes, on or 0, false, no, off)",
+    str: "text",
+    Path: "a path",
+}
+
+
+def _options() -> dict[str, Option]:
+    hints = typing.get_type_hints(ServiceConfig)
+    per_feed = {f.name for f in fields(FeedOptions)}
+    return {
+        f.name: Option(
+            f.name, hints[f.name], f.default, **asdict(f.metadata["option"]), per_feed=f.name in per_feed
+        )
+        for f in fields(ServiceConfig)
+        if "option" in f.metadata
+    }
+
+
+OPTIONS: dict[str, Option] = _options()
+"""Every option of the service, in declaration order: the flags, TOML keys and variables there are."""
+FEED_OPTIONS: dict[str, Option] = {name: o for name, o in OPTIONS.items() if o.per_feed}
+"""The keys a ``[feeds.NAME]`` table may hold."""
+
+
+def _first_problem(config: FeedOptions, options: Mapping[str, Option]) -> tuple[str, str] | None:
+    for name, opt in options.items():
+        if problem := opt.problem(getattr(config, name)):
+            return name, problem
+    return None
+
+
+def _resolve(data: Path) -> Path:
+    return Path(data).expanduser().resolve()
+
+
+def require(ok: bool, message: str, key: str = "") -> None:
+    if not ok:
+        raise ConfigError(message, key)

@@ -1,0 +1,51 @@
+"""End to end: how ``loader-service serve`` reports the errors that stop it."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from tests.helpers import REPO
+
+pytestmark = pytest.mark.e2e
+
+
+def serve(data: Path, tmp_path: Path, env: dict[str, str], *flags: str) -> subprocess.CompletedProcess[str]:
+    """Run the service to its end; each test makes it stop by itself, so a hang is a failure."""
+    args = ["serve", "--data", str(data), "--endpoint", f"ipc://{tmp_path}/x.sock", "--workers", "1"]
+    return subprocess.run(
+        [sys.executable, "-m", "loader_service", *args, *flags],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        cwd=REPO,
+        env={**os.environ, **env},
+        check=False,
+    )
+
+
+def test_fatal_error_is_logged_with_its_traceback(photos: Path, tmp_path: Path) -> None:
+    # At INFO, the default: the one run that crashes in production is the one that must be diagnosable.
+    result = serve(photos, tmp_path, {"DATAFERRY_INJECT_FAULT": "main-loop"}, "--log-level", "INFO")
+    assert result.returncode == 1, result.stderr
+    assert "Traceback (most recent call last)" in result.stderr
+    assert "RuntimeError: fault injected by DATAFERRY_INJECT_FAULT" in result.stderr
+
+
+def test_bad_environment_value_exits_2_naming_the_variable(photos: Path, tmp_path: Path) -> None:
+    result = serve(photos, tmp_path, {"DATAFERRY_BATCH_SIZE": "lots"})
+    assert result.returncode == 2
+    assert "DATAFERRY_BATCH_SIZE='lots' is not an integer" in result.stderr
+
+
+def test_flag_beats_the_environment(photos: Path, tmp_path: Path) -> None:
+    # Were the variable used, the service would refuse to start (exit 2); the flag lets it reach the
+    # injected fault (exit 1) instead.
+    env = {"DATAFERRY_WORKERS": "0", "DATAFERRY_INJECT_FAULT": "main-loop"}
+    result = serve(photos, tmp_path, env)
+    assert result.returncode == 1, result.stderr
+    assert "workers=1 " in result.stderr
