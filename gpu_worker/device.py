@@ -4,7 +4,9 @@ CPU: nothing moves; the trainer gets zero-copy views of shared memory.
 
 CUDA (chosen at run time, never on a CPU-only machine; this path has not run on this project's CI):
     * the whole slot segment is pinned once per process with ``cudaHostRegister``, so copies from it
-      are true asynchronous DMA; it is unregistered before the segment is unmapped;
+      are true asynchronous DMA; it is unregistered before the segment is unmapped. Both calls are
+      checked (``check_cudart``); a failed registration only costs speed (pageable copies), as long
+      as CUDA's last error could be cleared, and is an error otherwise;
     * each batch is copied with ``non_blocking=True`` on a side stream; the trainer's current stream
       waits on an event, so the copy overlaps the previous step's kernels and the next step cannot
       read the images early;
@@ -21,6 +23,39 @@ from typing import Any
 import torch
 
 log = logging.getLogger(__name__)
+
+CUDA_HOST_REGISTER_PORTABLE = 1
+"""``cudaHostRegisterPortable``: the range counts as pinned in every CUDA context of the process, not
+only the current device's; torch's own pin helper registers with it too."""
+
+
+class CudaCallError(RuntimeError):
+    """A CUDA runtime call failed. ``cleared``: whether CUDA's last error was reset afterwards."""
+
+    def __init__(self, message: str, cleared: bool) -> None:
+        super().__init__(message)
+        self.cleared = cleared
+
+
+def check_cudart(cudart: Any, err: Any, call: str) -> None:
+    """Raise ``CudaCallError`` naming ``err``, the result of ``call`` through ``cudart``, unless success.
+
+    A failed runtime call also leaves the thread's last error set, and torch checks that after its
+    next kernel launch: an unrelated operation would fail later with this error. So it is consumed
+    here, where it happened. Only recent torch releases bind cudaGetLastError in
+    ``torch.cuda.cudart()``; with an older one the error stays set, and the exception says so.
+    """
+    code = int(err)
+    if code == 0:
+        return
+    clear = getattr(cudart, "cudaGetLastError", None)
+    if clear is not None:
+        clear()
+    # The binding takes its own enum type, not an int: name the value the call returned.
+    message = f"{call} failed: {cudart.cudaGetErrorString(err)} (cudaError {code})"
+    if clear is None:
+        message += "; CUDA's last error is still set (this torch does not bind cudaGetLastError)"
+    raise CudaCallError(message, cleared=clear is not None)
 
 
 def resolve_device(name: str) -> torch.device:
@@ -48,10 +83,15 @@ class CudaStager:
         and it is unregistered first, before its mapping can go away.
         """
         self._unpin()
-        with torch.cuda.device(self.device):  # not a context on GPU 0 for every rank
-            err = torch.cuda.cudart().cudaHostRegister(address, nbytes, 0)
-        if int(err) != 0:
-            log.warning("cudaHostRegister failed (%s); copies will not overlap compute", err)
+        try:
+            with torch.cuda.device(self.device):  # not a context on GPU 0 for every rank
+                cudart = torch.cuda.cudart()
+                err = cudart.cudaHostRegister(address, nbytes, CUDA_HOST_REGISTER_PORTABLE)
+                check_cudart(cudart, err, "cudaHostRegister")
+        except CudaCallError as exc:
+            if not exc.cleared:
+                raise  # going on would let the next kernel launch fail with this error
+            log.warning("%s; copies will not overlap compute", exc)
             return
         self._pinned = address
 
@@ -79,12 +119,14 @@ class CudaStager:
             self._in_flight.popleft()
 
     def _unpin(self) -> None:
-        if self._pinned is not None:
-            self._stream.synchronize()
-            self._in_flight.clear()
-            with torch.cuda.device(self.device):
-                torch.cuda.cudart().cudaHostUnregister(self._pinned)
-            self._pinned = None
+        if self._pinned is None:
+            return
+        address, self._pinned = self._pinned, None  # a failed unregister is not tried again
+        self._stream.synchronize()
+        self._in_flight.clear()
+        with torch.cuda.device(self.device):
+            cudart = torch.cuda.cudart()
+            check_cudart(cudart, cudart.cudaHostUnregister(address), "cudaHostUnregister")
 
     def close(self) -> None:
         self._stream.synchronize()

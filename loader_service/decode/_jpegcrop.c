@@ -248,7 +248,15 @@ static PyObject *decode(PyObject *self, PyObject *args)
         }
     }
     Py_END_ALLOW_THREADS
-    if (failed || setjmp(s.err.jump)) { /* re-armed: the last landing point was in the block */
+    /* Re-arm before any more libjpeg calls: the landing point above is inside the released
+     * section, and a longjmp to it now would run Py_END_ALLOW_THREADS again with the GIL held.
+     * C allows setjmp only as a whole condition (not as an operand of ||), so the earlier failure
+     * and a later one meet in the flag instead. */
+    if (!failed) {
+        if (setjmp(s.err.jump))
+            failed = 1;
+    }
+    if (failed) {
         Py_DECREF(out);
         PyBuffer_Release(&data);
         return fail(&s);
