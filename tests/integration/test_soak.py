@@ -2,16 +2,25 @@
 
 from __future__ import annotations
 
+import functools
+import hashlib
 import random
 import signal
 import subprocess
 import threading
+from dataclasses import dataclass
 from pathlib import Path
 
+import numpy as np
+import numpy.typing as npt
 import pytest
 
-from gpu_worker import ServiceLoader
+from gpu_worker import Batch, ServiceLoader
+from gpu_worker.client import LoaderConfig
+from loader_service.dataset.index import build_index
+from loader_service.dataset.sampler import batch_of, batches_per_epoch, shard_plan, shard_size
 from loader_service.supervisor.warm import WARM_BATCHES
+from protocol.messages import FeedInfo
 from tests.helpers import DIE_AFTER, ServiceFactory, in_threads, our_segments, status, trainer_process
 
 pytestmark = pytest.mark.integration
@@ -30,6 +39,83 @@ def rss_kib(pid: int) -> int:
     return total
 
 
+@dataclass(frozen=True)
+class Delivered:
+    """One batch as a trainer saw it: its place in the epoch plan, and a sha1 of each image's pixels."""
+
+    epoch: int
+    seq: int
+    indices: list[int]
+    labels: list[int]
+    pixels: list[str]
+
+    @classmethod
+    def of(cls, batch: Batch) -> Delivered:
+        images = batch.images.numpy()
+        pixels = [hashlib.sha1(image.tobytes()).hexdigest() for image in images]
+        return cls(batch.epoch, batch.seq, batch.indices.tolist(), batch.labels.tolist(), pixels)
+
+
+@dataclass(frozen=True)
+class Received:
+    """Everything one trainer got, with the shard and feed that say which batches were due."""
+
+    config: LoaderConfig
+    info: FeedInfo
+    batches: list[Delivered]
+
+    @property
+    def per_epoch(self) -> int:
+        """Batches in this trainer's epoch, from the sampler rather than from what the service said."""
+        shard = shard_size(self.info.samples, self.config.world_size, self.config.remainder)
+        return batches_per_epoch(shard, self.info.batch_size)
+
+
+def due_seqs(got: Received, take: int, ended: set[str]) -> list[int]:
+    """The batches a trainer that stops after ``take`` must have got, in order.
+
+    A shard trainer starts at batch 0. A broadcast member whose group is already in its epoch starts
+    at the oldest batch the group still holds, and gets none if the group has sent its last batch
+    (NOTE [ Broadcast epochs ]); ``ended`` names the groups some trainer saw to their last batch. The
+    loop hands over one batch before it can stop, so ``take=0`` still gets one; the epoch's end stops
+    it early.
+    """
+    first = 0
+    if got.config.mode == "broadcast":
+        if not got.batches and got.config.group in ended:
+            return []
+        first = got.batches[0].seq if got.batches else 0
+    return list(range(first, min(first + max(take, 1), got.per_epoch)))
+
+
+def ended_groups(results: list[Received]) -> set[str]:
+    """Broadcast groups that some trainer followed to the last batch of the epoch."""
+    return {
+        got.config.group
+        for got in results
+        if got.config.mode == "broadcast" and got.batches and got.batches[-1].seq == got.per_epoch - 1
+    }
+
+
+def problems(
+    got: Received, take: int, ended: set[str], labels: npt.NDArray[np.int64], pixels: dict[int, str]
+) -> list[str]:
+    """How ``got`` differs from its due batches of epoch 0: their samples, labels and decoded pixels."""
+    cfg, info = got.config, got.info
+    found = []
+    due_seq = due_seqs(got, take, ended)
+    if [b.seq for b in got.batches] != due_seq:
+        found.append(f"got batches {[b.seq for b in got.batches]}, due {due_seq}")
+    plan = shard_plan(info.seed, 0, info.samples, cfg.rank, cfg.world_size, cfg.remainder)
+    for b in got.batches:
+        due = batch_of(plan, b.seq, info.batch_size).tolist() if b.seq < got.per_epoch else None
+        if b.epoch != 0 or b.indices != due:
+            found.append(f"batch {b.seq} of epoch {b.epoch} held samples {b.indices}, due {due}")
+        elif b.labels != labels[b.indices].tolist() or b.pixels != [pixels[i] for i in b.indices]:
+            found.append(f"batch {b.seq} held the right samples with wrong labels or pixels")
+    return found
+
+
 def test_hundred_trainers_come_and_go(photos: Path, start_service: ServiceFactory) -> None:
     service = start_service(photos, batch_size=4, slots=12, client_timeout=2, image_size=32)
     rng = random.Random(1)
@@ -39,28 +125,34 @@ def test_hundred_trainers_come_and_go(photos: Path, start_service: ServiceFactor
     ]
     gate = threading.Semaphore(CONCURRENT)
 
-    def trainer(mode: str, take: int, rank_two: bool) -> int:
+    def trainer(mode: str, take: int, rank_two: bool) -> Received:
         kwargs: dict[str, object] = {"timeout": 30}
         if mode == "broadcast-solo":
             kwargs.update(mode="broadcast", group=f"g{take}", group_size=1)
         elif rank_two:
             kwargs.update(rank=1, world_size=2)
         with gate, ServiceLoader(service.endpoint, **kwargs) as loader:  # type: ignore[arg-type]
-            got = 0
+            got = Received(loader.config, loader.info, [])
             for batch in loader:
-                got += 1
-                if got >= take:
+                got.batches.append(Delivered.of(batch))
+                if len(got.batches) >= take:
                     break
                 del batch
             return got
 
-    trainer("shard", 30, False)  # warm up: workers imported, pool touched, caches filled
+    # Warm up (workers imported, pool touched, caches filled) with a whole epoch: its pixels are the
+    # reference, since a sample decodes to the same pixels in an epoch whoever receives it.
+    reference = trainer("shard", 30, False)
+    labels = build_index(photos).labels
+    pixels = {i: sha for b in reference.batches for i, sha in zip(b.indices, b.pixels, strict=True)}
+    assert sorted(pixels) == list(range(len(labels))) and reference.info.samples == len(labels)
+    assert problems(reference, 30, set(), labels, pixels) == []
     warm = rss_kib(service.proc.pid)
     killed: list[subprocess.Popen[str]] = []
     try:
         for i in range(KILLED):
             killed.append(trainer_process(service.endpoint, DIE_AFTER, str(1 + i % 3), "shard"))
-        results = in_threads([lambda p=p: trainer(*p) for p in plans], timeout=240)
+        results = in_threads([functools.partial(trainer, *p) for p in plans], timeout=240)
         for proc in killed:
             proc.wait(90)  # each kills itself after a few batches
     finally:
@@ -69,7 +161,15 @@ def test_hundred_trainers_come_and_go(photos: Path, start_service: ServiceFactor
                 proc.kill()
             proc.communicate(timeout=60)
     assert all(proc.returncode == -signal.SIGKILL for proc in killed)
-    assert all(r >= 0 for r in results)
+    # Every trainer got exactly its due batches, each holding the planned samples, labels and pixels:
+    # a slot reused too early, a lost or repeated batch, or a session cut short fails here.
+    ended = ended_groups(results)
+    wrong = {
+        i: found
+        for i, (p, got) in enumerate(zip(plans, results, strict=True))
+        if (found := problems(got, p[1], ended, labels, pixels))
+    }
+    assert not wrong, {i: (plans[i], found[:3]) for i, found in list(wrong.items())[:5]}
     service.wait_for(r"detached: no heartbeat for 2 s", timeout=30, count=KILLED)
     body = status(service.endpoint)
     assert body["attached"] == 0

@@ -1,0 +1,232 @@
+"""What an operator sees of a service, from one status body: ``status`` (rendered and queried) and metrics.
+
+The status queries go to a fake service, a ZeroMQ ROUTER in a thread; ``tests/e2e/test_deploy.py``
+asks a real one.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import sys
+import threading
+import urllib.request
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+import zmq
+
+from gpu_worker.metrics import MetricsUnavailable as TrainerMetricsUnavailable
+from gpu_worker.metrics import TrainerMetrics
+from loader_service.supervisor.metrics import MetricsUnavailable, ServiceMetrics
+from loader_service.tools.status_view import main_status, query_status, render
+from protocol.messages import Heartbeat, StatusReply, StatusRequest, decode, encode
+
+SAMPLE_BODY: dict[str, Any] = {
+    "uptime": 12.3,
+    "attached": 2,
+    "workers": 2,
+    "worker_restarts": 0,
+    "rejected_messages": 0,
+    "worker_list": [
+        {"worker": 0, "pid": 123, "task": 5, "ready": True, "decoded": 640, "images_per_second": 210.5},
+        {"worker": 1, "pid": 124, "task": None, "ready": False, "decoded": 0, "images_per_second": 0.0},
+    ],
+    "feeds": [
+        {
+            "name": "train",
+            "samples": 90,
+            "slots": {"free": 8, "filling": 2, "ready": 0, "leased": 2},
+            "decoded": 640,
+            "images_per_second": 400.1,
+            "batches": 80,
+            "bad_files": 3,
+            "recent_bad_files": ["a/1.jpg", "a/2.jpg", "a/3.jpg", "b/x.jpg"],
+        }
+    ],
+    "sessions": [
+        {
+            "session": "ab12",
+            "client": "host:123",
+            "feed": "train",
+            "mode": "shard",
+            "rank": 0,
+            "world_size": 1,
+            "group": "",
+            "epoch": 3,
+            "delivered": 100,
+            "leased": 2,
+            "credits": 6,
+            "lag": 4,
+            "idle_seconds": 0.2,
+        }
+    ],
+}
+
+
+# --- status ---------------------------------------------------------------------------------------
+
+
+def cells(line: str) -> list[str]:
+    return line.split()
+
+
+def table_row(text: str, first: str) -> list[str]:
+    rows = [line.split() for line in text.splitlines() if line.split()[:1] == [first]]
+    assert len(rows) == 1, text
+    return rows[0]
+
+
+def test_render_shows_what_an_operator_looks_for() -> None:
+    text = render(SAMPLE_BODY)
+    assert "up 12.3 s" in text and "2 trainer(s) attached" in text and "0 worker restart(s)" in text
+    header = table_row(text, "FEED")
+    assert header[:5] == ["FEED", "SAMPLES", "IMAGES/S", "DECODED", "BATCHES"]
+    assert header[5:9] == ["FREE", "FILLING", "READY", "LEASED"]
+    assert table_row(text, "train") == cells("train 90 400.1 640 80 8 2 0 2 3")
+    assert "a/2.jpg, a/3.jpg, b/x.jpg" in text and "a/1.jpg" not in text  # the last few bad files
+    assert table_row(text, "WORKER") == ["WORKER", "PID", "READY", "TASK", "DECODED", "IMAGES/S"]
+    assert table_row(text, "0") == cells("0 123 yes 5 640 210.5")
+    assert table_row(text, "1") == cells("1 124 no - 0 0.0")
+    assert table_row(text, "TRAINER")[-3:] == ["CREDITS", "LAG", "IDLE"]
+    assert table_row(text, "ab12") == cells("ab12 host:123 train shard 0/1 3 100 2 6 4 0.2 s")
+
+
+def test_render_copes_with_older_or_partial_bodies() -> None:
+    text = render({"uptime": 7200, "feeds": [{"name": "val"}], "sessions": "?", "worker_list": [1, None]})
+    assert "up 2 h 00 min" in text
+    assert table_row(text, "val") == ["val", *["-"] * 9]
+    assert "no trainers attached" in text and "no decode workers reported" in text
+    assert "no feeds reported" in render({})
+
+
+@pytest.fixture
+def fake_service(tmp_path: Path) -> Iterator[str]:
+    """A ROUTER answering one status request with a heartbeat, a garbage frame, then the sample body."""
+    endpoint = f"ipc://{tmp_path}/fake.sock"
+    ctx: zmq.Context[zmq.Socket[bytes]] = zmq.Context()
+    router = ctx.socket(zmq.ROUTER)
+    router.setsockopt(zmq.LINGER, 0)
+    router.bind(endpoint)
+
+    def serve() -> None:
+        if router.poll(5000):
+            rid, frame = router.recv_multipart()
+            assert isinstance(decode(frame, (StatusRequest,)), StatusRequest)
+            for reply in (encode(Heartbeat()), b"\xc1garbage", encode(StatusReply(SAMPLE_BODY))):
+                router.send_multipart([rid, reply])
+
+    thread = threading.Thread(target=serve)
+    thread.start()
+    yield endpoint
+    thread.join(10)
+    ctx.destroy(linger=0)
+
+
+def test_query_status_skips_other_frames_until_the_reply(fake_service: str) -> None:
+    assert query_status(fake_service, timeout=5.0) == SAMPLE_BODY
+
+
+def test_main_status_json_is_sorted_and_indented(
+    fake_service: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    assert main_status(fake_service, as_json=True, timeout=5.0) == 0
+    out = capsys.readouterr().out
+    assert json.loads(out) == SAMPLE_BODY
+    assert out.startswith('{\n  "attached": 2,')
+
+
+def test_status_of_a_missing_service_names_it_and_exits_1(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    endpoint = f"ipc://{tmp_path}/nobody.sock"
+    with pytest.raises(TimeoutError, match=re.escape(endpoint)):
+        query_status(endpoint, timeout=0.2)
+    assert main_status(endpoint, as_json=False, timeout=0.2) == 1
+    captured = capsys.readouterr()
+    assert captured.out == ""
+    assert f"no status reply from {endpoint} within 0.2 s" in captured.err
+    assert main_status("carrier-pigeon://", as_json=False, timeout=0.2) == 1
+    assert "invalid endpoint" in capsys.readouterr().err
+
+
+# --- metrics --------------------------------------------------------------------------------------
+
+
+def scrape(registry: Any) -> dict[tuple[str, frozenset[tuple[str, str]]], float]:
+    """Every sample the registry exposes, keyed by (name, labels), parsed back from the text format."""
+    prometheus_client = pytest.importorskip("prometheus_client")
+    from prometheus_client.parser import text_string_to_metric_families
+
+    text = prometheus_client.generate_latest(registry).decode()
+    return {
+        (s.name, frozenset(s.labels.items())): s.value
+        for family in text_string_to_metric_families(text)
+        for s in family.samples
+    }
+
+
+def test_service_metrics_follow_the_status_body() -> None:
+    pytest.importorskip("prometheus_client")
+    metrics, other = ServiceMetrics(), ServiceMetrics()
+    metrics.update(SAMPLE_BODY)
+    samples = scrape(metrics.registry)
+    train = frozenset({("feed", "train")})
+    assert samples[("dataferry_decoded_images_total", train)] == 640
+    assert samples[("dataferry_decode_images_per_second", train)] == 400.1
+    assert samples[("dataferry_bad_files_total", train)] == 3
+    assert samples[("dataferry_batches_total", train)] == 80
+    for state, count in {"free": 8, "filling": 2, "ready": 0, "leased": 2}.items():
+        assert samples[("dataferry_slots", train | {("state", state)})] == count
+    assert samples[("dataferry_worker_restarts_total", frozenset())] == 0
+    assert samples[("dataferry_trainers_attached", frozenset())] == 2
+    assert samples[("dataferry_uptime_seconds", frozenset())] == 12.3
+    assert samples[("dataferry_worker_decode_images_per_second", frozenset({("worker", "0")}))] == 210.5
+    session = frozenset({("session", "ab12"), ("client", "host:123"), ("feed", "train")})
+    assert samples[("dataferry_trainer_lag_batches", session)] == 4
+    assert samples[("dataferry_trainer_credits", session)] == 6
+    assert not any(name.startswith("dataferry_decoded") for name, _ in scrape(other.registry))
+
+    metrics.update({**SAMPLE_BODY, "sessions": [], "worker_restarts": 1})  # the trainer left
+    samples = scrape(metrics.registry)
+    assert samples[("dataferry_worker_restarts_total", frozenset())] == 1
+    assert not any(name.startswith("dataferry_trainer_") for name, _ in samples)
+
+
+def test_ready_wait_histogram() -> None:
+    pytest.importorskip("prometheus_client")
+    metrics = ServiceMetrics()
+    metrics.observe_ready_wait("train", 0.003)
+    samples = scrape(metrics.registry)
+    train = {("feed", "train")}
+    assert samples[("dataferry_batch_ready_wait_seconds_bucket", frozenset(train | {("le", "0.0025")}))] == 0
+    assert samples[("dataferry_batch_ready_wait_seconds_bucket", frozenset(train | {("le", "0.005")}))] == 1
+
+
+def test_trainer_batch_wait_histogram_is_served_over_http() -> None:
+    pytest.importorskip("prometheus_client")
+    metrics = TrainerMetrics()
+    for seconds in (0.0002, 0.003, 20.0):
+        metrics.observe(seconds)
+    samples = scrape(metrics.registry)
+
+    def bucket(le: str) -> float:
+        return samples[("dataferry_batch_wait_seconds_bucket", frozenset({("le", le)}))]
+
+    assert [bucket(le) for le in ("0.0001", "0.00025", "0.005", "10.0", "+Inf")] == [0, 1, 2, 2, 3]
+    metrics.start(0)
+    try:
+        with urllib.request.urlopen(f"http://127.0.0.1:{metrics.port}/metrics", timeout=5) as response:
+            assert b"dataferry_batch_wait_seconds_count 3.0" in response.read()
+    finally:
+        metrics.stop()
+
+
+def test_metrics_without_prometheus_client_name_the_package(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setitem(sys.modules, "prometheus_client", None)  # makes the import fail
+    with pytest.raises(MetricsUnavailable, match="prometheus_client"):
+        ServiceMetrics()
+    with pytest.raises(TrainerMetricsUnavailable, match="pip install prometheus_client"):
+        TrainerMetrics()
