@@ -18,6 +18,22 @@ NOTE [ Shared-memory cleanup ]
     * The service unlinks its segments on every exit path (``LoaderService.shutdown``, see NOTE
       [ Shutdown order ]). Trainers and workers that still map a segment keep their mapping until they
       unmap it; unlinking only removes the name.
+
+NOTE [ Hostile /dev/shm ]
+    /dev/shm and the temp dir are writable by every user, and the service scans both at start, so
+    anyone can put a FIFO, a link, a device or a folder named ``dataferry-<pid>-*`` in its way, or
+    swap an entry while it is scanned. Cleanup must not hang on one (a plain ``open`` of a FIFO waits
+    for a writer forever), nor follow one out of the directory, nor crash start-up over one:
+    * a name is ours only if it matches ``dataferry-<ASCII digits>-<segment-name characters>``;
+    * only a regular file or a real folder owned by our effective uid is a candidate, judged by
+      ``lstat`` (the scan's cached type may be stale), then opened with ``O_NOFOLLOW | O_NONBLOCK``
+      and checked with ``fstat`` to be the very entry ``lstat`` saw;
+    * a folder is emptied through directory fds, never by name, so nothing in it is followed or
+      opened except folders (``O_DIRECTORY`` refuses anything else without waiting);
+    * any ``OSError`` on one entry (it vanished, changed type, is a link now) skips that entry,
+      logged at debug level.
+    Unlinking a name never opens or follows what it names, and in a sticky directory only its owner
+    (us) or root can swap it between our check and the unlink.
 """
 
 from __future__ import annotations
@@ -28,8 +44,9 @@ import grp
 import logging
 import mmap
 import os
+import re
 import secrets
-import shutil
+import stat
 from pathlib import Path
 
 from protocol.layout import SEGMENT_PREFIX, validate_segment_name
@@ -135,25 +152,11 @@ def hold_lock(path: Path) -> int:
     return fd
 
 
-def _locked(path: str) -> bool:
-    """Does a live process hold the flock on ``path``? The kernel drops it when its holder dies,
-    however it dies and whatever PID namespace it runs in."""
-    try:
-        fd = os.open(path, os.O_RDONLY)
-    except OSError:
-        return False
-    try:
-        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-    except BlockingIOError:
-        return True
-    finally:
-        os.close(fd)
-    return False
-
-
-def _in_use(entry: os.DirEntry[str], pid: int) -> bool:
-    lock = os.path.join(entry.path, LOCK_NAME) if entry.is_dir(follow_symlinks=False) else entry.path
-    return pid == os.getpid() or _locked(lock) or _owner_alive(pid)
+_STALE_NAME = re.compile(re.escape(SEGMENT_PREFIX) + r"([0-9]+)-[A-Za-z0-9_.-]+")
+"""What a segment or runtime folder of ours is called. ``[0-9]`` and not ``str.isdigit()``: that also
+accepts other scripts' digits, which ``int()`` reads as a pid (or refuses with ValueError)."""
+_NO_WAIT = os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC
+"""How cleanup opens anything: never through a link, and never waiting (a FIFO opens at once)."""
 
 
 def remove_stale(directories: tuple[Path, ...] = (SHM_DIR,)) -> list[str]:
@@ -162,32 +165,117 @@ def remove_stale(directories: tuple[Path, ...] = (SHM_DIR,)) -> list[str]:
     A service killed with SIGKILL cannot clean up after itself (NOTE [ Shared-memory cleanup ]);
     its successor does it at start. An entry is left alone while its creator holds its flock (a live
     service, in any PID namespace sharing this /dev/shm), or while its pid runs a loader service.
+
+    The directories are shared with every user of the machine (NOTE [ Hostile /dev/shm ]): only a
+    regular file or a real folder, owned by our uid, named exactly as we name them, is ever opened
+    or removed; anything else, and any entry that fails a system call, is skipped.
     """
     removed = []
     for directory in directories:
-        for entry in os.scandir(directory):
-            pid = _pid_of(entry.name)
-            if pid is None or _in_use(entry, pid):
-                continue
-            try:
-                if entry.is_dir(follow_symlinks=False):
-                    shutil.rmtree(entry.path)
-                else:
-                    os.unlink(entry.path)
-            except FileNotFoundError:
-                continue
-            except PermissionError:  # another user's leftovers in the sticky /dev/shm or /tmp
-                log.warning("cannot remove %s left by pid %d: permission denied", entry.path, pid)
-                continue
-            removed.append(entry.path)
+        removed += _remove_stale_in(directory)
     return removed
 
 
+def _remove_stale_in(directory: Path) -> list[str]:
+    removed = []
+    try:
+        with os.scandir(directory) as entries:
+            for entry in entries:
+                if _remove_if_stale(entry):
+                    removed.append(entry.path)
+    except OSError as exc:  # missing, unreadable, not a folder: nothing of ours to clean there
+        log.debug("stale-segment scan of %s skipped: %s", directory, exc)
+    return removed
+
+
+def _remove_if_stale(entry: os.DirEntry[str]) -> bool:
+    pid = _pid_of(entry.name)
+    if pid is None:
+        return False
+    try:
+        return _remove_if_dead(entry.path, pid)
+    except OSError as exc:  # it vanished, changed type, or is not ours to open: leave it
+        log.debug("stale-segment check skipped %r: %s", entry.path, exc)
+        return False
+
+
 def _pid_of(name: str) -> int | None:
-    if not name.startswith(SEGMENT_PREFIX):
-        return None
-    head = name[len(SEGMENT_PREFIX) :].split("-", 1)[0]
-    return int(head) if head.isdigit() else None
+    match = _STALE_NAME.fullmatch(name)
+    return int(match[1]) if match else None
+
+
+def _remove_if_dead(path: str, pid: int) -> bool:
+    """Remove ``path`` if it is a segment or runtime folder of ours whose service is gone.
+
+    The entry's cached type from the scan may be stale, so it is checked afresh with ``lstat``, and
+    once more with ``fstat`` on what ``open`` returned, in case it was swapped in between.
+    """
+    seen = os.lstat(path)
+    folder = stat.S_ISDIR(seen.st_mode)
+    if not (folder or stat.S_ISREG(seen.st_mode)) or seen.st_uid != os.geteuid():
+        return False
+    fd = os.open(path, _NO_WAIT | (os.O_DIRECTORY if folder else 0))
+    try:
+        if not _same_entry(seen, os.fstat(fd)):
+            return False
+        if pid == os.getpid() or _lock_held(fd, folder) or _owner_alive(pid):
+            return False
+        if folder:
+            _empty_folder(fd)
+            os.rmdir(path)
+        else:
+            os.unlink(path)  # removes the name only; in a sticky folder only we can have swapped it
+    finally:
+        os.close(fd)
+    return True
+
+
+def _same_entry(seen: os.stat_result, opened: os.stat_result) -> bool:
+    """Is what we opened what ``lstat`` saw? The inode number alone is not enough: a file system
+    may give a FIFO created in its place the number the removed file had."""
+    same_kind = stat.S_IFMT(seen.st_mode) == stat.S_IFMT(opened.st_mode)
+    return os.path.samestat(seen, opened) and same_kind and seen.st_uid == opened.st_uid
+
+
+def _lock_held(fd: int, folder: bool) -> bool:
+    """Does a live process hold the flock on the segment open at ``fd`` (on the lock file, for a
+    runtime folder)? The kernel drops it when its holder dies, however it dies and whatever PID
+    namespace it runs in."""
+    if not folder:
+        return _flock_held(fd)
+    try:
+        lock = os.open(LOCK_NAME, _NO_WAIT, dir_fd=fd)
+    except FileNotFoundError:
+        return False  # killed between creating its folder and locking it
+    try:
+        # A lock that is not a regular file is none a service made: spare the folder.
+        return not stat.S_ISREG(os.fstat(lock).st_mode) or _flock_held(lock)
+    finally:
+        os.close(lock)
+
+
+def _flock_held(fd: int) -> bool:
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        return True
+    return False  # closing the fd drops the flock we just took
+
+
+def _empty_folder(fd: int) -> None:
+    """Remove what the folder open at ``fd`` holds, without following links or opening anything
+    but folders (``shutil.rmtree`` opens folders by name, without ``O_NONBLOCK``)."""
+    with os.scandir(fd) as entries:
+        for entry in entries:
+            if not entry.is_dir(follow_symlinks=False):
+                os.unlink(entry.name, dir_fd=fd)
+                continue
+            inner = os.open(entry.name, _NO_WAIT | os.O_DIRECTORY, dir_fd=fd)
+            try:
+                _empty_folder(inner)
+            finally:
+                os.close(inner)
+            os.rmdir(entry.name, dir_fd=fd)
 
 
 def _reserve(fd: int, path: Path, size: int) -> None:

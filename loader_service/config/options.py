@@ -28,7 +28,7 @@ from dataclasses import MISSING, asdict, dataclass, field, fields, replace
 from pathlib import Path
 from typing import Any
 
-from loader_service.decode.transforms import DECODERS, decoder_problem, uses_roi
+from loader_service.decode.transforms import DECODERS, DEFAULT_MAX_FILE_BYTES, decoder_problem, uses_roi
 
 AUGMENTS = ("train", "eval", "none")
 LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR")
@@ -190,6 +190,13 @@ class ServiceConfig(FeedOptions):
             check=between(10_000, 2**40),
         ),
     )
+    max_file_bytes: int = field(
+        default=DEFAULT_MAX_FILE_BYTES,
+        metadata=option(
+            "a dataset file larger than this is a bad sample, refused before it is read",
+            check=at_least(1),
+        ),
+    )
     decoder: str = field(
         default="auto",
         metadata=option(
@@ -223,7 +230,7 @@ class ServiceConfig(FeedOptions):
         """Every feed this service serves; the first one is what a trainer gets by default."""
         shared = {f.name: getattr(self, f.name) for f in fields(FeedOptions)}
         main = FeedConfig(name=self.feed, **{**shared, "slots": self.pool_slots})
-        return (main, *self.extra_feeds)
+        return tuple(replace(f, max_file_bytes=self.max_file_bytes) for f in (main, *self.extra_feeds))
 
     def validated(self) -> ServiceConfig:
         """Return a copy with the data path resolved, or raise ConfigError naming the bad value."""
@@ -257,6 +264,8 @@ class FeedConfig(FeedOptions):
     """One feed: a dataset and how its batches are made. The service may serve several."""
 
     name: str
+    max_file_bytes: int = DEFAULT_MAX_FILE_BYTES
+    """The service-wide ``max_file_bytes``, set by ``ServiceConfig.feeds()``; its workers apply it."""
 
     def validated(self) -> FeedConfig:
         """The same checks as the top-level options, each message prefixed with the feed's name."""

@@ -12,6 +12,7 @@ import logging
 import os
 import signal
 import sys
+import time
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -34,7 +35,9 @@ WORKER_BOOT_ERROR = 3
 """Exit code of a worker that could not start; the supervisor backs off instead of looping."""
 FAULT_ENV = "DATAFERRY_INJECT_FAULT"
 """Fault injection for tests: ``worker-boot`` makes every decode worker fail at start-up;
-``main-loop`` makes the service's main loop raise as it begins."""
+``main-loop`` makes the service's main loop raise as it begins; ``hang-on:TEXT`` makes a worker
+stall, as on a read that never returns, on every task holding a path that contains TEXT."""
+HANG_ON = "hang-on:"
 
 
 @dataclass(frozen=True)
@@ -48,6 +51,8 @@ class WorkerFeed:
     data: Path
     seed: int
     augment: str
+    max_file_bytes: int
+    """A larger file is a bad sample (``transforms.read_file``)."""
 
 
 @dataclass(frozen=True)
@@ -97,7 +102,7 @@ def fill_slot(worker: int, feed: OpenFeed, task: Task, roi: bool) -> TaskDone:
             continue
         try:
             rng = sample_rng(spec.seed, task.epoch, idx)
-            load_into(str(index.path(idx)), views.images[row], spec.augment, rng, roi)
+            load_into(str(index.path(idx)), views.images[row], spec.augment, rng, roi, spec.max_file_bytes)
         except DecodeError as exc:
             bad.append((idx, str(exc)))
             continue
@@ -161,4 +166,22 @@ def _serve(cfg: WorkerConfig, feeds: list[OpenFeed], sock: zmq.Socket[bytes]) ->
         if not 0 <= msg.feed < len(feeds):
             log.error("task %d names feed %d of %d; ignored", msg.task, msg.feed, len(feeds))
             continue
+        _injected_hang(cfg, feeds[msg.feed], msg)
         sock.send(encode(fill_slot(cfg.worker, feeds[msg.feed], msg, cfg.roi)))
+
+
+def _injected_hang(cfg: WorkerConfig, feed: OpenFeed, task: Task) -> None:
+    """``hang-on:TEXT`` (FAULT_ENV): stall on a task holding a path that contains TEXT, until the
+    service kills this worker (``--task-timeout``) or is gone itself."""
+    fault = os.environ.get(FAULT_ENV, "")
+    if not fault.startswith(HANG_ON) or not _names(feed, task, fault[len(HANG_ON) :]):
+        return
+    log.warning("task %d: stalling, fault injected by %s=%s", task.task, FAULT_ENV, fault)
+    while os.getppid() == cfg.parent_pid:
+        time.sleep(POLL_MS / 1000)  # a stall, not a wait for anything: only a kill ends it
+    sys.exit(0)
+
+
+def _names(feed: OpenFeed, task: Task, text: str) -> bool:
+    indices = np.frombuffer(task.indices, dtype="<i8").tolist()
+    return any(text in str(feed.index.path(i)) for i in indices if 0 <= i < len(feed.index))

@@ -99,6 +99,7 @@ class Feed:
             data=self.config.data,
             seed=self.config.seed,
             augment=self.config.augment,
+            max_file_bytes=self.config.max_file_bytes,
         )
 
     def note_bad(self, index: int, reason: str) -> None:

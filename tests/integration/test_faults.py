@@ -151,23 +151,26 @@ def test_ipc_socket_is_private_without_a_group(photos: Path, start_service: Serv
 
 
 def test_a_worker_stuck_on_a_file_is_killed_and_the_batch_given_up_after_three_tries(
-    photos: Path, start_service: ServiceFactory, tmp_path: Path
+    photos: Path, start_service: ServiceFactory, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     data = tmp_path / "stuck"
     (data / "a").mkdir(parents=True)
     for p in sorted(photos.glob("class_000/*.jpg"))[:7]:
         (data / "a" / p.name).write_bytes(p.read_bytes())
-    os.mkfifo(data / "a" / "fifo.jpg")  # reading it blocks forever: no writer ever comes
+    # A worker that reaches this file hangs as on a read that never returns (a FIFO no longer
+    # does: non-regular files are refused up front).
+    (data / "a" / "stuck.jpg").write_bytes(next(iter(sorted(photos.glob("class_000/*.jpg")))).read_bytes())
+    monkeypatch.setenv("DATAFERRY_INJECT_FAULT", "hang-on:a/stuck.jpg")
     index = build_index(data)
-    fifo = next(i for i in range(len(index)) if index.relpath(i).endswith("fifo.jpg"))
+    stuck = next(i for i in range(len(index)) if index.relpath(i).endswith("stuck.jpg"))
     service = start_service(data, batch_size=4, task_timeout=1.5)
     with ServiceLoader(service.endpoint, timeout=60) as loader:
         seen = [i for batch in loader for i in batch.indices.tolist()]
-    assert fifo not in seen
+    assert stuck not in seen
     assert len(seen) >= len(index) - 4, "only the batch holding the stuck file is lost"
     assert len(set(seen)) == len(seen)
     service.wait_for(r"spent over 2 s on task", count=3)
-    service.wait_for(r"a/fifo.jpg: decode worker died 3 times on the batch holding this file")
+    service.wait_for(r"a/stuck.jpg: decode worker died 3 times on the batch holding this file")
     # three for the trainer's batch, and maybe more for the warm-start cache decoding the same batch
     assert status(service.endpoint)["worker_restarts"] >= 3
 
