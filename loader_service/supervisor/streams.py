@@ -13,7 +13,7 @@ NOTE [ Broadcast epochs ]
     iterate epochs together. A member that starts the epoch the group is
     already in (a late joiner, or one that rejoined after dying) receives it from the oldest batch
     still held, so it may miss the batches before that: exactly-once holds for members that stay.
-    A member that holds the group up for longer than the lag timeout is evicted (service.py): it gets
+    A member that holds the group up for longer than the lag timeout is evicted (trainers.py): it gets
     no further batches, but keeps the slots of those it holds until it releases them, so a slow step
     never sees its batch overwritten. A dead member is dropped after its heartbeat timeout, and its
     slots with it. Either way the others never stall for longer than those timeouts.
