@@ -20,7 +20,6 @@ values it does not set (except ``slots``: each feed's pool is sized on its own).
 
 from __future__ import annotations
 
-import math
 import os
 import typing
 from collections.abc import Callable, Mapping
@@ -28,10 +27,11 @@ from dataclasses import MISSING, asdict, dataclass, field, fields, replace
 from pathlib import Path
 from typing import Any
 
-from loader_service.decode.transforms import DECODERS, DEFAULT_MAX_FILE_BYTES, decoder_problem, uses_roi
+from loader_service.config import checks
+from loader_service.config.checks import Check, at_least, between, positive
+from loader_service.decode.transforms import DECODERS, DEFAULT_MAX_FILE_BYTES, uses_roi
 
 AUGMENTS = ("train", "eval", "none")
-LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR")
 ENV_PREFIX = "DATAFERRY_"
 EXTRA_FEED_SLOTS = 10
 """Pool size of a ``[feeds.NAME]`` feed whose ``slots`` is 0 (auto)."""
@@ -44,61 +44,6 @@ class ConfigError(ValueError):
         super().__init__(message)
         # The top-level option at fault, if it is one: load_config then adds which layer set it.
         self.key = key
-
-
-# --- checks: (option name, value) -> what is wrong, or None ---------------------------------------
-
-Check = Callable[[str, Any], str | None]
-
-
-def between(low: int, high: int, low_text: str = "") -> Check:
-    def check(name: str, value: Any) -> str | None:
-        ok = low <= value <= high
-        return None if ok else f"{name} must be between {low_text or low} and {high}"
-
-    return check
-
-
-def at_least(low: int) -> Check:
-    return lambda name, value: None if value >= low else f"{name} must be at least {low}"
-
-
-def positive(name: str, value: Any) -> str | None:
-    # A TOML file may say `inf` or `nan`; neither is a usable timeout.
-    return None if math.isfinite(value) and value > 0 else f"{name} must be positive"
-
-
-def _seed(name: str, value: Any) -> str | None:
-    return None if 0 <= value < 2**63 else f"{name} must be a non-negative 63-bit integer"
-
-
-def _feed_name(name: str, value: Any) -> str | None:
-    return None if 1 <= len(value) <= 64 else f"{name} must be 1 to 64 characters"
-
-
-def _log_level(name: str, value: Any) -> str | None:
-    return None if value.upper() in LOG_LEVELS else f"{name} must be one of {', '.join(LOG_LEVELS)}"
-
-
-def _decoder(name: str, value: Any) -> str | None:
-    return decoder_problem(value)
-
-
-def _directory(name: str, value: Any) -> str | None:
-    ok = Path(value).expanduser().is_dir()
-    return None if ok else f"{name} directory {value} does not exist or is not a directory"
-
-
-def _endpoint(name: str, value: Any) -> str | None:
-    if not value.startswith("ipc://"):
-        ok = value.startswith("tcp://")
-        return None if ok else f"{name} must be ipc://PATH or tcp://HOST:PORT: {value}"
-    path = value[len("ipc://") :]
-    # The kernel's sockaddr_un limit: longer paths fail obscurely inside libzmq.
-    if not 0 < len(path.encode()) <= 107:
-        return f"ipc path must be 1 to 107 bytes: {value}"
-    parent = os.path.dirname(path) or "."
-    return None if os.path.isdir(parent) else f"directory for ipc endpoint does not exist: {parent}"
 
 
 # --- the declaration ------------------------------------------------------------------------------
@@ -120,7 +65,7 @@ def option(help: str, *, choices: tuple[str, ...] = (), check: Check | None = No
 class FeedOptions:
     """The options of one feed: the top-level ones make the first feed, ``[feeds.NAME]`` tables others."""
 
-    data: Path = field(metadata=option("ImageFolder root: one sub-folder per class", check=_directory))
+    data: Path = field(metadata=option("ImageFolder root: one sub-folder per class", check=checks.directory))
     batch_size: int = field(default=64, metadata=option("images per batch", check=between(1, 4096)))
     image_size: int = field(
         default=224,
@@ -134,7 +79,7 @@ class FeedOptions:
     )
     seed: int = field(
         default=0,
-        metadata=option("seeds the epoch permutations and all augmentation randomness", check=_seed),
+        metadata=option("seeds the epoch permutations and all augmentation randomness", check=checks.seed),
     )
     slots: int = field(
         default=0,
@@ -154,12 +99,13 @@ class ServiceConfig(FeedOptions):
         metadata=option(
             "ZeroMQ endpoint trainers connect to: ipc:///path.sock (at most 107 bytes, in an existing "
             "directory) or tcp://host:port",
-            check=_endpoint,
+            check=checks.endpoint,
         )
     )
     workers: int = field(default=2, metadata=option("decode worker processes", check=at_least(1)))
     feed: str = field(
-        default="train", metadata=option("the name trainers may select the first feed by", check=_feed_name)
+        default="train",
+        metadata=option("the name trainers may select the first feed by", check=checks.feed_name),
     )
     client_timeout: float = field(
         default=15.0,
@@ -203,7 +149,7 @@ class ServiceConfig(FeedOptions):
             "train-transform JPEG decoding: auto (the region decoder if built), opencv (always a full "
             "decode) or jpeg-roi (refuse to start without the region decoder)",
             choices=DECODERS,
-            check=_decoder,
+            check=checks.decoder,
         ),
     )
     group: str = field(
@@ -218,7 +164,9 @@ class ServiceConfig(FeedOptions):
         ),
     )
     metrics_addr: str = field(default="127.0.0.1", metadata=option("address the metrics port listens on"))
-    log_level: str = field(default="INFO", metadata=option("DEBUG, INFO, WARNING or ERROR", check=_log_level))
+    log_level: str = field(
+        default="INFO", metadata=option("DEBUG, INFO, WARNING or ERROR", check=checks.log_level)
+    )
     extra_feeds: tuple[FeedConfig, ...] = ()
     """Further feeds from ``[feeds.NAME]`` tables of the config file (not an option of its own)."""
 
@@ -270,7 +218,7 @@ class FeedConfig(FeedOptions):
     def validated(self) -> FeedConfig:
         """The same checks as the top-level options, each message prefixed with the feed's name."""
         where = f"feed {self.name!r}: "
-        if problem := _feed_name("name", self.name):
+        if problem := checks.feed_name("name", self.name):
             raise ConfigError(where + problem)
         if found := _first_problem(self, FEED_OPTIONS):
             raise ConfigError(where + found[1])

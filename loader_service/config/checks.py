@@ -1,0 +1,65 @@
+"""Checks of single option values: each takes (option name, value) and says what is wrong, or None."""
+
+from __future__ import annotations
+
+import math
+import os
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+from loader_service.decode.transforms import decoder_problem
+
+LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR")
+
+Check = Callable[[str, Any], str | None]
+
+
+def between(low: int, high: int, low_text: str = "") -> Check:
+    def check(name: str, value: Any) -> str | None:
+        ok = low <= value <= high
+        return None if ok else f"{name} must be between {low_text or low} and {high}"
+
+    return check
+
+
+def at_least(low: int) -> Check:
+    return lambda name, value: None if value >= low else f"{name} must be at least {low}"
+
+
+def positive(name: str, value: Any) -> str | None:
+    # A TOML file may say `inf` or `nan`; neither is a usable timeout.
+    return None if math.isfinite(value) and value > 0 else f"{name} must be positive"
+
+
+def seed(name: str, value: Any) -> str | None:
+    return None if 0 <= value < 2**63 else f"{name} must be a non-negative 63-bit integer"
+
+
+def feed_name(name: str, value: Any) -> str | None:
+    return None if 1 <= len(value) <= 64 else f"{name} must be 1 to 64 characters"
+
+
+def log_level(name: str, value: Any) -> str | None:
+    return None if value.upper() in LOG_LEVELS else f"{name} must be one of {', '.join(LOG_LEVELS)}"
+
+
+def decoder(name: str, value: Any) -> str | None:
+    return decoder_problem(value)
+
+
+def directory(name: str, value: Any) -> str | None:
+    ok = Path(value).expanduser().is_dir()
+    return None if ok else f"{name} directory {value} does not exist or is not a directory"
+
+
+def endpoint(name: str, value: Any) -> str | None:
+    if not value.startswith("ipc://"):
+        ok = value.startswith("tcp://")
+        return None if ok else f"{name} must be ipc://PATH or tcp://HOST:PORT: {value}"
+    path = value[len("ipc://") :]
+    # The kernel's sockaddr_un limit: longer paths fail obscurely inside libzmq.
+    if not 0 < len(path.encode()) <= 107:
+        return f"ipc path must be 1 to 107 bytes: {value}"
+    parent = os.path.dirname(path) or "."
+    return None if os.path.isdir(parent) else f"directory for ipc endpoint does not exist: {parent}"
