@@ -2,11 +2,14 @@
 
 from __future__ import annotations
 
+import ipaddress
 import math
 import os
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
+
+import zmq.auth
 
 from loader_service.decode.transforms import decoder_problem
 
@@ -63,3 +66,44 @@ def endpoint(name: str, value: Any) -> str | None:
         return f"ipc path must be 1 to 107 bytes: {value}"
     parent = os.path.dirname(path) or "."
     return None if os.path.isdir(parent) else f"directory for ipc endpoint does not exist: {parent}"
+
+
+LOOPBACK_HOSTS = ("localhost", "127.0.0.1", "::1", "[::1]")
+KEYS_HINT = "make keys with `loader-service keys --out DIR` (README: Trainers on other hosts)"
+
+
+def is_loopback_tcp(endpoint: str) -> bool:
+    """A tcp:// endpoint only this host can reach; ``*``, 0.0.0.0 and interface names are not."""
+    host = endpoint[len("tcp://") :].rsplit(":", 1)[0]
+    if host in LOOPBACK_HOSTS:
+        return True
+    try:
+        return ipaddress.ip_address(host.strip("[]")).is_loopback
+    except ValueError:
+        return False
+
+
+def security(endpoint: str, secret_key: str, authorized: str, insecure: bool) -> str | None:
+    """CURVE is all or nothing, and a network endpoint beyond loopback needs it or an explicit opt-out."""
+    if bool(secret_key) != bool(authorized):
+        return "curve_secret_key and curve_authorized go together: give both or neither"
+    if secret_key:
+        return _key_files(secret_key, authorized)
+    if endpoint.startswith("tcp://") and not is_loopback_tcp(endpoint) and not insecure:
+        return (
+            f"endpoint {endpoint} is reachable from other hosts: give --curve-secret-key and "
+            f"--curve-authorized ({KEYS_HINT}), or --insecure-tcp to run it without authentication"
+        )
+    return None
+
+
+def _key_files(secret_key: str, authorized: str) -> str | None:
+    try:
+        _public, secret = zmq.auth.load_certificate(secret_key)
+    except (OSError, ValueError) as exc:
+        return f"curve_secret_key: cannot read {secret_key}: {exc}"
+    if secret is None:
+        return f"curve_secret_key: {secret_key} holds no secret key (give the .key_secret file)"
+    if not Path(authorized).is_dir():
+        return f"curve_authorized: {authorized} is not a folder of trainers' .key files"
+    return None

@@ -156,6 +156,24 @@ class ServiceConfig(FeedOptions):
         default="",
         metadata=option("Unix group that may attach: segments and the ipc socket become 0660 (else 0600)"),
     )
+    curve_secret_key: str = field(
+        default="",
+        metadata=option(
+            "the service's CURVE key pair (a NAME.key_secret from `loader-service keys`): the endpoint "
+            "then admits only trainers whose keys are in --curve-authorized, and encrypts everything"
+        ),
+    )
+    curve_authorized: str = field(
+        default="",
+        metadata=option("folder whose *.key files are the trainers allowed in (re-read on SIGHUP)"),
+    )
+    insecure_tcp: bool = field(
+        default=False,
+        metadata=option("allow a tcp:// endpoint beyond loopback without CURVE (a warning at every start)"),
+    )
+    max_sessions: int = field(
+        default=256, metadata=option("trainers attached at once, at most", check=between(1, 65536))
+    )
     metrics_port: int = field(
         default=0,
         metadata=option(
@@ -189,6 +207,10 @@ class ServiceConfig(FeedOptions):
             self.client_timeout >= 2 * self.heartbeat_interval,
             "client_timeout must be at least twice heartbeat_interval",
         )
+        problem = checks.security(
+            self.endpoint, self.curve_secret_key, self.curve_authorized, self.insecure_tcp
+        )
+        require(problem is None, problem or "")
         names = [f.name for f in self.extra_feeds]
         require(len(set(names)) == len(names) and self.feed not in names, "feed names must be unique")
         return replace(

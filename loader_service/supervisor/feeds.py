@@ -102,6 +102,18 @@ class Feed:
             max_file_bytes=self.config.max_file_bytes,
         )
 
+    def slot_frames(self, slot: int, count: int) -> list[memoryview]:
+        """The first ``count`` rows of a slot's images, labels and indices, as views of shared
+        memory: what a remote trainer is sent, without a copy."""
+        start = self.layout.slot_offset(slot, self.config.slots)
+        whole = memoryview(self.segment.buf)
+        parts = (
+            (0, count * self.layout.image_bytes),
+            (self.layout.labels_offset, 8 * count),
+            (self.layout.indices_offset, 8 * count),
+        )
+        return [whole[start + offset : start + offset + size] for offset, size in parts]
+
     def note_bad(self, index: int, reason: str) -> None:
         self.counters.bad_files += 1
         if index not in self.bad_files and 0 <= index < len(self.index):

@@ -19,6 +19,7 @@ from collections.abc import Callable
 
 from loader_service.logs import LogLimiter
 from loader_service.supervisor.attachments import Attachments
+from loader_service.supervisor.slots import Send as SlotSend
 from loader_service.supervisor.slots import SlotState
 from loader_service.supervisor.streams import Member, Stream
 from protocol.messages import BatchReady, EpochEnd, ErrorReply, Heartbeat, Message
@@ -26,11 +27,16 @@ from protocol.messages import BatchReady, EpochEnd, ErrorReply, Heartbeat, Messa
 log = logging.getLogger(__name__)
 Send = Callable[[bytes, Message], bool]
 """Send a message to a routing id without blocking; False if it did not go out."""
+SendFrames = Callable[[bytes, Message, list[memoryview]], "SlotSend | None"]
+"""Send a message followed by raw frames, without copying them; the send's tracker, or None."""
 
 
 class Outbox:
-    def __init__(self, send: Send, attached: Attachments, heartbeat_interval: float) -> None:
+    def __init__(
+        self, send: Send, send_frames: SendFrames, attached: Attachments, heartbeat_interval: float
+    ) -> None:
         self.send = send
+        self._send_frames = send_frames
         self._attached = attached
         self._heartbeat_interval = heartbeat_interval
         self._next_lease = 0
@@ -50,13 +56,24 @@ class Outbox:
             lease = self._next_lease
             self._next_lease += 1
             announced = BatchReady(session.run, stream.epoch, key[1], lease, batch.slot, batch.count)
-            if not self.send(session.routing_id, announced):
+            if not self._send_batch(stream, session.routing_id, announced, session.remote):
                 stream.undeliver(member, key)  # NOTE [ Owed messages ]
                 return
             if stream.feed.pool.state(batch.slot) is SlotState.READY:
                 stream.feed.pool.lease(batch.slot)
             session.leases[lease] = key
             session.delivered += 1
+
+    def _send_batch(self, stream: Stream, routing_id: bytes, announced: BatchReady, remote: bool) -> bool:
+        """A local trainer maps the slot; a remote one is sent its bytes, straight from the slot."""
+        if not remote:
+            return self.send(routing_id, announced)
+        frames = stream.feed.slot_frames(announced.slot, announced.count)
+        sent = self._send_frames(routing_id, announced, frames)
+        if sent is None:
+            return False
+        stream.feed.pool.track(announced.slot, sent)  # NOTE [ Slot lifecycle ]: no reuse mid-send
+        return True
 
     def _maybe_end(self, stream: Stream, member: Member) -> None:
         if member.active and not member.end_sent and member.next_send >= stream.end:

@@ -35,15 +35,18 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 from types import FrameType
+from typing import Any
 
 import zmq
 
 from loader_service.config import ServiceConfig
+from loader_service.config.checks import is_loopback_tcp
 from loader_service.decode.transforms import describe_decoder
 from loader_service.decode.worker import FAULT_ENV, WorkerConfig
 from loader_service.shm import LOCK_NAME, SHM_DIR, hold_lock, remove_stale, restrict
 from loader_service.supervisor import status, systemd
 from loader_service.supervisor.attachments import Attachments
+from loader_service.supervisor.curve import CurveGuard
 from loader_service.supervisor.endpoint import claim_ipc_path, ipc_path, release_ipc_path
 from loader_service.supervisor.feeds import Feed
 from loader_service.supervisor.metrics import ServiceMetrics
@@ -67,6 +70,9 @@ class LoaderService:
         self.feeds: list[Feed] = []
         self._started_at = time.monotonic()
         self._signal: int | None = None
+        self._reload = False
+        """SIGHUP was received: re-read the authorised trainer keys."""
+        self._guard: CurveGuard | None = None
         self._attached = Attachments()
         self._warm: dict[int, WarmCache] = {}
         self._runtime_dir: Path | None = None
@@ -77,7 +83,7 @@ class LoaderService:
         self._watchdog = systemd.Watchdog()
         self._metrics: ServiceMetrics | None = None
         self._last_report = 0.0
-        self._outbox = Outbox(self._send, self._attached, config.heartbeat_interval)
+        self._outbox = Outbox(self._send, self._send_frames, self._attached, config.heartbeat_interval)
         self._desk = TrainerDesk(config, self.feeds, self._warm, self._attached, self._outbox, self.status)
         self._scheduler: Scheduler | None = None
 
@@ -102,8 +108,12 @@ class LoaderService:
         def record(signum: int, frame: FrameType | None) -> None:
             self._signal = signum
 
+        def reload(signum: int, frame: FrameType | None) -> None:
+            self._reload = True
+
         signal.signal(signal.SIGTERM, record)
         signal.signal(signal.SIGINT, record)
+        signal.signal(signal.SIGHUP, reload)
 
     def _start(self) -> None:
         cfg = self.config
@@ -156,8 +166,18 @@ class LoaderService:
         )
 
     def _bind_frontend(self, ctx: zmq.Context[Socket]) -> Socket:
-        claim_ipc_path(self.config.endpoint)
+        cfg = self.config
+        claim_ipc_path(cfg.endpoint)
         sock = ctx.socket(zmq.ROUTER)
+        if cfg.curve_secret_key:
+            self._guard = CurveGuard(ctx, Path(cfg.curve_secret_key), Path(cfg.curve_authorized))
+            self._guard.secure(sock)
+        elif cfg.endpoint.startswith("tcp://") and not is_loopback_tcp(cfg.endpoint):
+            log.warning(
+                "%s is open to other hosts WITHOUT authentication or encryption (--insecure-tcp): "
+                "anyone who reaches it can attach; see README, Trainers on other hosts",
+                cfg.endpoint,
+            )
         sock.setsockopt(zmq.LINGER, 0)
         sock.setsockopt(zmq.ROUTER_MANDATORY, 1)
         sock.setsockopt(zmq.MAXMSGSIZE, MAX_FRAME_BYTES)
@@ -186,6 +206,9 @@ class LoaderService:
                     self._send_worker(h.routing_id, StopWorker())
             self._workers.join(time.monotonic() + STOP_GRACE)
             self._workers = None
+        if self._guard is not None:
+            self._guard.stop()
+            self._guard = None
         if self._ctx is not None:
             self._ctx.destroy(linger=0)
             self._ctx = None
@@ -224,6 +247,10 @@ class LoaderService:
                 self._drain(self._frontend, self._desk.on_frames)
             if self._backend in events:
                 self._drain(self._backend, scheduler.on_frames)
+            if self._reload:
+                self._reload = False
+                if self._guard is not None:
+                    self._guard.keys.reload()
             if self._signal is not None:
                 log.info("received %s; shutting down", signal.Signals(self._signal).name)
                 systemd.stopping()
@@ -261,6 +288,18 @@ class LoaderService:
             log.debug("could not send %s to %r: %s", msg.KIND, routing_id, exc)
             return False
         return True
+
+    def _send_frames(
+        self, routing_id: bytes, msg: Message, frames: list[memoryview]
+    ) -> zmq.MessageTracker | None:
+        """Send ``msg`` and then ``frames`` without copying them; the tracker says when ZeroMQ is
+        done reading them (None if nothing went out)."""
+        parts: list[Any] = [routing_id, encode(msg), *frames]
+        try:
+            return self._frontend.send_multipart(parts, zmq.NOBLOCK, copy=False, track=True)
+        except zmq.ZMQError as exc:
+            log.debug("could not send %s to %r: %s", msg.KIND, routing_id, exc)
+            return None
 
     def _send_worker(self, routing_id: bytes, msg: Message) -> None:
         try:

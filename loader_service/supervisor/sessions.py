@@ -28,6 +28,8 @@ class Session:
     """lease id -> (generation, seq) of the stream batch it names."""
     delivered: int = 0
     evicted: bool = False
+    remote: bool = False
+    """The trainer cannot map the segment (another host): batches travel as frames over the socket."""
 
     @property
     def client(self) -> str:

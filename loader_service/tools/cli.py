@@ -1,4 +1,4 @@
-"""``loader-service``: serve a feed, print a dataset index, make sample data, run the demo."""
+"""``loader-service``: serve feeds, make CURVE keys, show status, print an index, make sample data, demo."""
 
 from __future__ import annotations
 
@@ -72,6 +72,26 @@ def _cmd_serve(args: argparse.Namespace) -> int:
         # The traceback at every level: a crash that happens once in production must be diagnosable.
         log.exception("fatal: %s", exc)
         return 1
+
+
+def _add_keys(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+    p = sub.add_parser("keys", help="make a CURVE key pair (NAME.key public, NAME.key_secret private)")
+    p.add_argument("--out", type=Path, required=True, help="folder to write the two files into")
+    p.add_argument("--name", help="file name without extension (default: this host's name)")
+    p.set_defaults(func=_cmd_keys)
+
+
+def _cmd_keys(args: argparse.Namespace) -> int:
+    from loader_service.tools.keys import KeysError, default_name, make_keys
+
+    try:
+        pair = make_keys(args.out, args.name or default_name())
+    except (KeysError, OSError) as exc:
+        print(f"loader-service keys: {exc}", file=sys.stderr)
+        return 2
+    print(f"public key: {pair.public} (copy it to the peers that must trust this one)")
+    print(f"secret key: {pair.secret} (mode 0600; keep it on this host)")
+    return 0
 
 
 def _add_status(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
@@ -160,7 +180,7 @@ def _cmd_demo(args: argparse.Namespace) -> int:
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="loader-service", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
-    for add in (_add_serve, _add_status, _add_index, _add_sample_data, _add_demo):
+    for add in (_add_serve, _add_keys, _add_status, _add_index, _add_sample_data, _add_demo):
         add(sub)
     return parser
 

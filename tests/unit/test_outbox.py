@@ -55,6 +55,10 @@ class FlakyPeer:
         return [type(m).__name__ for m in self.sent if type(m).__name__ != "Heartbeat"]
 
 
+def no_frames(routing_id: bytes, msg: Message, frames: list[memoryview]) -> None:
+    raise AssertionError("a local trainer is never sent pixels")
+
+
 def one_decoded_batch(peer: FlakyPeer) -> tuple[Outbox, FeedStub, Session]:
     feed = FeedStub()
     attached = Attachments()
@@ -67,7 +71,7 @@ def one_decoded_batch(peer: FlakyPeer) -> tuple[Outbox, FeedStub, Session]:
     assert slot is not None
     gen, seq, _ = stream.plan_batch()
     assert stream.complete(gen, seq, slot, 4) is stream
-    return Outbox(peer, attached, heartbeat_interval=1.0), feed, session
+    return Outbox(peer, no_frames, attached, heartbeat_interval=1.0), feed, session
 
 
 def test_an_epoch_end_that_could_not_be_sent_is_sent_on_the_next_round() -> None:
