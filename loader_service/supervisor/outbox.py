@@ -91,6 +91,12 @@ class Outbox:
         for stream in list(self._attached.streams.values()):
             self.deliver(stream)
 
+    def note_flood(self, routing_id: bytes) -> None:
+        """A message over the connection's rate limit was dropped unanswered."""
+        self.rejected_messages += 1
+        if self._reject_log.allow(time.monotonic()):
+            log.warning("dropped messages from %r: over the per-connection rate limit", routing_id[:16])
+
     def reject(self, routing_id: bytes, code: str, message: str, fatal: bool = False) -> None:
         self.rejected_messages += 1
         if self._reject_log.allow(time.monotonic()):

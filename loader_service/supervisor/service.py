@@ -270,7 +270,7 @@ class LoaderService:
         # Bounded so that a flood on one socket cannot starve the other or the signal check.
         for _ in range(1000):
             try:
-                frames = sock.recv_multipart(zmq.NOBLOCK)
+                frames = _recv_bounded(sock)
             except zmq.Again:
                 return
             handle(frames)
@@ -324,3 +324,19 @@ class LoaderService:
         """A JSON-shaped snapshot, bounded so it always fits one frame."""
         rejected = self._outbox.rejected_messages
         return status.snapshot(self.feeds, self._attached, self._workers, self._started_at, rejected)
+
+
+MAX_PARTS = 3
+"""A routing id and one message frame, plus one part to tell a longer message apart."""
+
+
+def _recv_bounded(sock: Socket) -> list[bytes]:
+    """One multipart message, keeping at most ``MAX_PARTS`` parts; the rest are received as frames
+    and dropped at once, so a peer cannot make the loop hold a long message in Python."""
+    parts = [sock.recv(zmq.NOBLOCK)]
+    while sock.getsockopt(zmq.RCVMORE):
+        if len(parts) < MAX_PARTS:
+            parts.append(sock.recv())
+        else:
+            sock.recv(copy=False)
+    return parts

@@ -30,6 +30,8 @@ class Session:
     evicted: bool = False
     remote: bool = False
     """The trainer cannot map the segment (another host): batches travel as frames over the socket."""
+    max_credits: int = 2**31
+    """The feed's pool size: credits beyond it are capped."""
 
     @property
     def client(self) -> str:
@@ -37,7 +39,7 @@ class Session:
 
     @property
     def credits(self) -> int:
-        return self.hello.credits
+        return min(self.hello.credits, self.max_credits)
 
     @property
     def mode(self) -> str:

@@ -15,6 +15,7 @@ from loader_service.config import ServiceConfig
 from loader_service.dataset.sampler import shard_size
 from loader_service.supervisor.attachments import Attachments
 from loader_service.supervisor.feeds import Feed
+from loader_service.supervisor.limits import RateGate
 from loader_service.supervisor.outbox import Outbox
 from loader_service.supervisor.sessions import Session
 from loader_service.supervisor.streams import StartRefused, Stream
@@ -53,9 +54,13 @@ class TrainerDesk:
         self._attached = attached
         self._outbox = outbox
         self._status = status
+        self._gate = RateGate()
 
     def on_frames(self, frames: list[bytes]) -> None:
         routing_id = frames[0]
+        if not self._gate.admit(routing_id, time.monotonic()):
+            self._outbox.note_flood(routing_id)
+            return
         try:
             if len(frames) != 2:
                 raise ProtocolError(f"expected one frame, got {len(frames) - 1}")
@@ -133,9 +138,15 @@ class TrainerDesk:
         old = self._attached.sessions.get(routing_id)
         if old is not None:
             self.drop(old, "said hello again")
+        limit = self._config.max_sessions
+        if len(self._attached.sessions) >= limit:
+            why = f"this service already serves its limit of {limit} trainers (--max-sessions)"
+            self._outbox.reject(routing_id, "refused", why, fatal=True)
+            return
         feed = self._find_feed(msg.feed)
         assert feed is not None
         session = Session(routing_id, secrets.token_hex(8), msg, feed.id, time.monotonic())
+        session.max_credits = feed.config.slots  # more could never be honoured: no slots behind them
         self._attached.add(session)
         self._attached.stream_for(session, feed).add(session)
         log.info(

@@ -1,0 +1,53 @@
+"""Bounds on what one trainer connection may cost the service: messages per second, frames per message.
+
+A peer over the limit is not answered: its excess messages are dropped before they are decoded,
+counted, and logged at most a few times a minute.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+MESSAGES_PER_SECOND = 1000.0
+"""Sustained rate per connection: a trainer sends a release per batch and a heartbeat per second."""
+BURST = 2000.0
+FORGET_AFTER = 60.0
+"""Seconds after which an idle connection's bucket is forgotten (it restarts full)."""
+MAX_BUCKETS = 10_000
+
+
+@dataclass
+class _Bucket:
+    tokens: float
+    last: float
+
+
+class RateGate:
+    """A token bucket per routing id."""
+
+    def __init__(self, rate: float = MESSAGES_PER_SECOND, burst: float = BURST) -> None:
+        self._rate = rate
+        self._burst = burst
+        self._buckets: dict[bytes, _Bucket] = {}
+        self.dropped = 0
+
+    def admit(self, peer: bytes, now: float) -> bool:
+        bucket = self._buckets.get(peer)
+        if bucket is None:
+            if len(self._buckets) >= MAX_BUCKETS:
+                self._forget_idle(now)
+            bucket = self._buckets[peer] = _Bucket(self._burst, now)
+        bucket.tokens = min(self._burst, bucket.tokens + (now - bucket.last) * self._rate)
+        bucket.last = now
+        if bucket.tokens < 1.0:
+            self.dropped += 1
+            return False
+        bucket.tokens -= 1.0
+        return True
+
+    def _forget_idle(self, now: float) -> None:
+        idle = [peer for peer, b in self._buckets.items() if now - b.last > FORGET_AFTER]
+        for peer in idle:
+            del self._buckets[peer]
+        if len(self._buckets) >= MAX_BUCKETS:  # all busy: an attack with many connections
+            self._buckets.clear()
