@@ -29,3 +29,39 @@ def test_forbidden_edges_raise() -> None:
         pool.release(slot)
     with pytest.raises(SlotStateError):
         pool.filled(slot)
+
+
+class SendStub:
+    """A ZeroMQ send in progress, finished by the test."""
+
+    def __init__(self) -> None:
+        self.done = False
+
+
+def test_a_slot_still_being_sent_is_not_reused_until_the_send_is_done() -> None:
+    pool = SlotPool(1)
+    slot = pool.acquire()
+    assert slot is not None
+    pool.filled(slot)
+    pool.lease(slot)
+    first, second = SendStub(), SendStub()
+    pool.track(slot, first)
+    pool.track(slot, second)  # a broadcast group with two remote members
+    pool.release(slot)
+    assert pool.state(slot) is SlotState.FREE
+    assert pool.free == 0 and pool.acquire() is None, "ZeroMQ may still read it"
+    first.done = True
+    assert pool.acquire() is None, "one send is still reading it"
+    second.done = True
+    assert pool.free == 1 and pool.acquire() == slot
+
+
+def test_a_send_done_before_the_release_does_not_hold_the_slot() -> None:
+    pool = SlotPool(1)
+    slot = pool.acquire()
+    assert slot is not None
+    sent = SendStub()
+    pool.track(slot, sent)
+    sent.done = True
+    pool.release(slot)
+    assert pool.acquire() == slot

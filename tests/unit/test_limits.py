@@ -1,0 +1,90 @@
+"""Per-connection limits and the endpoint security rules, without sockets."""
+
+from __future__ import annotations
+
+import os
+import stat
+from pathlib import Path
+
+import pytest
+import zmq.auth
+
+from loader_service.config import ConfigError, load_config
+from loader_service.config.checks import is_loopback_tcp
+from loader_service.supervisor.limits import RateGate
+from loader_service.tools.keys import KeysError, make_keys
+
+
+def test_a_connection_over_its_rate_is_dropped_and_recovers() -> None:
+    gate = RateGate(rate=10.0, burst=5.0)
+    assert all(gate.admit(b"a", 0.0) for _ in range(5))
+    assert not gate.admit(b"a", 0.0), "the burst is spent"
+    assert gate.admit(b"b", 0.0), "another connection has its own bucket"
+    assert gate.admit(b"a", 0.1), "one token back after 1/rate seconds"
+    assert gate.dropped == 1
+
+
+@pytest.mark.parametrize(
+    ("endpoint", "loopback"),
+    [
+        ("tcp://127.0.0.1:5555", True),
+        ("tcp://127.9.9.9:5555", True),
+        ("tcp://localhost:5555", True),
+        ("tcp://[::1]:5555", True),
+        ("tcp://0.0.0.0:5555", False),
+        ("tcp://*:5555", False),
+        ("tcp://10.0.0.7:5555", False),
+        ("tcp://eth0:5555", False),
+    ],
+)
+def test_loopback_endpoints(endpoint: str, loopback: bool) -> None:
+    assert is_loopback_tcp(endpoint) is loopback
+
+
+def config(tmp_path: Path, **flags: object) -> object:
+    return load_config(None, {"data": str(tmp_path), **flags}, environ={})
+
+
+def test_a_network_endpoint_needs_curve_or_an_explicit_opt_out(tmp_path: Path) -> None:
+    with pytest.raises(ConfigError, match="loader-service keys --out DIR"):
+        config(tmp_path, endpoint="tcp://0.0.0.0:5555")
+    config(tmp_path, endpoint="tcp://127.0.0.1:5555")  # loopback: only this host can reach it
+    config(tmp_path, endpoint="tcp://0.0.0.0:5555", insecure_tcp=True)
+
+
+def test_curve_options_go_together_and_must_name_real_keys(tmp_path: Path) -> None:
+    keys = make_keys(tmp_path / "keys", "svc")
+    trainers = tmp_path / "trainers"
+    trainers.mkdir()
+    with pytest.raises(ConfigError, match="go together"):
+        config(tmp_path, endpoint="tcp://0.0.0.0:1", curve_secret_key=str(keys.secret))
+    with pytest.raises(ConfigError, match="holds no secret key"):
+        config(
+            tmp_path,
+            endpoint="tcp://0.0.0.0:1",
+            curve_secret_key=str(keys.public),
+            curve_authorized=str(trainers),
+        )
+    with pytest.raises(ConfigError, match="not a folder"):
+        config(
+            tmp_path,
+            endpoint="tcp://0.0.0.0:1",
+            curve_secret_key=str(keys.secret),
+            curve_authorized=str(keys.public),
+        )
+    config(
+        tmp_path,
+        endpoint="tcp://0.0.0.0:1",
+        curve_secret_key=str(keys.secret),
+        curve_authorized=str(trainers),
+    )
+
+
+def test_keys_are_pyzmq_certificates_with_a_private_secret(tmp_path: Path) -> None:
+    pair = make_keys(tmp_path, "trainer-1")
+    public, secret = zmq.auth.load_certificate(str(pair.secret))
+    assert secret is not None and zmq.auth.load_certificate(str(pair.public)) == (public, None)
+    assert stat.S_IMODE(os.stat(pair.secret).st_mode) == 0o600
+    with pytest.raises(KeysError, match="refusing to overwrite"):
+        make_keys(tmp_path, "trainer-1")
+    assert zmq.auth.load_certificate(str(pair.secret))[1] == secret, "the old key is untouched"
