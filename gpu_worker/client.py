@@ -1,13 +1,14 @@
-"""``ServiceLoader``: a drop-in for a DataLoader loop, fed by a running loader service.
+"""``ServiceLoader``: the trainer's loop over a service feed, a drop-in for a DataLoader loop.
 
     with ServiceLoader("ipc:///run/dataferry/train.sock", device="auto") as loader:
         for epoch in range(10):
             for images, labels in loader:
                 ...
 
-The session itself (sockets, heartbeats, loss detection) is ``gpu_worker.connection``. Slot leases
-are returned by ``weakref.finalize`` callbacks that only append to a deque (they may run on any
-thread); the iterating thread sends the releases.
+The session itself (sockets, heartbeats, loss detection) is ``gpu_worker.connection``; the leases
+the loop holds and their releases are ``gpu_worker.leases``; what the loop receives is
+``gpu_worker.batch``. Only the iterating thread touches the socket: it sends releases and starts, and
+again whatever the socket refused, at every wait (NOTE [ Releases that could not be sent ]).
 
 NOTE [ Reconnecting ]
     When the service restarts (it answers ``no-session``) or goes silent for several heartbeats, the
@@ -27,121 +28,25 @@ from __future__ import annotations
 
 import gc
 import logging
-import os
 import time
-import weakref
-from collections import deque
 from collections.abc import Iterator
-from dataclasses import dataclass
 from types import TracebackType
 from typing import Any
 
-import numpy as np
-import torch
-
+from gpu_worker.batch import Batch, slot_tensors
 from gpu_worker.connection import Connection, ServiceError, ServiceTimeout, SessionLost, make_hello
 from gpu_worker.device import CudaStager, resolve_device
+from gpu_worker.leases import LeaseBook
+from gpu_worker.loader_config import LoaderConfig, shard_of
 from gpu_worker.mapping import SlotMap
 from protocol.layout import SlotLayout
-from protocol.messages import (
-    MAX_RELEASES,
-    MODES,
-    REMAINDERS,
-    BatchReady,
-    Bye,
-    EpochEnd,
-    FeedInfo,
-    Release,
-    Start,
-    Welcome,
-)
+from protocol.messages import MAX_RELEASES, BatchReady, Bye, EpochEnd, FeedInfo, Start, Welcome
 
 log = logging.getLogger(__name__)
-Lease = tuple[int, int]
-"""(session generation, lease id): leases of a lost session are never sent to its successor."""
 __all__ = ["Batch", "LoaderConfig", "ServiceError", "ServiceLoader", "ServiceTimeout"]
-
-
-class Batch:
-    """One delivered batch. Unpacks as ``images, labels`` like a DataLoader batch.
-
-    ``images``: uint8 ``[n, 3, S, S]``; ``labels`` and ``indices`` (positions in the service's dataset
-    index): int64 ``[n]``. On CPU, ``images`` views shared memory; its slot is returned to the service
-    when the last tensor viewing it is freed.
-    """
-
-    __slots__ = ("epoch", "images", "indices", "labels", "seq")
-
-    def __init__(
-        self, images: torch.Tensor, labels: torch.Tensor, indices: torch.Tensor, epoch: int, seq: int
-    ):
-        self.images = images
-        self.labels = labels
-        self.indices = indices
-        self.epoch = epoch
-        self.seq = seq
-
-    def __iter__(self) -> Iterator[torch.Tensor]:
-        return iter((self.images, self.labels))
-
-    def __len__(self) -> int:
-        return 2
-
-    def __getitem__(self, i: int) -> torch.Tensor:
-        return (self.images, self.labels)[i]
-
-    def __repr__(self) -> str:
-        return f"Batch(epoch={self.epoch}, seq={self.seq}, images={tuple(self.images.shape)})"
-
-
-@dataclass(frozen=True)
-class LoaderConfig:
-    """Everything a ``ServiceLoader`` is asked for, validated once."""
-
-    endpoint: str
-    device: str = "cpu"
-    feed: str = ""
-    credits: int = 6
-    timeout: float = 60.0
-    connect_timeout: float = 30.0
-    mode: str = "shard"
-    rank: int = 0
-    world_size: int = 1
-    remainder: str = "pad"
-    group: str = "default"
-    group_size: int = 1
-    batch_size: int = 0
-    image_size: int = 0
-
-    def validated(self) -> LoaderConfig:
-        if not self.endpoint.startswith(("ipc://", "tcp://")):
-            raise ValueError(f"endpoint must be ipc://PATH or tcp://HOST:PORT, got {self.endpoint!r}")
-        if not 2 <= self.credits <= 1024:
-            raise ValueError(
-                "credits must be between 2 and 1024 (a loop holds one batch while fetching the next)"
-            )
-        if self.timeout <= 0 or self.connect_timeout <= 0:
-            raise ValueError("timeouts must be positive")
-        if self.mode not in MODES:
-            raise ValueError(f"mode must be one of {', '.join(MODES)}, got {self.mode!r}")
-        if self.remainder not in REMAINDERS:
-            raise ValueError(f"remainder must be one of {', '.join(REMAINDERS)}, got {self.remainder!r}")
-        if not 0 <= self.rank < self.world_size:
-            raise ValueError(f"rank must be in [0, world_size={self.world_size}), got {self.rank}")
-        if not 1 <= self.group_size <= 1024 or not self.group or len(self.group) > 64:
-            raise ValueError("group must be a name of 1 to 64 characters and group_size 1 to 1024")
-        return self
-
-
-def _env_int(name: str, default: int) -> int:
-    """torchrun's RANK / WORLD_SIZE, when set."""
-    value = os.environ.get(name)
-    if value is None:
-        return default
-    try:
-        return int(value)
-    except ValueError:
-        raise ValueError(f"environment variable {name}={value!r} is not an integer") from None
+RESEND_SLICE = 0.1
+"""While the loop waits for the service, how often it offers what could not be sent yet (kept
+releases and start, NOTE [ Releases that could not be sent ]) and collects finished device copies."""
 
 
 class ServiceLoader:
@@ -165,7 +70,7 @@ class ServiceLoader:
         timeout: float = 60.0,
         connect_timeout: float = 30.0,
     ) -> None:
-        shard = mode == "shard"
+        rank, world_size = shard_of(mode, rank, world_size)
         self.config = LoaderConfig(
             endpoint,
             device,
@@ -174,8 +79,8 @@ class ServiceLoader:
             timeout,
             connect_timeout,
             mode,
-            (_env_int("RANK", 0) if rank is None else rank) if shard else 0,
-            (_env_int("WORLD_SIZE", 1) if world_size is None else world_size) if shard else 1,
+            rank,
+            world_size,
             remainder,
             group,
             group_size,
@@ -187,8 +92,8 @@ class ServiceLoader:
         self._position = 0
         self._current_epoch: int | None = None
         self._in_epoch = False
-        self._released: deque[Lease] = deque()
-        self._live: set[Lease] = set()
+        self._leases = LeaseBook()
+        self._unsent_start: Start | None = None
         self._run = 0
         self._passes = 0
         self._next_epoch = 0
@@ -197,21 +102,7 @@ class ServiceLoader:
         self._stager: CudaStager | None = None
         self._slots: SlotMap | None = None
         cfg = self.config
-        self._conn = Connection(
-            cfg.endpoint,
-            make_hello(
-                feed=cfg.feed,
-                credits=cfg.credits,
-                mode=cfg.mode,
-                rank=cfg.rank,
-                world_size=cfg.world_size,
-                remainder=cfg.remainder,
-                group=cfg.group,
-                group_size=cfg.group_size,
-                batch_size=cfg.batch_size,
-                image_size=cfg.image_size,
-            ),
-        )
+        self._conn = Connection(cfg.endpoint, make_hello(**cfg.hello_fields()))
         try:
             welcome = self._conn.open(
                 time.monotonic() + cfg.connect_timeout,
@@ -348,13 +239,13 @@ class ServiceLoader:
         log.warning("lost the loader service at %s (%s); reconnecting", self.config.endpoint, why)
         before = self.info
         gone_since = self._conn.last_heard
-        released = set(self._released)
-        held = tuple(lease for gen, lease in self._live - released if gen == self._conn.generation)
+        held = self._leases.held_ids(self._conn.generation)[:MAX_RELEASES]
+        self._unsent_start = None  # superseded by the start below, or meaningless to a new session
         welcome = self._conn.open(
             gone_since + self.config.timeout,
             f"the loader service at {self.config.endpoint} has been gone "
             f"for over {self.config.timeout:.0f} s",
-            held[:MAX_RELEASES],
+            held,
         )
         same = (welcome.feed.fingerprint, welcome.feed.seed, welcome.feed.batch_size, welcome.feed.image_size)
         if same != (before.fingerprint, before.seed, before.batch_size, before.image_size):
@@ -363,9 +254,7 @@ class ServiceLoader:
                 "a different dataset, seed or geometry"
             )
         if self._conn.resumed:  # the service returned every lease not in ``held``: forget them
-            current = self._conn.generation
-            self._live = {lease for lease in self._live if lease[0] != current or lease[1] in held}
-            self._released = deque(lease for lease in self._released if lease[0] != current)
+            self._leases.resumed(self._conn.generation, held)
         else:
             self._adopt(welcome)
         self._reconnected_at = time.monotonic()
@@ -374,18 +263,35 @@ class ServiceLoader:
         )
         if self._in_epoch and self._current_epoch is not None:
             self._run += 1
-            self._conn.send(Start(self._run, self._current_epoch, self._position))
+            self._send_start(Start(self._run, self._current_epoch, self._position))
 
     def _recv(self, deadline: float) -> Any:
-        """The next message within ``deadline``, reconnecting on the way if the session was lost."""
+        """The next message within ``deadline``, reconnecting on the way if the session was lost.
+
+        The wait is cut into short slices, each of which first sends what is pending: releases that
+        other threads let go meanwhile, and whatever the socket refused before.
+        """
         while True:
-            if self._stager is not None:
-                self._stager.collect()
-            self._flush_releases()
+            self._send_pending()
             try:
-                return self._conn.recv(deadline)
+                msg = self._conn.recv(min(deadline, time.monotonic() + RESEND_SLICE))
             except SessionLost as lost:
                 self._reconnect(str(lost))
+                continue
+            if msg is not None or time.monotonic() >= deadline:
+                return msg
+
+    def _send_pending(self) -> None:
+        """NOTE [ Releases that could not be sent ]: the kept start first, then every release."""
+        if self._stager is not None:
+            self._stager.collect()  # device copies that have finished let their slots go
+        if self._unsent_start is not None:
+            self._send_start(self._unsent_start)
+        self._leases.flush(self._conn.generation, self._conn.send)
+
+    def _send_start(self, start: Start) -> None:
+        """Send ``start``, or keep it to send again (it supersedes any start kept before)."""
+        self._unsent_start = None if self._conn.send(start) else start
 
     # --- delivery -------------------------------------------------------------------------------
 
@@ -394,13 +300,15 @@ class ServiceLoader:
         self._passes += 1
         mine = self._passes  # runs also change on reconnects and restarts; passes only here
         self._current_epoch, self._position, self._in_epoch = epoch, position, True
-        self._conn.send(Start(self._run, epoch, position))
+        self._unsent_start = None  # a start kept from an earlier pass is superseded by this one
+        self._send_pending()  # what the last pass let go is returned before this pass is asked for
+        self._send_start(Start(self._run, epoch, position))
         try:
             while True:
                 msg = self._next_batch()
                 if isinstance(msg, EpochEnd):
                     self._position = self._batches
-                    self._flush_releases()  # credits back now, so the next epoch can be decoded ahead
+                    self._send_pending()  # credits back now, so the next epoch can be decoded ahead
                     return
                 batch = self._wrap(msg)
                 self._position = msg.seq + 1
@@ -426,23 +334,23 @@ class ServiceLoader:
                 raise self._timeout_error()
             shard = self.config.mode == "shard"  # a broadcast member may join where its group is
             if shard and isinstance(msg, BatchReady) and msg.run == self._run and msg.seq != self._position:
-                self._released.append((self._conn.generation, msg.lease))
+                self._leases.let_go((self._conn.generation, msg.lease))
                 self._restart_at_position(msg.seq)
                 continue
             if isinstance(msg, (BatchReady, EpochEnd)) and msg.run == self._run:
                 return msg
             if isinstance(msg, BatchReady):
-                self._released.append((self._conn.generation, msg.lease))
+                self._leases.let_go((self._conn.generation, msg.lease))
 
     def _restart_at_position(self, arrived: int) -> None:
         """A batch went missing on the way: ask for the epoch again from the one that is due."""
         log.warning("batch %d arrived where %d was due; restarting the epoch there", arrived, self._position)
         assert self._current_epoch is not None
         self._run += 1
-        self._conn.send(Start(self._run, self._current_epoch, self._position))
+        self._send_start(Start(self._run, self._current_epoch, self._position))
 
     def _held(self) -> int:
-        return len(self._live - set(self._released))
+        return self._leases.held()
 
     def _check_not_starved(self) -> None:
         """Fail at once, not after the timeout, when held batches use up every credit (CPU zero-copy)."""
@@ -469,35 +377,15 @@ class ServiceLoader:
         assert self._slots is not None
         lease = (self._conn.generation, msg.lease)
         if msg.count == 0 or msg.count > self.info.batch_size:
-            self._released.append(lease)  # every file of the batch was bad
+            self._leases.let_go(lease)  # every file of the batch was bad
             return None
-        layout = self._slots.layout
         try:
             owner = self._slots.slot(msg.slot)
         except ValueError as exc:
             raise ServiceError(f"service announced an invalid slot: {exc}") from None
-        self._live.add(lease)
-        # NOTE [ Slot lifecycle ]: the lease ends when ``owner`` dies, i.e. with the last view of it.
-        fin = weakref.finalize(owner, self._released.append, lease)
-        fin.atexit = False
-        view = memoryview(owner)  # numpy keeps view.obj, i.e. ``owner``, as its base
-        pixels = np.frombuffer(view, np.uint8, msg.count * layout.image_bytes, 0)
-        images = torch.from_numpy(pixels.reshape(msg.count, *layout.image_shape))
-        labels = torch.from_numpy(np.frombuffer(view, np.int64, msg.count, layout.labels_offset).copy())
-        indices = torch.from_numpy(np.frombuffer(view, np.int64, msg.count, layout.indices_offset).copy())
-        del owner, view
+        self._leases.watch(owner, lease)
+        images, labels, indices = slot_tensors(memoryview(owner), self._slots.layout, msg.count)
+        del owner  # from here on only the tensors keep the slot (and so the lease)
         if self._stager is not None:
             images, labels = self._stager.stage(images, labels, keep_alive=images)
         return Batch(images, labels, indices, msg.epoch, msg.seq)
-
-    def _flush_releases(self) -> None:
-        current = self._conn.generation
-        while self._released:
-            leases: list[int] = []
-            while self._released and len(leases) < MAX_RELEASES:
-                generation, lease = self._released.popleft()
-                self._live.discard((generation, lease))
-                if generation == current:  # a lost session's leases died with it
-                    leases.append(lease)
-            if leases:
-                self._conn.send(Release(tuple(leases)))

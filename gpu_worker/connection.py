@@ -39,6 +39,10 @@ POLL_SLICE = 0.1
 BYE_LINGER_MS = 500
 SILENCE_HEARTBEATS = 5
 """Missed service heartbeats after which the session counts as lost and is reopened."""
+SEND_HWM = 64
+"""Messages the main socket queues for a service that is not reading before a send is refused. It
+carries only starts, releases and a bye; the loader keeps refused ones itself, merged, and sends them
+again (NOTE [ Releases that could not be sent ]), so a deep queue here would only hold stale copies."""
 
 
 class ServiceError(RuntimeError):
@@ -76,6 +80,7 @@ class Connection:
         self._close_session()
         sock = self._sock = self._ctx.socket(zmq.DEALER)
         sock.setsockopt(zmq.LINGER, 0)
+        sock.setsockopt(zmq.SNDHWM, SEND_HWM)
         sock.setsockopt(zmq.ROUTING_ID, secrets.token_bytes(12))
         sock.connect(self.endpoint)
         sock.send(encode(replace(self._hello, resume=previous, held=held if previous else ())))
@@ -93,13 +98,16 @@ class Connection:
         self._start_heartbeat(msg.heartbeat_interval)
         return msg
 
-    def send(self, msg: Message) -> None:
+    def send(self, msg: Message) -> bool:
+        """Queue ``msg`` without blocking; False when the socket refused it (full, or no session)."""
         if self._sock is None:
-            return
+            return False
         try:
             self._sock.send(encode(msg), zmq.NOBLOCK)
         except zmq.ZMQError as exc:
             log.debug("could not send %s: %s", msg.KIND, exc)
+            return False
+        return True
 
     def recv(self, deadline: float) -> Message | None:
         """The next message, or None at ``deadline``. Raises SessionLost, or ServiceError if fatal.

@@ -1,0 +1,77 @@
+"""What a ``ServiceLoader`` is asked for: one frozen config, defaults resolved and validated once."""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from typing import Any
+
+from protocol.messages import MODES, REMAINDERS
+
+HELLO_FIELDS = (
+    "feed", "credits", "mode", "rank", "world_size", "remainder", "group", "group_size", "batch_size",
+    "image_size",
+)  # fmt: skip
+"""The fields a hello carries to the service; the others only matter in the trainer's process."""
+
+
+@dataclass(frozen=True)
+class LoaderConfig:
+    """Everything a ``ServiceLoader`` is asked for, validated once."""
+
+    endpoint: str
+    device: str = "cpu"
+    feed: str = ""
+    credits: int = 6
+    timeout: float = 60.0
+    connect_timeout: float = 30.0
+    mode: str = "shard"
+    rank: int = 0
+    world_size: int = 1
+    remainder: str = "pad"
+    group: str = "default"
+    group_size: int = 1
+    batch_size: int = 0
+    image_size: int = 0
+
+    def validated(self) -> LoaderConfig:
+        if not self.endpoint.startswith(("ipc://", "tcp://")):
+            raise ValueError(f"endpoint must be ipc://PATH or tcp://HOST:PORT, got {self.endpoint!r}")
+        if not 2 <= self.credits <= 1024:
+            raise ValueError(
+                "credits must be between 2 and 1024 (a loop holds one batch while fetching the next)"
+            )
+        if self.timeout <= 0 or self.connect_timeout <= 0:
+            raise ValueError("timeouts must be positive")
+        if self.mode not in MODES:
+            raise ValueError(f"mode must be one of {', '.join(MODES)}, got {self.mode!r}")
+        if self.remainder not in REMAINDERS:
+            raise ValueError(f"remainder must be one of {', '.join(REMAINDERS)}, got {self.remainder!r}")
+        if not 0 <= self.rank < self.world_size:
+            raise ValueError(f"rank must be in [0, world_size={self.world_size}), got {self.rank}")
+        if not 1 <= self.group_size <= 1024 or not self.group or len(self.group) > 64:
+            raise ValueError("group must be a name of 1 to 64 characters and group_size 1 to 1024")
+        return self
+
+    def hello_fields(self) -> dict[str, Any]:
+        return {name: getattr(self, name) for name in HELLO_FIELDS}
+
+
+def shard_of(mode: str, rank: int | None, world_size: int | None) -> tuple[int, int]:
+    """(rank, world_size): as given, else torchrun's RANK / WORLD_SIZE; always (0, 1) outside shard mode."""
+    if mode != "shard":
+        return 0, 1
+    return (
+        _env_int("RANK", 0) if rank is None else rank,
+        _env_int("WORLD_SIZE", 1) if world_size is None else world_size,
+    )
+
+
+def _env_int(name: str, default: int) -> int:
+    value = os.environ.get(name)
+    if value is None:
+        return default
+    try:
+        return int(value)
+    except ValueError:
+        raise ValueError(f"environment variable {name}={value!r} is not an integer") from None
