@@ -43,6 +43,8 @@ class Outbox:
         self._last_heartbeat = 0.0
         self.rejected_messages = 0
         self._reject_log = LogLimiter("rejected messages", per_minute=30)
+        self.observe_ready_wait: Callable[[str, float], None] | None = None
+        """Where the time a batch waited ready before its first lease goes (metrics, when on)."""
 
     def deliver(self, stream: Stream) -> None:
         """Announce what each member may receive, strictly in sequence order."""
@@ -59,8 +61,10 @@ class Outbox:
             if not self._send_batch(stream, session.routing_id, announced, session.remote):
                 stream.undeliver(member, key)  # NOTE [ Owed messages ]
                 return
-            if stream.feed.pool.state(batch.slot) is SlotState.READY:
-                stream.feed.pool.lease(batch.slot)
+            if stream.feed.pool.state(batch.slot) is SlotState.READY:  # first member to get it
+                waited = stream.feed.pool.lease(batch.slot)
+                if self.observe_ready_wait is not None:
+                    self.observe_ready_wait(stream.feed.name, waited)
             session.leases[lease] = key
             session.delivered += 1
 

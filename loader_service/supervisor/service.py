@@ -148,6 +148,7 @@ class LoaderService:
         if cfg.metrics_port:
             self._metrics = ServiceMetrics()
             self._metrics.start(cfg.metrics_port, cfg.metrics_addr)
+            self._outbox.observe_ready_wait = self._metrics.observe_ready_wait
             log.info("metrics on http://%s:%d/metrics", cfg.metrics_addr, cfg.metrics_port)
 
     def _log_ready(self, feed: Feed) -> None:

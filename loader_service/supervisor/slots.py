@@ -26,6 +26,7 @@ NOTE [ Slot lifecycle ]
 from __future__ import annotations
 
 import enum
+import time
 from typing import Protocol
 
 
@@ -54,6 +55,7 @@ class SlotPool:
         self._sends: dict[int, list[Send]] = {}
         """Slots whose bytes ZeroMQ may still be reading, and the sends that read them."""
         self._parked: set[int] = set()
+        self._ready_since: dict[int, float] = {}
         """FREE slots waiting for their sends before they may be acquired."""
 
     def __len__(self) -> int:
@@ -85,9 +87,12 @@ class SlotPool:
 
     def filled(self, slot: int) -> None:
         self._move(slot, SlotState.FILLING, SlotState.READY)
+        self._ready_since[slot] = time.monotonic()
 
-    def lease(self, slot: int) -> None:
+    def lease(self, slot: int) -> float:
+        """READY -> LEASED; return the seconds the batch waited ready for a trainer."""
         self._move(slot, SlotState.READY, SlotState.LEASED)
+        return time.monotonic() - self._ready_since.pop(slot, time.monotonic())
 
     def release(self, slot: int) -> None:
         """LEASED, READY or (after its task reported) FILLING -> FREE."""
