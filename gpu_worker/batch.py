@@ -6,6 +6,7 @@ from collections.abc import Iterator
 
 import numpy as np
 import torch
+import zmq
 
 from protocol.layout import SlotLayout
 
@@ -57,4 +58,24 @@ def slot_tensors(
     images = torch.from_numpy(pixels.reshape(count, *layout.image_shape))
     labels = torch.from_numpy(np.frombuffer(view, np.int64, count, layout.labels_offset).copy())
     indices = torch.from_numpy(np.frombuffer(view, np.int64, count, layout.indices_offset).copy())
+    return images, labels, indices
+
+
+def frame_tensors(
+    frames: list[zmq.Frame], layout: SlotLayout, count: int
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``images`` viewing the received images frame, and copies of the labels and indices frames.
+
+    Each frame must hold exactly ``count`` rows; ValueError otherwise (the bytes come off a network).
+    numpy keeps the frame (through its buffer) as the base of ``images``.
+    """
+    sizes = (count * layout.image_bytes, 8 * count, 8 * count)
+    images_frame, labels_frame, indices_frame = frames
+    got = tuple(len(f.buffer) for f in frames)
+    if got != sizes:
+        raise ValueError(f"frames of {got} bytes where {count} rows take {sizes}")
+    pixels = np.frombuffer(images_frame.buffer, np.uint8)
+    images = torch.from_numpy(pixels.reshape(count, *layout.image_shape))
+    labels = torch.from_numpy(np.frombuffer(labels_frame.buffer, np.int64).copy())
+    indices = torch.from_numpy(np.frombuffer(indices_frame.buffer, np.int64).copy())
     return images, labels, indices

@@ -8,6 +8,8 @@ import sys
 from collections.abc import Sequence
 
 from gpu_worker.connection import ServiceError
+from gpu_worker.curve import CLIENT_KEY_ENV, SERVER_KEY_ENV
+from gpu_worker.loader_config import TRANSPORT_CHOICES
 from gpu_worker.metrics import MetricsUnavailable
 from gpu_worker.runner import RunConfig, run
 
@@ -23,6 +25,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--feed", default="", help="feed name (default: the service's feed)")
     p.add_argument("--timeout", type=float, default=60.0, help="seconds to wait for a batch or the service")
     p.add_argument("--metrics-port", type=int, default=0, help="serve the batch-wait histogram (Prometheus)")
+    p.add_argument("--transport", default="auto", choices=TRANSPORT_CHOICES, help="how batches arrive (auto)")
+    p.add_argument("--server-key", default="", help=f"the service's CURVE .key file (or ${SERVER_KEY_ENV})")
+    p.add_argument(
+        "--client-key", default="", help=f"this trainer's CURVE .key_secret file (or ${CLIENT_KEY_ENV})"
+    )
     return parser
 
 
@@ -35,7 +42,16 @@ def main(argv: Sequence[str] | None = None) -> int:
         print("gpu-worker: --epochs must be at least 1", file=sys.stderr)
         return 2
     cfg = RunConfig(
-        args.endpoint, args.step, args.device, args.epochs, args.feed, args.timeout, args.metrics_port
+        args.endpoint,
+        args.step,
+        args.device,
+        args.epochs,
+        args.feed,
+        args.timeout,
+        args.metrics_port,
+        args.transport,
+        args.server_key,
+        args.client_key,
     )
     try:
         run(cfg)

@@ -33,13 +33,13 @@ from collections.abc import Iterator
 from types import TracebackType
 from typing import Any
 
-from gpu_worker.batch import Batch, slot_tensors
+from gpu_worker.batch import Batch
 from gpu_worker.connection import Connection, ServiceError, ServiceTimeout, SessionLost, make_hello
-from gpu_worker.device import CudaStager, resolve_device
+from gpu_worker.curve import ClientKeys
+from gpu_worker.delivery import Delivery
+from gpu_worker.device import resolve_device
 from gpu_worker.leases import LeaseBook
 from gpu_worker.loader_config import LoaderConfig, shard_of
-from gpu_worker.mapping import SlotMap
-from protocol.layout import SlotLayout
 from protocol.messages import MAX_RELEASES, BatchReady, Bye, EpochEnd, FeedInfo, Start, Welcome
 
 log = logging.getLogger(__name__)
@@ -69,6 +69,9 @@ class ServiceLoader:
         credits: int = 6,
         timeout: float = 60.0,
         connect_timeout: float = 30.0,
+        transport: str = "auto",
+        server_key: str | None = None,
+        client_key: str | None = None,
     ) -> None:
         rank, world_size = shard_of(mode, rank, world_size)
         self.config = LoaderConfig(
@@ -86,7 +89,9 @@ class ServiceLoader:
             group_size,
             batch_size or 0,
             image_size or 0,
+            transport,
         ).validated()
+        keys = ClientKeys.load(server_key, client_key)
         self.device = resolve_device(device)
         self._resume: tuple[int, int] | None = None
         self._position = 0
@@ -99,10 +104,9 @@ class ServiceLoader:
         self._next_epoch = 0
         self._closed = False
         self._reconnected_at = 0.0
-        self._stager: CudaStager | None = None
-        self._slots: SlotMap | None = None
+        self._delivery = Delivery(self.device, transport, self._leases)
         cfg = self.config
-        self._conn = Connection(cfg.endpoint, make_hello(**cfg.hello_fields()))
+        self._conn = Connection(cfg.endpoint, make_hello(**cfg.hello_fields()), keys)
         try:
             welcome = self._conn.open(
                 time.monotonic() + cfg.connect_timeout,
@@ -206,33 +210,19 @@ class ServiceLoader:
         held = self._held()
         if held:
             log.warning("closing with %d batches still referenced", held)
-        if self._stager is not None:
-            self._stager.close()
         if self._conn.session:
             self._conn.send(Bye())
         self._conn.close()
-        if self._slots is not None:
-            self._slots.close()
+        self._delivery.close()
 
     # --- session --------------------------------------------------------------------------------
 
     def _adopt(self, welcome: Welcome) -> None:
-        """Use a (new) session's feed: map its pool, pin it for CUDA."""
-        old = self._slots
+        """Use a (new) session's feed and pool."""
         self.info: FeedInfo = welcome.feed
         self._batches = welcome.batches
-        try:
-            layout = SlotLayout(self.info.batch_size, self.info.image_size)
-            self._slots = SlotMap(self.info.segment, layout, self.info.slots)
-        except (ValueError, OSError) as exc:
-            # Never map memory a message merely names: only our own segments, whole, as announced.
-            raise ServiceError(f"the service announced an unusable slot pool: {exc}") from None
-        if self.device.type == "cuda":
-            if self._stager is None:
-                self._stager = CudaStager(self.device)
-            self._stager.pin(self._slots.address, self._slots.nbytes)  # unregisters the old pool first
-        if old is not None:
-            old.close()  # unmaps once the batches still viewing it are gone
+        self._credits = min(self.config.credits, welcome.credits)
+        self._delivery.adopt(self.info)
 
     def _reconnect(self, why: str) -> None:
         """NOTE [ Reconnecting ]."""
@@ -263,7 +253,7 @@ class ServiceLoader:
         )
         if self._in_epoch and self._current_epoch is not None:
             self._run += 1
-            self._send_start(Start(self._run, self._current_epoch, self._position))
+            self._send_start(self._start(self._current_epoch, self._position))
 
     def _recv(self, deadline: float) -> Any:
         """The next message within ``deadline``, reconnecting on the way if the session was lost.
@@ -283,11 +273,18 @@ class ServiceLoader:
 
     def _send_pending(self) -> None:
         """NOTE [ Releases that could not be sent ]: the kept start first, then every release."""
-        if self._stager is not None:
-            self._stager.collect()  # device copies that have finished let their slots go
+        self._delivery.collect()  # device copies that have finished let their slots go
         if self._unsent_start is not None:
             self._send_start(self._unsent_start)
         self._leases.flush(self._conn.generation, self._conn.send)
+
+    def _start(self, epoch: int, position: int) -> Start:
+        return Start(self._run, epoch, position, transport=self.transport)
+
+    @property
+    def transport(self) -> str:
+        """How batches arrive: ``shm`` (the slot mapped in place) or ``tcp`` (bytes over the socket)."""
+        return self._delivery.transport
 
     def _send_start(self, start: Start) -> None:
         """Send ``start``, or keep it to send again (it supersedes any start kept before)."""
@@ -302,7 +299,7 @@ class ServiceLoader:
         self._current_epoch, self._position, self._in_epoch = epoch, position, True
         self._unsent_start = None  # a start kept from an earlier pass is superseded by this one
         self._send_pending()  # what the last pass let go is returned before this pass is asked for
-        self._send_start(Start(self._run, epoch, position))
+        self._send_start(self._start(epoch, position))
         try:
             while True:
                 msg = self._next_batch()
@@ -334,32 +331,32 @@ class ServiceLoader:
                 raise self._timeout_error()
             shard = self.config.mode == "shard"  # a broadcast member may join where its group is
             if shard and isinstance(msg, BatchReady) and msg.run == self._run and msg.seq != self._position:
-                self._leases.let_go((self._conn.generation, msg.lease))
+                self._unread(msg)
                 self._restart_at_position(msg.seq)
                 continue
             if isinstance(msg, (BatchReady, EpochEnd)) and msg.run == self._run:
                 return msg
             if isinstance(msg, BatchReady):
-                self._leases.let_go((self._conn.generation, msg.lease))
+                self._unread(msg)
 
     def _restart_at_position(self, arrived: int) -> None:
         """A batch went missing on the way: ask for the epoch again from the one that is due."""
         log.warning("batch %d arrived where %d was due; restarting the epoch there", arrived, self._position)
         assert self._current_epoch is not None
         self._run += 1
-        self._send_start(Start(self._run, self._current_epoch, self._position))
+        self._send_start(self._start(self._current_epoch, self._position))
 
     def _held(self) -> int:
         return self._leases.held()
 
     def _check_not_starved(self) -> None:
         """Fail at once, not after the timeout, when held batches use up every credit (CPU zero-copy)."""
-        if self._stager is not None or self._held() < self.config.credits:
+        if self._delivery.stager is not None or self._held() < self._credits:
             return
         gc.collect()  # batches in unreachable cycles still pin their slots until collected
-        if self._held() >= self.config.credits:
+        if self._held() >= self._credits:
             raise ServiceError(
-                f"this trainer still references all {self.config.credits} batches its credits allow, so the "
+                f"this trainer still references all {self._credits} batches its credits allow, so the "
                 "service cannot send another: drop references to old batches (keep .clone() copies if "
                 "needed), or pass a larger credits= to ServiceLoader"
             )
@@ -370,22 +367,18 @@ class ServiceLoader:
         if silent > self.config.timeout / 2:
             why = f"the service at {self.config.endpoint} has been silent for {silent:.0f} s"
         else:
-            why = f"the service is alive but sent nothing; this trainer holds {held} of {self.config.credits}"
+            why = f"the service is alive but sent nothing; this trainer holds {held} of {self._credits}"
         return ServiceTimeout(f"no batch within {self.config.timeout:.0f} s: {why}")
 
+    def _unread(self, msg: BatchReady) -> None:
+        """Give back a batch the loop will not see (an older run's, or out of order)."""
+        self._conn.payloads.pop(msg.lease, None)
+        self._leases.let_go((self._conn.generation, msg.lease))
+
     def _wrap(self, msg: BatchReady) -> Batch | None:
-        assert self._slots is not None
         lease = (self._conn.generation, msg.lease)
+        frames = self._conn.payloads.pop(msg.lease, None)
         if msg.count == 0 or msg.count > self.info.batch_size:
             self._leases.let_go(lease)  # every file of the batch was bad
             return None
-        try:
-            owner = self._slots.slot(msg.slot)
-        except ValueError as exc:
-            raise ServiceError(f"service announced an invalid slot: {exc}") from None
-        self._leases.watch(owner, lease)
-        images, labels, indices = slot_tensors(memoryview(owner), self._slots.layout, msg.count)
-        del owner  # from here on only the tensors keep the slot (and so the lease)
-        if self._stager is not None:
-            images, labels = self._stager.stage(images, labels, keep_alive=images)
-        return Batch(images, labels, indices, msg.epoch, msg.seq)
+        return self._delivery.wrap(msg, lease, frames)

@@ -1,9 +1,11 @@
 """A trainer's session with the service: sockets, hello/welcome, heartbeats, and noticing loss.
 
 The iterating thread owns the main socket. A daemon thread owns a second socket and only sends
-heartbeats naming the session, so a long training step never looks like a dead trainer. Every
-``open`` makes a fresh socket (new routing id), so nothing queued for a previous service instance is
-ever delivered to the next one.
+heartbeats carrying the session's token, so a long training step never looks like a dead trainer.
+Every ``open`` makes a fresh socket (new routing id), so nothing queued for a previous service
+instance is ever delivered to the next one. Every session message carries the token the welcome
+gave (``send`` adds it). A ``batch`` for a trainer on another host arrives with its bytes as three
+more frames; they wait in ``payloads`` until the loader takes them with the batch.
 """
 
 from __future__ import annotations
@@ -20,14 +22,18 @@ from typing import Any
 
 import zmq
 
+from gpu_worker.curve import ClientKeys
 from protocol.messages import (
     BatchReady,
+    Bye,
     EpochEnd,
     ErrorReply,
     Heartbeat,
     Hello,
     Message,
     ProtocolError,
+    Release,
+    Start,
     Welcome,
     decode,
     encode,
@@ -58,9 +64,13 @@ class SessionLost(Exception):
 
 
 class Connection:
-    def __init__(self, endpoint: str, hello: Hello) -> None:
+    def __init__(self, endpoint: str, hello: Hello, keys: ClientKeys | None = None) -> None:
         self.endpoint = endpoint
         self._hello = hello
+        self._keys = keys
+        self.token = ""
+        self.payloads: dict[int, list[zmq.Frame]] = {}
+        """Lease -> the images, labels and indices frames that came with its batch (TCP transport)."""
         self._ctx: zmq.Context[zmq.Socket[bytes]] = zmq.Context()
         self._sock: zmq.Socket[bytes] | None = None
         self._inbox: deque[Message] = deque()
@@ -76,10 +86,9 @@ class Connection:
     def open(self, deadline: float, give_up: str, held: tuple[int, ...] = ()) -> Welcome:
         """Start a session, or take the last one back if the service still has it (``resumed``);
         raise ServiceTimeout with ``give_up`` if none is had by ``deadline``."""
-        previous = self.session
+        previous = self.token
         self._close_session()
-        sock = self._sock = self._ctx.socket(zmq.DEALER)
-        sock.setsockopt(zmq.LINGER, 0)
+        sock = self._sock = self._socket()
         sock.setsockopt(zmq.SNDHWM, SEND_HWM)
         sock.setsockopt(zmq.ROUTING_ID, secrets.token_bytes(12))
         sock.connect(self.endpoint)
@@ -90,10 +99,10 @@ class Connection:
                 raise ServiceTimeout(give_up)
             if isinstance(msg, Welcome):
                 break
-        self.resumed = bool(previous) and msg.session == previous
+        self.resumed = bool(previous) and msg.token == previous
         if not self.resumed:  # a new session: leases of the old one died with it
             self.generation += 1
-        self.session = msg.session
+        self.session, self.token = msg.session, msg.token
         self._silence_limit = max(SILENCE_HEARTBEATS * msg.heartbeat_interval, 3.0)
         self._start_heartbeat(msg.heartbeat_interval)
         return msg
@@ -102,6 +111,8 @@ class Connection:
         """Queue ``msg`` without blocking; False when the socket refused it (full, or no session)."""
         if self._sock is None:
             return False
+        if isinstance(msg, (Start, Release, Bye)):
+            msg = replace(msg, token=self.token)
         try:
             self._sock.send(encode(msg), zmq.NOBLOCK)
         except zmq.ZMQError as exc:
@@ -133,13 +144,15 @@ class Connection:
     def _read_available(self, sock: zmq.Socket[bytes]) -> None:
         while True:
             try:
-                frame = sock.recv(zmq.NOBLOCK)
+                parts = sock.recv_multipart(zmq.NOBLOCK, copy=False)
             except zmq.Again:
                 return
             try:
-                msg = decode(frame, SERVICE_MESSAGES)
+                msg = decode(parts[0].bytes, SERVICE_MESSAGES)
             except ProtocolError as exc:
                 raise ServiceError(f"malformed message from the service: {exc}") from None
+            if len(parts) != 1:
+                self._keep_payload(msg, parts[1:])
             self.last_heard = time.monotonic()
             if not isinstance(msg, ErrorReply):
                 self._inbox.append(msg)
@@ -152,11 +165,25 @@ class Connection:
             else:
                 log.warning("service reported: %s (%s)", msg.message, msg.code)
 
+    def _keep_payload(self, msg: Message, frames: list[zmq.Frame]) -> None:
+        if not isinstance(msg, BatchReady) or len(frames) != 3:
+            raise ServiceError(
+                f"malformed message from the service: {msg.KIND} with {len(frames)} extra frames"
+            )
+        self.payloads[msg.lease] = frames
+
+    def _socket(self) -> zmq.Socket[bytes]:
+        sock = self._ctx.socket(zmq.DEALER)
+        sock.setsockopt(zmq.LINGER, 0)
+        if self._keys is not None:
+            self._keys.apply(sock)
+        return sock
+
     def _start_heartbeat(self, interval: float) -> None:
         self._stop_heartbeat = threading.Event()
         self._heartbeat = threading.Thread(
             target=_heartbeat_loop,
-            args=(self._ctx, self.endpoint, self.session, interval, self._stop_heartbeat),
+            args=(self._socket(), self.endpoint, self.token, interval, self._stop_heartbeat),
             name="dataferry-heartbeat",
             daemon=True,
         )
@@ -171,6 +198,7 @@ class Connection:
             self._sock.close(linger=linger_ms)
             self._sock = None
         self._inbox.clear()
+        self.payloads.clear()
         self.session = ""
 
     def close(self) -> None:
@@ -185,12 +213,10 @@ def make_hello(**fields: Any) -> Hello:
 
 
 def _heartbeat_loop(
-    ctx: zmq.Context[Any], endpoint: str, session: str, interval: float, stop: threading.Event
+    sock: zmq.Socket[Any], endpoint: str, token: str, interval: float, stop: threading.Event
 ) -> None:
-    sock = ctx.socket(zmq.DEALER)
-    sock.setsockopt(zmq.LINGER, 0)
     sock.connect(endpoint)
-    frame = encode(Heartbeat(session))
+    frame = encode(Heartbeat(token))
     try:
         while not stop.wait(interval):
             try:

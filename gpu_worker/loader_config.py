@@ -6,7 +6,9 @@ import os
 from dataclasses import dataclass
 from typing import Any
 
-from protocol.messages import MODES, REMAINDERS
+from protocol.messages import MODES, REMAINDERS, TRANSPORTS
+
+TRANSPORT_CHOICES = ("auto", *TRANSPORTS)
 
 HELLO_FIELDS = (
     "feed", "credits", "mode", "rank", "world_size", "remainder", "group", "group_size", "batch_size",
@@ -33,6 +35,11 @@ class LoaderConfig:
     group_size: int = 1
     batch_size: int = 0
     image_size: int = 0
+    transport: str = "auto"
+    """``shm`` maps the service's segment, ``tcp`` receives each batch's bytes over the socket, ``auto``
+    maps the segment where it can really be opened and checked (the service's host), else ``tcp``."""
+    server_key: str = ""
+    client_key: str = ""
 
     def validated(self) -> LoaderConfig:
         if not self.endpoint.startswith(("ipc://", "tcp://")):
@@ -49,6 +56,10 @@ class LoaderConfig:
             raise ValueError(f"remainder must be one of {', '.join(REMAINDERS)}, got {self.remainder!r}")
         if not 0 <= self.rank < self.world_size:
             raise ValueError(f"rank must be in [0, world_size={self.world_size}), got {self.rank}")
+        if self.transport not in TRANSPORT_CHOICES:
+            raise ValueError(
+                f"transport must be one of {', '.join(TRANSPORT_CHOICES)}, got {self.transport!r}"
+            )
         if not 1 <= self.group_size <= 1024 or not self.group or len(self.group) > 64:
             raise ValueError("group must be a name of 1 to 64 characters and group_size 1 to 1024")
         return self

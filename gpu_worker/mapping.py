@@ -22,18 +22,25 @@ SHM_DIR = "/dev/shm"
 class SlotMap:
     """The whole pool as one uint8 array, and fresh per-delivery views of single slots."""
 
-    def __init__(self, segment: str, layout: SlotLayout, slots: int) -> None:
+    def __init__(self, segment: str, layout: SlotLayout, slots: int, check: str = "") -> None:
+        """Map the pool; with ``check`` (the hex the service announced), prove it is that service's
+        pool by the bytes after it (``protocol.layout``), or raise ValueError."""
         self.layout = layout
         self.slots = slots
         self.nbytes = layout.segment_bytes(slots)
-        fd = os.open(os.path.join(SHM_DIR, validate_segment_name(segment)), os.O_RDWR)
+        expected = bytes.fromhex(check)
+        size = layout.mapped_bytes(slots) if expected else self.nbytes
+        fd = os.open(os.path.join(SHM_DIR, validate_segment_name(segment)), os.O_RDWR | os.O_NOFOLLOW)
         try:
-            if os.fstat(fd).st_size < self.nbytes:
-                raise ValueError(f"segment {segment} is smaller than the {self.nbytes} bytes its pool needs")
-            self._mmap = mmap.mmap(fd, self.nbytes, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
+            if os.fstat(fd).st_size < size:
+                raise ValueError(f"segment {segment} is smaller than the {size} bytes its pool needs")
+            self._mmap = mmap.mmap(fd, size, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
         finally:
             os.close(fd)
-        self.base: npt.NDArray[np.uint8] | None = np.frombuffer(self._mmap, dtype=np.uint8)
+        if self._mmap[self.nbytes : self.nbytes + len(expected)] != expected:
+            self._mmap.close()
+            raise ValueError(f"segment {segment} is not the announced pool (its check bytes differ)")
+        self.base: npt.NDArray[np.uint8] | None = np.frombuffer(self._mmap, dtype=np.uint8, count=self.nbytes)
 
     @property
     def address(self) -> int:

@@ -32,6 +32,9 @@ class RunConfig:
     feed: str = ""
     timeout: float = 60.0
     metrics_port: int = 0
+    transport: str = "auto"
+    server_key: str = ""
+    client_key: str = ""
 
 
 @dataclass(frozen=True)
@@ -127,7 +130,15 @@ def run_epoch(
 def run(cfg: RunConfig) -> list[EpochReport]:
     step = load_step(cfg.step)
     reports = []
-    with ServiceLoader(cfg.endpoint, device=cfg.device, feed=cfg.feed, timeout=cfg.timeout) as loader:
+    with ServiceLoader(
+        cfg.endpoint,
+        device=cfg.device,
+        feed=cfg.feed,
+        timeout=cfg.timeout,
+        transport=cfg.transport,
+        server_key=cfg.server_key or None,
+        client_key=cfg.client_key or None,
+    ) as loader:
         info = loader.info
         print(
             f"attached to feed {info.name!r}: {info.samples} images, "

@@ -8,6 +8,10 @@ One segment holds a feed's whole slot pool. Slot ``i`` starts at ``i * stride`` 
     0                             labels_offset          indices_offset          stride (page aligned)
 
 Rows ``[0, count)`` of each array are valid for a delivered batch; the rest is stale.
+
+After the last slot, one more page starts with ``CHECK_BYTES`` random bytes the service chose and
+announces (``FeedInfo.check``): a trainer that finds them there knows it mapped this service's pool
+and not a segment of the same name elsewhere (another host's /dev/shm, say).
 Both sides compute the layout from the same four numbers, so a descriptor on the wire needs only the
 slot number, and a client can check every offset against the segment it attached.
 """
@@ -19,6 +23,7 @@ from dataclasses import dataclass
 
 SEGMENT_PREFIX = "dataferry-"
 PAGE = 4096
+CHECK_BYTES = 16
 # Recognisable, bounded, and free of path separators: a name from the wire can never point the client
 # at memory outside our own segments (see validate_segment_name).
 _SEGMENT_NAME = re.compile(r"^dataferry-[A-Za-z0-9_.-]{1,200}$")
@@ -72,7 +77,12 @@ class SlotLayout:
         return _align(self.indices_offset + 8 * self.capacity, PAGE)
 
     def segment_bytes(self, slots: int) -> int:
+        """The pool itself: every slot, and the offset of the check page after it."""
         return self.stride * slots
+
+    def mapped_bytes(self, slots: int) -> int:
+        """The whole segment: the pool and its check page."""
+        return self.segment_bytes(slots) + PAGE
 
     def slot_offset(self, slot: int, slots: int) -> int:
         if not 0 <= slot < slots:

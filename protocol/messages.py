@@ -4,21 +4,24 @@ Every message is one ZeroMQ frame holding one msgpack map, keys in this order::
 
     {"v": PROTOCOL_VERSION, "k": <kind>, <field>: <value>, ...}     (fields in declaration order)
 
-Pixels never travel in a message: a ``batch`` names a slot of the feed's shared-memory segment (see
-``protocol.layout``), and the trainer maps it. A trainer's session looks like this::
+A ``batch`` names a slot of the feed's shared-memory segment (see ``protocol.layout``). A trainer on
+the service's host maps the segment and reads the slot in place; a trainer that cannot (another
+host: its ``start`` says ``transport=tcp``) gets three raw frames after the ``batch`` frame: the
+slot's images, labels and indices, rows ``[0, count)`` only, sent from shared memory without a
+copy. Either way the trainer releases the batch by its lease. A trainer's session::
 
     trainer (DEALER)                         service (ROUTER)
-      hello{feed, credits} ---------------->
-                           <---------------- welcome{session, feed info, segment}
-      start{run, epoch, position} -------->
+      hello{feed, credits[, resume=token]} ->
+                           <---------------- welcome{session label, token, feed info, credits}
+      start{run, epoch, position, transport, token} ->
                            <---------------- batch{run, epoch, seq, lease, slot, count}   (<= credits
-                           <---------------- batch ...                                     unreleased)
-      release{leases} --------------------->
+                           <---------------- batch ... [+ images | labels | indices]       unreleased)
+      release{leases, token} -------------->
                            <---------------- end{run, epoch, batches}
-      heartbeat{session}  (from a second socket, every heartbeat interval)
-      bye ---------------------------------->
+      heartbeat{token}  (from a second socket, every heartbeat interval)
+      bye{token} --------------------------->
 
-    any peer: status? -> status{body}   (no session needed)
+    any peer: status? -> status{body}   (no session needed; shows no token)
 
 Decode workers talk to the service on a private socket::
 
@@ -69,6 +72,7 @@ __all__ = [
     "MODES",
     "PROTOCOL_VERSION",
     "REMAINDERS",
+    "TRANSPORTS",
     "BatchReady",
     "Bye",
     "EpochEnd",
@@ -91,7 +95,7 @@ __all__ = [
     "encode",
 ]
 
-PROTOCOL_VERSION: Final = 1
+PROTOCOL_VERSION: Final = 2
 MAX_FRAME_BYTES: Final = 64 * 1024
 MAX_RELEASES: Final = 4096
 MAX_CREDITS: Final = 1024
@@ -111,6 +115,10 @@ class Message:
 
 MODES: Final = ("shard", "broadcast")
 REMAINDERS: Final = ("pad", "drop")
+TRANSPORTS: Final = ("shm", "tcp")
+_TOKEN = Str(64)
+"""A session's secret (``Welcome.token``): every message of the session carries it, so knowing a
+session's public label, or sharing its connection, is never enough to act for it."""
 
 
 @dataclass(frozen=True)
@@ -139,8 +147,8 @@ class Hello(Message):
     group_size: Annotated[int, Int(1, 1024)] = 1
     batch_size: Annotated[int, Int(0, 65536)] = 0
     image_size: Annotated[int, Int(0, 8192)] = 0
-    resume: Annotated[str, Str(64), OMITTABLE] = ""
-    """A session this trainer had, to take over (it lost touch with a live service) ..."""
+    resume: Annotated[str, _TOKEN, OMITTABLE] = ""
+    """The token of a session this trainer had, to take over (it lost touch with a live service) ..."""
     held: Annotated[tuple[int, ...], ListOf(_LEASE, MAX_RELEASES), OMITTABLE] = ()
     """... keeping only these of its leases: the batches its loop still holds."""
 
@@ -161,6 +169,9 @@ class Start(Message):
     run: Annotated[int, Int(0, 2**31)]
     epoch: Annotated[int, Int(0, 2**40)]
     position: Annotated[int, Int(0, 2**40)] = 0
+    transport: Annotated[str, OneOf(TRANSPORTS)] = "shm"
+    """``tcp``: this trainer cannot map the segment; send each batch's bytes after its ``batch``."""
+    token: Annotated[str, _TOKEN] = ""
 
 
 @dataclass(frozen=True)
@@ -169,14 +180,16 @@ class Release(Message):
 
     KIND: ClassVar[str] = "release"
     leases: Annotated[tuple[int, ...], ListOf(_LEASE, MAX_RELEASES)]
+    token: Annotated[str, _TOKEN] = ""
 
 
 @dataclass(frozen=True)
 class Heartbeat(Message):
-    """Liveness in either direction; from a trainer's second socket it names the session it keeps alive."""
+    """Liveness in either direction; from a trainer's second socket it carries the token of the session
+    it keeps alive."""
 
     KIND: ClassVar[str] = "heartbeat"
-    session: Annotated[str, Str(64)] = ""
+    token: Annotated[str, _TOKEN] = ""
 
 
 @dataclass(frozen=True)
@@ -184,6 +197,7 @@ class Bye(Message):
     """The trainer is leaving: its leases are returned at once."""
 
     KIND: ClassVar[str] = "bye"
+    token: Annotated[str, _TOKEN] = ""
 
 
 # --- service -> trainer -------------------------------------------------------------------------
@@ -204,6 +218,9 @@ class FeedInfo:
     fingerprint: Annotated[str, Str(128)]
     segment: Annotated[str, Str(255)]
     slots: Annotated[int, Int(1, 65536)]
+    check: Annotated[str, Str(64)] = ""
+    """Hex of the bytes the service wrote after the pool (``protocol.layout``): a trainer that finds
+    them in the segment it opened knows it mapped this service's pool, not a namesake."""
 
 
 @dataclass(frozen=True)
@@ -212,10 +229,15 @@ class Welcome(Message):
 
     KIND: ClassVar[str] = "welcome"
     session: Annotated[str, Str(64)]
+    """A public label for logs; never a credential."""
     feed: FeedInfo  # a nested map, checked by FeedInfo's own field rules
     heartbeat_interval: Annotated[float, Float(0.01, 3600)]
     batches: Annotated[int, Int()]
     samples: Annotated[int, Int()]
+    token: Annotated[str, _TOKEN] = ""
+    """The session's secret: every later message of the session, and a resume, must carry it."""
+    credits: Annotated[int, Int(1, MAX_CREDITS)] = MAX_CREDITS
+    """Credits granted: those asked, at most the feed's pool size."""
 
 
 @dataclass(frozen=True)

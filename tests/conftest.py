@@ -41,8 +41,10 @@ def start_service(tmp_path: Path) -> Iterator[ServiceFactory]:
     """``start_service(data, **flags)`` -> a running service listening on an ipc endpoint in tmp_path."""
     started: list[ServiceProcess] = []
 
-    def start(data: Path, *, wait_ready: bool = True, name: str = "feed", **flags: object) -> ServiceProcess:
-        endpoint = f"ipc://{tmp_path}/{name}.sock"
+    def start(
+        data: Path, *, wait_ready: bool = True, name: str = "feed", endpoint: str = "", **flags: object
+    ) -> ServiceProcess:
+        endpoint = endpoint or f"ipc://{tmp_path}/{name}.sock"
         args = ["serve", "--data", str(data), "--endpoint", endpoint]
         for key, value in {"workers": 2, "batch_size": 8, "image_size": 32, **flags}.items():
             flag = f"--{key.replace('_', '-')}"

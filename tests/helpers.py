@@ -20,6 +20,7 @@ from typing import Any
 import zmq
 
 from gpu_worker import ServiceLoader
+from gpu_worker.curve import ClientKeys
 from protocol.messages import StatusReply, StatusRequest, decode, encode
 
 SHM = Path("/dev/shm")
@@ -153,10 +154,14 @@ def epoch_indices(loader: ServiceLoader) -> tuple[list[int], int]:
     return seen, batches
 
 
-def status(endpoint: str) -> dict[str, Any]:
+def status(endpoint: str, server_key: str = "", client_key: str = "") -> dict[str, Any]:
+    """The service's status body, asked on a fresh connection (with CURVE keys where given)."""
     ctx: zmq.Context[zmq.Socket[bytes]] = zmq.Context()
     sock = ctx.socket(zmq.DEALER)
     sock.setsockopt(zmq.LINGER, 0)
+    keys = ClientKeys.load(server_key, client_key, environ={})
+    if keys is not None:
+        keys.apply(sock)
     try:
         sock.connect(endpoint)
         sock.send(encode(StatusRequest()))

@@ -18,16 +18,24 @@ class Attachments:
     def __init__(self) -> None:
         self.sessions: dict[bytes, Session] = {}
         self._by_id: dict[str, bytes] = {}
+        self._by_token: dict[str, bytes] = {}
         self.streams: dict[StreamKey, Stream] = {}
         self.order: deque[StreamKey] = deque()
 
     def add(self, session: Session) -> None:
         self.sessions[session.routing_id] = session
         self._by_id[session.session_id] = session.routing_id
+        self._by_token[session.token] = session.routing_id
 
     def by_id(self, session_id: str) -> Session | None:
         routing_id = self._by_id.get(session_id)
         return None if routing_id is None else self.sessions.get(routing_id)
+
+    def by_token(self, token: str) -> Session | None:
+        """The session whose secret this is (heartbeats, resume); never found by its public label."""
+        routing_id = self._by_token.get(token) if token else None
+        session = None if routing_id is None else self.sessions.get(routing_id)
+        return session if session is not None and session.presents(token) else None
 
     def move(self, session: Session, routing_id: bytes) -> None:
         """The session continues on another connection (NOTE [ Reconnecting ])."""
@@ -38,6 +46,7 @@ class Attachments:
     def forget(self, session: Session) -> None:
         del self.sessions[session.routing_id]
         self._by_id.pop(session.session_id, None)
+        self._by_token.pop(session.token, None)
 
     def stream_for(self, session: Session, feed: Feed) -> Stream:
         """The stream the session receives from, created for its first member."""

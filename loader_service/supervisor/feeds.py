@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import secrets
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -16,7 +17,7 @@ from loader_service.decode.worker import WorkerFeed
 from loader_service.shm import Segment, new_segment_name
 from loader_service.supervisor.rates import RateMeter
 from loader_service.supervisor.slots import SlotPool
-from protocol.layout import SlotLayout
+from protocol.layout import CHECK_BYTES, SlotLayout
 from protocol.messages import FeedInfo
 
 log = logging.getLogger(__name__)
@@ -42,6 +43,8 @@ class Feed:
     index_dir: Path
     fingerprint: str = ""
     """Of the index, computed once at open: hashing a large index costs a noticeable fraction of a second."""
+    check: str = ""
+    """Hex of the bytes after the pool that prove to a trainer it mapped this pool (protocol.layout)."""
     counters: FeedCounters = field(default_factory=FeedCounters)
     bad_files: dict[int, str] = field(default_factory=dict)
 
@@ -55,10 +58,12 @@ class Feed:
         index_dir.mkdir()
         index.save(index_dir)
         layout = SlotLayout(config.batch_size, config.image_size)
-        segment = Segment.create(new_segment_name(config.name), layout.segment_bytes(config.slots), group)
-        return cls(
-            feed_id, config, index, layout, segment, SlotPool(config.slots), index_dir, index.fingerprint()
-        )
+        segment = Segment.create(new_segment_name(config.name), layout.mapped_bytes(config.slots), group)
+        check = secrets.token_bytes(CHECK_BYTES)
+        pool_end = layout.segment_bytes(config.slots)
+        segment.buf[pool_end : pool_end + CHECK_BYTES] = check  # NOTE in protocol.layout
+        pool = SlotPool(config.slots)
+        return cls(feed_id, config, index, layout, segment, pool, index_dir, index.fingerprint(), check.hex())
 
     def close(self) -> None:
         self.segment.close()
@@ -88,6 +93,7 @@ class Feed:
             fingerprint=self.fingerprint,
             segment=self.segment.name,
             slots=cfg.slots,
+            check=self.check,
         )
 
     def worker_feed(self) -> WorkerFeed:

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import hmac
+import secrets
 from dataclasses import dataclass, field
 
 from protocol.messages import Hello
@@ -14,7 +16,8 @@ class Session:
     """A trainer connection, keyed by its ZeroMQ routing id; its batches come from one stream.
 
     ``credits`` bounds the batches announced to this trainer and not yet released: the service never
-    has more than that many of the pool's slots out with it.
+    has more than that many of the pool's slots out with it. ``session_id`` is a public label for
+    logs and status; ``token`` is the secret every message of the session must carry.
     """
 
     routing_id: bytes
@@ -32,10 +35,16 @@ class Session:
     """The trainer cannot map the segment (another host): batches travel as frames over the socket."""
     max_credits: int = 2**31
     """The feed's pool size: credits beyond it are capped."""
+    token: str = field(default_factory=lambda: secrets.token_hex(16))
+
+    def presents(self, token: str) -> bool:
+        """Is ``token`` this session's? Compared in constant time."""
+        return hmac.compare_digest(token.encode(), self.token.encode())
 
     @property
     def client(self) -> str:
-        return self.hello.client
+        """The trainer's self-description, made safe for a log line or a terminal."""
+        return printable(self.hello.client)
 
     @property
     def credits(self) -> int:
@@ -69,3 +78,8 @@ class Session:
         if self.mode == "broadcast":
             return ("broadcast", self.feed, self.group)
         return ("shard", self.session_id)
+
+
+def printable(text: str) -> str:
+    """``text`` with every character that could break a log line or drive a terminal escaped."""
+    return "".join(c if c.isprintable() else repr(c)[1:-1] for c in text)

@@ -6,8 +6,8 @@ broadcast group up for too long (``evict_laggards``, NOTE [ Broadcast epochs ]).
 
 from __future__ import annotations
 
+import itertools
 import logging
-import secrets
 import time
 from collections.abc import Callable
 
@@ -55,6 +55,7 @@ class TrainerDesk:
         self._outbox = outbox
         self._status = status
         self._gate = RateGate()
+        self._labels = itertools.count(1)
 
     def on_frames(self, frames: list[bytes]) -> None:
         routing_id = frames[0]
@@ -77,8 +78,8 @@ class TrainerDesk:
         if isinstance(msg, StatusRequest):
             self._outbox.send(routing_id, StatusReply(self._status()))
             return
-        if isinstance(msg, Heartbeat) and msg.session:
-            beating = self._attached.by_id(msg.session)
+        if isinstance(msg, Heartbeat) and msg.token:
+            beating = self._attached.by_token(msg.token)
             if beating is not None:
                 beating.last_seen = time.monotonic()
             return
@@ -86,6 +87,9 @@ class TrainerDesk:
         if session is None:
             why = "send hello first (the service may have restarted)"
             self._outbox.reject(routing_id, "no-session", why, fatal=True)
+            return
+        if isinstance(msg, (Start, Release, Bye)) and not session.presents(msg.token):
+            self._outbox.reject(routing_id, "bad-token", "this message does not carry its session's token")
             return
         session.last_seen = time.monotonic()
         if isinstance(msg, Start) and session.evicted:
@@ -131,7 +135,7 @@ class TrainerDesk:
         if refusal is not None:
             self._outbox.reject(routing_id, "refused", refusal, fatal=True)
             return
-        resumed = self._attached.by_id(msg.resume) if msg.resume else None
+        resumed = self._attached.by_token(msg.resume)
         if resumed is not None and resumed.hello.pid == msg.pid and not resumed.evicted:
             self._rebind(resumed, routing_id, set(msg.held))
             return
@@ -145,13 +149,14 @@ class TrainerDesk:
             return
         feed = self._find_feed(msg.feed)
         assert feed is not None
-        session = Session(routing_id, secrets.token_hex(8), msg, feed.id, time.monotonic())
+        label = f"t{next(self._labels)}"  # public: status and logs show it; the token stays secret
+        session = Session(routing_id, label, msg, feed.id, time.monotonic())
         session.max_credits = feed.config.slots  # more could never be honoured: no slots behind them
         self._attached.add(session)
         self._attached.stream_for(session, feed).add(session)
         log.info(
             "trainer %s (pid %d) attached to feed %r as session %s (%s)",
-            msg.client,
+            session.client,
             msg.pid,
             feed.name,
             session.session_id,
@@ -165,6 +170,11 @@ class TrainerDesk:
         """NOTE [ Reconnecting ]: a trainer that lost touch with this (live) service takes its session
         back on a new socket. The leases of batches its loop still holds keep their slots; the others
         (announcements lost on the old socket, releases not sent) are returned now."""
+        displaced = self._attached.sessions.get(routing_id)
+        if displaced is not None and displaced is not session:
+            # One connection, one session: the other one ends now, its slots with it, rather than
+            # lingering unreachable (and being mistaken for this one by broadcast eviction).
+            self.drop(displaced, f"its connection resumed session {session.session_id}")
         stream = self._attached.stream_of(session)
         for lease in [lease for lease in session.leases if lease not in held]:
             stream.release(session.session_id, session.leases.pop(lease))
@@ -183,6 +193,8 @@ class TrainerDesk:
             self._config.heartbeat_interval,
             stream.batches_per_epoch(),
             samples,
+            token=session.token,
+            credits=session.credits,
         )
 
     # --- running --------------------------------------------------------------------------------
@@ -190,6 +202,7 @@ class TrainerDesk:
     def _on_start(self, session: Session, msg: Start) -> None:
         stream = self._attached.stream_of(session)
         session.run, session.epoch = msg.run, msg.epoch
+        session.remote = msg.transport == "tcp"
         try:
             stream.on_start(session.session_id, msg.epoch, msg.position, self._warm.get(stream.feed.id))
         except StartRefused as exc:

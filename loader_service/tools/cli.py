@@ -99,13 +99,17 @@ def _add_status(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> Non
     p.add_argument("--endpoint", required=True)
     p.add_argument("--json", action="store_true", help="print the raw status as JSON")
     p.add_argument("--timeout", type=float, default=5.0, help="seconds to wait for an answer")
+    p.add_argument("--server-key", help="the service's CURVE .key file (or $DATAFERRY_SERVER_KEY)")
+    p.add_argument(
+        "--client-key", help="a CURVE .key_secret the service authorises (or $DATAFERRY_CLIENT_KEY)"
+    )
     p.set_defaults(func=_cmd_status)
 
 
 def _cmd_status(args: argparse.Namespace) -> int:
     from loader_service.tools.status_view import main_status
 
-    return main_status(args.endpoint, args.json, args.timeout)
+    return main_status(args.endpoint, args.json, args.timeout, args.server_key, args.client_key)
 
 
 def _add_index(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:

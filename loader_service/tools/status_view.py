@@ -15,6 +15,7 @@ from typing import Any
 
 import zmq
 
+from gpu_worker.curve import ClientKeys
 from protocol.messages import (
     ErrorReply,
     Heartbeat,
@@ -30,15 +31,21 @@ SLOT_STATES = ("free", "filling", "ready", "leased")
 Column = tuple[str, str]  # (title, "<" or ">")
 
 
-def query_status(endpoint: str, timeout: float) -> dict[str, Any]:
+def query_status(
+    endpoint: str, timeout: float, server_key: str | None = None, client_key: str | None = None
+) -> dict[str, Any]:
     """The status body of the service at ``endpoint``; ``TimeoutError`` naming it if none comes in time.
 
-    ``RuntimeError`` if the service answers with an error, ``ValueError`` for a malformed endpoint.
+    ``RuntimeError`` if the service answers with an error, ``ValueError`` for a malformed endpoint or
+    key file. CURVE keys as for a trainer (``gpu_worker.curve``, environment included).
     """
+    keys = ClientKeys.load(server_key, client_key)
     ctx = zmq.Context()
     try:
         sock = ctx.socket(zmq.DEALER)
         sock.setsockopt(zmq.LINGER, 0)
+        if keys is not None:
+            keys.apply(sock)
         try:
             sock.connect(endpoint)
         except zmq.ZMQError as exc:
@@ -75,10 +82,12 @@ def _endpoint_hint(endpoint: str) -> str:
     return " (is loader-service running there?)"
 
 
-def main_status(endpoint: str, as_json: bool, timeout: float) -> int:
+def main_status(
+    endpoint: str, as_json: bool, timeout: float, server_key: str | None = None, client_key: str | None = None
+) -> int:
     """``loader-service status``: print the snapshot; 0 on success, 1 (message on stderr) otherwise."""
     try:
-        body = query_status(endpoint, timeout)
+        body = query_status(endpoint, timeout, server_key, client_key)
     except (TimeoutError, RuntimeError, ValueError) as exc:
         print(f"loader-service status: {exc}", file=sys.stderr)
         return 1

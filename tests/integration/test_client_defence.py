@@ -85,7 +85,7 @@ def test_segment_names_from_the_wire_are_checked(
         sock.send_multipart([rid, encode(Welcome("s", feed_info(segment), 1.0, 2, 8))])
 
     with pytest.raises(ServiceError, match=message):
-        ServiceLoader(fake_service(welcome), connect_timeout=10)
+        ServiceLoader(fake_service(welcome), connect_timeout=10, transport="shm")
 
 
 @pytest.fixture
@@ -112,7 +112,7 @@ def test_a_pool_larger_than_its_segment_is_refused(
         sock.send_multipart([rid, encode(Welcome("s", feed_info(small_segment, slots=64), 1.0, 2, 8))])
 
     with pytest.raises(ServiceError, match="smaller than"):
-        ServiceLoader(fake_service(welcome), connect_timeout=10)
+        ServiceLoader(fake_service(welcome), connect_timeout=10, transport="shm")
 
 
 def test_a_slot_outside_the_pool_is_refused(

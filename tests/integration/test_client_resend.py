@@ -192,7 +192,7 @@ def unreachable(monkeypatch: pytest.MonkeyPatch) -> Iterator[Unreachable]:
 
 def welcome(segment: str, heartbeat_interval: float) -> Welcome:
     feed = FeedInfo("train", 32, 2, 4, 8, len(LEASES), 0, "train", "ff" * 16, segment, 1)
-    return Welcome("s", feed, heartbeat_interval, len(LEASES), 4 * len(LEASES))
+    return Welcome("s", feed, heartbeat_interval, len(LEASES), 4 * len(LEASES), token="secret-token")
 
 
 def batches(start: Start, count: int) -> list[Message]:
@@ -341,5 +341,5 @@ def test_a_resumed_session_gets_no_release_it_already_returned(
         del held, batch  # held across the resume: the service kept these four leases
         assert list(loader) == []
         outcome.result(3 * WAIT)
-    assert [(h.resume, sorted(h.held)) for h in hellos] == [("s", list(LEASES[4:]))]
+    assert [(h.resume, sorted(h.held)) for h in hellos] == [("secret-token", list(LEASES[4:]))]
     assert sorted(service.released) == list(LEASES[4:]), "held ones released once; returned ones never"

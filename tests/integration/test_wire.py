@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -24,7 +25,7 @@ from protocol.messages import (
     decode,
     encode,
 )
-from tests.helpers import ServiceFactory
+from tests.helpers import ServiceFactory, status
 
 pytestmark = pytest.mark.integration
 FROM_SERVICE = (Welcome, BatchReady, EpochEnd, ErrorReply, Heartbeat)
@@ -57,14 +58,15 @@ def receive(sock: zmq.Socket[bytes], timeout: float, skip_heartbeats: bool = Tru
 def test_service_never_has_more_batches_out_than_granted(dealer: tuple[zmq.Socket[bytes], str]) -> None:
     sock, _ = dealer
     sock.send(encode(Hello("raw", 1, "", credits=2)))
-    assert isinstance(receive(sock, 10), Welcome)
-    sock.send(encode(Start(1, 0, 0)))
+    welcome = receive(sock, 10)
+    assert isinstance(welcome, Welcome)
+    sock.send(encode(Start(1, 0, 0, token=welcome.token)))
     first, second = receive(sock, 10), receive(sock, 10)
     assert isinstance(first, BatchReady) and isinstance(second, BatchReady)
     assert (first.seq, second.seq) == (0, 1)
     # Two workers and eight free slots could fill more; credits must hold the third back.
     assert receive(sock, 1.5) is None
-    sock.send(encode(Release((first.lease,))))
+    sock.send(encode(Release((first.lease,), token=welcome.token)))
     third = receive(sock, 10)
     assert isinstance(third, BatchReady) and third.seq == 2
 
@@ -89,3 +91,108 @@ def test_an_oversized_frame_cuts_off_only_its_sender(dealer: tuple[zmq.Socket[by
     sock.send(b"\x81" + b"\x00" * (MAX_FRAME_BYTES * 2))  # ZMQ_MAXMSGSIZE drops this peer's connection
     with ServiceLoader(endpoint, timeout=30) as loader:
         assert sum(len(b.indices) for b in loader) == loader.info.samples
+
+
+# --- sessions cannot be used without their token (issue 12) ------------------------------------
+
+
+def attach(sock: zmq.Socket[bytes], pid: int = 1, client: str = "raw", credits: int = 2) -> Welcome:
+    sock.send(encode(Hello(client, pid, "", credits=credits)))
+    welcome = receive(sock, 10)
+    assert isinstance(welcome, Welcome)
+    return welcome
+
+
+def test_session_messages_without_their_token_are_refused(dealer: tuple[zmq.Socket[bytes], str]) -> None:
+    sock, _ = dealer
+    welcome = attach(sock)
+    assert welcome.token and welcome.token != welcome.session
+    sock.send(encode(Start(1, 0, 0, token=welcome.session)))  # the public label is not the token
+    refused = receive(sock, 10)
+    assert isinstance(refused, ErrorReply) and refused.code == "bad-token"
+    sock.send(encode(Start(1, 0, 0, token=welcome.token)))
+    assert isinstance(receive(sock, 10), BatchReady)
+
+
+def test_status_shows_no_token_and_escapes_client_names(dealer: tuple[zmq.Socket[bytes], str]) -> None:
+    sock, endpoint = dealer
+    welcome = attach(sock, client="evil\n\x1b[2Jname")
+    body = status(endpoint)
+    assert welcome.token not in repr(body)
+    (session,) = body["sessions"]
+    assert session["client"] == "evil\\n\\x1b[2Jname", (
+        "no newline or escape sequence reaches a log or terminal"
+    )
+
+
+def test_a_public_label_cannot_resume_someone_elses_session(dealer: tuple[zmq.Socket[bytes], str]) -> None:
+    sock, endpoint = dealer
+    victim = attach(sock, pid=7)
+    with connected(endpoint) as intruder:
+        intruder.send(encode(Hello("raw", 7, "", credits=2, resume=victim.session)))
+        taken = receive(intruder, 10)
+        assert isinstance(taken, Welcome) and taken.session != victim.session, (
+            "a new session, not the victim's"
+        )
+    assert status(endpoint)["attached"] == 2
+
+
+def test_rebinding_a_connection_ends_the_session_it_held(dealer: tuple[zmq.Socket[bytes], str]) -> None:
+    sock, endpoint = dealer
+    first = attach(sock, pid=1)
+    sock.send(encode(Start(1, 0, 0, token=first.token)))
+    assert isinstance(receive(sock, 10), BatchReady) and isinstance(receive(sock, 10), BatchReady)
+    with connected(endpoint) as other:
+        second = attach(other, pid=2)
+        # The first session's connection now resumes the second session: the first must end, and
+        # the two slots it holds come back, instead of staying leased to an unreachable session.
+        sock.send(encode(Hello("raw", 2, "", credits=2, resume=second.token)))
+        resumed = receive(sock, 10)
+        assert isinstance(resumed, Welcome) and resumed.session == second.session
+    body = status(endpoint)
+    assert body["attached"] == 1
+    assert body["feeds"][0]["slots"]["leased"] == 0
+
+
+def test_credits_are_capped_at_the_pool_size(dealer: tuple[zmq.Socket[bytes], str]) -> None:
+    sock, _ = dealer
+    assert attach(sock, credits=1000).credits == 8
+
+
+def test_sessions_beyond_the_limit_are_refused(start_service: ServiceFactory, photos: Path) -> None:
+    service = start_service(photos, max_sessions=1)
+    with connected(service.endpoint) as one, connected(service.endpoint) as two:
+        attach(one)
+        two.send(encode(Hello("raw", 2, "", credits=2)))
+        refused = receive(two, 10)
+        assert isinstance(refused, ErrorReply) and "max-sessions" in refused.message
+
+
+def test_a_flood_from_one_connection_is_cut_off_and_others_are_served(
+    dealer: tuple[zmq.Socket[bytes], str],
+) -> None:
+    _, endpoint = dealer
+    with connected(endpoint, unbounded=True) as flood:
+        frame = encode(Heartbeat("not-a-token"))
+        for _ in range(20_000):  # ten times the burst one connection may send at once
+            flood.send(frame)
+        deadline = time.monotonic() + 30
+        while status(endpoint)["rejected_messages"] == 0:  # the excess is dropped and counted
+            assert time.monotonic() < deadline, "a flood of 20000 messages was never cut off"
+    with ServiceLoader(endpoint, timeout=30) as loader:
+        assert next(iter(loader)).images.shape[0] > 0
+
+
+@contextlib.contextmanager
+def connected(endpoint: str, unbounded: bool = False) -> Iterator[zmq.Socket[bytes]]:
+    ctx: zmq.Context[zmq.Socket[bytes]] = zmq.Context()
+    sock = ctx.socket(zmq.DEALER)
+    sock.setsockopt(zmq.LINGER, 0)
+    if unbounded:
+        sock.setsockopt(zmq.SNDHWM, 0)
+    sock.connect(endpoint)
+    try:
+        yield sock
+    finally:
+        sock.close(linger=0)
+        ctx.term()

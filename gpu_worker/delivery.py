@@ -1,0 +1,112 @@
+"""Where a trainer's batches come from: the mapped slot pool (shm) or the socket (tcp), and the device.
+
+``Delivery`` owns the trainer's view of one session's pool: it maps the announced segment (or, where
+that cannot be done, chooses TCP), pins it for CUDA, and turns each announced batch into a ``Batch``
+whose lease ends when its tensors are freed (NOTE [ Slot lifecycle ]).
+"""
+
+from __future__ import annotations
+
+import logging
+
+import torch
+import zmq
+
+from gpu_worker.batch import Batch, frame_tensors, slot_tensors
+from gpu_worker.connection import ServiceError
+from gpu_worker.device import CudaStager
+from gpu_worker.leases import Lease, LeaseBook
+from gpu_worker.mapping import SlotMap
+from protocol.layout import SlotLayout
+from protocol.messages import BatchReady, FeedInfo
+
+log = logging.getLogger(__name__)
+
+
+class Delivery:
+    def __init__(self, device: torch.device, want: str, leases: LeaseBook) -> None:
+        self.device = device
+        self._want = want
+        self._leases = leases
+        self._slots: SlotMap | None = None
+        self.stager: CudaStager | None = None
+        self.transport = "shm"
+        """``shm`` (the slot mapped in place) or ``tcp`` (bytes over the socket)."""
+
+    def adopt(self, info: FeedInfo) -> None:
+        """A (new) session's pool: map it, or choose TCP; pin it for CUDA."""
+        old = self._slots
+        try:
+            self._layout = SlotLayout(info.batch_size, info.image_size)
+        except ValueError as exc:
+            raise ServiceError(f"the service announced an unusable slot layout: {exc}") from None
+        self._slots = self._map(info)
+        self.transport = "tcp" if self._slots is None else "shm"
+        if old is not None:
+            old.close()  # unmaps once the batches still viewing it are gone
+        if self._slots is not None and self.device.type == "cuda":
+            self.stager = self.stager or CudaStager(self.device)
+            self.stager.pin(self._slots.address, self._slots.nbytes)  # unregisters the old pool first
+
+    def _map(self, info: FeedInfo) -> SlotMap | None:
+        """The announced pool, mapped and checked; None where ``auto`` finds it cannot be (TCP)."""
+        if self._want == "tcp":
+            return None
+        try:
+            return SlotMap(info.segment, self._layout, info.slots, info.check)
+        except (ValueError, OSError) as exc:
+            if self._want == "auto":
+                log.info("cannot map the service's pool here (%s); batches will come over the socket", exc)
+                return None
+            # Never map memory a message merely names: only our own segments, whole, as announced.
+            raise ServiceError(f"the service announced an unusable slot pool: {exc}") from None
+
+    def wrap(self, msg: BatchReady, lease: Lease, frames: list[zmq.Frame] | None) -> Batch:
+        if self._slots is None:
+            return self._from_frames(msg, lease, frames)
+        try:
+            owner = self._slots.slot(msg.slot)
+        except ValueError as exc:
+            raise ServiceError(f"service announced an invalid slot: {exc}") from None
+        self._leases.watch(owner, lease)
+        images, labels, indices = slot_tensors(memoryview(owner), self._slots.layout, msg.count)
+        del owner  # from here on only the tensors keep the slot (and so the lease)
+        if self.stager is not None:
+            images, labels = self.stager.stage(images, labels, keep_alive=images)
+        return Batch(images, labels, indices, msg.epoch, msg.seq)
+
+    def _from_frames(self, msg: BatchReady, lease: Lease, frames: list[zmq.Frame] | None) -> Batch:
+        """TCP: tensors view the received frames (no copy on CPU); the lease ends with them."""
+        if frames is None:
+            raise ServiceError(f"batch {msg.seq} arrived without its data")
+        try:
+            images, labels, indices = frame_tensors(frames, self._layout, msg.count)
+        except ValueError as exc:
+            raise ServiceError(f"malformed batch from the service: {exc}") from None
+        self._leases.watch(frames[0], lease)
+        del frames
+        if self.device.type == "cuda":
+            images, labels = self._to_device(images, labels)
+        return Batch(images, labels, indices, msg.epoch, msg.seq)
+
+    def _to_device(self, images: torch.Tensor, labels: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Received bytes -> a pinned staging buffer -> the device, on the side stream as for shm.
+
+        Pinned buffers come from torch's caching host allocator, which hands a block out again only
+        after the copy that used it has completed, so this is no allocation per batch.
+        """
+        self.stager = self.stager or CudaStager(self.device)
+        pinned = torch.empty(images.shape, dtype=images.dtype, pin_memory=True)
+        pinned.copy_(images)
+        return self.stager.stage(pinned, labels, keep_alive=pinned)
+
+    def collect(self) -> None:
+        """Let go of host batches whose device copies have completed."""
+        if self.stager is not None:
+            self.stager.collect()
+
+    def close(self) -> None:
+        if self.stager is not None:
+            self.stager.close()
+        if self._slots is not None:
+            self._slots.close()
