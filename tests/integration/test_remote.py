@@ -12,6 +12,7 @@ import shutil
 import socket
 import subprocess
 import sys
+import threading
 from pathlib import Path
 from typing import Any
 
@@ -174,3 +175,44 @@ def test_peers_without_an_authorised_key_get_nothing(
     service.wait_for(r"CURVE: 2 trainer keys allowed")
     with ServiceLoader(service.endpoint, connect_timeout=10, **keys.of(keys.stranger)) as loader:
         assert next(iter(loader)).images.shape[0] > 0
+
+
+def test_a_remote_trainer_continues_its_epoch_across_a_service_restart(
+    photos: Path, start_service: ServiceFactory, keys: Keys
+) -> None:
+    """Reconnect and exactly-once hold over TCP as over ipc: the service is stopped mid-epoch and a
+    new one starts on the same port; the trainer, holding nothing, continues where it was."""
+    endpoint = f"tcp://127.0.0.1:{free_port()}"
+    first = start_service(photos, endpoint=endpoint, batch_size=8, **keys.flags())
+    paused, go = threading.Event(), threading.Event()
+    result: dict[str, Any] = {}
+
+    def trainer() -> None:
+        try:
+            with ServiceLoader(endpoint, transport="tcp", timeout=30, **keys.of(keys.trainer)) as loader:
+                seen: list[int] = []
+                for i, batch in enumerate(loader):
+                    seen += batch.indices.tolist()
+                    del batch
+                    if i == 3:
+                        paused.set()
+                        assert go.wait(60)
+                result["seen"] = seen
+        except BaseException as exc:
+            result["error"] = exc
+
+    thread = threading.Thread(target=trainer)
+    thread.start()
+    try:
+        assert paused.wait(60)
+        assert first.stop() == 0
+        start_service(photos, endpoint=endpoint, batch_size=8, **keys.flags())
+        go.set()
+        thread.join(90)
+    finally:
+        go.set()
+        thread.join(5)
+    assert "error" not in result, result.get("error")
+    assert sorted(result["seen"]) == list(range(len(build_index(photos)))), (
+        "each image once across the restart"
+    )
