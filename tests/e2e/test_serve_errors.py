@@ -49,3 +49,19 @@ def test_flag_beats_the_environment(photos: Path, tmp_path: Path) -> None:
     result = serve(photos, tmp_path, env)
     assert result.returncode == 1, result.stderr
     assert "workers=1 " in result.stderr
+
+
+def test_a_network_endpoint_without_curve_refuses_to_start_saying_how_to_make_keys(
+    photos: Path, tmp_path: Path
+) -> None:
+    result = serve(photos, tmp_path, {}, "--endpoint", "tcp://0.0.0.0:0")
+    assert result.returncode == 2, result.stderr
+    assert "loader-service keys --out DIR" in result.stderr and "--insecure-tcp" in result.stderr
+
+
+def test_insecure_tcp_warns_at_start(photos: Path, tmp_path: Path) -> None:
+    # The main loop fault stops the service right after start-up, after the warning was due.
+    env = {"DATAFERRY_INJECT_FAULT": "main-loop"}
+    result = serve(photos, tmp_path, env, "--endpoint", "tcp://0.0.0.0:0", "--insecure-tcp")
+    assert result.returncode == 1, result.stderr
+    assert "WITHOUT authentication or encryption" in result.stderr

@@ -196,3 +196,15 @@ def connected(endpoint: str, unbounded: bool = False) -> Iterator[zmq.Socket[byt
     finally:
         sock.close(linger=0)
         ctx.term()
+
+
+def test_a_message_of_many_parts_is_dropped_and_the_service_serves_on(
+    dealer: tuple[zmq.Socket[bytes], str],
+) -> None:
+    sock, endpoint = dealer
+    sock.send_multipart([encode(Hello("raw", 1, "", credits=2))] + [b"x" * 1024] * 5000)
+    refused = receive(sock, 10)
+    assert isinstance(refused, ErrorReply) and refused.code == "bad-message"
+    assert status(endpoint)["attached"] == 0, "no part of it was taken for a hello"
+    with ServiceLoader(endpoint, timeout=30) as loader:
+        assert next(iter(loader)).images.shape[0] > 0
