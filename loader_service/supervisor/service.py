@@ -8,10 +8,10 @@ NOTE [ Main loop ]
     Each turn, in this order: poll both sockets (at most ``TICK`` seconds); handle trainer messages
     (``TrainerDesk``); handle worker reports (``Scheduler``); react to a recorded signal (SIGHUP:
     re-read the authorised CURVE keys; SIGTERM/SIGINT: stop) or a fatal error; kill workers stuck
-    past the task timeout, reap and replace dead or lost ones, their tasks redone (NOTE [ Stuck
-    workers ], NOTE [ Worker restarts ]); expire trainers whose heartbeats stopped and evict
-    broadcast members that hold their group up; send heartbeats and whatever is owed (NOTE [ Owed
-    messages ]); hand tasks to idle workers; report to systemd and metrics.
+    past the task timeout, reap and replace dead or lost ones, their tasks redone
+    (NOTE [ Stuck workers ], NOTE [ Worker restarts ]); expire trainers whose heartbeats stopped and
+    evict broadcast members that hold their group up; send heartbeats and whatever is owed
+    (NOTE [ Owed messages ]); hand tasks to idle workers; report to systemd and metrics.
     Signal handlers only record the signal, so shutdown always runs from here in a known state.
 
 NOTE [ Shutdown order ]
