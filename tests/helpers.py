@@ -6,6 +6,8 @@ another.
 
 from __future__ import annotations
 
+import contextlib
+import mmap
 import os
 import re
 import signal
@@ -13,7 +15,7 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -21,6 +23,7 @@ import zmq
 
 from gpu_worker import ServiceLoader
 from gpu_worker.curve import ClientKeys
+from protocol.layout import SlotLayout
 from protocol.messages import StatusReply, StatusRequest, decode, encode
 
 SHM = Path("/dev/shm")
@@ -199,3 +202,23 @@ for i, batch in enumerate(loader):
         print("dying", flush=True)
         os.kill(os.getpid(), signal.SIGKILL)
 """
+
+
+@contextlib.contextmanager
+def fake_segment(fill: int = 0) -> Iterator[str]:
+    """A real segment of ours, named as the service names them, holding one slot of 4 images of 8 px
+    (every byte ``fill``); removed afterwards. For fake services that announce a pool."""
+    name = f"dataferry-{os.getpid()}-fake-{os.urandom(3).hex()}"
+    path = Path("/dev/shm") / name
+    size = SlotLayout(4, 8).segment_bytes(1)
+    fd = os.open(path, os.O_CREAT | os.O_EXCL | os.O_RDWR, 0o600)
+    try:
+        os.ftruncate(fd, size)
+        with mmap.mmap(fd, size) as m:
+            m[:] = bytes([fill]) * size
+    finally:
+        os.close(fd)
+    try:
+        yield name
+    finally:
+        path.unlink(missing_ok=True)

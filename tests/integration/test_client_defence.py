@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import mmap
-import os
 import threading
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -12,7 +10,6 @@ import pytest
 import zmq
 
 from gpu_worker import ServiceError, ServiceLoader
-from protocol.layout import SlotLayout
 from protocol.messages import (
     BatchReady,
     Bye,
@@ -26,6 +23,7 @@ from protocol.messages import (
     decode,
     encode,
 )
+from tests.helpers import fake_segment
 
 pytestmark = pytest.mark.integration
 Script = Callable[[zmq.Socket[bytes], bytes], None]
@@ -91,18 +89,8 @@ def test_segment_names_from_the_wire_are_checked(
 @pytest.fixture
 def small_segment() -> Iterator[str]:
     """A real segment of ours holding exactly one slot."""
-    name = f"dataferry-{os.getpid()}-fake-{os.urandom(3).hex()}"
-    path = Path("/dev/shm") / name
-    size = SlotLayout(4, 8).segment_bytes(1)
-    fd = os.open(path, os.O_CREAT | os.O_EXCL | os.O_RDWR, 0o600)
-    try:
-        os.ftruncate(fd, size)
-        with mmap.mmap(fd, size) as m:
-            m[:] = b"\x07" * size
-    finally:
-        os.close(fd)
-    yield name
-    path.unlink(missing_ok=True)
+    with fake_segment(fill=7) as name:
+        yield name
 
 
 def test_a_pool_larger_than_its_segment_is_refused(

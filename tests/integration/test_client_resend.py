@@ -10,8 +10,6 @@ refuses them (EAGAIN). The service comes back on the same endpoint and counts wh
 from __future__ import annotations
 
 import logging
-import mmap
-import os
 import socket
 import threading
 import time
@@ -25,7 +23,6 @@ import pytest
 import zmq
 
 from gpu_worker import Batch, ServiceLoader, connection
-from protocol.layout import SlotLayout
 from protocol.messages import (
     BatchReady,
     Bye,
@@ -40,6 +37,7 @@ from protocol.messages import (
     decode,
     encode,
 )
+from tests.helpers import fake_segment
 
 pytestmark = pytest.mark.integration
 FROM_TRAINER = (Hello, Start, Release, Heartbeat, Bye)
@@ -155,18 +153,8 @@ class FlakyService:
 @pytest.fixture
 def segment() -> Iterator[str]:
     """A real segment of ours holding one slot of 4 images of 8 px."""
-    name = f"dataferry-{os.getpid()}-fake-{os.urandom(3).hex()}"
-    path = Path("/dev/shm") / name
-    size = SlotLayout(4, 8).segment_bytes(1)
-    fd = os.open(path, os.O_CREAT | os.O_EXCL | os.O_RDWR, 0o600)
-    try:
-        os.ftruncate(fd, size)
-        with mmap.mmap(fd, size) as m:
-            m[:] = b"\x00" * size
-    finally:
-        os.close(fd)
-    yield name
-    path.unlink(missing_ok=True)
+    with fake_segment(fill=0) as name:
+        yield name
 
 
 @pytest.fixture
