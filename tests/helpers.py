@@ -222,3 +222,17 @@ def fake_segment(fill: int = 0) -> Iterator[str]:
         yield name
     finally:
         path.unlink(missing_ok=True)
+
+
+def consume_with_pause(
+    loader: ServiceLoader, pause_after: int, paused: threading.Event, go: threading.Event
+) -> list[int]:
+    """One epoch; after ``pause_after`` batches, wait (holding nothing) until ``go`` is set."""
+    seen: list[int] = []
+    for i, batch in enumerate(loader):
+        seen += batch.indices.tolist()
+        del batch
+        if i + 1 == pause_after:
+            paused.set()
+            assert go.wait(60)
+    return seen

@@ -21,7 +21,7 @@ import pytest
 from gpu_worker import ServiceLoader, ServiceTimeout
 from loader_service.dataset.index import build_index
 from loader_service.tools.keys import KeyPair, make_keys
-from tests.helpers import REPO, ServiceFactory, in_threads, status
+from tests.helpers import REPO, ServiceFactory, consume_with_pause, in_threads, status
 
 pytestmark = pytest.mark.integration
 
@@ -190,14 +190,7 @@ def test_a_remote_trainer_continues_its_epoch_across_a_service_restart(
     def trainer() -> None:
         try:
             with ServiceLoader(endpoint, transport="tcp", timeout=30, **keys.of(keys.trainer)) as loader:
-                seen: list[int] = []
-                for i, batch in enumerate(loader):
-                    seen += batch.indices.tolist()
-                    del batch
-                    if i == 3:
-                        paused.set()
-                        assert go.wait(60)
-                result["seen"] = seen
+                result["seen"] = consume_with_pause(loader, 4, paused, go)
         except BaseException as exc:
             result["error"] = exc
 

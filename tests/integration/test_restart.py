@@ -13,23 +13,9 @@ import torch
 
 from gpu_worker import ServiceLoader, ServiceTimeout
 from loader_service.dataset.index import build_index
-from tests.helpers import ServiceFactory, our_segments
+from tests.helpers import ServiceFactory, consume_with_pause, our_segments
 
 pytestmark = pytest.mark.integration
-
-
-def consume_with_pause(
-    loader: ServiceLoader, pause_after: int, paused: threading.Event, go: threading.Event
-) -> list[int]:
-    """One epoch; after ``pause_after`` batches, wait (holding nothing) until ``go`` is set."""
-    seen: list[int] = []
-    for i, batch in enumerate(loader):
-        seen += batch.indices.tolist()
-        del batch
-        if i + 1 == pause_after:
-            paused.set()
-            assert go.wait(60)
-    return seen
 
 
 @pytest.mark.parametrize("how", [signal.SIGTERM, signal.SIGKILL])
