@@ -36,7 +36,6 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 from types import FrameType
-from typing import Any
 
 import zmq
 
@@ -294,11 +293,10 @@ class LoaderService:
     def _send_frames(
         self, routing_id: bytes, msg: Message, frames: list[memoryview]
     ) -> zmq.MessageTracker | None:
-        """Send ``msg`` and then ``frames`` without copying them; the tracker says when ZeroMQ is
-        done reading them (None if nothing went out)."""
-        parts: list[Any] = [routing_id, encode(msg), *frames]
+        """Send ``msg`` and a slot's views to a remote trainer (``send_from_slot``); None if nothing
+        went out."""
         try:
-            return self._frontend.send_multipart(parts, zmq.NOBLOCK, copy=False, track=True)
+            return send_from_slot(self._frontend, routing_id, encode(msg), frames)
         except zmq.ZMQError as exc:
             log.debug("could not send %s to %r: %s", msg.KIND, routing_id, exc)
             return None
@@ -342,3 +340,23 @@ def _recv_bounded(sock: Socket) -> list[bytes]:
         else:
             sock.recv(copy=False)
     return parts
+
+
+def send_from_slot(
+    sock: Socket, routing_id: bytes, header: bytes, views: list[memoryview]
+) -> zmq.MessageTracker:
+    """Send ``header`` then the slot's images, labels and indices without blocking; the images go
+    without a copy, and the returned tracker is done once ZeroMQ no longer reads them
+    (NOTE [ Slot lifecycle ]).
+
+    Only the images frame is tracked: labels and indices are small, and copied here. The tracker
+    must be the images frame's own: pyzmq's ``send_multipart(track=True)`` tracks only the last
+    part, and a part below its copy threshold is copied and reported done at once.
+    """
+    images, labels, indices = views
+    frame = zmq.Frame(images, copy=False, track=True)
+    tracker: zmq.MessageTracker = frame.tracker
+    sock.send_multipart([routing_id, header, frame, bytes(labels), bytes(indices)], zmq.NOBLOCK)
+    # A live Python reference to the frame would itself keep the tracker from finishing.
+    del frame
+    return tracker
