@@ -45,6 +45,9 @@ POLL_SLICE = 0.1
 BYE_LINGER_MS = 500
 SILENCE_HEARTBEATS = 5
 """Missed service heartbeats after which the session counts as lost and is reopened."""
+SLOWEST_LINK = 10e6
+"""Bytes a second the slowest network a remote trainer should work over carries. A heartbeat queued
+behind a batch arrives only after it, so silence is allowed to last as long as one batch takes."""
 SEND_HWM = 64
 """Messages the main socket queues for a service that is not reading before a send is refused. It
 carries only starts, releases and a bye; the loader keeps refused ones itself, merged, and sends them
@@ -81,6 +84,8 @@ class Connection:
         self.resumed = False
         self.last_heard = time.monotonic()
         self._silence_limit = float("inf")
+        self.batch_bytes = 0
+        """Bytes one batch brings over the socket (TCP transport), which stretch the silence allowed."""
         self._lost: str | None = None
 
     def open(self, deadline: float, give_up: str, held: tuple[int, ...] = ()) -> Welcome:
@@ -138,7 +143,7 @@ class Connection:
                 return None
             if self._sock.poll(int(min(remaining, POLL_SLICE) * 1000) + 1):
                 self._read_available(self._sock)
-            elif self.session and time.monotonic() - self.last_heard > self._silence_limit:
+            elif self.session and time.monotonic() - self.last_heard > self._allowed_silence():
                 self._lost = f"no word from the service for {time.monotonic() - self.last_heard:.0f} s"
 
     def _read_available(self, sock: zmq.Socket[bytes]) -> None:
@@ -161,9 +166,14 @@ class Connection:
                 self._inbox.clear()
                 return
             elif msg.fatal or not self.session:
+                # The session is over: stop keeping it alive, even if the loader is never closed.
+                self._stop_heartbeat.set()
                 raise ServiceError(f"service refused: {msg.message} ({msg.code})")
             else:
                 log.warning("service reported: %s (%s)", msg.message, msg.code)
+
+    def _allowed_silence(self) -> float:
+        return max(self._silence_limit, self.batch_bytes / SLOWEST_LINK)
 
     def _keep_payload(self, msg: Message, frames: list[zmq.Frame]) -> None:
         if not isinstance(msg, BatchReady) or len(frames) != 3:

@@ -132,6 +132,7 @@ class Feed:
             "name": self.name,
             "samples": len(self.index),
             "slots": self.pool.counts(),
+            "slots_sending": self.pool.sending,
             "decoded": self.counters.decoded.total,
             "images_per_second": round(self.counters.decoded.rate(), 1),
             "warm_decoded": self.counters.warm_decoded,

@@ -104,6 +104,12 @@ class SlotPool:
         else:
             self._free.append(slot)
 
+    @property
+    def sending(self) -> int:
+        """FREE slots held back because ZeroMQ still sends them (a remote trainer not reading)."""
+        self._settle()
+        return len(self._parked)
+
     def track(self, slot: int, send: Send) -> None:
         """ZeroMQ is sending the slot's bytes: keep it from reuse until ``send.done``."""
         self._sends.setdefault(slot, []).append(send)

@@ -142,6 +142,12 @@ class Stream(Producer):
         if self.started and epoch == self.epoch and not member.active:
             self._join_running(member)
             return
+        if self.started and epoch == self.epoch:
+            # A member that resumed its session (NOTE [ Reconnecting ]) asks for the epoch it is in:
+            # it goes on from where the group is delivering to it, as a late joiner would; its end
+            # of epoch is sent again in case the old connection lost it.
+            member.end_sent = False
+            return
         self._check_broadcast_start(member, epoch, position)
         member.active, member.want = False, (epoch, position)
         self._maybe_begin_group_epoch()

@@ -78,7 +78,7 @@ class TrainerDesk:
         if isinstance(msg, StatusRequest):
             self._outbox.send(routing_id, StatusReply(self._status()))
             return
-        if isinstance(msg, Heartbeat) and msg.token:
+        if isinstance(msg, Heartbeat):  # keeps alive only the session whose token it carries
             beating = self._attached.by_token(msg.token)
             if beating is not None:
                 beating.last_seen = time.monotonic()

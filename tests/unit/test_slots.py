@@ -50,10 +50,11 @@ def test_a_slot_still_being_sent_is_not_reused_until_the_send_is_done() -> None:
     pool.release(slot)
     assert pool.state(slot) is SlotState.FREE
     assert pool.free == 0 and pool.acquire() is None, "ZeroMQ may still read it"
+    assert pool.sending == 1
     first.done = True
     assert pool.acquire() is None, "one send is still reading it"
     second.done = True
-    assert pool.free == 1 and pool.acquire() == slot
+    assert pool.free == 1 and pool.sending == 0 and pool.acquire() == slot
 
 
 def test_a_send_done_before_the_release_does_not_hold_the_slot() -> None:

@@ -177,3 +177,16 @@ def test_a_handed_over_batch_finishing_after_another_restart_is_refused() -> Non
     stream.on_start("a", 5, 0)  # the trainer jumps elsewhere before the batch is done
     assert not ahead.filled(late[0], late[1], slot=7, count=4), "its slot is freed, not delivered"
     assert stream.filling == 0 and not stream.batches
+
+
+def test_a_member_that_resumed_its_session_goes_on_in_the_running_epoch() -> None:
+    stream = group("a", "b")
+    stream.on_start("a", 0, 0)
+    stream.on_start("b", 0, 0)
+    first = stream.plan_batch()
+    assert stream.filled(first[0], first[1], slot=0, count=4)
+    assert [k for k, _ in stream.deliverable(stream.members["a"])] == [(first[0], 0)]
+    stream.on_start("a", 0, 1)  # a lost touch, resumed, and asks for its epoch from batch 1
+    second = stream.plan_batch()
+    assert stream.filled(second[0], second[1], slot=1, count=4)
+    assert [k for k, _ in stream.deliverable(stream.members["a"])] == [(second[0], 1)]
