@@ -13,7 +13,7 @@ from pathlib import Path
 
 from loader_service.decode.transforms import decoder_problem, uses_roi
 
-SCENARIOS = ("a", "b", "c", "d", "e", "f", "g")
+SCENARIOS = ("a", "b", "c", "d", "e", "f", "g", "j")
 SCENARIO_TITLES = {
     "a": "steady-state throughput of one trainer",
     "b": "four trainers on the same data",
@@ -22,6 +22,7 @@ SCENARIO_TITLES = {
     "e": "consumer-side cost of next() on a ready batch",
     "f": "CPU-seconds per 1000 images, all processes",
     "g": "service memory across epochs",
+    "j": "a remote trainer over TCP with CURVE, and the transport alone",
 }
 CLASSES = 8
 """Class folders of the generated dataset; ``--images`` is spread over them."""
@@ -51,7 +52,7 @@ class BenchConfig:
     scenarios: tuple[str, ...] = SCENARIOS
     quick: bool = False
     rounds: int = 5
-    """(a), (f): interleaved rounds; each round times every contender once."""
+    """(a), (f), (j): interleaved rounds; each round times every contender (or transport) once."""
     warmup_batches: int = 4
     """Skipped at the start of each timed segment, on top of what a contender may have buffered."""
     timed_batches: int = 30
@@ -69,6 +70,8 @@ class BenchConfig:
     cost_batch_sizes: tuple[int, ...] = (64, 256)
     memory_epochs: int = 20
     """(g): epochs over which service memory is sampled."""
+    transport_batches: int = 40
+    """(j): ready batches timed per transfer (at most one epoch); also each transport trainer's credits."""
     timeout: float = 120.0
     """Seconds any single wait for a batch, a process or a result may take before the run fails."""
     json_path: Path = Path("bench-results/results.json")
@@ -98,7 +101,15 @@ class BenchConfig:
         if problem := decoder_problem(self.decoder):
             raise ConfigError(f"--{problem}")
         _check(self.data is None or self.data.is_dir(), f"--data {self.data} is not a directory")
-        for name in ("rounds", "timed_batches", "trainers", "trainer_batches", "memory_epochs"):
+        counts = (
+            "rounds",
+            "timed_batches",
+            "trainers",
+            "trainer_batches",
+            "memory_epochs",
+            "transport_batches",
+        )
+        for name in counts:
             _check(getattr(self, name) >= 1, f"{name} must be at least 1")
         return self
 
@@ -113,6 +124,7 @@ QUICK = {
     "overlap_epochs": 2,
     "cost_epochs": 3,
     "memory_epochs": 4,
+    "transport_batches": 16,
     "timeout": 60.0,
 }
 """What ``--quick`` changes: 1024 images is 16 batches of 64 and 4 of 256 per epoch."""

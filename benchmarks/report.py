@@ -12,11 +12,41 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from benchmarks.results import CONTENDERS, SERVICE, BenchResults, Check, Measurement, Timeline
+from benchmarks.results import (
+    CONTENDERS,
+    J_SERIES,
+    LOCAL_SHM,
+    REMOTE_CURVE,
+    SERVICE,
+    SERVICE_TREE,
+    SHM,
+    TCP_CURVE,
+    TCP_PLAIN,
+    TF_DATA_SERVICE_GB_S,
+    TRAINER,
+    ZMQ_CURVE,
+    ZMQ_PLAIN,
+    ZMQ_RECEIVER,
+    ZMQ_SENDER,
+    BenchResults,
+    Check,
+    Measurement,
+    Timeline,
+)
+from benchmarks.stats import ratio
 
 SCHEMA = "dataferry-bench/1"
 COLUMNS = tuple(CONTENDERS)
-FORMATS = {"images/s": ".0f", "s": ".3f", "x": ".3f", "us": ".0f", "CPU-s": ".2f", "MiB": ".1f"}
+FORMATS = {
+    "images/s": ".0f",
+    "s": ".3f",
+    "x": ".3f",
+    "us": ".0f",
+    "CPU-s": ".2f",
+    "MiB": ".1f",
+    "GB/s": ".2f",
+    "CPU-s/GB": ".2f",
+}
 ROW_LABELS = {
     "a": "(a) one trainer, images/s",
     "b": "(b) per trainer, {trainers:.0f} at once, images/s",
@@ -26,7 +56,29 @@ ROW_LABELS = {
     "e": "(e) next() on a ready batch of {batch_size:.0f}, us",
     "f": "(f) CPU-s per 1000 images",
     "g": "(g) service memory, MiB",
+    "j-rate": "(j) remote trainer, TCP+CURVE, images/s",
+    "j-cpu-images": "(j) remote trainer, CPU-s per 1000 images",
+    "j-transport": "(j) ready batches over {series}, GB/s",
+    "j-transport-raw": "(j) {series} (pyzmq alone), GB/s",
+    "j-cpu-tcp_curve": "(j) CPU-s per GB over TCP+CURVE",
+    "j-cpu-tcp": "(j) CPU-s per GB over plain TCP",
 }
+"""Row labels by scenario, and by measurement key for (j), whose rows each have their own layout."""
+COMPARED = {
+    TCP_CURVE: (ZMQ_CURVE, TCP_PLAIN, SHM),
+    TCP_PLAIN: (ZMQ_PLAIN, SHM),
+    SHM: (),
+    ZMQ_CURVE: (ZMQ_PLAIN,),
+    ZMQ_PLAIN: (),
+}
+"""(j) transport rows, in table order, and what each is compared with."""
+TARGET_SOURCES = "issue 5; (j): issue 12"
+REMOTE_NOTE = (
+    "(j) rows hold one figure each in the dataferry column: the remote trainer's, or one transport's "
+    "(service and trainer added up for CPU per GB); the note compares it with the local trainer, the "
+    "other transports, a raw pyzmq pair on the same kind of TCP, and what a tf.data service consumer "
+    "was reported to receive (tensorflow issue #49304, another machine: for scale only)."
+)
 
 
 @dataclass(frozen=True)
@@ -61,22 +113,83 @@ def _memory_row(m: Measurement) -> Row:
     return Row(ROW_LABELS["g"], {SERVICE: format_value(last[-1] if last else None, "MiB")}, note)
 
 
-def row_for(m: Measurement) -> Row:
-    """One table row: the median per contender, then the ratios (for (d), the step's length too)."""
+def _times(value: float | None, places: int = 2) -> str:
+    return "-" if value is None else f"{value:.{places}f}x"
+
+
+def _remote_row(m: Measurement) -> Row:
+    """(j) with decoding: the remote trainer's figure; the local trainer's and the ratio beside it
+    (to three places for images/s, whose target of 0.8 a rounded 0.796 would seem to meet)."""
+    local = format_value(m.median(LOCAL_SHM), m.unit)
+    places = 3 if m.key == "j-rate" else 2
+    note = f"{J_SERIES[LOCAL_SHM]} {local}; remote / local {_times(m.ratio(REMOTE_CURVE, LOCAL_SHM), places)}"
+    return Row(ROW_LABELS[m.key], {SERVICE: format_value(m.median(REMOTE_CURVE), m.unit)}, note)
+
+
+def _transport_rows(m: Measurement) -> list[Row]:
+    """(j) transport alone: a row per transport, each against what ``COMPARED`` names and, for
+    dataferry over TCP, against what a tf.data service consumer was reported to receive."""
+    out = []
+    for key in (k for k in COMPARED if k in m.samples):
+        parts = [
+            f"vs {J_SERIES[other]} {_times(m.ratio(key, other))}"
+            for other in COMPARED[key]
+            if other in m.samples
+        ]
+        value = m.median(key)
+        if key in (TCP_CURVE, TCP_PLAIN) and value is not None:
+            tf_data = f"{TF_DATA_SERVICE_GB_S * 1000:.0f} MB/s"
+            parts.append(f"vs tf.data service's {tf_data} {_times(value / TF_DATA_SERVICE_GB_S)}")
+        template = ROW_LABELS["j-transport-raw" if key in (ZMQ_CURVE, ZMQ_PLAIN) else m.key]
+        label = template.format(series=J_SERIES[key])
+        out.append(Row(label, {SERVICE: format_value(value, m.unit)}, ", ".join(parts)))
+    return out
+
+
+def _cpu_per_gb_row(m: Measurement) -> Row:
+    """(j) CPU per GB: service and trainer added up in the cell; each side, and a raw ZeroMQ pair's
+    over the same kind of TCP, in the note."""
+
+    def sides(first: str, second: str) -> tuple[float | None, str]:
+        a, b = m.median(first), m.median(second)
+        total = None if a is None or b is None else a + b
+        text = f"{J_SERIES[first]} {format_value(a, m.unit)} + {J_SERIES[second]} {format_value(b, m.unit)}"
+        return total, text
+
+    ours, ours_text = sides(SERVICE_TREE, TRAINER)
+    raw, raw_text = sides(ZMQ_SENDER, ZMQ_RECEIVER)
+    raw_total = f"raw ZeroMQ {raw_text} = {format_value(raw, m.unit)}"
+    note = f"{ours_text}; {raw_total}; dataferry / raw {_times(ratio(ours, raw))}"
+    return Row(ROW_LABELS[m.key], {SERVICE: format_value(ours, m.unit)}, note)
+
+
+def _remote_rows(m: Measurement) -> list[Row]:
+    if m.key == "j-transport":
+        return _transport_rows(m)
+    if m.unit == "CPU-s/GB":
+        return [_cpu_per_gb_row(m)]
+    return [_remote_row(m)]
+
+
+def row_for(m: Measurement) -> list[Row]:
+    """A measurement's rows: the median per contender, then the ratios (for (d), the step's length
+    too); one row for every scenario but (j)'s transport, which has one per transport."""
     if m.scenario == "g":
-        return _memory_row(m)
+        return [_memory_row(m)]
+    if m.scenario == "j":
+        return _remote_rows(m)
     label = ROW_LABELS[m.scenario].format(**{"trainers": 4.0, "batch_size": 0.0, **m.notes})
     cells = {key: format_value(m.median(key), m.unit) for key in COLUMNS if key in m.samples}
     note = ratio_note(m)
     if m.scenario == "d":
         note = f"step {m.notes.get('compute_s', 0.0) * 1000:.0f} ms; " + note
-    return Row(label, cells, note)
+    return [Row(label, cells, note)]
 
 
 def rows(results: BenchResults) -> list[Row]:
     """In scenario order, (e) by batch size, whatever order the run measured them in."""
     ordered = sorted(results.measurements, key=lambda m: (m.scenario, m.notes.get("batch_size", 0.0)))
-    return [row_for(m) for m in ordered]
+    return [row for m in ordered for row in row_for(m)]
 
 
 def _header() -> list[str]:
@@ -96,7 +209,7 @@ def format_table(results: BenchResults, checks: Sequence[Check]) -> str:
         first = line[0].ljust(widths[0])
         numbers = [cell.rjust(width) for cell, width in zip(line[1:-1], widths[1:], strict=True)]
         lines.append("  ".join([first, *numbers, line[-1]]).rstrip())
-    lines += ["", "targets (issue 5):"]
+    lines += ["", f"targets ({TARGET_SOURCES}):"]
     lines += [f"  {c.verdict:4}  ({c.scenario}) {c.target}: {c.measured}" for c in checks]
     return "\n".join(lines)
 
@@ -141,8 +254,8 @@ def markdown(results: BenchResults, checks: Sequence[Check], command: str) -> st
         *("| " + " | ".join(_cells(r)) + " |" for r in rows(results)),
         "",
         "Medians of repeats; ratios are dataferry over the other contender (above 1: dataferry higher).",
-        "",
-        "| target (issue 5) | measured | result |",
+        *(["", REMOTE_NOTE, ""] if any(m.scenario == "j" for m in results.measurements) else [""]),
+        f"| target ({TARGET_SOURCES}) | measured | result |",
         "| --- | --- | --- |",
         *(f"| ({c.scenario}) {c.target} | {c.measured} | {c.verdict} |" for c in checks),
         "",
@@ -150,11 +263,17 @@ def markdown(results: BenchResults, checks: Sequence[Check], command: str) -> st
     return "\n".join(out)
 
 
+def _ratio_pairs(m: Measurement) -> list[tuple[str, str]]:
+    """dataferry over every other contender; in (j), every series over each one after it."""
+    if m.scenario == "j":
+        keys = list(m.samples)
+        return [(a, b) for i, a in enumerate(keys) for b in keys[i + 1 :]]
+    return [(SERVICE, k) for k in m.samples if k != SERVICE and SERVICE in m.samples]
+
+
 def _measurement_json(m: Measurement) -> dict[str, Any]:
     medians = {k: m.median(k) for k in m.samples}
-    ratios = {
-        f"{SERVICE}/{k}": m.ratio(SERVICE, k) for k in m.samples if k != SERVICE and SERVICE in m.samples
-    }
+    ratios = {f"{a}/{b}": m.ratio(a, b) for a, b in _ratio_pairs(m)}
     return {
         "scenario": m.scenario,
         "title": m.title,

@@ -1,4 +1,5 @@
-"""What a run produces: measurements per scenario, per-batch timelines, and the targets of issue 5.
+"""What a run produces: measurements per scenario, per-batch timelines, and the targets (issue 5;
+(j)'s come with the remote trainers of issue 12).
 
 A ``Measurement`` keeps every repeat, not only the median, so the JSON lets a reader judge the spread.
 Targets are evaluated here from measurements alone (pure), and reported, never enforced: a run whose
@@ -37,6 +38,39 @@ E_FLAT = 1.25
 G_ABSOLUTE_MIB = 4.0
 G_RELATIVE = 0.02
 """(g) reads "no growth" as: never more than max(4 MiB, 2%) above the first epoch's value."""
+
+# (j), remote trainers: series keys (as in the JSON) and what tables call them.
+REMOTE_CURVE = "remote_curve"
+LOCAL_SHM = "local_shm"
+TCP_CURVE = "tcp_curve"
+TCP_PLAIN = "tcp"
+SHM = "shm"
+ZMQ_CURVE = "zmq_curve"
+ZMQ_PLAIN = "zmq_tcp"
+SERVICE_TREE = "service_tree"
+TRAINER = "trainer"
+ZMQ_SENDER = "zmq_sender"
+ZMQ_RECEIVER = "zmq_receiver"
+J_SERIES = {
+    REMOTE_CURVE: "remote trainer (TCP+CURVE)",
+    LOCAL_SHM: "local shm trainer",
+    TCP_CURVE: "TCP+CURVE",
+    TCP_PLAIN: "plain TCP",
+    SHM: "local shm",
+    ZMQ_CURVE: "raw ZeroMQ, CURVE",
+    ZMQ_PLAIN: "raw ZeroMQ, plain TCP",
+    SERVICE_TREE: "service",
+    TRAINER: "trainer",
+    ZMQ_SENDER: "sender",
+    ZMQ_RECEIVER: "receiver",
+}
+# Targets of (j) on the 2-core machine.
+J_REMOTE_VS_LOCAL = 0.8
+J_CURVE_GB_S = 1.0
+J_PLAIN_GB_S = 2.0
+TF_DATA_SERVICE_GB_S = 0.126
+"""What one tf.data service consumer was reported to receive (tensorflow issue #49304: 126 MB/s,
+TF 2.4, over a network). Another machine and another workload: quoted for scale, not as a target."""
 
 
 @dataclass(frozen=True)
@@ -88,7 +122,7 @@ class Timeline:
 
 @dataclass(frozen=True)
 class Check:
-    """One target of issue 5: what it asks, what was measured, and whether it passed (None: not run)."""
+    """One target: what it asks, what was measured, and whether it passed (None: not run)."""
 
     scenario: str
     target: str
@@ -218,8 +252,35 @@ def check_g(g: Measurement | None) -> list[Check]:
     return [Check("g", target, rises, flat)]
 
 
+def check_j(rates: Measurement | None, transport: Measurement | None) -> list[Check]:
+    """A remote trainer close to a local one; ready batches fast enough over both kinds of TCP."""
+    remote = rates.ratio(REMOTE_CURVE, LOCAL_SHM) if rates else None
+    curve = transport.median(TCP_CURVE) if transport else None
+    plain = transport.median(TCP_PLAIN) if transport else None
+    return [
+        Check(
+            "j",
+            f"remote trainer (TCP+CURVE) >= {J_REMOTE_VS_LOCAL}x a local shm trainer, images/s",
+            _fmt(remote, ".3f", "x"),  # three places: 0.796 must not read as a failing 0.80
+            _at_least(remote, J_REMOTE_VS_LOCAL),
+        ),
+        Check(
+            "j",
+            f"ready batches over TCP+CURVE >= {J_CURVE_GB_S:g} GB/s",
+            _fmt(curve, ".2f", " GB/s"),
+            _at_least(curve, J_CURVE_GB_S),
+        ),
+        Check(
+            "j",
+            f"ready batches over plain TCP >= {J_PLAIN_GB_S:g} GB/s",
+            _fmt(plain, ".2f", " GB/s"),
+            _at_least(plain, J_PLAIN_GB_S),
+        ),
+    ]
+
+
 def evaluate_targets(results: BenchResults) -> list[Check]:
-    """Every target of issue 5, in scenario order; targets of scenarios not run read "n/a"."""
+    """Every target, in scenario order; targets of scenarios not run read "n/a"."""
     costs = [m for m in results.measurements if m.scenario == "e"]
     return [
         *check_a(results.get("a")),
@@ -228,4 +289,5 @@ def evaluate_targets(results: BenchResults) -> list[Check]:
         *check_d(results.get("d")),
         *check_e(costs),
         *check_g(results.get("g")),
+        *check_j(results.get("j-rate"), results.get("j-transport")),
     ]

@@ -8,6 +8,9 @@ NOTE [ Scenario order ]
     4. Every contender of this process is closed, so that (b)'s eight trainers are alone with the
        service (an idle trainer attached here would hold slots of its pool).
     5. Service A is stopped and must exit 0; (e) at batch 256 runs on service B and a DataLoader of 256.
+    6. (j) last, on services of its own: a CURVE service on loopback TCP serves the remote and the
+       local trainer; then plain-TCP and ipc services join it for the transport alone. Nothing else
+       runs meanwhile, so no idle DataLoader or service of an earlier step sits in its way.
     Processes are released through ExitStacks, in reverse order of creation (streams, then loaders,
     then the service), on success and failure alike (NOTE [ Benchmark service lifecycle ]).
 """
@@ -30,7 +33,30 @@ from benchmarks.datasets import DataSpec, OpenCVCrops, PILCrops, make_dataloader
 from benchmarks.machine import machine_facts
 from benchmarks.proctree import service_segments
 from benchmarks.progress import LazyProgress, say
-from benchmarks.results import DECODE_LIMIT, DL_OPENCV, DL_PIL, SERVICE, BenchResults, Measurement, Timeline
+from benchmarks.remote import (
+    CurveFiles,
+    Timed,
+    Transport,
+    make_curve_files,
+    measure_remote_rate,
+    measure_transport,
+)
+from benchmarks.results import (
+    DECODE_LIMIT,
+    DL_OPENCV,
+    DL_PIL,
+    LOCAL_SHM,
+    REMOTE_CURVE,
+    SERVICE,
+    SHM,
+    TCP_CURVE,
+    TCP_PLAIN,
+    ZMQ_CURVE,
+    ZMQ_PLAIN,
+    BenchResults,
+    Measurement,
+    Timeline,
+)
 from benchmarks.scenarios import (
     fill_seconds,
     first_batch_dataloader,
@@ -44,6 +70,7 @@ from benchmarks.scenarios import (
 from benchmarks.service_process import ServiceProcess, ServiceSpec, running_service
 from benchmarks.stats import rate
 from benchmarks.trainers import TrainerConfig, measure_trainers
+from benchmarks.wire import RawPair, loopback_endpoint
 from gpu_worker import ServiceLoader
 from loader_service.decode.transforms import describe_decoder
 
@@ -51,6 +78,8 @@ SERVICE_CREDITS = 6
 """ServiceLoader's default: also how many batches may wait for it after it idled."""
 DATALOADER_PREFETCH = 2
 """DataLoader's default ``prefetch_factor``: batches per worker that may wait after it idled."""
+TRANSPORT_SPARE_SLOTS = 4
+"""(j): pool slots beyond one transfer's batches: the warm start's two, and room to spare."""
 B_LOADER_KWARGS: dict[str, Any] = {"mode": "broadcast", "group": "bench", "group_size": 4}
 """(b)'s extra ServiceLoader arguments: the four trainers form one broadcast group, so each image
 is decoded once for all four (README: "Several trainers on one service")."""
@@ -73,18 +102,27 @@ class BenchRun:
     def batches_per_epoch(self, batch_size: int) -> int:
         return -(-self.data.images // batch_size)
 
-    def start_service(self, stack: contextlib.ExitStack, name: str, batch_size: int) -> ServiceProcess:
+    def start_service(
+        self,
+        stack: contextlib.ExitStack,
+        name: str,
+        batch_size: int,
+        endpoint: str = "",
+        extra_args: tuple[str, ...] = (),
+    ) -> ServiceProcess:
+        """A service on ``endpoint`` (default: an ipc socket in the scratch directory)."""
         cfg = self.cfg
         spec = ServiceSpec(
             self.data.root,
-            f"ipc://{self.run_dir}/{name}.sock",
+            endpoint or f"ipc://{self.run_dir}/{name}.sock",
             cfg.workers,
             batch_size,
             cfg.image_size,
             seed=cfg.seed,
-            extra_args=("--decoder", cfg.decoder),
+            extra_args=("--decoder", cfg.decoder, *extra_args),
         )
-        say(f"starting service {name}: {cfg.workers} workers, batch {batch_size}")
+        scheme = spec.endpoint.split(":")[0]
+        say(f"starting service {name}: {cfg.workers} workers, batch {batch_size}, {scheme}")
         service = stack.enter_context(running_service(spec, self.run_dir / f"{name}.log"))
         self.services.append(service)
         return service
@@ -103,12 +141,39 @@ class BenchRun:
         contender.pull()
         return contender
 
-    def service_contender(self, stack: contextlib.ExitStack, service: ServiceProcess) -> Contender:
+    def loader(
+        self,
+        stack: contextlib.ExitStack,
+        service: ServiceProcess,
+        credits: int = SERVICE_CREDITS,
+        transport: str = "auto",
+        curve: CurveFiles | None = None,
+    ) -> ServiceLoader:
+        """A ServiceLoader on ``service``, closed with ``stack``; ``curve``: the keys to present."""
+        server_key, client_key = curve.client() if curve else (None, None)
         loader = ServiceLoader(
-            service.spec.endpoint, device="cpu", timeout=self.cfg.timeout, credits=SERVICE_CREDITS
+            service.spec.endpoint,
+            device="cpu",
+            timeout=self.cfg.timeout,
+            credits=credits,
+            transport=transport,
+            server_key=server_key,
+            client_key=client_key,
         )
         stack.callback(loader.close)
-        contender = Contender(SERVICE, loader_stream(loader), SERVICE_CREDITS, self.cfg.warmup_batches)
+        return loader
+
+    def service_contender(
+        self,
+        stack: contextlib.ExitStack,
+        service: ServiceProcess,
+        key: str = SERVICE,
+        transport: str = "auto",
+        curve: CurveFiles | None = None,
+    ) -> Contender:
+        """A ServiceLoader read as (a) reads it, with (a)'s credits."""
+        stream = loader_stream(self.loader(stack, service, SERVICE_CREDITS, transport, curve))
+        contender = Contender(key, stream, SERVICE_CREDITS, self.cfg.warmup_batches)
         stack.callback(contender.close)  # runs first: the stream ends before its loader closes
         return contender
 
@@ -273,11 +338,54 @@ class BenchRun:
         if cfg.wants("g"):
             self.memory(service)
 
+    def remote_rate(self, service: ServiceProcess, curve: CurveFiles) -> None:
+        """(j) with decoding: the remote and the local trainer attached together, timed in turn."""
+        cfg = self.cfg
+        with contextlib.ExitStack() as stack:
+            remote = self.service_contender(stack, service, REMOTE_CURVE, transport="tcp", curve=curve)
+            local = self.service_contender(stack, service, LOCAL_SHM, transport="shm", curve=curve)
+            measured, timelines = measure_remote_rate(remote, local, cfg.rounds, cfg.timed_batches)
+        self.measurements += measured
+        self.timelines.update({f"j:{k}": t for k, t in timelines.items()})
+
+    def remote(self) -> None:
+        """(j), step 6 of NOTE [ Scenario order ]; the services' pools hold one transfer's batches."""
+        cfg = self.cfg
+        count = min(cfg.transport_batches, self.batches_per_epoch(cfg.batch_size))
+        slots = ("--slots", str(count + TRANSPORT_SPARE_SLOTS))
+        curve = make_curve_files(self.run_dir / "keys")
+        say(f"(j) {SCENARIO_TITLES['j']}")
+        with contextlib.ExitStack() as stack:
+            curve_args = (*slots, *curve.service_args())
+            secure = self.start_service(stack, "curve", cfg.batch_size, loopback_endpoint(), curve_args)
+            self.remote_rate(secure, curve)
+            plain = self.start_service(stack, "tcp", cfg.batch_size, loopback_endpoint(), slots)
+            local = self.start_service(stack, "shm", cfg.batch_size, extra_args=slots)
+            timed: list[Timed] = [
+                Transport(TCP_CURVE, self.loader(stack, secure, count, "tcp", curve), secure, curve.client()),
+                Transport(TCP_PLAIN, self.loader(stack, plain, count, "tcp"), plain, (None, None)),
+                Transport(SHM, self.loader(stack, local, count, "shm"), local, (None, None)),
+                *self.raw_pairs(stack, curve),
+            ]
+            self.measurements += measure_transport(timed, cfg.rounds, count)
+
+    def raw_pairs(self, stack: contextlib.ExitStack, curve: CurveFiles) -> list[RawPair]:
+        """(j)'s reference: pyzmq alone, frames the size of one batch's images, CURVE and plain."""
+        frame = self.cfg.batch_size * 3 * self.cfg.image_size**2
+        pairs = []
+        for key, keys in ((ZMQ_CURVE, (curve.service_secret, curve.trainer_secret)), (ZMQ_PLAIN, None)):
+            pairs.append(RawPair(key, frame, self.cfg.timeout, keys))
+            stack.callback(pairs[-1].close)  # at once: a later pair that fails must not strand this one
+        return pairs
+
     def run_all(self) -> None:
         cv2.setNumThreads(1)  # this process only ever does single-process work (the decode limit)
-        self.with_service_a()
+        if self.cfg.wants("a", "b", "c", "d", "e", "f", "g"):
+            self.with_service_a()
         if self.cfg.wants("e"):
             self.large_batch_costs()
+        if self.cfg.wants("j"):
+            self.remote()
 
 
 def settings(cfg: BenchConfig, data: DataSpec) -> dict[str, Any]:

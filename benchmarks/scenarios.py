@@ -1,4 +1,5 @@
-"""Scenarios (a) and (c)-(g), each driving contenders that ``run`` has set up. (b) is in ``trainers``.
+"""Scenarios (a) and (c)-(g), each driving contenders that ``run`` has set up. (b) is in ``trainers``,
+(j) in ``remote``.
 
 Every scenario returns ``Measurement``s holding each repeat; medians and ratios are taken later, in
 one place (``results``, ``stats``).
@@ -11,6 +12,7 @@ import os
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import TypeVar
 
 from torch.utils.data import Dataset
 
@@ -28,6 +30,7 @@ FILL_MARGIN = 1.5
 """(e) waits this many times the estimated decode time, so the batches timed are really waiting."""
 IDLE_CORES = 0.2
 """Below this much CPU (in cores) the benchmark's process tree counts as idle."""
+T = TypeVar("T")
 
 
 @dataclass(frozen=True)
@@ -79,10 +82,22 @@ def time_segment(contender: Contender, batches: int) -> Segment:
     return Segment(sum(images), seconds, cpu_seconds(pids) - cpu_before, timeline)
 
 
-def measure_throughput(
-    contenders: Sequence[Contender], rounds: int, batches: int
-) -> tuple[Measurement, Measurement, dict[str, Timeline]]:
-    """(a) and (f): ``rounds`` rounds, each timing every contender once, the order rotating per round.
+@dataclass(frozen=True)
+class Rounds:
+    """Per contender, one value per round: images/s, CPU-seconds per 1000 images, and the timeline."""
+
+    rates: dict[str, list[float]]
+    cpu_per_1000: dict[str, list[float]]
+    timelines: dict[str, Timeline]
+
+
+def rotated(items: Sequence[T], r: int) -> list[T]:
+    """``items`` starting at position ``r`` (mod its length): round ``r``'s order."""
+    return [*items[r % len(items) :], *items[: r % len(items)]]
+
+
+def interleaved_rounds(contenders: Sequence[Contender], rounds: int, batches: int, label: str) -> Rounds:
+    """``rounds`` rounds, each timing every contender once (``time_segment``), the order rotating.
 
     Interleaving puts every contender under the same background load within a round, which is what
     makes the per-round ratios comparable on a shared machine.
@@ -90,18 +105,26 @@ def measure_throughput(
     rates: dict[str, list[float]] = {c.key: [] for c in contenders}
     cpu: dict[str, list[float]] = {c.key: [] for c in contenders}
     timelines = {c.key: Timeline() for c in contenders}
-    bar = progress("(a, f) throughput rounds", rounds * len(contenders))
+    bar = progress(label, rounds * len(contenders))
     for r in range(rounds):
-        for c in [*contenders[r % len(contenders) :], *contenders[: r % len(contenders)]]:
+        for c in rotated(contenders, r):
             segment = time_segment(c, batches)
             rates[c.key].append(rate(segment.images, segment.seconds) * c.scale)
             cpu[c.key].append(segment.cpu_seconds / max(1, segment.images) * 1000)
             timelines[c.key] = timelines[c.key].then(segment.timeline)
             bar.update()
     bar.close()
-    a = Measurement("a", "a", "one trainer, steady state", "images/s", rates, paired=True)
-    f = Measurement("f", "f", "CPU-seconds per 1000 images", "CPU-s", cpu, paired=True)
-    return a, f, timelines
+    return Rounds(rates, cpu, timelines)
+
+
+def measure_throughput(
+    contenders: Sequence[Contender], rounds: int, batches: int
+) -> tuple[Measurement, Measurement, dict[str, Timeline]]:
+    """(a) and (f): interleaved rounds of every contender."""
+    got = interleaved_rounds(contenders, rounds, batches, "(a, f) throughput rounds")
+    a = Measurement("a", "a", "one trainer, steady state", "images/s", got.rates, paired=True)
+    f = Measurement("f", "f", "CPU-seconds per 1000 images", "CPU-s", got.cpu_per_1000, paired=True)
+    return a, f, got.timelines
 
 
 def _until_service_idle(endpoint: str, timeout: float) -> None:

@@ -18,7 +18,18 @@ from benchmarks.results import (
     DECODE_LIMIT,
     DL_OPENCV,
     DL_PIL,
+    LOCAL_SHM,
+    REMOTE_CURVE,
     SERVICE,
+    SERVICE_TREE,
+    SHM,
+    TCP_CURVE,
+    TCP_PLAIN,
+    TRAINER,
+    ZMQ_CURVE,
+    ZMQ_PLAIN,
+    ZMQ_RECEIVER,
+    ZMQ_SENDER,
     BenchResults,
     Measurement,
     Timeline,
@@ -134,6 +145,23 @@ def results_with(*measurements: Measurement) -> BenchResults:
     )
 
 
+def remote_measurements(curve_gb_s: float = 1.2, plain_gb_s: float = 2.5) -> tuple[Measurement, ...]:
+    rates = {REMOTE_CURVE: [1000.0, 900.0, 950.0], LOCAL_SHM: [1100.0, 1000.0, 1100.0]}
+    transport = {
+        TCP_CURVE: [curve_gb_s] * 3,
+        TCP_PLAIN: [plain_gb_s] * 3,
+        SHM: [50.0] * 3,
+        ZMQ_CURVE: [1.5] * 3,
+        ZMQ_PLAIN: [2.5] * 3,
+    }
+    cpu = {SERVICE_TREE: [1.3], TRAINER: [1.2], ZMQ_SENDER: [1.0], ZMQ_RECEIVER: [1.0]}
+    return (
+        Measurement("j", "j-rate", "remote and local", "images/s", rates, paired=True),
+        Measurement("j", "j-transport", "ready batches", "GB/s", transport, paired=True),
+        Measurement("j", "j-cpu-tcp_curve", "CPU per GB", "CPU-s/GB", cpu, paired=True),
+    )
+
+
 def full_results() -> BenchResults:
     return results_with(
         throughput([1200.0, 1150.0, 1180.0], [1000.0, 1000.0, 1000.0], [1250.0, 1250.0, 1250.0]),
@@ -150,6 +178,7 @@ def full_results() -> BenchResults:
             "MiB",
             {"rss_mib": [300.0, 301.0], "rss_anon_mib": [80.0, 81.0], "shm_mib": [110.0, 110.0]},
         ),
+        *remote_measurements(),
     )
 
 
@@ -168,7 +197,21 @@ def test_every_target_passes_when_the_figures_meet_it() -> None:
         "d": [True],
         "e": [True, True],
         "g": [True],
+        "j": [True, True, True],
     }
+
+
+def test_remote_targets_fail_below_their_thresholds() -> None:
+    rates = Measurement(
+        "j",
+        "j-rate",
+        "remote and local",
+        "images/s",
+        {REMOTE_CURVE: [790.0], LOCAL_SHM: [1000.0]},
+        paired=True,
+    )
+    slow = remote_measurements(curve_gb_s=0.99, plain_gb_s=1.99)
+    assert verdicts(results_with(rates, *slow[1:]))["j"] == [False, False, False]
 
 
 def test_targets_fail_on_the_wrong_side_of_their_thresholds() -> None:
@@ -218,10 +261,46 @@ def test_table_has_a_row_per_measurement_ratios_and_verdicts() -> None:
     assert "vs decode limit 0.94x" in table
     assert "80.0 -> 81.0" in table
     labels = [line.split("  ")[0] for line in table.splitlines() if line.startswith("(")]
-    assert [label[:3] for label in labels] == ["(a)", "(b)", "(c)", "(d)", "(e)", "(e)", "(f)", "(g)"]
+    scenarios = ["(a)", "(b)", "(c)", "(d)", "(e)", "(e)", "(f)", "(g)", *["(j)"] * 7]
+    assert [label[:3] for label in labels] == scenarios
     assert "of 64" in labels[4] and "of 256" in labels[5]
     assert "PASS  (a) dataferry >= 1.15x DataLoader+OpenCV: 1.18x" in table
     assert "FAIL" not in table
+
+
+def test_remote_rows_compare_with_the_local_trainer_other_transports_and_tf_data() -> None:
+    results = results_with(*remote_measurements())
+    table = format_table(results, evaluate_targets(results))
+    lines = {line.split("  ")[0]: line for line in table.splitlines() if line.startswith("(j)")}
+    remote = lines["(j) remote trainer, TCP+CURVE, images/s"]
+    assert "950" in remote and "local shm trainer 1100; remote / local 0.900x" in remote
+    curve = lines["(j) ready batches over TCP+CURVE, GB/s"]
+    assert "1.20" in curve and "vs raw ZeroMQ, CURVE 0.80x, vs plain TCP 0.48x, vs local shm 0.02x" in curve
+    assert "vs tf.data service's 126 MB/s 9.52x" in curve
+    assert "tf.data" not in lines["(j) ready batches over local shm, GB/s"]
+    assert "tf.data" not in lines["(j) raw ZeroMQ, CURVE (pyzmq alone), GB/s"]
+    cpu = lines["(j) CPU-s per GB over TCP+CURVE"]
+    assert "2.50" in cpu and "service 1.30 + trainer 1.20" in cpu
+    assert "raw ZeroMQ sender 1.00 + receiver 1.00 = 2.00; dataferry / raw 1.25x" in cpu
+    doc = to_json(results, evaluate_targets(results))
+    ratios = doc["measurements"]["j-transport"]["ratios"]
+    assert ratios["tcp_curve/zmq_curve"] == pytest.approx(0.8)
+    assert ratios["tcp/shm"] == pytest.approx(0.05)
+    assert doc["measurements"]["j-rate"]["ratios"] == {"remote_curve/local_shm": pytest.approx(0.9)}
+
+
+def test_a_service_is_ready_for_a_transfer_only_when_idle_with_enough_batches() -> None:
+    from benchmarks.remote import _ready_workers
+
+    def status(filling: int, ready: int, task: int | None) -> dict[str, object]:
+        workers = [{"pid": 11, "task": None}, {"pid": 12, "task": task}]
+        return {"feeds": [{"slots": {"free": 2, "filling": filling, "ready": ready}}], "worker_list": workers}
+
+    assert _ready_workers(status(0, 40, None), 40) == [11, 12]
+    assert _ready_workers(status(0, 39, None), 40) is None
+    assert _ready_workers(status(1, 40, None), 40) is None
+    assert _ready_workers(status(0, 40, 7), 40) is None
+    assert _ready_workers({}, 40) is None
 
 
 def test_json_shape_and_strictness() -> None:
@@ -238,7 +317,9 @@ def test_json_shape_and_strictness() -> None:
     assert a["samples"][SERVICE] == [1200.0, 1150.0, 1180.0]
     assert a["median"][SERVICE] == 1180.0
     assert a["ratios"]["service/dl_opencv"] == pytest.approx(1.18)
-    assert set(doc["measurements"]) == {"a", "b", "c", "d", "e64", "e256", "f", "g"}
+    assert set(doc["measurements"]) == {
+        "a", "b", "c", "d", "e64", "e256", "f", "g", "j-rate", "j-transport", "j-cpu-tcp_curve",
+    }  # fmt: skip
     assert doc["targets"][0] == {
         "scenario": "a",
         "target": "dataferry >= 1.15x DataLoader+OpenCV",
@@ -282,6 +363,7 @@ def test_reported_settings_hold_no_path_of_this_machine(tmp_path: Path) -> None:
 
 def test_parse_scenarios_orders_and_keeps_unknown_for_validation() -> None:
     assert parse_scenarios("e, a,c") == ("a", "c", "e")
+    assert parse_scenarios("j,a") == ("a", "j")
     assert parse_scenarios("A,,b") == ("a", "b")
     assert parse_scenarios("a,z") == ("a", "z")
 
