@@ -13,6 +13,7 @@ import socket
 import subprocess
 import sys
 import threading
+import time
 from pathlib import Path
 from typing import Any
 
@@ -209,3 +210,20 @@ def test_a_remote_trainer_continues_its_epoch_across_a_service_restart(
     assert sorted(result["seen"]) == list(range(len(build_index(photos)))), (
         "each image once across the restart"
     )
+
+
+def test_a_remote_trainer_stays_attached_through_a_long_step(
+    photos: Path, start_service: ServiceFactory, keys: Keys
+) -> None:
+    """Its heartbeats pass CURVE too: a step longer than the client timeout costs it nothing."""
+    service = start_service(
+        photos, endpoint=f"tcp://127.0.0.1:{free_port()}", batch_size=8, client_timeout=2, **keys.flags()
+    )
+    with ServiceLoader(service.endpoint, transport="tcp", timeout=30, **keys.of(keys.trainer)) as loader:
+        seen: list[int] = []
+        for i, batch in enumerate(loader):
+            seen += batch.indices.tolist()
+            if i == 0:
+                time.sleep(5)  # the long step itself, more than twice the client timeout
+    assert sorted(seen) == list(range(len(build_index(photos))))
+    assert "no heartbeat" not in service.log
