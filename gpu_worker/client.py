@@ -223,9 +223,7 @@ class ServiceLoader:
         self._batches = welcome.batches
         self._credits = min(self.config.credits, welcome.credits)
         self._delivery.adopt(self.info)
-        if self.transport == "tcp":
-            info = self.info
-            self._conn.batch_bytes = info.batch_size * 3 * info.image_size**2
+        self._conn.batch_bytes = self._delivery.batch_bytes
 
     def _reconnect(self, why: str) -> None:
         """NOTE [ Reconnecting ]."""

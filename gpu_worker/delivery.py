@@ -61,6 +61,11 @@ class Delivery:
             # Never map memory a message merely names: only our own segments, whole, as announced.
             raise ServiceError(f"the service announced an unusable slot pool: {exc}") from None
 
+    @property
+    def batch_bytes(self) -> int:
+        """Bytes a full batch brings over the socket: 0 where batches are mapped in place."""
+        return self._layout.capacity * self._layout.image_bytes if self.transport == "tcp" else 0
+
     def wrap(self, msg: BatchReady, lease: Lease, frames: list[zmq.Frame] | None) -> Batch:
         if self._slots is None:
             return self._from_frames(msg, lease, frames)

@@ -81,8 +81,7 @@ class WarmCache(Producer):
         """
         _epoch, _rank, world_size, remainder = plan
         self._end = min(self._limit, self.feed.shard_batches(world_size, remainder))
-        self.drop()
-        self.plan_key = plan
+        self.drop(plan)
 
     def serves(self, epoch: int, rank: int, world_size: int, remainder: str, position: int) -> bool:
         """Are this cache's batches the first ones of that start?"""
@@ -121,7 +120,7 @@ class WarmCache(Producer):
         handover.filling = [seq for seq in range(self.next_produce) if seq not in self.ready]
         if handover.filling:
             self._forwards[self.gen] = _Forward(taker, taker.gen, len(handover.filling))
-        self.ready.clear()
+        self.ready.clear()  # handed over, so the drop below must not free them
         self.drop()
         return handover
 
@@ -134,12 +133,12 @@ class WarmCache(Producer):
             del self._forwards[gen]
         return forward.target.filled(forward.target_gen, seq, slot, count)
 
-    def drop(self) -> None:
-        """Empty the cache and free its decoded batches; those still being decoded are freed when
-        they report, since they now carry an old generation."""
+    def drop(self, plan: PlanKey | None = None) -> None:
+        """Empty the cache and free its decoded batches (then keep ``plan`` warm, if given); those
+        still being decoded are freed when they report, since they now carry an old generation."""
         self.free(slot for slot, _count in self.ready.values())
         self.ready.clear()
-        self.restart(self.plan_key)
+        self.restart(plan or self.plan_key)
 
     @property
     def held(self) -> int:

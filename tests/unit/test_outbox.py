@@ -12,6 +12,7 @@ from loader_service.supervisor.feeds import Feed, FeedCounters
 from loader_service.supervisor.outbox import Outbox
 from loader_service.supervisor.sessions import Session
 from loader_service.supervisor.slots import SlotPool, SlotState
+from loader_service.supervisor.streams import Stream
 from protocol.messages import BatchReady, EpochEnd, Hello, Message
 
 
@@ -59,7 +60,7 @@ def no_frames(routing_id: bytes, msg: Message, frames: list[memoryview]) -> None
     raise AssertionError("a local trainer is never sent pixels")
 
 
-def one_decoded_batch(peer: FlakyPeer) -> tuple[Outbox, FeedStub, Session]:
+def one_decoded_batch(peer: FlakyPeer) -> tuple[Outbox, Stream, FeedStub, Session]:
     feed = FeedStub()
     attached = Attachments()
     session = Session(b"t", "s1", Hello("t", 1, credits=3, mode="shard"), 0, 0.0)
@@ -71,13 +72,12 @@ def one_decoded_batch(peer: FlakyPeer) -> tuple[Outbox, FeedStub, Session]:
     assert slot is not None
     gen, seq, _ = stream.plan_batch()
     assert stream.complete(gen, seq, slot, 4) is stream
-    return Outbox(peer, no_frames, attached, heartbeat_interval=1.0), feed, session
+    return Outbox(peer, no_frames, attached, heartbeat_interval=1.0), stream, feed, session
 
 
 def test_an_epoch_end_that_could_not_be_sent_is_sent_on_the_next_round() -> None:
     peer = FlakyPeer(EpochEnd)
-    outbox, _feed, _session = one_decoded_batch(peer)
-    stream = next(iter(outbox._attached.streams.values()))
+    outbox, stream, _feed, _session = one_decoded_batch(peer)
     outbox.deliver(stream)
     assert peer.kinds() == ["BatchReady"], "the epoch end did not go out"
     outbox.heartbeat(now=10.0)
@@ -88,8 +88,7 @@ def test_an_epoch_end_that_could_not_be_sent_is_sent_on_the_next_round() -> None
 
 def test_an_announcement_that_could_not_be_sent_leases_nothing_until_it_goes_out() -> None:
     peer = FlakyPeer(BatchReady)
-    outbox, feed, session = one_decoded_batch(peer)
-    stream = next(iter(outbox._attached.streams.values()))
+    outbox, stream, feed, session = one_decoded_batch(peer)
     outbox.deliver(stream)
     assert peer.kinds() == [] and not session.leases
     assert feed.pool.counts()["ready"] == 1
