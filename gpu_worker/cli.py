@@ -5,8 +5,9 @@ from __future__ import annotations
 import argparse
 import logging
 import sys
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
+from gpu_worker.client import ServiceLoader
 from gpu_worker.connection import ServiceError
 from gpu_worker.curve import CLIENT_KEY_ENV, SERVER_KEY_ENV
 from gpu_worker.loader_config import TRANSPORT_CHOICES
@@ -18,19 +19,44 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="gpu-worker", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
     p = sub.add_parser("run", help="train over the feed, reporting images/s and data stall per epoch")
-    p.add_argument("--endpoint", required=True, help="the service's endpoint (ipc:// or tcp://)")
-    p.add_argument("--step", default=RunConfig.step, help="MODULE:FUNCTION called as step(images, labels)")
+    _connection_arguments(p)
+    p.add_argument(
+        "--step",
+        default=RunConfig.step,
+        help="MODULE:FUNCTION called as step(*fields): step(images, labels)",
+    )
     p.add_argument("--device", default="auto", help="cpu, cuda, cuda:N or auto (default)")
     p.add_argument("--epochs", type=int, default=1)
+    p.add_argument("--metrics-port", type=int, default=0, help="serve the batch-wait histogram (Prometheus)")
+    f = sub.add_parser("fields", help="print the feed's fields (NAME, DTYPE, SHAPE of a sample)")
+    _connection_arguments(f)
+    return parser
+
+
+def _connection_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--endpoint", required=True, help="the service's endpoint (ipc:// or tcp://)")
     p.add_argument("--feed", default="", help="feed name (default: the service's feed)")
     p.add_argument("--timeout", type=float, default=60.0, help="seconds to wait for a batch or the service")
-    p.add_argument("--metrics-port", type=int, default=0, help="serve the batch-wait histogram (Prometheus)")
     p.add_argument("--transport", default="auto", choices=TRANSPORT_CHOICES, help="how batches arrive (auto)")
     p.add_argument("--server-key", default="", help=f"the service's CURVE .key file (or ${SERVER_KEY_ENV})")
     p.add_argument(
         "--client-key", default="", help=f"this trainer's CURVE .key_secret file (or ${CLIENT_KEY_ENV})"
     )
-    return parser
+
+
+def print_fields(args: argparse.Namespace) -> None:
+    """One line per field, tab-separated: ``image  uint8  [3, 224, 224]``, in the order a batch unpacks."""
+    with ServiceLoader(
+        args.endpoint,
+        feed=args.feed,
+        timeout=args.timeout,
+        connect_timeout=args.timeout,
+        transport=args.transport,
+        server_key=args.server_key or None,
+        client_key=args.client_key or None,
+    ) as loader:
+        for spec in loader.layout.fields:
+            print(f"{spec.name}\t{spec.dtype}\t{list(spec.shape)}")
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -38,6 +64,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     logging.basicConfig(
         level=logging.INFO, format="%(asctime)s %(levelname)s gpu-worker[%(process)d] %(message)s"
     )
+    if args.command == "fields":
+        return _guarded(lambda: print_fields(args))
     if args.epochs < 1:
         print("gpu-worker: --epochs must be at least 1", file=sys.stderr)
         return 2
@@ -53,8 +81,13 @@ def main(argv: Sequence[str] | None = None) -> int:
         args.server_key,
         args.client_key,
     )
+    return _guarded(lambda: run(cfg))
+
+
+def _guarded(command: Callable[[], object]) -> int:
+    """Run ``command``; its expected failures are one line on stderr and exit status 1."""
     try:
-        run(cfg)
+        command()
     except (ServiceError, ValueError, ImportError, MetricsUnavailable) as exc:
         print(f"gpu-worker: {exc}", file=sys.stderr)
         return 1

@@ -2,7 +2,7 @@
 
     with ServiceLoader("ipc:///run/dataferry/train.sock", device="auto") as loader:
         for epoch in range(10):
-            for images, labels in loader:
+            for images, labels in loader:   # a Batch unpacks as its fields, in the feed's order
                 ...
 
 The session itself (sockets, heartbeats, loss detection) is ``gpu_worker.connection``; the leases
@@ -16,8 +16,8 @@ NOTE [ Reconnecting ]
     leases its loop still holds. A service that was only stalled still has the session: it keeps
     those leases (their slots stay untouched), returns the others, and carries on with the same pool.
     A restarted service does not know it: the loader gets a new session, checks that the feed is the
-    same dataset with the same seed and geometry, and maps the new pool. Either way, if an epoch was
-    under way, it is started again at the position the loop had reached. Batches received but not
+    same dataset with the same seed, geometry and fields, and maps the new pool. Either way, if an
+    epoch was under way, it is started again at the position the loop had reached. Batches received but not
     yet handed out are dropped (the new start covers them); batches the loop still holds stay valid
     (a resumed session keeps their leases; after a restart their old mapping lives as long as they
     do). In shard mode each image of the epoch is therefore still seen exactly once. If no service
@@ -33,13 +33,23 @@ from collections.abc import Iterator
 from types import TracebackType
 from typing import Any
 
+import torch
+
 from gpu_worker.batch import Batch
 from gpu_worker.connection import Connection, ServiceError, ServiceTimeout, SessionLost, make_hello
 from gpu_worker.curve import ClientKeys
 from gpu_worker.delivery import Delivery
 from gpu_worker.device import resolve_device
+from gpu_worker.fields import (
+    ExpectedFields,
+    as_expected,
+    describe_fields,
+    expected_fields,
+    field_differences,
+)
 from gpu_worker.leases import LeaseBook
 from gpu_worker.loader_config import LoaderConfig, shard_of
+from protocol.layout import SlotLayout
 from protocol.messages import MAX_RELEASES, BatchReady, Bye, EpochEnd, FeedInfo, Start, Welcome
 
 log = logging.getLogger(__name__)
@@ -72,7 +82,11 @@ class ServiceLoader:
         transport: str = "auto",
         server_key: str | None = None,
         client_key: str | None = None,
+        fields: ExpectedFields | None = None,
     ) -> None:
+        """``fields``: what the trainer expects each batch to hold, e.g. ``{"image": ((3, 224, 224),
+        torch.uint8), "label": ((), torch.int64)}``; a feed that serves anything else (missing, extra,
+        shape, dtype or order) raises ServiceError naming every difference before any batch."""
         rank, world_size = shard_of(mode, rank, world_size)
         self.config = LoaderConfig(
             endpoint,
@@ -90,6 +104,7 @@ class ServiceLoader:
             batch_size or 0,
             image_size or 0,
             transport,
+            fields=() if fields is None else expected_fields(fields),
         ).validated()
         keys = ClientKeys.load(server_key, client_key)
         self.device = resolve_device(device)
@@ -123,6 +138,16 @@ class ServiceLoader:
     def __len__(self) -> int:
         """Batches per epoch for this trainer (its shard's share in shard mode)."""
         return self._batches
+
+    @property
+    def layout(self) -> SlotLayout:
+        """The feed's batch layout: its fields (``protocol.layout.FieldSpec``) and their place in a slot."""
+        return self._delivery.layout
+
+    @property
+    def fields(self) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
+        """What each batch holds, in order: name -> (shape of one sample, dtype), as ``fields=`` takes."""
+        return as_expected(self._delivery.layout.fields)
 
     def set_epoch(self, epoch: int) -> None:
         """The epoch the next ``iter()`` delivers (like DistributedSampler.set_epoch)."""
@@ -224,6 +249,18 @@ class ServiceLoader:
         self._credits = min(self.config.credits, welcome.credits)
         self._delivery.adopt(self.info)
         self._conn.batch_bytes = self._delivery.batch_bytes
+        self._check_fields()
+
+    def _check_fields(self) -> None:
+        """Refuse a feed whose fields are not the ones this trainer stated (``fields=``); no start
+        has been sent yet, so no batch has been taken."""
+        served = self._delivery.layout.fields
+        differences = field_differences(self.config.fields, served) if self.config.fields else []
+        if differences:
+            raise ServiceError(
+                f"feed {self.info.name!r} does not serve the fields this trainer expects: "
+                f"{'; '.join(differences)} (it serves {describe_fields(served)})"
+            )
 
     def _reconnect(self, why: str) -> None:
         """NOTE [ Reconnecting ]."""
@@ -238,11 +275,12 @@ class ServiceLoader:
             f"for over {self.config.timeout:.0f} s",
             held,
         )
-        same = (welcome.feed.fingerprint, welcome.feed.seed, welcome.feed.batch_size, welcome.feed.image_size)
-        if same != (before.fingerprint, before.seed, before.batch_size, before.image_size):
+        after = welcome.feed
+        same = (after.fingerprint, after.seed, after.batch_size, after.image_size, after.fields)
+        if same != (before.fingerprint, before.seed, before.batch_size, before.image_size, before.fields):
             raise ServiceError(
                 f"the service at {self.config.endpoint} came back serving "
-                "a different dataset, seed or geometry"
+                "a different dataset, seed, geometry or fields"
             )
         if self._conn.resumed:  # the service returned every lease not in ``held``: forget them
             self._leases.resumed(self._conn.generation, held)

@@ -4,8 +4,9 @@ The iterating thread owns the main socket. A daemon thread owns a second socket 
 heartbeats carrying the session's token, so a long training step never looks like a dead trainer.
 Every ``open`` makes a fresh socket (new routing id), so nothing queued for a previous service
 instance is ever delivered to the next one. Every session message carries the token the welcome
-gave (``send`` adds it). A ``batch`` for a trainer on another host arrives with its bytes as three
-more frames; they wait in ``payloads`` until the loader takes them with the batch.
+gave (``send`` adds it). A ``batch`` for a trainer on another host arrives with its bytes as more
+frames, one per field and one for the indices; they wait in ``payloads`` until the loader takes them
+with the batch, which checks them against the feed's layout.
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ from typing import Any
 import zmq
 
 from gpu_worker.curve import ClientKeys
+from protocol.layout import MAX_FIELDS
 from protocol.messages import (
     BatchReady,
     Bye,
@@ -73,7 +75,7 @@ class Connection:
         self._keys = keys
         self.token = ""
         self.payloads: dict[int, list[zmq.Frame]] = {}
-        """Lease -> the images, labels and indices frames that came with its batch (TCP transport)."""
+        """Lease -> the frames that came with its batch: its fields', then its indices (TCP transport)."""
         self._ctx: zmq.Context[zmq.Socket[bytes]] = zmq.Context()
         self._sock: zmq.Socket[bytes] | None = None
         self._inbox: deque[Message] = deque()
@@ -176,7 +178,8 @@ class Connection:
         return max(self._silence_limit, self.batch_bytes / SLOWEST_LINK)
 
     def _keep_payload(self, msg: Message, frames: list[zmq.Frame]) -> None:
-        if not isinstance(msg, BatchReady) or len(frames) != 3:
+        # Only the bound here: the loader checks the count and every size against the feed's layout.
+        if not isinstance(msg, BatchReady) or not 2 <= len(frames) <= MAX_FIELDS + 1:
             raise ServiceError(
                 f"malformed message from the service: {msg.KIND} with {len(frames)} extra frames"
             )

@@ -12,7 +12,7 @@ import logging
 import torch
 import zmq
 
-from gpu_worker.batch import Batch, frame_tensors, slot_tensors
+from gpu_worker.batch import Batch, frame_fields, slot_fields
 from gpu_worker.connection import ServiceError
 from gpu_worker.device import CudaStager
 from gpu_worker.leases import Lease, LeaseBook
@@ -37,7 +37,7 @@ class Delivery:
         """A (new) session's pool: map it, or choose TCP; pin it for CUDA."""
         old = self._slots
         try:
-            self._layout = SlotLayout(info.batch_size, info.image_size)
+            self._layout = SlotLayout.from_wire(info.batch_size, info.fields)
         except ValueError as exc:
             raise ServiceError(f"the service announced an unusable slot layout: {exc}") from None
         self._slots = self._map(info)
@@ -62,9 +62,16 @@ class Delivery:
             raise ServiceError(f"the service announced an unusable slot pool: {exc}") from None
 
     @property
+    def layout(self) -> SlotLayout:
+        """The current session's batch layout: its fields and their place in a slot."""
+        return self._layout
+
+    @property
     def batch_bytes(self) -> int:
         """Bytes a full batch brings over the socket: 0 where batches are mapped in place."""
-        return self._layout.capacity * self._layout.image_bytes if self.transport == "tcp" else 0
+        if self.transport != "tcp":
+            return 0
+        return sum(nbytes for _, nbytes in self._layout.parts(self._layout.capacity))
 
     def wrap(self, msg: BatchReady, lease: Lease, frames: list[zmq.Frame] | None) -> Batch:
         if self._slots is None:
@@ -74,36 +81,36 @@ class Delivery:
         except ValueError as exc:
             raise ServiceError(f"service announced an invalid slot: {exc}") from None
         self._leases.watch(owner, lease)
-        images, labels, indices = slot_tensors(memoryview(owner), self._slots.layout, msg.count)
-        del owner  # from here on only the tensors keep the slot (and so the lease)
+        fields, indices = slot_fields(memoryview(owner), self._slots.layout, msg.count)
+        del owner  # from here on only the views keep the slot (and so the lease)
         if self.stager is not None:
-            images, labels = self.stager.stage(images, labels, keep_alive=images)
-        return Batch(images, labels, indices, msg.epoch, msg.seq)
+            host = tuple(fields.values())
+            fields = dict(zip(fields, self.stager.stage(host, keep_alive=host), strict=True))
+        return Batch(fields, indices, msg.epoch, msg.seq)
 
     def _from_frames(self, msg: BatchReady, lease: Lease, frames: list[zmq.Frame] | None) -> Batch:
         """TCP: tensors view the received frames (no copy on CPU); the lease ends with them."""
         if frames is None:
             raise ServiceError(f"batch {msg.seq} arrived without its data")
         try:
-            images, labels, indices = frame_tensors(frames, self._layout, msg.count)
+            fields, indices = frame_fields(frames, self._layout, msg.count)
         except ValueError as exc:
             raise ServiceError(f"malformed batch from the service: {exc}") from None
-        self._leases.watch(frames[0], lease)
-        del frames
+        self._leases.watch_all(frames, lease)
+        del frames  # from here on only the views keep their frames (and so the lease)
         if self.device.type == "cuda":
-            images, labels = self._to_device(images, labels)
-        return Batch(images, labels, indices, msg.epoch, msg.seq)
+            fields = dict(zip(fields, self._to_device(tuple(fields.values())), strict=True))
+        return Batch(fields, indices, msg.epoch, msg.seq)
 
-    def _to_device(self, images: torch.Tensor, labels: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """Received bytes -> a pinned staging buffer -> the device, on the side stream as for shm.
+    def _to_device(self, host: tuple[torch.Tensor, ...]) -> list[torch.Tensor]:
+        """Received bytes -> pinned staging buffers -> the device, on the side stream as for shm.
 
         Pinned buffers come from torch's caching host allocator, which hands a block out again only
         after the copy that used it has completed, so this is no allocation per batch.
         """
         self.stager = self.stager or CudaStager(self.device)
-        pinned = torch.empty(images.shape, dtype=images.dtype, pin_memory=True)
-        pinned.copy_(images)
-        return self.stager.stage(pinned, labels, keep_alive=pinned)
+        pinned = tuple(torch.empty(t.shape, dtype=t.dtype, pin_memory=True).copy_(t) for t in host)
+        return self.stager.stage(pinned, keep_alive=pinned)
 
     def collect(self) -> None:
         """Let go of host batches whose device copies have completed."""

@@ -7,9 +7,9 @@ CUDA (chosen at run time, never on a CPU-only machine; this path has not run on 
       are true asynchronous DMA; it is unregistered before the segment is unmapped. Both calls are
       checked (``check_cudart``); a failed registration only costs speed (pageable copies), as long
       as CUDA's last error could be cleared, and is an error otherwise;
-    * each batch is copied with ``non_blocking=True`` on a side stream; the trainer's current stream
-      waits on an event, so the copy overlaps the previous step's kernels and the next step cannot
-      read the images early;
+    * every field of each batch is copied with ``non_blocking=True`` on a side stream; the trainer's
+      current stream waits on an event, so the copy overlaps the previous step's kernels and the next
+      step cannot read a field early (the indices stay on the CPU);
     * the host batch (and so its slot lease) is kept until that event has completed, then dropped,
       which releases the slot (NOTE [ Slot lifecycle ] in loader_service/supervisor/slots.py).
 """
@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import logging
 from collections import deque
+from collections.abc import Sequence
 from typing import Any
 
 import torch
@@ -95,23 +96,23 @@ class CudaStager:
             return
         self._pinned = address
 
-    def stage(
-        self, images: torch.Tensor, labels: torch.Tensor, keep_alive: Any
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        """Start the copy; return device tensors the current stream may use in order."""
+    def stage(self, tensors: Sequence[torch.Tensor], keep_alive: object) -> list[torch.Tensor]:
+        """Start copying every tensor; return device tensors the current stream may use in order.
+
+        ``keep_alive`` (the host batch, and so its slot lease) is held until all the copies are done.
+        """
         self.collect()
         with torch.cuda.stream(self._stream):
-            dev_images = images.to(self.device, non_blocking=True)
-            dev_labels = labels.to(self.device, non_blocking=True)
+            on_device = [t.to(self.device, non_blocking=True) for t in tensors]
             done = torch.cuda.Event()
             done.record(self._stream)
         current = torch.cuda.current_stream(self.device)
         current.wait_event(done)
-        # Allocated on the side stream, used on the current one: tell the caching allocator.
-        dev_images.record_stream(current)
-        dev_labels.record_stream(current)
+        for t in on_device:
+            # Allocated on the side stream, used on the current one: tell the caching allocator.
+            t.record_stream(current)
         self._in_flight.append((done, keep_alive))
-        return dev_images, dev_labels
+        return on_device
 
     def collect(self) -> None:
         """Drop host batches whose copies have completed, releasing their slots."""

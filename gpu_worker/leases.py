@@ -25,7 +25,7 @@ from __future__ import annotations
 import logging
 import weakref
 from collections import deque
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 
 from protocol.messages import MAX_RELEASES, Release
 
@@ -55,9 +55,25 @@ class LeaseBook:
 
         NOTE [ Slot lifecycle ]: the lease ends when ``owner`` dies, i.e. with the last view of it.
         """
+        self.watch_all((owner,), lease)
+
+    def watch_all(self, owners: Sequence[object], lease: Lease) -> None:
+        """Hold ``lease`` until every one of ``owners`` is garbage: a batch that came over the socket
+        has one root per frame (NOTE [ Batch fields: views and copies ] in gpu_worker/batch.py)."""
+        if not owners:
+            raise ValueError("a lease needs at least one owner")
         self._live.add(lease)
-        fin = weakref.finalize(owner, self.let_go, lease)
-        fin.atexit = False
+        # Finalizers run on whichever thread drops an owner. list.pop is atomic and pops 0 last, so
+        # exactly one finalizer, the last to run, lets the lease go.
+        left = list(range(len(owners)))
+
+        def one_gone() -> None:
+            if left.pop() == 0:
+                self.let_go(lease)
+
+        for owner in owners:
+            fin = weakref.finalize(owner, one_gone)
+            fin.atexit = False
 
     def let_go(self, lease: Lease) -> None:
         """Mark ``lease`` for release; the loader's thread sends it. Safe from any thread."""

@@ -6,6 +6,7 @@ import os
 from dataclasses import dataclass
 from typing import Any
 
+from protocol.layout import FieldSpec
 from protocol.messages import MODES, REMAINDERS, TRANSPORTS
 
 TRANSPORT_CHOICES = ("auto", *TRANSPORTS)
@@ -40,6 +41,8 @@ class LoaderConfig:
     maps the segment where it can really be opened and checked (the service's host), else ``tcp``."""
     server_key: str = ""
     client_key: str = ""
+    fields: tuple[FieldSpec, ...] = ()
+    """The fields the trainer expects, in order (``gpu_worker.fields``); () takes what the feed has."""
 
     def validated(self) -> LoaderConfig:
         if not self.endpoint.startswith(("ipc://", "tcp://")):

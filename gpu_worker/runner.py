@@ -14,13 +14,13 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-import torch
-
 from gpu_worker.client import ServiceLoader
+from gpu_worker.fields import describe_fields
 from gpu_worker.metrics import TrainerMetrics
 
 log = logging.getLogger(__name__)
-StepFn = Callable[[torch.Tensor, torch.Tensor], Any]
+StepFn = Callable[..., Any]
+"""Called with a batch's fields in the feed's order: ``step(images, labels)`` for the built-in ones."""
 
 
 @dataclass(frozen=True)
@@ -66,7 +66,7 @@ def load_step(spec: str) -> StepFn:
         raise ValueError(f"--step must look like MODULE:FUNCTION, got {spec!r}")
     fn = getattr(importlib.import_module(module_name), attr, None)
     if not callable(fn):
-        raise ValueError(f"{spec} is not a callable step(images, labels)")
+        raise ValueError(f"{spec} is not a callable step(*fields), e.g. step(images, labels)")
     return fn  # type: ignore[no-any-return]
 
 
@@ -117,9 +117,9 @@ def run_epoch(
                 break
             waited += wait
             on_wait(wait)
-            step(batch.images, batch.labels)
+            step(*batch)
             batches += 1
-            images += int(batch.images.shape[0])
+            images += int(batch.indices.shape[0])
             del batch  # returns the slot before we wait for the next one
             progress.update(batches, images, waited, time.perf_counter() - start)
     finally:
@@ -143,7 +143,7 @@ def run(cfg: RunConfig) -> list[EpochReport]:
         print(
             f"attached to feed {info.name!r}: {info.samples} images, "
             f"{len(loader)} batches of {info.batch_size} "
-            f"per epoch, {info.image_size}px, device {loader.device}",
+            f"per epoch, fields {describe_fields(loader.layout.fields)}, device {loader.device}",
             file=sys.stderr,
             flush=True,
         )

@@ -47,6 +47,7 @@ from typing import Annotated, Any, ClassVar, Final, TypeVar
 
 import msgpack
 
+from protocol.layout import DTYPES, MAX_DIMS, MAX_FIELDS
 from protocol.schema import (
     OMITTABLE,
     AnyMap,
@@ -54,6 +55,7 @@ from protocol.schema import (
     Float,
     Int,
     Invalid,
+    Items,
     ListOf,
     OneOf,
     PackedInt64,
@@ -95,8 +97,9 @@ __all__ = [
     "encode",
 ]
 
-PROTOCOL_VERSION: Final = 2
+PROTOCOL_VERSION: Final = 3
 MAX_FRAME_BYTES: Final = 64 * 1024
+_FIELDS: Final = ListOf(Items((Str(64), OneOf(DTYPES), ListOf(Int(1, 1 << 24), MAX_DIMS))), MAX_FIELDS)
 MAX_RELEASES: Final = 4096
 MAX_CREDITS: Final = 1024
 MAX_BAD_REPORTS: Final = 256
@@ -211,13 +214,16 @@ class FeedInfo:
     samples: Annotated[int, Int()]
     classes: Annotated[int, Int()]
     batch_size: Annotated[int, Int(1, 65536)]
-    image_size: Annotated[int, Int(1, 8192)]
+    image_size: Annotated[int, Int(0, 8192)]
+    """The built-in transforms' output size; 0 for a user pipeline."""
     batches_per_epoch: Annotated[int, Int()]
     seed: Annotated[int, Int()]
     augment: Annotated[str, Str(16)]
     fingerprint: Annotated[str, Str(128)]
     segment: Annotated[str, Str(255)]
     slots: Annotated[int, Int(1, 65536)]
+    fields: Annotated[tuple[tuple[str, str, tuple[int, ...]], ...], _FIELDS]
+    """Each batch field as ``[name, dtype, shape]``, in slot order (``protocol.layout``)."""
     check: Annotated[str, Str(64)] = ""
     """Hex of the bytes the service wrote after the pool (``protocol.layout``): a trainer that finds
     them in the segment it opened knows it mapped this service's pool, not a namesake."""

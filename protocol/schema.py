@@ -230,6 +230,30 @@ class Pair(Rule):
 
 
 @dataclass(frozen=True, slots=True)
+class Items(Rule):
+    """A msgpack array of exactly ``len(rules)`` items, item ``i`` checked by ``rules[i]``; a tuple."""
+
+    rules: tuple[Rule, ...]
+
+    def checker(self) -> Check:
+        checks = tuple(r.checker() for r in self.rules)
+        n = len(checks)
+
+        def check(value: Any) -> tuple[Any, ...]:
+            if type(value) is not list or len(value) != n:
+                raise Invalid(f"must be a list of {n} items")
+            out = []
+            for i, (item, x) in enumerate(zip(checks, value, strict=True)):
+                try:
+                    out.append(item(x))
+                except Invalid as exc:
+                    raise exc.within(f"item {i}") from None
+            return tuple(out)
+
+        return check
+
+
+@dataclass(frozen=True, slots=True)
 class AnyMap(Rule):
     """A map whose content is informational, not a contract (keys are strings: strict_map_key)."""
 

@@ -62,7 +62,7 @@ def test_copy_on_the_side_stream_keeps_the_host_batch_until_its_event(
         # Hold the side stream back, so the copy queued behind it is certainly still pending.
         with torch.cuda.stream(stager._stream):
             torch.cuda._sleep(SIDE_STREAM_SLEEP_CYCLES)
-        on_device, device_labels = stager.stage(images, labels, keep_alive=owner)
+        on_device, device_labels = stager.stage([images, labels], keep_alive=owner)
         del owner
         seen = on_device.clone()  # queued on the current stream, which must wait for the copy
         stager.collect()
@@ -102,7 +102,8 @@ def copied(loader: ServiceLoader) -> list[tuple[list[int], torch.Tensor, torch.T
     """One epoch as host copies; ``to(copy=True)`` so CPU batches do not keep their slots."""
     out = []
     for batch in loader:
-        assert batch.images.device.type == batch.labels.device.type == loader.device.type
+        assert {t.device.type for t in batch.values()} == {loader.device.type}, "every field is moved"
+        assert batch.indices.device.type == "cpu"
         out.append(
             (batch.indices.tolist(), batch.labels.to("cpu", copy=True), batch.images.to("cpu", copy=True))
         )

@@ -10,6 +10,7 @@ import pytest
 import zmq
 
 from gpu_worker import ServiceError, ServiceLoader
+from protocol.layout import SlotLayout
 from protocol.messages import (
     BatchReady,
     Bye,
@@ -30,7 +31,9 @@ Script = Callable[[zmq.Socket[bytes], bytes], None]
 
 
 def feed_info(segment: str, slots: int = 2) -> FeedInfo:
-    return FeedInfo("train", 8, 2, 4, 8, 2, 0, "train", "ff" * 16, segment, slots)
+    return FeedInfo(
+        "train", 8, 2, 4, 8, 2, 0, "train", "ff" * 16, segment, slots, SlotLayout.images(4, 8).wire()
+    )
 
 
 @pytest.fixture

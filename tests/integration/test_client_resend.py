@@ -23,6 +23,7 @@ import pytest
 import zmq
 
 from gpu_worker import Batch, ServiceLoader, connection
+from protocol.layout import SlotLayout
 from protocol.messages import (
     BatchReady,
     Bye,
@@ -179,7 +180,9 @@ def unreachable(monkeypatch: pytest.MonkeyPatch) -> Iterator[Unreachable]:
 
 
 def welcome(segment: str, heartbeat_interval: float) -> Welcome:
-    feed = FeedInfo("train", 32, 2, 4, 8, len(LEASES), 0, "train", "ff" * 16, segment, 1)
+    feed = FeedInfo(
+        "train", 32, 2, 4, 8, len(LEASES), 0, "train", "ff" * 16, segment, 1, SlotLayout.images(4, 8).wire()
+    )
     return Welcome("s", feed, heartbeat_interval, len(LEASES), 4 * len(LEASES), token="secret-token")
 
 

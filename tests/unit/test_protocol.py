@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import typing
 from dataclasses import dataclass
 from typing import Annotated, Any
@@ -42,6 +43,7 @@ from protocol.schema import (
     Bool,
     Float,
     Int,
+    Items,
     ListOf,
     OneOf,
     PackedInt64,
@@ -51,7 +53,20 @@ from protocol.schema import (
     Str,
 )
 
-FEED = FeedInfo("train", 100, 10, 64, 224, 2, 0, "train", "ab" * 16, "dataferry-1-train-00", 12)
+FEED = FeedInfo(
+    "train",
+    100,
+    10,
+    64,
+    224,
+    2,
+    0,
+    "train",
+    "ab" * 16,
+    "dataferry-1-train-00",
+    12,
+    layout.SlotLayout.images(64, 224).wire(),
+)
 EXAMPLES: list[Message] = [
     Hello("host:1", 1, "train", 6),
     Start(3, 2, 1),
@@ -180,15 +195,73 @@ def test_segment_names_that_could_point_elsewhere_are_refused(name: str) -> None
         layout.validate_segment_name(name)
 
 
-def test_slot_layout_is_aligned_and_disjoint() -> None:
-    lay = layout.SlotLayout(capacity=64, size=224)
-    assert lay.image_bytes == 3 * 224 * 224
-    assert lay.labels_offset >= 64 * lay.image_bytes and lay.labels_offset % 64 == 0
-    assert lay.indices_offset == lay.labels_offset + 8 * 64
+def test_built_in_layout_is_images_then_labels_then_indices() -> None:
+    lay = layout.SlotLayout.images(64, 224)
+    assert lay.names == ("image", "label")
+    assert lay.offsets[0] == 0 and lay.field("image").row_bytes == 3 * 224 * 224
+    assert lay.offsets[1] >= 64 * 3 * 224 * 224 and lay.offsets[1] % 64 == 0
+    assert lay.indices_offset == lay.offsets[1] + 8 * 64
     assert lay.stride % layout.PAGE == 0 and lay.stride >= lay.indices_offset + 8 * 64
     assert lay.slot_offset(3, 4) == 3 * lay.stride
     with pytest.raises(ValueError):
         lay.slot_offset(4, 4)
+
+
+@settings(max_examples=200, deadline=None)
+@given(
+    capacity=st.integers(1, 300),
+    fields=st.lists(
+        st.tuples(st.sampled_from(layout.DTYPES), st.lists(st.integers(1, 9), max_size=3)),
+        min_size=1,
+        max_size=6,
+    ),
+)
+def test_fields_never_overlap_and_start_aligned(capacity: int, fields: list[tuple[str, list[int]]]) -> None:
+    specs = tuple(layout.FieldSpec(f"f{i}", dtype, tuple(shape)) for i, (dtype, shape) in enumerate(fields))
+    lay = layout.SlotLayout(capacity, specs)
+    spans = [(off, off + size) for off, size in lay.parts(capacity)]
+    assert all(start % 64 == 0 for start, _ in spans)
+    assert all(end <= nxt for (_, end), (nxt, _) in itertools.pairwise(spans))
+    assert spans[-1][1] <= lay.stride and lay.stride % layout.PAGE == 0
+    assert layout.SlotLayout.from_wire(capacity, lay.wire()) == lay
+
+
+@pytest.mark.parametrize(
+    ("name", "dtype", "shape", "message"),
+    [
+        ("1st", "uint8", (3,), "field name"),
+        ("a-b", "uint8", (3,), "field name"),
+        ("x" * 65, "uint8", (3,), "field name"),
+        ("image", "complex64", (3,), "dtype"),
+        ("image", "object", (3,), "dtype"),
+        ("image", "uint8", (0, 3), "shape"),
+        ("image", "uint8", (1,) * 9, "shape"),
+        ("image", "uint8", (True,), "shape"),
+    ],
+)
+def test_bad_fields_are_refused_by_name(name: str, dtype: str, shape: tuple[int, ...], message: str) -> None:
+    with pytest.raises(ValueError, match=message):
+        layout.FieldSpec(name, dtype, shape)
+
+
+def test_layouts_that_cannot_be_are_refused() -> None:
+    image = layout.FieldSpec("image", "uint8", (3, 8, 8))
+    with pytest.raises(ValueError, match="repeat"):
+        layout.SlotLayout(4, (image, image))
+    with pytest.raises(ValueError, match="fields"):
+        layout.SlotLayout(4, ())
+    with pytest.raises(ValueError, match="limit"):
+        layout.SlotLayout(65536, (layout.FieldSpec("huge", "float64", (1 << 24, 64)),))
+
+
+def test_feed_info_fields_from_the_wire_are_checked() -> None:
+    body = msgpack.unpackb(encode(Welcome("t1", FEED, 1.0, 2, 128)), raw=False)
+    body["feed"]["fields"] = [["image", "complex64", [3]]]
+    with pytest.raises(ProtocolError, match="fields"):
+        decode(msgpack.packb(body, use_bin_type=True), ALL)
+    body["feed"]["fields"] = [["image", "uint8", [3, -1]]]
+    with pytest.raises(ProtocolError, match="fields"):
+        decode(msgpack.packb(body, use_bin_type=True), ALL)
 
 
 @pytest.mark.parametrize("kind", [[1], {"a": 1}, 3, None, b"hello"])
@@ -204,37 +277,38 @@ def test_kinds_of_the_wrong_type_are_refused_not_crashed_on(kind: object) -> Non
 GOLDEN: list[tuple[Message, str]] = [
     (
         BatchReady(1, 2, 3, 4, 5, 64),
-        "88a17602a16ba56261746368a372756e01a565706f636802a373657103a56c6561736504a4736c6f7405a5636f756e7440",
+        "88a17603a16ba56261746368a372756e01a565706f636802a373657103a56c6561736504a4736c6f7405a5636f756e7440",
     ),
-    (Release((1, 2, 3)), "84a17602a16ba772656c65617365a66c656173657393010203a5746f6b656ea0"),
+    (Release((1, 2, 3)), "84a17603a16ba772656c65617365a66c656173657393010203a5746f6b656ea0"),
     (
         TaskDone(1, 2, 3, ((4, "empty file"),)),
-        "86a17602a16ba4646f6e65a47461736b01a6776f726b657202a5636f756e7403a3626164919204aa656d7074792066696c65",
+        "86a17603a16ba4646f6e65a47461736b01a6776f726b657202a5636f756e7403a3626164919204aa656d7074792066696c65",
     ),
     (
         Task(1, 0, 2, 3, bytes(8)),
-        "87a17602a16ba47461736ba47461736b01a46665656400a4736c6f7402a565706f636803a7696e6469636573c4080000000000000000",
+        "87a17603a16ba47461736ba47461736b01a46665656400a4736c6f7402a565706f636803a7696e6469636573c4080000000000000000",
     ),
     (
         ErrorReply("bad", "why", True),
-        "85a17602a16ba56572726f72a4636f6465a3626164a76d657373616765a3776879a5666174616cc3",
+        "85a17603a16ba56572726f72a4636f6465a3626164a76d657373616765a3776879a5666174616cc3",
     ),
-    (Bye(), "83a17602a16ba3627965a5746f6b656ea0"),
+    (Bye(), "83a17603a16ba3627965a5746f6b656ea0"),
     (
         Hello("host:1", 1, "train", 6, held=(7,)),
-        "de0010a17602a16ba568656c6c6fa6636c69656e74a6686f73743a31a370696401a466656564a5747261696ea7637265"
+        "de0010a17603a16ba568656c6c6fa6636c69656e74a6686f73743a31a370696401a466656564a5747261696ea7637265"
         "6469747306a46d6f6465a57368617264a472616e6b00aa776f726c645f73697a6501a972656d61696e646572a3706164"
         "a567726f7570a0aa67726f75705f73697a6501aa62617463685f73697a6500aa696d6167655f73697a6500a672657375"
         "6d65a0a468656c649107",
     ),
     (
         Welcome("s1", FEED, 1.0, 2, 100),
-        "89a17602a16ba777656c636f6d65a773657373696f6ea27331a4666565648ca46e616d65a5747261696ea773616d706c"
+        "89a17603a16ba777656c636f6d65a773657373696f6ea27331a4666565648da46e616d65a5747261696ea773616d706c"
         "657364a7636c61737365730aaa62617463685f73697a6540aa696d6167655f73697a65cce0b1626174636865735f7065"
         "725f65706f636802a47365656400a76175676d656e74a5747261696eab66696e6765727072696e74d920616261626162"
         "6162616261626162616261626162616261626162616261626162a77365676d656e74b46461746166657272792d312d74"
-        "7261696e2d3030a5736c6f74730ca5636865636ba0b26865617274626561745f696e74657276616ccb3ff00000000000"
-        "00a76261746368657302a773616d706c657364a5746f6b656ea0a763726564697473cd0400",
+        "7261696e2d3030a5736c6f74730ca66669656c64739293a5696d616765a575696e74389303cce0cce093a56c6162656c"
+        "a5696e74363490a5636865636ba0b26865617274626561745f696e74657276616ccb3ff0000000000000a76261746368"
+        "657302a773616d706c657364a5746f6b656ea0a763726564697473cd0400",
     ),
 ]
 
@@ -333,6 +407,8 @@ def strategy_for(rule: object) -> st.SearchStrategy[Any]:
             return st.lists(strategy_for(item), max_size=min(max_len, 64)).map(tuple)
         case Pair(first, second):
             return st.tuples(strategy_for(first), strategy_for(second))
+        case Items(rules):
+            return st.tuples(*(strategy_for(r) for r in rules))
         case AnyMap():
             return st.dictionaries(st.text(max_size=8), values_without_tuples, max_size=4)
     raise AssertionError(f"no strategy for {rule!r}")
