@@ -5,13 +5,13 @@ in shared memory (and applies the horizontal flip in the same pass), so no batch
 buffer exists. Resizing uses area interpolation when shrinking (anti-aliased, like torchvision's
 ``antialias=True``) and bilinear when enlarging.
 
-``load_into`` is the service's entry point. For the train transform on a JPEG it can draw the random
-crop from the header alone and decode only that region (see ``_jpegcrop.c``), at 1/2, 1/4 or 1/8
-scale when the crop is large (``roi_scale``). The crop and flip drawn are the ones a full decode
-would get. Unscaled, the pixels are OpenCV's exactly; scaled, libjpeg-turbo's DCT scaling replaces
-the first halvings of the area resize, which changes pixels slightly but not their statistics.
-Anything the region decoder does not handle (other formats, CMYK, EXIF rotation, a file not ending
-in an EOI marker, a decoder error) takes the full OpenCV path.
+``load_bytes_into`` is the service's entry point (``load_into`` reads a file first). For the train
+transform on a JPEG it can draw the random crop from the header alone and decode only that region
+(see ``_jpegcrop.c``), at 1/2, 1/4 or 1/8 scale when the crop is large (``roi_scale``). The crop and
+flip drawn are the ones a full decode would get. Unscaled, the pixels are OpenCV's exactly; scaled,
+libjpeg-turbo's DCT scaling replaces the first halvings of the area resize, which changes pixels
+slightly but not their statistics. Anything the region decoder does not handle (other formats, CMYK,
+EXIF rotation, a file not ending in an EOI marker, a decoder error) takes the full OpenCV path.
 """
 
 from __future__ import annotations
@@ -272,12 +272,16 @@ def load_into(
     roi: bool,
     max_bytes: int = DEFAULT_MAX_FILE_BYTES,
 ) -> None:
-    """Read ``path`` and write it transformed into ``out``: the service's whole per-sample work.
+    """Read the file ``path`` (``read_file``) and write it transformed into ``out``."""
+    load_bytes_into(read_file(path, max_bytes), out, augment, rng, roi)
+
+
+def load_bytes_into(data: bytes, out: U8, augment: str, rng: np.random.Generator, roi: bool) -> None:
+    """Write the image file's bytes ``data`` transformed into ``out``: the built-in per-sample work.
 
     With ``roi`` the train transform decodes only its crop where it can (module docstring); every
-    other case is ``transform_into(decode_file(path, max_bytes), ...)``.
+    other case is ``transform_into(decode_bytes(data), ...)``.
     """
-    data = read_file(path, max_bytes)
     if roi and augment == "train" and _jpegcrop is not None and _whole_jpeg(data):
         size = _roi_header(data)
         if size is not None:

@@ -1,8 +1,9 @@
-"""A decode worker process: takes tasks from the service, decodes images straight into slots.
+"""A decode worker process: takes tasks from the service, fills slots with samples straight in place.
 
 Each worker is spawned (never forked: the service holds sockets and threads) and gets one frozen
-``WorkerConfig``. It maps the dataset index and the slot segment read/write, and answers every task
-with ``done``: the rows written and the samples that could not be decoded, which are data, not crashes.
+``WorkerConfig``. It maps the dataset index and the slot segment read/write, imports the feeds' user
+pipelines (``decode.pipeline``), and answers every task with ``done``: the rows written and the
+samples that were bad (an undecodable file, a pipeline that raised), which are data, not crashes.
 It exits on ``stop``, and by itself when its parent is gone (checked between polls).
 """
 
@@ -13,8 +14,9 @@ import os
 import signal
 import sys
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 import cv2
 import numpy as np
@@ -23,10 +25,12 @@ import zmq
 
 from loader_service.dataset.index import DatasetIndex
 from loader_service.dataset.sampler import sample_rng
-from loader_service.decode.transforms import DecodeError, load_into
+from loader_service.decode.pipeline import Pipeline, Sample, load_pipeline, run_into
+from loader_service.decode.reading import SampleReader
+from loader_service.decode.transforms import DecodeError, load_bytes_into
 from loader_service.logs import configure_logging
 from loader_service.shm import Segment
-from protocol.layout import SlotLayout
+from protocol.layout import SlotLayout, image_fields
 from protocol.messages import MAX_BAD_REPORTS, StopWorker, Task, TaskDone, WorkerReady, decode, encode
 
 log = logging.getLogger(__name__)
@@ -42,17 +46,20 @@ HANG_ON = "hang-on:"
 
 @dataclass(frozen=True)
 class WorkerFeed:
-    """What a worker needs to decode for one feed."""
+    """What a worker needs to fill slots for one feed."""
 
     segment: str
     slots: int
     layout: SlotLayout
     index_dir: Path
-    data: Path
+    """Where the service saved the feed's index (``DatasetIndex.load``)."""
     seed: int
     augment: str
+    """The built-in transform (train, eval, none); unused with a pipeline."""
+    pipeline: str
+    """``FILE.py:FUNC`` or ``package.module:FUNC`` (``decode.pipeline``); "" for the built-in transforms."""
     max_file_bytes: int
-    """A larger file is a bad sample (``transforms.read_file``)."""
+    """A larger file or tar member is a bad sample (``transforms.read_file``)."""
 
 
 @dataclass(frozen=True)
@@ -63,20 +70,29 @@ class WorkerConfig:
     feeds: tuple[WorkerFeed, ...]
     log_level: str
     roi: bool = False
-    """Decode train crops with the region decoder (``transforms.load_into``)."""
+    """Decode train crops with the region decoder (``transforms.load_bytes_into``)."""
 
 
 @dataclass
 class OpenFeed:
     spec: WorkerFeed
     index: DatasetIndex
+    reader: SampleReader
     segment: Segment
+    pipeline: Pipeline | None
+    """The user's function, or None for the built-in transforms."""
+    hidden_reported: set[str] = field(default_factory=set)
+    """Metadata names already reported as hidden by a reserved key (logged once each)."""
+
+    def close(self) -> None:
+        self.reader.close()
+        self.segment.close()
 
 
 @dataclass(frozen=True)
 class SlotViews:
-    images: npt.NDArray[np.uint8]
-    labels: npt.NDArray[np.int64]
+    fields: dict[str, npt.NDArray[Any]]
+    """Each field's ``[capacity, *shape]`` rows, by name."""
     indices: npt.NDArray[np.int64]
 
 
@@ -84,35 +100,63 @@ def slot_views(segment: Segment, layout: SlotLayout, slot: int, slots: int) -> S
     base = layout.slot_offset(slot, slots)
     cap = layout.capacity
     return SlotViews(
-        images=np.ndarray((cap, *layout.image_shape), np.uint8, segment.buf, base),
-        labels=np.ndarray((cap,), np.int64, segment.buf, base + layout.labels_offset),
+        fields={
+            f.name: np.ndarray((cap, *f.shape), f.dtype, segment.buf, base + offset)
+            for f, offset in zip(layout.fields, layout.offsets, strict=True)
+        },
         indices=np.ndarray((cap,), np.int64, segment.buf, base + layout.indices_offset),
     )
 
 
 def fill_slot(worker: int, feed: OpenFeed, task: Task, roi: bool) -> TaskDone:
-    """Decode ``task``'s samples into consecutive rows, skipping (and reporting) bad files."""
-    spec, index = feed.spec, feed.index
-    views = slot_views(feed.segment, spec.layout, task.slot, spec.slots)
+    """Fill ``task``'s samples into consecutive rows, skipping (and reporting) bad samples."""
+    views = slot_views(feed.segment, feed.spec.layout, task.slot, feed.spec.slots)
     row = 0
     bad: list[tuple[int, str]] = []
     for idx in np.frombuffer(task.indices, dtype="<i8").tolist():
-        if not 0 <= idx < len(index):
-            bad.append((idx, "index outside dataset"))
+        reason = fill_row(feed, views, row, idx, task.epoch, roi)
+        if reason is not None:
+            bad.append((idx, reason))
             continue
-        try:
-            rng = sample_rng(spec.seed, task.epoch, idx)
-            load_into(str(index.path(idx)), views.images[row], spec.augment, rng, roi, spec.max_file_bytes)
-        except DecodeError as exc:
-            bad.append((idx, str(exc)))
-            continue
-        except Exception as exc:  # an OpenCV failure on one file must not take the worker down
-            bad.append((idx, f"{type(exc).__name__}: {exc}"[:200]))
-            continue
-        views.labels[row] = index.labels[idx]
         views.indices[row] = idx
         row += 1
     return TaskDone(task.task, worker, row, tuple(bad[:MAX_BAD_REPORTS]))
+
+
+def fill_row(feed: OpenFeed, views: SlotViews, row: int, idx: int, epoch: int, roi: bool) -> str | None:
+    """Write sample ``idx`` into ``row`` of every field: None, or why the sample is bad."""
+    if not 0 <= idx < len(feed.index):
+        return "index outside dataset"
+    if feed.pipeline is not None:
+        return _pipeline_row(feed, feed.pipeline, views, row, idx, epoch)
+    try:
+        rng = sample_rng(feed.spec.seed, epoch, idx)
+        image = feed.reader.image_bytes(idx)
+        load_bytes_into(image, views.fields["image"][row], feed.spec.augment, rng, roi)
+    except DecodeError as exc:
+        return str(exc)
+    except Exception as exc:  # an OpenCV failure on one file must not take the worker down
+        return f"{type(exc).__name__}: {exc}"[:200]
+    views.fields["label"][row] = feed.index.labels[idx]
+    return None
+
+
+def _pipeline_row(
+    feed: OpenFeed, pipeline: Pipeline, views: SlotViews, row: int, idx: int, epoch: int
+) -> str | None:
+    sample = Sample(feed.reader, feed.index, idx, epoch)
+    # [row, ...]: a view even for a scalar field, where [row] would be a copy (a numpy scalar).
+    rows = {name: array[row, ...] for name, array in views.fields.items()}
+    reason = run_into(pipeline, sample, feed.spec.seed, feed.spec.layout.fields, rows)
+    for name in set(sample.hidden) - feed.hidden_reported:
+        feed.hidden_reported.add(name)
+        log.warning(
+            "%s: metadata %r is hidden by the sample's own %r; rename it in the source to reach it",
+            sample["path"],
+            name,
+            name,
+        )
+    return reason
 
 
 def run_worker(cfg: WorkerConfig) -> None:
@@ -120,7 +164,7 @@ def run_worker(cfg: WorkerConfig) -> None:
     configure_logging(cfg.log_level, f"worker-{cfg.worker}")
     # Ctrl-C reaches the whole process group; the service decides when workers stop.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
-    cv2.setNumThreads(1)
+    cv2.setNumThreads(1)  # and for a pipeline, torch and BLAS too (pipeline.single_threaded)
     try:
         feeds = _open_feeds(cfg)
     except Exception as exc:
@@ -137,20 +181,40 @@ def run_worker(cfg: WorkerConfig) -> None:
         sock.close(linger=0)
         ctx.term()
         for feed in feeds:
-            feed.segment.close()
+            feed.close()
 
 
 def _open_feeds(cfg: WorkerConfig) -> list[OpenFeed]:
     if os.environ.get(FAULT_ENV) == "worker-boot":
         raise RuntimeError(f"fault injected by {FAULT_ENV}")
-    return [
-        OpenFeed(
-            f,
-            DatasetIndex.load(f.index_dir, f.data),
-            Segment.attach(f.segment, f.layout.segment_bytes(f.slots)),
-        )
-        for f in cfg.feeds
-    ]
+    opened: list[OpenFeed] = []
+    try:
+        for f in cfg.feeds:
+            opened.append(open_feed(f))
+    except BaseException:
+        for feed in opened:
+            feed.close()
+        raise
+    return opened
+
+
+def open_feed(spec: WorkerFeed) -> OpenFeed:
+    """Map the feed's index and slot pool, and import its pipeline (PipelineError if that fails)."""
+    pipeline = load_pipeline(spec.pipeline) if spec.pipeline else None
+    if pipeline is None:
+        check_builtin_layout(spec.layout)
+    index = DatasetIndex.load(spec.index_dir)
+    segment = Segment.attach(spec.segment, spec.layout.segment_bytes(spec.slots))
+    return OpenFeed(spec, index, SampleReader(index, spec.max_file_bytes), segment, pipeline)
+
+
+def check_builtin_layout(layout: SlotLayout) -> None:
+    """The built-in transforms write a 3 x S x S uint8 ``image`` and an int64 ``label``, nothing else."""
+    image = layout.fields[0]
+    expected = image_fields(image.shape[-1]) if image.shape else ()
+    if layout.fields != expected:
+        found = ", ".join(f.describe() for f in layout.fields)
+        raise ValueError(f"the built-in transforms fill image uint8[3, S, S] and label int64[], not {found}")
 
 
 def _serve(cfg: WorkerConfig, feeds: list[OpenFeed], sock: zmq.Socket[bytes]) -> None:
