@@ -38,12 +38,20 @@ SAMPLES: dict[str, Callable[[ModuleType], Any]] = {
     "Hello": lambda m: m.Hello("host:4242", 4242, "train", 6, rank=1, world_size=2),
     "Welcome": lambda m: m.Welcome(
         "3f9a0c1e5b7d",
-        m.FeedInfo("train", 2560, 8, 64, 224, 40, 0, "train", "ab" * 16, "dataferry-1-train-00", 12),
+        m.FeedInfo(
+            "train", 2560, 8, 64, 224, 40, 0, "train", "ab" * 16, "dataferry-1-train-00", 12, **_fields(m)
+        ),
         1.0,
         20,
         1280,
     ),
 }
+
+
+def _fields(m: ModuleType) -> dict[str, Any]:
+    # Protocol 3 added the batch's fields; a baseline from before it has none to give.
+    has = "fields" in m.FeedInfo.__dataclass_fields__
+    return {"fields": (("image", "uint8", (3, 224, 224)), ("label", "int64", ()))} if has else {}
 
 
 def load_baseline(rev: str) -> ModuleType:

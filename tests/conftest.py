@@ -13,7 +13,16 @@ from pathlib import Path
 import pytest
 
 from loader_service.tools.sample_data import make_sample_dataset
-from tests.helpers import SHM, ServiceFactory, ServiceProcess, our_segments, owner_running
+from tests.helpers import (
+    SHM,
+    ServiceFactory,
+    ServiceProcess,
+    our_segments,
+    owner_running,
+    write_csv_list,
+    write_jsonl_list,
+    write_shards,
+)
 
 
 @pytest.fixture(autouse=True)
@@ -63,3 +72,38 @@ def start_service(tmp_path: Path) -> Iterator[ServiceFactory]:
                 service.stop()
         finally:
             service.kill_group()  # also reaps stray workers and closes the log pipe
+
+
+@pytest.fixture(scope="session")
+def photo_sources(photos: Path, tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    """``photos`` as every source kind, each with the ImageFolder index's order (tests.helpers)."""
+    folder = tmp_path_factory.mktemp("sources")
+    shards = write_shards(photos, folder / "shards", per_shard=16)
+    brace = folder / "shards" / f"train-{{000000..{len(shards) - 1:06d}}}.tar"
+    return {
+        "imagefolder": photos,
+        "csv": write_csv_list(photos, folder / "train.csv"),
+        "jsonl": write_jsonl_list(photos, folder),
+        "tar": folder / "shards",
+        "brace": brace,
+    }
+
+
+@pytest.fixture
+def restore_process_state(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
+    """For tests that load pipelines in this process: loading one edits sys.path, sys.modules, the
+    thread environment variables and torch's thread count; all are put back afterwards."""
+    import sys
+
+    import torch
+
+    from loader_service.decode.pipeline import THREAD_ENV
+
+    monkeypatch.setattr(sys, "path", list(sys.path))
+    for name in THREAD_ENV:
+        monkeypatch.delenv(name, raising=False)
+    threads = torch.get_num_threads()
+    yield
+    torch.set_num_threads(threads)
+    for name in [m for m in sys.modules if m.startswith("dataferry_pipeline_")]:
+        del sys.modules[name]

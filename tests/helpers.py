@@ -7,15 +7,18 @@ another.
 from __future__ import annotations
 
 import contextlib
+import io
+import json
 import mmap
 import os
 import re
 import signal
 import subprocess
 import sys
+import tarfile
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -210,7 +213,7 @@ def fake_segment(fill: int = 0) -> Iterator[str]:
     (every byte ``fill``); removed afterwards. For fake services that announce a pool."""
     name = f"dataferry-{os.getpid()}-fake-{os.urandom(3).hex()}"
     path = Path("/dev/shm") / name
-    size = SlotLayout(4, 8).segment_bytes(1)
+    size = SlotLayout.images(4, 8).segment_bytes(1)
     fd = os.open(path, os.O_CREAT | os.O_EXCL | os.O_RDWR, 0o600)
     try:
         os.ftruncate(fd, size)
@@ -236,3 +239,66 @@ def consume_with_pause(
             paused.set()
             assert go.wait(60)
     return seen
+
+
+# --- the same photos as other sources ------------------------------------------------------------
+# Rows and shard members follow the ImageFolder index's order, so sample i is the same file in every
+# source: a feed over any of them must deliver the ImageFolder feed's indices, labels and pixels.
+
+
+def folder_samples(root: Path) -> list[tuple[str, int]]:
+    """(path relative to ``root``, label) of every sample, in ImageFolder index order."""
+    from loader_service.dataset.index import build_index
+
+    index = build_index(root, "imagefolder")
+    return [(index.relpath(i), int(index.labels[i])) for i in range(len(index))]
+
+
+def write_csv_list(root: Path, out: Path) -> Path:
+    """A .csv list of ``root``'s photos (absolute paths), with a metadata column."""
+    import csv
+
+    with open(out, "w", newline="", encoding="utf-8") as fh:
+        writer = csv.writer(fh)
+        writer.writerow(["path", "label", "caption"])
+        for i, (rel, label) in enumerate(folder_samples(root)):
+            writer.writerow([str(root / rel), label, f"photo {i}"])
+    return out
+
+
+def write_jsonl_list(root: Path, folder: Path) -> Path:
+    """A .jsonl list in ``folder`` naming ``root``'s photos by paths relative to ``folder``."""
+    out = folder / "train.jsonl"
+    with open(out, "w", encoding="utf-8") as fh:
+        for i, (rel, label) in enumerate(folder_samples(root)):
+            path = os.path.relpath(root / rel, folder)
+            fh.write(json.dumps({"path": path, "label": label, "box": [i, i + 1]}) + "\n")
+    return out
+
+
+def write_tar(path: Path, members: Iterable[tuple[str, bytes]], fmt: int = tarfile.PAX_FORMAT) -> Path:
+    """A tar file holding ``members`` (name, bytes) in order, as Python's tarfile writes it."""
+    with tarfile.open(path, "w", format=fmt) as tar:
+        for name, data in members:
+            info = tarfile.TarInfo(name)
+            info.size = len(data)
+            tar.addfile(info, io.BytesIO(data))
+    return path
+
+
+def write_shards(root: Path, out: Path, per_shard: int = 16) -> list[Path]:
+    """WebDataset-style shards of ``root``'s photos: KEY.jpg, KEY.cls and KEY.json per sample."""
+    out.mkdir(parents=True, exist_ok=True)
+    samples = folder_samples(root)
+    shards = []
+    for s, start in enumerate(range(0, len(samples), per_shard)):
+        members = []
+        for i, (rel, label) in enumerate(samples[start : start + per_shard], start):
+            key = f"sample{i:06d}"
+            members += [
+                (f"{key}.jpg", (root / rel).read_bytes()),
+                (f"{key}.cls", str(label).encode()),
+                (f"{key}.json", json.dumps({"source": rel}).encode()),
+            ]
+        shards.append(write_tar(out / f"train-{s:06d}.tar", members, tarfile.USTAR_FORMAT))
+    return shards

@@ -5,6 +5,7 @@ from __future__ import annotations
 import ipaddress
 import math
 import os
+import re
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -51,9 +52,27 @@ def decoder(name: str, value: Any) -> str | None:
     return decoder_problem(value)
 
 
-def directory(name: str, value: Any) -> str | None:
-    ok = Path(value).expanduser().is_dir()
-    return None if ok else f"{name} directory {value} does not exist or is not a directory"
+def data_source(name: str, value: Any) -> str | None:
+    path = Path(value).expanduser()
+    if "{" in path.name:  # a brace pattern of shards: its folder must exist, the index checks the rest
+        ok = path.parent.is_dir()
+        return None if ok else f"{name}: the folder of {value} does not exist"
+    return None if path.exists() else f"{name} {value} does not exist"
+
+
+_NAME = r"[A-Za-z_][A-Za-z0-9_]*"
+_PIPELINE = re.compile(rf"^(?:[^:]+\.py|{_NAME}(?:\.{_NAME})*):{_NAME}$")
+
+
+def pipeline(name: str, value: Any) -> str | None:
+    if not value:
+        return None
+    if not _PIPELINE.match(value):
+        return f"{name} must be FILE.py:FUNC or package.module:FUNC, got {value!r}"
+    module = value.rpartition(":")[0]
+    if module.endswith(".py") and not Path(module).expanduser().is_file():
+        return f"{name}: file {module} does not exist"
+    return None
 
 
 def endpoint(name: str, value: Any) -> str | None:

@@ -16,6 +16,7 @@ from loader_service.config.options import (
     ServiceConfig,
     require,
 )
+from protocol.layout import FieldSpec
 
 if sys.version_info >= (3, 11):
     import tomllib
@@ -71,9 +72,29 @@ def _read_file(file: Path) -> tuple[Layer, dict[str, Any]]:
     raw = _read_toml(file)
     tables = raw.pop("feeds", {})
     require(isinstance(tables, dict), f"{file}: 'feeds' must hold [feeds.NAME] tables")
+    stated = raw.pop("fields", None)
     unknown = sorted(set(raw) - set(OPTIONS))
     require(not unknown, f"unknown keys in {file}: {', '.join(unknown)}")
-    return {k: (OPTIONS[k].typed(v, f"{file}: key {k!r}"), str(file)) for k, v in raw.items()}, tables
+    layer = {k: (OPTIONS[k].typed(v, f"{file}: key {k!r}"), str(file)) for k, v in raw.items()}
+    if stated is not None:
+        layer["fields"] = (field_specs(stated, f"{file}: [fields]"), str(file))
+    return layer, tables
+
+
+def field_specs(table: Any, where: str) -> tuple[FieldSpec, ...]:
+    """``[fields]``: ``NAME = { dtype = "float16", shape = [3, 224, 224] }`` per field, in batch order."""
+    require(isinstance(table, dict) and bool(table), f"{where} must be a table of one or more fields")
+    specs = []
+    for name, spec in table.items():
+        require(
+            isinstance(spec, dict) and set(spec) == {"dtype", "shape"} and isinstance(spec["shape"], list),
+            f'{where}: {name} must be {{ dtype = "...", shape = [...] }} (shape [] for a scalar)',
+        )
+        try:
+            specs.append(FieldSpec(name, spec["dtype"], tuple(spec["shape"])))
+        except ValueError as exc:
+            raise ConfigError(f"{where}: {exc}") from None
+    return tuple(specs)
 
 
 def _read_toml(file: Path) -> dict[str, Any]:
@@ -92,10 +113,16 @@ def _extra_feed(name: str, table: Any, top: Mapping[str, Any]) -> FeedConfig:
     """``[feeds.NAME]``: the feed options it sets, the rest inherited from the top level (but slots)."""
     where = f"[feeds.{name}]"
     require(isinstance(table, dict), f"{where} must be a table")
-    unknown = sorted(set(table) - set(FEED_OPTIONS))
+    stated = table.get("fields")
+    unknown = sorted(set(table) - set(FEED_OPTIONS) - {"fields"})
     require(not unknown, f"unknown keys in {where}: {', '.join(unknown)}")
     require("data" in table, f"{where} needs a data directory")
-    own = {k: FEED_OPTIONS[k].typed(v, f"{where} key {k!r}") for k, v in table.items()}
+    own: dict[str, Any] = {
+        k: FEED_OPTIONS[k].typed(v, f"{where} key {k!r}") for k, v in table.items() if k != "fields"
+    }
+    if stated is not None:
+        own["fields"] = field_specs(stated, f"{where}.fields")
     # Each feed's pool is sized on its own: inheriting the first feed's slots would multiply memory.
-    inherited = {k: top[k] for k in FEED_OPTIONS if k in top and k != "slots"}
+    # Its format goes with its own data, which every table names.
+    inherited = {k: top[k] for k in FEED_OPTIONS if k in top and k not in ("slots", "format")}
     return FeedConfig(name=name, **{**inherited, **own})

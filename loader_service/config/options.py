@@ -29,7 +29,9 @@ from typing import Any
 
 from loader_service.config import checks
 from loader_service.config.checks import Check, at_least, between, positive
+from loader_service.dataset.index import FORMATS
 from loader_service.decode.transforms import DECODERS, DEFAULT_MAX_FILE_BYTES, uses_roi
+from protocol.layout import FieldSpec
 
 AUGMENTS = ("train", "eval", "none")
 ENV_PREFIX = "DATAFERRY_"
@@ -65,7 +67,29 @@ def option(help: str, *, choices: tuple[str, ...] = (), check: Check | None = No
 class FeedOptions:
     """The options of one feed: the top-level ones make the first feed, ``[feeds.NAME]`` tables others."""
 
-    data: Path = field(metadata=option("ImageFolder root: one sub-folder per class", check=checks.directory))
+    data: Path = field(
+        metadata=option(
+            "the dataset: an ImageFolder root, a .csv or .jsonl list, a folder of .tar shards, one .tar "
+            "or a brace pattern such as shards/train-{000000..000127}.tar (see --format)",
+            check=checks.data_source,
+        )
+    )
+    format: str = field(
+        default="auto",
+        metadata=option(
+            "what --data holds: imagefolder (one sub-folder per class), list (.csv or .jsonl: path, "
+            "label, metadata), tar (WebDataset-style shards), or auto (told by --data)",
+            choices=FORMATS,
+        ),
+    )
+    pipeline: str = field(
+        default="",
+        metadata=option(
+            "FILE.py:FUNC or package.module:FUNC, called as FUNC(sample, rng) on every sample in the "
+            "decode workers instead of --augment; the fields it returns make the batch",
+            check=checks.pipeline,
+        ),
+    )
     batch_size: int = field(default=64, metadata=option("images per batch", check=between(1, 4096)))
     image_size: int = field(
         default=224,
@@ -89,6 +113,9 @@ class FeedOptions:
             check=between(0, 4096, "0 (auto)"),
         ),
     )
+    fields: tuple[FieldSpec, ...] = ()
+    """The batch a pipeline must return, from a ``[fields]`` or ``[feeds.NAME.fields]`` table of the
+    config file (not a flag); empty: inferred from the pipeline's output on sample 0."""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -213,9 +240,11 @@ class ServiceConfig(FeedOptions):
         require(problem is None, problem or "")
         names = [f.name for f in self.extra_feeds]
         require(len(set(names)) == len(names) and self.feed not in names, "feed names must be unique")
+        _check_fields(self, "")
         return replace(
             self,
             data=_resolve(self.data),
+            pipeline=_resolve_pipeline(self.pipeline),
             log_level=self.log_level.upper(),
             extra_feeds=tuple(f.validated() for f in self.extra_feeds),
         )
@@ -246,7 +275,8 @@ class FeedConfig(FeedOptions):
             raise ConfigError(where + found[1])
         slots = self.slots or EXTRA_FEED_SLOTS
         require(slots >= 2, where + "slots must be at least 2")
-        return replace(self, data=_resolve(self.data), slots=slots)
+        _check_fields(self, where)
+        return replace(self, data=_resolve(self.data), pipeline=_resolve_pipeline(self.pipeline), slots=slots)
 
 
 @dataclass(frozen=True)
@@ -348,6 +378,20 @@ def _first_problem(config: FeedOptions, options: Mapping[str, Option]) -> tuple[
 
 def _resolve(data: Path) -> Path:
     return Path(data).expanduser().resolve()
+
+
+def _resolve_pipeline(spec: str) -> str:
+    """A FILE.py:FUNC pipeline with its file made absolute: workers need not share our cwd."""
+    module, _, func = spec.rpartition(":")
+    return f"{_resolve(Path(module))}:{func}" if module.endswith(".py") else spec
+
+
+def _check_fields(config: FeedOptions, where: str) -> None:
+    require(
+        not config.fields or bool(config.pipeline),
+        where + "a [fields] table states what a pipeline returns: give pipeline too "
+        "(the built-in transforms always give image and label)",
+    )
 
 
 def require(ok: bool, message: str, key: str = "") -> None:

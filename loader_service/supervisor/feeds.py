@@ -13,6 +13,8 @@ import numpy.typing as npt
 from loader_service.config import FeedConfig
 from loader_service.dataset.index import DatasetIndex, build_index
 from loader_service.dataset.sampler import batches_per_epoch, shard_plan, shard_size
+from loader_service.decode.pipeline import PIPELINE_REASON
+from loader_service.decode.probe import PipelineError, probe_fields
 from loader_service.decode.worker import WorkerFeed
 from loader_service.shm import Segment, new_segment_name
 from loader_service.supervisor.rates import RateMeter
@@ -21,6 +23,11 @@ from protocol.layout import CHECK_BYTES, SlotLayout
 from protocol.messages import FeedInfo
 
 log = logging.getLogger(__name__)
+PROBE_START_ALLOWANCE = 60.0
+"""Seconds the start-up run of a pipeline gets beyond ``--task-timeout``: a fresh interpreter importing
+torch takes 3-5 s here, torchvision more, and a cold page cache several times that."""
+MAX_LOGGED_REASONS = 10_000
+"""Distinct pipeline failures logged at WARNING; later ones go to DEBUG, so memory stays bounded."""
 
 
 @dataclass
@@ -47,23 +54,42 @@ class Feed:
     """Hex of the bytes after the pool that prove to a trainer it mapped this pool (protocol.layout)."""
     counters: FeedCounters = field(default_factory=FeedCounters)
     bad_files: dict[int, str] = field(default_factory=dict)
+    _logged_reasons: set[str] = field(default_factory=set)
 
     @classmethod
-    def open(cls, feed_id: int, config: FeedConfig, runtime_dir: Path, group: str = "") -> Feed:
-        """Index the data and create the pool; the caller closes the feed on every exit path."""
+    def open(
+        cls,
+        feed_id: int,
+        config: FeedConfig,
+        runtime_dir: Path,
+        group: str = "",
+        probe_timeout: float = 120.0,
+    ) -> Feed:
+        """Index the data, settle the batch layout and create the pool; the caller closes the feed on
+        every exit path. DatasetError (bad source) or PipelineError (a pipeline that cannot run):
+        the service refuses to start."""
         index = build_index(
-            config.data, progress=lambda n: log.info("feed %s: indexing, %d files", config.name, n)
+            config.data,
+            config.format,
+            progress=lambda n: log.info("feed %s: indexing, %d samples", config.name, n),
         )
         index_dir = runtime_dir / f"feed{feed_id}"
         index_dir.mkdir()
         index.save(index_dir)
-        layout = SlotLayout(config.batch_size, config.image_size)
+        # Keep the saved copy, mapped: its pages are the ones every worker maps, held once.
+        index = DatasetIndex.load(index_dir)
+        layout = _layout(config, index_dir, probe_timeout)
         segment = Segment.create(new_segment_name(config.name), layout.mapped_bytes(config.slots), group)
         check = secrets.token_bytes(CHECK_BYTES)
         pool_end = layout.segment_bytes(config.slots)
         segment.buf[pool_end : pool_end + CHECK_BYTES] = check  # NOTE in protocol.layout
         pool = SlotPool(config.slots)
         return cls(feed_id, config, index, layout, segment, pool, index_dir, index.fingerprint(), check.hex())
+
+    @property
+    def augment(self) -> str:
+        """What makes the samples: a built-in transform's name, or ``pipeline``."""
+        return "pipeline" if self.config.pipeline else self.config.augment
 
     def close(self) -> None:
         self.segment.close()
@@ -84,15 +110,16 @@ class Feed:
         return FeedInfo(
             name=cfg.name,
             samples=len(self.index),
-            classes=len(self.index.classes),
+            classes=self.index.num_classes,
             batch_size=cfg.batch_size,
-            image_size=cfg.image_size,
+            image_size=0 if cfg.pipeline else cfg.image_size,
             batches_per_epoch=self.shard_batches(1, "pad"),
             seed=cfg.seed,
-            augment=cfg.augment,
+            augment=self.augment,
             fingerprint=self.fingerprint,
             segment=self.segment.name,
             slots=cfg.slots,
+            fields=self.layout.wire(),
             check=self.check,
         )
 
@@ -102,29 +129,37 @@ class Feed:
             slots=self.config.slots,
             layout=self.layout,
             index_dir=self.index_dir,
-            data=self.config.data,
             seed=self.config.seed,
             augment=self.config.augment,
+            pipeline=self.config.pipeline,
             max_file_bytes=self.config.max_file_bytes,
         )
 
     def slot_frames(self, slot: int, count: int) -> list[memoryview]:
-        """The first ``count`` rows of a slot's images, labels and indices, as views of shared
+        """The first ``count`` rows of each of a slot's fields, then its indices, as views of shared
         memory: what a remote trainer is sent, without a copy."""
         start = self.layout.slot_offset(slot, self.config.slots)
         whole = memoryview(self.segment.buf)
-        parts = (
-            (0, count * self.layout.image_bytes),
-            (self.layout.labels_offset, 8 * count),
-            (self.layout.indices_offset, 8 * count),
-        )
-        return [whole[start + offset : start + offset + size] for offset, size in parts]
+        return [whole[start + offset : start + offset + size] for offset, size in self.layout.parts(count)]
 
     def note_bad(self, index: int, reason: str) -> None:
+        """Count a skipped sample, and log it: a bad file once, a pipeline failure once per reason.
+
+        An operator fixes bad files one by one, so each is named. A pipeline bug fails sample after
+        sample with the same reason: one line (with the first sample's path) says it, and the rest
+        would bury the log (status keeps the count and the latest names).
+        """
         self.counters.bad_files += 1
-        if index not in self.bad_files and 0 <= index < len(self.index):
-            self.bad_files[index] = reason
-            log.warning("feed %s: bad file skipped: %s: %s", self.name, self.index.relpath(index), reason)
+        if index in self.bad_files or not 0 <= index < len(self.index):
+            return
+        self.bad_files[index] = reason
+        where = self.index.relpath(index)
+        if reason.startswith(PIPELINE_REASON):
+            if reason in self._logged_reasons or len(self._logged_reasons) >= MAX_LOGGED_REASONS:
+                log.debug("feed %s: bad sample skipped: %s: %s", self.name, where, reason)
+                return
+            self._logged_reasons.add(reason)
+        log.warning("feed %s: bad sample skipped: %s: %s", self.name, where, reason)
 
     def status(self) -> dict[str, object]:
         recent = [self.index.relpath(i)[-200:] for i in list(self.bad_files)[-5:]]
@@ -139,4 +174,29 @@ class Feed:
             "batches": self.counters.batches,
             "bad_files": self.counters.bad_files,
             "recent_bad_files": recent,
+            "format": self.index.kind,
+            "augment": self.augment,
+            "fields": [f.describe() for f in self.layout.fields],
         }
+
+
+def _layout(config: FeedConfig, index_dir: Path, probe_timeout: float) -> SlotLayout:
+    """The built-in transforms' image and label, or what the pipeline returns for sample 0.
+
+    A stated ``[fields]`` table is checked against that return, so a pipeline edited to give other
+    fields stops the start instead of filling every batch with bad samples.
+    """
+    if not config.pipeline:
+        return SlotLayout.images(config.batch_size, config.image_size)
+    log.info("feed %s: running pipeline %s on sample 0 to learn its fields", config.name, config.pipeline)
+    timeout = probe_timeout + PROBE_START_ALLOWANCE
+    found = probe_fields(config.pipeline, index_dir, config.seed, config.max_file_bytes, timeout)
+    if config.fields and config.fields != found:
+        raise PipelineError(
+            f"feed {config.name}: pipeline {config.pipeline} returns "
+            f"{', '.join(f.describe() for f in found)} for sample 0, but the config file states "
+            f"{', '.join(f.describe() for f in config.fields)}"
+        )
+    layout = SlotLayout(config.batch_size, found)
+    log.info("feed %s: batch fields %s", config.name, ", ".join(f.describe() for f in layout.fields))
+    return layout

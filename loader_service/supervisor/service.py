@@ -122,16 +122,17 @@ class LoaderService:
             log.warning("removed %s, left behind by a service that was killed", path)
         self._runtime_dir = Path(tempfile.mkdtemp(prefix=f"{SEGMENT_PREFIX}{os.getpid()}-"))
         self._runtime_lock = hold_lock(self._runtime_dir / LOCK_NAME)
+        # Read by OpenCV when a worker or a pipeline probe imports it: refuse decompression bombs
+        # before allocating. Set before the feeds open, since a pipeline feed's probe decodes.
+        os.environ["OPENCV_IO_MAX_IMAGE_PIXELS"] = str(cfg.max_pixels)
         for feed_id, feed_config in enumerate(cfg.feeds()):
-            self.feeds.append(Feed.open(feed_id, feed_config, self._runtime_dir, cfg.group))
+            self.feeds.append(Feed.open(feed_id, feed_config, self._runtime_dir, cfg.group, cfg.task_timeout))
         self._ctx = zmq.Context()
         self._frontend = self._bind_frontend(self._ctx)
         backend_endpoint = f"ipc://{self._runtime_dir}/workers.sock"
         self._backend = self._ctx.socket(zmq.ROUTER)
         self._backend.setsockopt(zmq.LINGER, 0)
         self._backend.bind(backend_endpoint)
-        # Read by OpenCV when a worker imports it: refuse decompression bombs before allocating.
-        os.environ["OPENCV_IO_MAX_IMAGE_PIXELS"] = str(cfg.max_pixels)
         self._workers = WorkerSet(self._worker_template(backend_endpoint), cfg.workers)
         log.info("decoder: %s", describe_decoder(cfg.decoder))
         self._warm.update({feed.id: WarmCache(feed) for feed in self.feeds})
@@ -153,11 +154,12 @@ class LoaderService:
 
     def _log_ready(self, feed: Feed) -> None:
         log.info(
-            "ready: feed %r, %d samples in %d classes, %d batches/epoch of %d, "
+            "ready: feed %r, %d samples (%s) in %d classes, %d batches/epoch of %d, "
             "pool %d slots x %.1f MiB (%s), listening on %s",
             feed.name,
             len(feed.index),
-            len(feed.index.classes),
+            feed.index.kind,
+            feed.index.num_classes,
             feed.shard_batches(1, "pad"),
             feed.config.batch_size,
             feed.config.slots,

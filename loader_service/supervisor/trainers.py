@@ -116,9 +116,11 @@ class TrainerDesk:
             served = ", ".join(repr(f.name) for f in self._feeds)
             return f"this service serves feed(s) {served}, not {msg.feed!r}"
         cfg = feed.config
-        if msg.batch_size not in (0, cfg.batch_size) or msg.image_size not in (0, cfg.image_size):
+        image_size = 0 if cfg.pipeline else cfg.image_size  # a pipeline: its fields say what a sample is
+        if msg.batch_size not in (0, cfg.batch_size) or msg.image_size not in (0, image_size):
+            served = f"{image_size}px images" if image_size else "a pipeline's fields, not a fixed image size"
             return (
-                f"feed {feed.name!r} serves batches of {cfg.batch_size} images of {cfg.image_size}px; "
+                f"feed {feed.name!r} serves batches of {cfg.batch_size} samples of {served}; "
                 f"this trainer asked for {msg.batch_size or 'any'} of {msg.image_size or 'any'}px"
             )
         if msg.mode == "broadcast":

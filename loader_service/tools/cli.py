@@ -11,7 +11,7 @@ from pathlib import Path
 from typing import Any
 
 from loader_service.config import OPTIONS, ConfigError, Option, load_config
-from loader_service.dataset.index import DatasetError, build_index
+from loader_service.dataset.index import FORMATS, DatasetError, build_index
 from loader_service.logs import configure_logging
 
 log = logging.getLogger("loader_service")
@@ -53,6 +53,7 @@ def _flag_help(opt: Option) -> str:
 
 
 def _cmd_serve(args: argparse.Namespace) -> int:
+    from loader_service.decode.probe import PipelineError
     from loader_service.supervisor.metrics import MetricsUnavailable
     from loader_service.supervisor.service import LoaderService  # keeps `index` and `--help` fast
 
@@ -67,6 +68,10 @@ def _cmd_serve(args: argparse.Namespace) -> int:
         return LoaderService(config).run()
     except MetricsUnavailable as exc:
         log.error("configuration error: %s", exc)
+        return 2
+    except (DatasetError, PipelineError) as exc:
+        # The operator's data or code, not a crash of ours: what is wrong, already in its own words.
+        log.error("cannot start: %s", exc)
         return 2
     except Exception as exc:
         # The traceback at every level: a crash that happens once in production must be diagnosable.
@@ -113,14 +118,26 @@ def _cmd_status(args: argparse.Namespace) -> int:
 
 
 def _add_index(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
-    p = sub.add_parser("index", help="print the dataset index: INDEX<TAB>LABEL<TAB>PATH per sample")
-    p.add_argument("--data", type=Path, required=True)
+    p = sub.add_parser(
+        "index",
+        help="print the dataset index: INDEX<TAB>LABEL<TAB>PATH per sample (PATH is shard.tar:key for tar)",
+    )
+    p.add_argument(
+        "--data",
+        required=True,
+        help="an ImageFolder, a .csv or .jsonl list, a folder of .tar shards, a .tar file, or a brace "
+        "pattern such as 'shards/train-{000000..000127}.tar'",
+    )
+    p.add_argument("--format", choices=FORMATS, default="auto", help="the source's kind (default auto)")
     p.set_defaults(func=_cmd_index)
 
 
 def _cmd_index(args: argparse.Namespace) -> int:
+    configure_logging("WARNING", "index")  # damaged shards are logged as they are scanned
     try:
-        index = build_index(args.data, progress=lambda n: print(f"indexing: {n} files", file=sys.stderr))
+        index = build_index(
+            args.data, args.format, progress=lambda n: print(f"indexing: {n} samples", file=sys.stderr)
+        )
     except DatasetError as exc:
         print(f"loader-service index: {exc}", file=sys.stderr)
         return 2

@@ -135,6 +135,9 @@ def _feeds(feeds: list[Mapping[str, Any]]) -> str:
     rows = [[*(f.get(k) for k in keys), *_slot_counts(f), f.get("bad_files")] for f in feeds]
     lines = _table(columns, rows)
     for f in feeds:
+        if f.get("fields"):
+            what = f"{_cell(f.get('format'))} data, {_cell(f.get('augment'))}"
+            lines.append(f"  {_cell(f.get('name'))}: {what}; fields {', '.join(map(str, f['fields']))}")
         recent = f.get("recent_bad_files")
         if isinstance(recent, list) and recent:
             shown = ", ".join(str(p) for p in recent[-RECENT_BAD_FILES:])

@@ -35,11 +35,12 @@ def busy_worker(endpoint: str) -> int | None:
     return None
 
 
+@pytest.mark.parametrize("source", ["imagefolder", "tar", "csv"])
 def test_killed_worker_is_replaced_and_no_image_is_lost_or_repeated(
-    photos: Path, start_service: ServiceFactory
+    photo_sources: dict[str, Path], start_service: ServiceFactory, source: str
 ) -> None:
-    n = len(build_index(photos))
-    service = start_service(photos, batch_size=4, workers=2)
+    n = len(build_index(photo_sources["imagefolder"]))
+    service = start_service(photo_sources[source], batch_size=4, workers=2)
     killed: list[int] = []
     seen: list[int] = []
     with ServiceLoader(service.endpoint, timeout=30) as loader:

@@ -69,7 +69,7 @@ def test_fifos_devices_and_oversized_files_are_bad_samples_and_the_epoch_goes_on
     assert feed["bad_files"] >= len(REASONS)
     assert set(REASONS) <= set(feed["recent_bad_files"])
     for rel, reason in REASONS.items():
-        line = service.wait_for(rf"bad file skipped: {rel}: ").string
+        line = service.wait_for(rf"bad sample skipped: {rel}: ").string
         assert reason in line, line
     assert status(service.endpoint)["worker_restarts"] == 0, "no worker got stuck and was killed"
     assert service.stop() == 0

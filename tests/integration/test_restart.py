@@ -18,11 +18,20 @@ from tests.helpers import ServiceFactory, consume_with_pause, our_segments
 pytestmark = pytest.mark.integration
 
 
-@pytest.mark.parametrize("how", [signal.SIGTERM, signal.SIGKILL])
+@pytest.mark.parametrize(
+    ("how", "source"),
+    [
+        (signal.SIGTERM, "imagefolder"),
+        (signal.SIGKILL, "imagefolder"),
+        (signal.SIGKILL, "tar"),
+        (signal.SIGTERM, "jsonl"),
+    ],
+)
 def test_trainer_continues_its_epoch_across_a_service_restart(
-    photos: Path, start_service: ServiceFactory, how: int
+    photo_sources: dict[str, Path], start_service: ServiceFactory, how: int, source: str
 ) -> None:
-    n = len(build_index(photos))
+    photos = photo_sources[source]
+    n = len(build_index(photo_sources["imagefolder"]))
     first = start_service(photos, batch_size=8, name="svc")
     segment = first.wait_for(r"\((dataferry-[^)]+)\)").group(1)
     paused, go = threading.Event(), threading.Event()

@@ -11,6 +11,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+import torch
 
 from gpu_worker import ServiceError, ServiceLoader
 from loader_service.dataset.index import build_index
@@ -197,10 +198,12 @@ print(json.dumps(seen))
 """
 
 
+@pytest.mark.parametrize("source", ["imagefolder", "tar", "jsonl"])
 def test_trainer_killed_mid_epoch_resumes_from_its_state(
-    photos: Path, start_service: ServiceFactory, tmp_path: Path
+    photo_sources: dict[str, Path], start_service: ServiceFactory, tmp_path: Path, source: str
 ) -> None:
-    service = start_service(photos, batch_size=8, client_timeout=3)
+    photos = photo_sources["imagefolder"]
+    service = start_service(photo_sources[source], batch_size=8, client_timeout=3)
     ckpt = str(tmp_path / "ckpt.json")
     first = trainer_process(service.endpoint, RESUMABLE, ckpt, "5")
     first.communicate(timeout=60)
@@ -228,6 +231,19 @@ def test_state_from_another_seed_or_dataset_is_refused(photos: Path, start_servi
     ):
         other.load_state_dict(state)
     json.dumps(state)  # JSON-serialisable
+
+
+def test_state_from_the_same_photos_in_another_source_is_refused(
+    photo_sources: dict[str, Path], start_service: ServiceFactory
+) -> None:
+    """Same images, same order, same labels: still another dataset to a checkpoint (its paths differ),
+    so resuming on it could silently repeat or skip samples after the sources drift apart."""
+    shards = start_service(photo_sources["tar"], name="tar")
+    folder = start_service(photo_sources["imagefolder"], name="folder")
+    with ServiceLoader(shards.endpoint, timeout=30) as loader:
+        state = loader.state_dict()
+    with ServiceLoader(folder.endpoint, timeout=30) as other, pytest.raises(ValueError, match="fingerprint"):
+        other.load_state_dict(state)
 
 
 # --- feeds and geometry ------------------------------------------------------------------------
@@ -259,7 +275,46 @@ def test_attaching_with_the_wrong_geometry_is_a_clear_error(
     photos: Path, start_service: ServiceFactory
 ) -> None:
     service = start_service(photos, batch_size=8, image_size=32)
-    with pytest.raises(ServiceError, match="serves batches of 8 images of 32px"):
+    with pytest.raises(ServiceError, match="serves batches of 8 samples of 32px images"):
         ServiceLoader(service.endpoint, batch_size=64, image_size=224, connect_timeout=10)
     with ServiceLoader(service.endpoint, batch_size=8, image_size=32, connect_timeout=10) as ok:
         assert len(ok) > 0
+
+
+# --- fields --------------------------------------------------------------------------------------
+
+
+def test_a_trainer_that_states_the_feeds_fields_gets_them_by_name_and_in_order(
+    photos: Path, start_service: ServiceFactory
+) -> None:
+    service = start_service(photos, batch_size=8, image_size=32)
+    fields = {"image": ((3, 32, 32), torch.uint8), "label": ((), torch.int64)}
+    with ServiceLoader(service.endpoint, fields=fields, timeout=30, connect_timeout=10) as loader:
+        assert loader.fields == fields
+        batch = next(iter(loader))
+        images, labels = batch
+        assert list(batch.keys()) == ["image", "label"] and images is batch["image"] is batch.images
+        assert tuple(images.shape) == (8, 3, 32, 32) and labels.dtype == torch.int64
+        assert labels.tolist() == [build_index(photos).labels[i] for i in batch.indices.tolist()]
+        del batch, images, labels
+
+
+def test_a_trainer_expecting_other_fields_is_told_every_difference_before_any_batch(
+    photos: Path, start_service: ServiceFactory
+) -> None:
+    service = start_service(photos, batch_size=8, image_size=32)
+    expected = {"image": ((3, 224, 224), torch.float16), "mask": ((32, 32), torch.bool)}
+    with pytest.raises(ServiceError) as refused:
+        ServiceLoader(service.endpoint, fields=expected, connect_timeout=10)
+    message = str(refused.value)
+    for difference in (
+        "missing field mask bool[32, 32]",
+        "extra field label int64[]",
+        "image: shape [3, 32, 32], expected [3, 224, 224]",
+        "image: dtype uint8, expected float16",
+        "it serves image uint8[3, 32, 32], label int64[]",
+    ):
+        assert difference in message
+    assert not any(s["leased"] for s in status(service.endpoint)["sessions"]), "it took no batch"
+    with ServiceLoader(service.endpoint, connect_timeout=10) as ok:  # the service is unharmed
+        assert ok.fields == {"image": ((3, 32, 32), torch.uint8), "label": ((), torch.int64)}

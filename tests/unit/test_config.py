@@ -193,7 +193,8 @@ def sample_flag(opt: Option) -> tuple[list[str], object]:
 
 
 def test_every_field_is_an_option_with_a_flag_an_env_name_and_help() -> None:
-    assert {f.name for f in fields(ServiceConfig)} - {"extra_feeds"} == set(OPTIONS)
+    # Not options: further feeds, and the fields a pipeline returns (config-file tables only).
+    assert {f.name for f in fields(ServiceConfig)} - {"extra_feeds", "fields"} == set(OPTIONS)
     argv = ["serve"]
     expected: dict[str, object] = {}
     for opt in OPTIONS.values():
@@ -220,7 +221,9 @@ def test_readme_lists_every_flag() -> None:
 
 
 def test_feed_tables_accept_exactly_the_feed_options(tmp_path: Path) -> None:
-    assert set(FEED_OPTIONS) == {"data", "batch_size", "image_size", "augment", "seed", "slots"}
+    assert set(FEED_OPTIONS) == {
+        "data", "format", "pipeline", "batch_size", "image_size", "augment", "seed", "slots"
+    }  # fmt: skip
     table = f'data = "{tmp_path}"\nbatch_size = 8\nimage_size = 32\naugment = "none"\nseed = 3\nslots = 4\n'
     cfg_file = tmp_path / "svc.toml"
     cfg_file.write_text(f'data = "{tmp_path}"\nendpoint = "tcp://127.0.0.1:5555"\n[feeds.x]\n{table}')
@@ -262,3 +265,63 @@ def test_feed_tables_are_checked_like_the_top_level(tmp_path: Path, key: str, va
     with pytest.raises(ConfigError) as feed:
         load_config(cfg_file, {}, environ={})
     assert str(feed.value) == f"feed 'x': {top_message}"
+
+
+def _config(tmp_path: Path, text: str) -> ServiceConfig:
+    cfg_file = tmp_path / "svc.toml"
+    cfg_file.write_text(text)
+    return load_config(cfg_file, {"data": tmp_path, "endpoint": "tcp://127.0.0.1:1"})
+
+
+def test_pipelines_and_their_fields_come_from_the_file_per_feed(tmp_path: Path) -> None:
+    (tmp_path / "aug.py").write_text("def make(sample, rng):\n    return {}\n")
+    cfg = _config(
+        tmp_path,
+        f'pipeline = "{tmp_path}/aug.py:make"\n'
+        '[fields]\nimage = { dtype = "float16", shape = [3, 8, 8] }\n'
+        'label = { dtype = "int64", shape = [] }\n'
+        f'[feeds.val]\ndata = "{tmp_path}"\nformat = "list"\npipeline = "mypackage.aug:evaluate"\n'
+        '[feeds.val.fields]\nimage = { dtype = "uint8", shape = [3, 8, 8] }\n',
+    )
+    main, val = cfg.feeds()
+    assert main.pipeline == f"{tmp_path.resolve()}/aug.py:make"
+    assert [(f.name, f.dtype, f.shape) for f in main.fields] == [
+        ("image", "float16", (3, 8, 8)),
+        ("label", "int64", ()),
+    ]
+    assert val.format == "list" and val.pipeline == "mypackage.aug:evaluate"
+    assert [(f.name, f.dtype, f.shape) for f in val.fields] == [("image", "uint8", (3, 8, 8))]
+
+
+def test_a_relative_pipeline_file_is_made_absolute(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    (tmp_path / "aug.py").write_text("")
+    monkeypatch.chdir(tmp_path)
+    cfg = load_config(None, {"data": tmp_path, "endpoint": "tcp://127.0.0.1:1", "pipeline": "aug.py:make"})
+    assert cfg.pipeline == f"{tmp_path.resolve()}/aug.py:make"
+
+
+@pytest.mark.parametrize(
+    ("text", "message"),
+    [
+        ('[fields]\nx = { dtype = "int64", shape = [] }\n', "give pipeline too"),
+        ('pipeline = "m:f"\n[fields]\nx = { dtype = "complex64", shape = [] }\n', "dtype 'complex64'"),
+        ('pipeline = "m:f"\n[fields]\nx = { dtype = "int64" }\n', "shape"),
+        ('pipeline = "m:f"\n[fields]\nx = "int64"\n', "x must be"),
+        ('pipeline = "m:f"\n[fields]\n"1x" = { dtype = "int64", shape = [] }\n', "field name"),
+        ('pipeline = "m:f"\nfields = 3\n', "table of one or more fields"),
+        ('pipeline = "not a spec"\n', "FILE.py:FUNC or package.module:FUNC"),
+        ('pipeline = "/no/such/file.py:f"\n', "does not exist"),
+        ('format = "zip"\n', "format must be one of"),
+    ],
+)
+def test_bad_pipelines_formats_and_fields_are_refused(tmp_path: Path, text: str, message: str) -> None:
+    with pytest.raises(ConfigError, match=message):
+        _config(tmp_path, text)
+
+
+def test_a_shard_pattern_needs_only_its_folder(tmp_path: Path) -> None:
+    pattern = tmp_path / "train-{000000..000009}.tar"
+    cfg = load_config(None, {"data": pattern, "endpoint": "tcp://127.0.0.1:1"})
+    assert cfg.data == pattern.resolve()
+    with pytest.raises(ConfigError, match="does not exist"):
+        load_config(None, {"data": tmp_path / "nope" / "x-{0..1}.tar", "endpoint": "tcp://127.0.0.1:1"})

@@ -1,0 +1,312 @@
+"""List and tar sources and user pipelines through a real service: what a trainer receives."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import re
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+from gpu_worker import ServiceLoader
+from tests.helpers import REPO, ServiceFactory, ServiceProcess, folder_samples, status, write_shards
+
+pytestmark = pytest.mark.integration
+
+Received = dict[int, tuple[int, str]]
+"""Sample index -> (label, sha1 of its pixels) over one epoch."""
+
+
+def receive_epoch(loader: ServiceLoader) -> Received:
+    got: Received = {}
+    for batch in loader:
+        for row, idx in enumerate(batch.indices.tolist()):
+            assert idx not in got, f"sample {idx} delivered twice in one epoch"
+            pixels = hashlib.sha1(batch.images[row].numpy().tobytes()).hexdigest()
+            got[idx] = (int(batch.labels[row]), pixels)
+    return got
+
+
+def write_config(path: Path, top: dict[str, Any], feeds: dict[str, dict[str, Any]]) -> Path:
+    """A TOML config file; values are str, int or a nested table of fields."""
+
+    def value(v: Any) -> str:
+        return json.dumps(str(v)) if isinstance(v, (str, Path)) else json.dumps(v)
+
+    lines = [f"{k} = {value(v)}" for k, v in top.items()]
+    for name, table in feeds.items():
+        lines.append(f"[feeds.{name}]")
+        lines += [f"{k} = {value(v)}" for k, v in table.items()]
+    path.write_text("\n".join(lines) + "\n")
+    return path
+
+
+def test_every_source_delivers_what_the_image_folder_feed_delivers(
+    photo_sources: dict[str, Path], start_service: ServiceFactory, tmp_path: Path
+) -> None:
+    """The same photos as a csv list, a jsonl list, a folder of shards and a brace pattern, each a
+    feed of one service: every epoch gives each sample once, with the ImageFolder feed's label and
+    exactly its pixels (sample i is the same file in every source, so it draws the same crop)."""
+    common = {"batch_size": 8, "image_size": 32, "seed": 5}
+    feeds = {kind: {"data": photo_sources[kind], **common} for kind in ("csv", "jsonl", "tar", "brace")}
+    config = write_config(tmp_path / "sources.toml", {}, feeds)
+    service = start_service(photo_sources["imagefolder"], config=config, **common)
+    n = len(folder_samples(photo_sources["imagefolder"]))
+    with ServiceLoader(service.endpoint, timeout=30) as loader:
+        reference = [receive_epoch(loader) for _ in range(2)]
+    assert all(sorted(epoch) == list(range(n)) for epoch in reference)
+    assert reference[0] != reference[1], "epochs draw different crops"
+    for kind in feeds:
+        with ServiceLoader(service.endpoint, feed=kind, timeout=30) as loader:
+            assert len(loader) == n // 8 + (n % 8 > 0)
+            for epoch in range(2):
+                assert receive_epoch(loader) == reference[epoch], f"{kind}: epoch {epoch} differs"
+    body = status(service.endpoint)
+    assert {f["name"]: f["format"] for f in body["feeds"]} == {
+        "train": "imagefolder",
+        "csv": "list",
+        "jsonl": "list",
+        "tar": "tar",
+        "brace": "tar",
+    }
+    assert all(f["bad_files"] == 0 for f in body["feeds"])
+
+
+# A pipeline that uses every kind of randomness a user's code might: the rng it is given, numpy's
+# legacy global generator, Python's random and torch's generator. Its output must still depend
+# only on (seed, epoch, index).
+FIELDS_PIPELINE = """
+import json
+import random
+
+import numpy as np
+import torch
+
+
+def make(sample, rng):
+    image = sample["image"]  # RGB HWC uint8
+    top = int(rng.integers(0, image.shape[0] - 16))
+    left = random.randrange(0, image.shape[1] - 16)
+    crop = image[top : top + 16, left : left + 16].astype(np.float32) / 255.0
+    crop += np.random.normal(0.0, 0.01, crop.shape).astype(np.float32)
+    crop += float(torch.rand(()))
+    meta = json.loads(sample["json"])
+    return {
+        "image": torch.from_numpy(crop.transpose(2, 0, 1).astype(np.float16)),
+        "label": np.int64(sample["label"]),
+        "where": np.array([sample["index"], sample["epoch"], len(meta["source"])], dtype=np.int32),
+    }
+"""
+
+
+def write_pipeline(folder: Path, code: str, name: str = "pipeline_under_test.py") -> Path:
+    path = folder / name
+    path.write_text(textwrap.dedent(code))
+    return path
+
+
+def field_epoch(loader: ServiceLoader) -> dict[int, dict[str, bytes]]:
+    got: dict[int, dict[str, bytes]] = {}
+    for batch in loader:
+        for row, idx in enumerate(batch.indices.tolist()):
+            got[idx] = {name: tensor[row].numpy().tobytes() for name, tensor in batch.items()}
+    return got
+
+
+def test_pipeline_fields_reach_the_trainer_whatever_worker_ran_them(
+    photo_sources: dict[str, Path], start_service: ServiceFactory, tmp_path: Path
+) -> None:
+    pipeline = write_pipeline(tmp_path, FIELDS_PIPELINE)
+    samples = folder_samples(photo_sources["imagefolder"])
+    runs = []
+    for workers in (1, 2):
+        service = start_service(
+            photo_sources["tar"], pipeline=f"{pipeline}:make", workers=workers, name=f"w{workers}"
+        )
+        service.wait_for(r"batch fields image float16\[3, 16, 16\], label int64\[\], where int32\[3\]")
+        with ServiceLoader(service.endpoint, timeout=30) as loader:
+            assert loader.info.image_size == 0 and loader.info.augment == "pipeline"
+            first = next(iter(loader))
+            assert list(first.fields) == ["image", "label", "where"]
+            images, labels, where = first  # unpacks in the pipeline's order
+            assert images.dtype == torch.float16 and images.shape[1:] == (3, 16, 16)
+            assert labels.dtype == torch.int64 and where.dtype == torch.int32
+            assert torch.equal(where[:, 0].long(), first.indices)
+            assert torch.equal(first["label"], labels)
+            for row, idx in enumerate(first.indices.tolist()):
+                assert int(labels[row]) == samples[idx][1]
+                assert int(where[row, 2]) == len(samples[idx][0])
+            del first, images, labels, where
+            epochs = [field_epoch(loader) for _ in range(2)]
+        assert service.stop() == 0
+        assert all(sorted(e) == list(range(len(samples))) for e in epochs)
+        runs.append(epochs)
+    assert runs[0] == runs[1], "a sample's fields do not depend on the worker count or worker"
+    assert runs[0][0] != runs[0][1], "but they do depend on the epoch"
+
+
+FAILING_PIPELINE = """
+import numpy as np
+
+
+def make(sample, rng):
+    i = sample["index"]
+    if i % 7 == 3:
+        raise ValueError("no good")
+    size = 9 if i % 11 == 5 else 8
+    return {"x": np.full((size,), i, dtype=np.int64)}
+"""
+
+
+def test_samples_a_pipeline_fails_on_are_skipped_counted_and_logged_once_per_error(
+    photos: Path, start_service: ServiceFactory, tmp_path: Path
+) -> None:
+    pipeline = write_pipeline(tmp_path, FAILING_PIPELINE)
+    service = start_service(photos, pipeline=f"{pipeline}:make")
+    n = len(folder_samples(photos))
+    failing = {i for i in range(n) if i % 7 == 3 or i % 11 == 5}
+    with ServiceLoader(service.endpoint, timeout=30) as loader:
+        seen = []
+        for batch in loader:
+            assert set(batch.fields) == {"x"}
+            assert torch.equal(batch["x"][:, 0], batch.indices)
+            seen += batch.indices.tolist()
+    assert sorted(seen) == sorted(set(range(n)) - failing)
+    body = status(service.endpoint)
+    # Counted per decode: the next epoch's first batches, decoded ahead, may add to it.
+    assert body["feeds"][0]["bad_files"] >= len(failing)
+    raised = [line for line in service.lines if "bad sample skipped" in line and "no good" in line]
+    mismatched = [
+        line for line in service.lines if "bad sample skipped" in line and "x" in line and "9" in line
+    ]
+    assert len(raised) == 1, "one line per distinct error, not one per sample"
+    assert "ValueError" in raised[0]
+    assert len(mismatched) == 1 and "int64[8]" in mismatched[0], mismatched
+
+
+@pytest.mark.parametrize(
+    ("code", "target", "expected"),
+    [
+        ("def make(sample, rng):\n    return {", "make", "SyntaxError"),
+        ("import no_such_module_anywhere\n", "make", "ModuleNotFoundError"),
+        ("def other(sample, rng):\n    return {}\n", "make", "make"),
+        (
+            "def make(sample, rng):\n    raise RuntimeError('sample zero is bad')\n",
+            "make",
+            "sample zero is bad",
+        ),
+        ("def make(sample, rng):\n    return [1, 2]\n", "make", "dict"),
+        (
+            "import numpy as np\ndef make(sample, rng):\n    return {'c': np.zeros(2, np.complex64)}\n",
+            "make",
+            "complex64",
+        ),
+    ],
+)
+def test_a_pipeline_that_cannot_run_stops_the_start_with_exit_2(
+    photos: Path, tmp_path: Path, code: str, target: str, expected: str
+) -> None:
+    pipeline = write_pipeline(tmp_path, code)
+    endpoint = f"ipc://{tmp_path}/bad.sock"
+    service = ServiceProcess(
+        ["serve", "--data", str(photos), "--endpoint", endpoint, "--pipeline", f"{pipeline}:{target}"],
+        endpoint,
+    )
+    try:
+        assert service.proc.wait(60) == 2, service.log
+    finally:
+        service.kill_group()
+    assert "cannot start" in service.log and expected in service.log, service.log
+
+
+def test_stated_fields_that_differ_from_the_pipeline_stop_the_start(photos: Path, tmp_path: Path) -> None:
+    pipeline = write_pipeline(tmp_path, FAILING_PIPELINE)
+    config = tmp_path / "stated.toml"
+    config.write_text(f'pipeline = "{pipeline}:make"\n[fields]\nx = {{ dtype = "int32", shape = [8] }}\n')
+    endpoint = f"ipc://{tmp_path}/stated.sock"
+    service = ServiceProcess(
+        ["serve", "--data", str(photos), "--endpoint", endpoint, "--config", str(config)], endpoint
+    )
+    try:
+        assert service.proc.wait(60) == 2, service.log
+    finally:
+        service.kill_group()
+    assert re.search(
+        r"returns x int64\[8\] for sample 0, but the config file states x int32\[8\]", service.log
+    )
+
+
+def test_a_damaged_tar_member_makes_only_its_sample_bad(
+    photos: Path, start_service: ServiceFactory, tmp_path: Path
+) -> None:
+    shards = write_shards(photos, tmp_path / "damaged", per_shard=32)
+    n = len(folder_samples(photos))
+    # Spoil one image's bytes in the first shard, and cut the last shard inside its last image.
+    first = bytearray(shards[0].read_bytes())
+    at = first.index(b"\xff\xd8\xff", first.index(b"sample000005.jpg"))
+    first[at : at + 64] = b"\0" * 64
+    shards[0].write_bytes(bytes(first))
+    last = shards[-1].read_bytes()
+    last_key = f"sample{n - 1:06d}"
+    cut = last.index(b"\xff\xd8\xff", last.index(f"{last_key}.jpg".encode())) + 1000
+    shards[-1].write_bytes(last[:cut])
+    service = start_service(tmp_path / "damaged", batch_size=8)
+    with ServiceLoader(service.endpoint, timeout=30) as loader:
+        seen = sorted(i for batch in loader for i in batch.indices.tolist())
+    assert seen == sorted(set(range(n)) - {5, n - 1})
+    feed = status(service.endpoint)["feeds"][0]
+    assert feed["bad_files"] >= 2  # a sample the warm cache also decoded counts twice
+    assert set(feed["recent_bad_files"]) == {
+        f"{shards[0].name}:sample000005",
+        f"{shards[-1].name}:{last_key}",
+    }
+
+
+def test_index_command_names_tar_samples_by_shard_and_key(photo_sources: dict[str, Path]) -> None:
+    result = subprocess.run(
+        [sys.executable, "-m", "loader_service", "index", "--data", str(photo_sources["tar"])],
+        capture_output=True,
+        check=False,
+        text=True,
+        timeout=60,
+        cwd=REPO,
+    )
+    assert result.returncode == 0, result.stderr
+    lines = result.stdout.splitlines()
+    samples = folder_samples(photo_sources["imagefolder"])
+    assert len(lines) == len(samples)
+    assert lines[17] == f"17\t{samples[17][1]}\ttrain-000001.tar:sample000017"
+
+
+HANGING_PIPELINE = """
+import time
+
+import numpy as np
+
+
+def make(sample, rng):
+    if sample["index"] == HANG_ON:
+        while True:  # a pipeline stuck for good: only the service's kill ends it
+            time.sleep(1)
+    return {"x": np.int64(sample["index"])}
+"""
+
+
+def test_a_pipeline_that_hangs_is_ended_by_the_task_timeout(
+    photos: Path, start_service: ServiceFactory, tmp_path: Path
+) -> None:
+    hang_on = 13
+    pipeline = write_pipeline(tmp_path, HANGING_PIPELINE.replace("HANG_ON", str(hang_on)))
+    service = start_service(photos, pipeline=f"{pipeline}:make", batch_size=4, task_timeout=2)
+    with ServiceLoader(service.endpoint, timeout=120) as loader:
+        seen = [i for batch in loader for i in batch["x"].tolist()]
+    n = len(folder_samples(photos))
+    assert hang_on not in seen
+    assert len(set(seen)) == len(seen) and len(seen) >= n - 4, "only the batch holding the sample is lost"
+    service.wait_for(r"decode worker died 3 times on the batch holding this file")
