@@ -24,6 +24,9 @@ else:  # pragma: no cover
     import tomli as tomllib
 
 
+NOT_INHERITED = ("slots", "format", "pipeline")
+"""Top-level feed options a ``[feeds.NAME]`` table does not take over (nor ``fields``, not an option)."""
+
 Layer = dict[str, tuple[Any, str]]
 """Option name -> (typed value, where it was set), for error messages that say which layer is wrong."""
 
@@ -123,6 +126,8 @@ def _extra_feed(name: str, table: Any, top: Mapping[str, Any]) -> FeedConfig:
     if stated is not None:
         own["fields"] = field_specs(stated, f"{where}.fields")
     # Each feed's pool is sized on its own: inheriting the first feed's slots would multiply memory.
-    # Its format goes with its own data, which every table names.
-    inherited = {k: top[k] for k in FEED_OPTIONS if k in top and k not in ("slots", "format")}
+    # Its format goes with its own data, which every table names; its pipeline (and so its fields)
+    # with what the feed is for: a [feeds.val] table saying augment = "eval" must not silently run
+    # the top-level feed's training pipeline.
+    inherited = {k: top[k] for k in FEED_OPTIONS if k in top and k not in NOT_INHERITED}
     return FeedConfig(name=name, **{**inherited, **own})

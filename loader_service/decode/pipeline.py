@@ -11,13 +11,14 @@ NOTE [ Pipeline determinism ]
 A sample's output must not depend on which worker made it, nor on what that worker made before:
 trainers in a group, a restarted worker redoing a task, and a resumed epoch all rely on it. The
 ``rng`` argument is ``sampler.sample_rng(seed, epoch, index)``, as for the built-in transforms. But
-libraries draw from global generators too (torchvision.transforms.v2 from torch's, albumentations from
-Python's ``random`` and numpy's), and a global generator's state depends on every sample the worker
-ran before. So before each call ``seed_globals`` reseeds Python's ``random``, numpy's legacy global
-generator and torch's CPU generator from (seed, epoch, index) as well (through a SeedSequence of its
-own, so those streams are not ``rng``'s). Anything else (time, os.urandom, a generator the user
-created at import and never reseeds) is the pipeline's own affair; ``probe_fields`` warns at start
-when two runs on the same sample differ.
+libraries draw from global generators too (torchvision.transforms.v2 from torch's; older
+albumentations from Python's ``random`` and numpy's), and a global generator's state depends on every
+sample the worker ran before. So before each call ``seed_globals`` reseeds Python's ``random``,
+numpy's legacy global generator and torch's CPU generator from (seed, epoch, index) as well (through
+a SeedSequence of its own, so those streams are not ``rng``'s). Anything else (time, os.urandom, a
+generator the user created at import and never reseeds, such as an albumentations 2.x ``Compose``'s)
+is the pipeline's own affair; ``probe_fields`` warns at start when two runs on the same sample
+differ.
 
 NOTE [ Pipeline failures are data ]
 An exception in the pipeline, or a return value that does not match the layout, makes that one sample

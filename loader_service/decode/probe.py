@@ -106,7 +106,9 @@ def _run_child(
         stdin=subprocess.PIPE,
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
-        text=True,
+        # What a pipeline or a library it loads prints need not be UTF-8: it must not fail the start.
+        encoding="utf-8",
+        errors="replace",
         env=None if env is None else dict(env),
         start_new_session=True,
     )
@@ -129,7 +131,11 @@ def _kill_group(child: subprocess.Popen[str]) -> None:
         os.killpg(child.pid, signal.SIGKILL)
     except ProcessLookupError:
         pass
-    child.communicate()
+    try:
+        # A process that left the group (setsid) may still hold the pipes: do not wait on it.
+        child.communicate(timeout=5)
+    except subprocess.TimeoutExpired:
+        child.kill()
 
 
 def _parse(stdout: str) -> dict[str, Any] | None:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import logging
 import secrets
+from collections import deque
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -26,6 +27,8 @@ log = logging.getLogger(__name__)
 PROBE_START_ALLOWANCE = 60.0
 """Seconds the start-up run of a pipeline gets beyond ``--task-timeout``: a fresh interpreter importing
 torch takes 3-5 s here, torchvision more, and a cold page cache several times that."""
+RECENT_BAD = 5
+"""Bad samples status names, the latest last."""
 MAX_LOGGED_REASONS = 10_000
 """Distinct pipeline failures logged at WARNING; later ones go to DEBUG, so memory stays bounded."""
 
@@ -53,7 +56,9 @@ class Feed:
     check: str = ""
     """Hex of the bytes after the pool that prove to a trainer it mapped this pool (protocol.layout)."""
     counters: FeedCounters = field(default_factory=FeedCounters)
-    bad_files: dict[int, str] = field(default_factory=dict)
+    _bad_seen: npt.NDArray[np.bool_] = field(default_factory=lambda: np.zeros(0, bool))
+    """One flag per sample: bad at least once (logged then). A byte a sample, however many are bad."""
+    _recent_bad: deque[int] = field(default_factory=lambda: deque(maxlen=RECENT_BAD))
     _logged_reasons: set[str] = field(default_factory=set)
 
     @classmethod
@@ -150,9 +155,14 @@ class Feed:
         would bury the log (status keeps the count and the latest names).
         """
         self.counters.bad_files += 1
-        if index in self.bad_files or not 0 <= index < len(self.index):
+        if not 0 <= index < len(self.index):
             return
-        self.bad_files[index] = reason
+        if len(self._bad_seen) != len(self.index):
+            self._bad_seen = np.zeros(len(self.index), bool)
+        if self._bad_seen[index]:
+            return
+        self._bad_seen[index] = True
+        self._recent_bad.append(index)
         where = self.index.relpath(index)
         if reason.startswith(PIPELINE_REASON):
             if reason in self._logged_reasons or len(self._logged_reasons) >= MAX_LOGGED_REASONS:
@@ -162,7 +172,7 @@ class Feed:
         log.warning("feed %s: bad sample skipped: %s: %s", self.name, where, reason)
 
     def status(self) -> dict[str, object]:
-        recent = [self.index.relpath(i)[-200:] for i in list(self.bad_files)[-5:]]
+        recent = [self.index.relpath(i)[-200:] for i in self._recent_bad]
         return {
             "name": self.name,
             "samples": len(self.index),

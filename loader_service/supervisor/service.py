@@ -41,6 +41,7 @@ import zmq
 
 from loader_service.config import ServiceConfig
 from loader_service.config.checks import is_loopback_tcp
+from loader_service.decode.pipeline import THREAD_ENV
 from loader_service.decode.transforms import describe_decoder
 from loader_service.decode.worker import FAULT_ENV, WorkerConfig
 from loader_service.shm import LOCK_NAME, SHM_DIR, hold_lock, remove_stale, restrict
@@ -125,6 +126,10 @@ class LoaderService:
         # Read by OpenCV when a worker or a pipeline probe imports it: refuse decompression bombs
         # before allocating. Set before the feeds open, since a pipeline feed's probe decodes.
         os.environ["OPENCV_IO_MAX_IMAGE_PIXELS"] = str(cfg.max_pixels)
+        # One worker is one core: BLAS and OpenMP size their thread pools from these when a child
+        # first imports numpy, which is before any worker code can set them.
+        for name in THREAD_ENV:
+            os.environ[name] = "1"
         for feed_id, feed_config in enumerate(cfg.feeds()):
             self.feeds.append(Feed.open(feed_id, feed_config, self._runtime_dir, cfg.group, cfg.task_timeout))
         self._ctx = zmq.Context()
@@ -347,18 +352,21 @@ def _recv_bounded(sock: Socket) -> list[bytes]:
 def send_from_slot(
     sock: Socket, routing_id: bytes, header: bytes, views: list[memoryview]
 ) -> zmq.MessageTracker:
-    """Send ``header`` then the slot's images, labels and indices without blocking; the images go
-    without a copy, and the returned tracker is done once ZeroMQ no longer reads them
-    (NOTE [ Slot lifecycle ]).
+    """Send ``header`` then the slot's views (each field's rows, then the indices) without blocking.
 
-    Only the images frame is tracked: labels and indices are small, and copied here. The tracker
-    must be the images frame's own: pyzmq's ``send_multipart(track=True)`` tracks only the last
-    part, and a part below its copy threshold is copied and reported done at once.
+    Views of ``zmq.COPY_THRESHOLD`` bytes or more go without a copy, each as a tracked frame of its
+    own; the returned tracker is done once ZeroMQ reads none of them any more (NOTE [ Slot
+    lifecycle ]). Smaller views (labels, indices) are copied here. Each frame needs its own tracker:
+    pyzmq's ``send_multipart(track=True)`` tracks only the last part, and a part below the copy
+    threshold is copied and reported done at once.
     """
-    images, labels, indices = views
-    frame = zmq.Frame(images, copy=False, track=True)
-    tracker: zmq.MessageTracker = frame.tracker
-    sock.send_multipart([routing_id, header, frame, bytes(labels), bytes(indices)], zmq.NOBLOCK)
-    # A live Python reference to the frame would itself keep the tracker from finishing.
-    del frame
-    return tracker
+    parts: list[bytes | zmq.Frame] = [routing_id, header]
+    parts += [
+        zmq.Frame(view, copy=False, track=True) if len(view) >= zmq.COPY_THRESHOLD else bytes(view)
+        for view in views
+    ]
+    trackers = [part.tracker for part in parts if isinstance(part, zmq.Frame)]
+    sock.send_multipart(parts, zmq.NOBLOCK)
+    # A live Python reference to a frame would itself keep its tracker from finishing.
+    del parts[:]
+    return zmq.MessageTracker(*trackers)

@@ -310,3 +310,59 @@ def test_a_pipeline_that_hangs_is_ended_by_the_task_timeout(
     assert hang_on not in seen
     assert len(set(seen)) == len(seen) and len(seen) >= n - 4, "only the batch holding the sample is lost"
     service.wait_for(r"decode worker died 3 times on the batch holding this file")
+
+
+WIDE_PIPELINE = """
+import numpy as np
+
+
+def make(sample, rng):
+    i = sample["index"]
+    return {
+        "small": np.int16(i),
+        "big": np.full((3, 64, 64), i % 251, dtype=np.uint8),  # 12 KiB a sample: zero-copy over TCP
+        "noise": rng.random((64, 64), dtype=np.float32),  # 16 KiB
+    }
+"""
+ONE_FIELD_PIPELINE = """
+import numpy as np
+
+
+def make(sample, rng):
+    return {"x": np.array([sample["index"], sample["label"]], dtype=np.int64)}
+"""
+
+
+@pytest.mark.parametrize("code", [WIDE_PIPELINE, ONE_FIELD_PIPELINE], ids=["three-fields", "one-field"])
+def test_remote_trainers_get_every_field_of_a_pipeline_feed(
+    photos: Path, start_service: ServiceFactory, tmp_path: Path, code: str
+) -> None:
+    """Over TCP each field is its own frame (the large ones sent from the slot without a copy): the
+    fields a remote trainer receives are the bytes a local one maps."""
+    pipeline = write_pipeline(tmp_path, code)
+    service = start_service(photos, pipeline=f"{pipeline}:make", batch_size=8)
+    received = {}
+    for transport in ("tcp", "shm"):
+        with ServiceLoader(service.endpoint, transport=transport, timeout=30) as loader:
+            assert loader.transport == transport
+            received[transport] = field_epoch(loader)
+    assert received["tcp"] == received["shm"]
+    assert sorted(received["tcp"]) == list(range(len(folder_samples(photos))))
+    assert status(service.endpoint)["feeds"][0]["slots_sending"] == 0
+
+
+def test_the_albumentations_example_gives_the_same_pixels_whatever_worker_ran_it(
+    photos: Path, start_service: ServiceFactory
+) -> None:
+    pytest.importorskip("albumentations", reason="albumentations is a test dependency (dev extra)")
+    example = REPO / "examples" / "pipelines" / "albumentations_aug.py"
+    runs = []
+    for workers in (1, 2):
+        service = start_service(photos, pipeline=f"{example}:train", workers=workers, name=f"w{workers}")
+        with ServiceLoader(service.endpoint, timeout=60) as loader:
+            assert [f[0] for f in loader.info.fields] == ["image", "label"]
+            runs.append(field_epoch(loader))
+        assert service.stop() == 0
+        assert "differ" not in service.log, "the start-up run found sample 0 non-deterministic"
+    assert runs[0] == runs[1]
+    assert len(runs[0]) == len(folder_samples(photos))

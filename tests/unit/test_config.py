@@ -325,3 +325,17 @@ def test_a_shard_pattern_needs_only_its_folder(tmp_path: Path) -> None:
     assert cfg.data == pattern.resolve()
     with pytest.raises(ConfigError, match="does not exist"):
         load_config(None, {"data": tmp_path / "nope" / "x-{0..1}.tar", "endpoint": "tcp://127.0.0.1:1"})
+
+
+def test_feed_tables_do_not_take_over_the_top_level_pipeline_or_format(tmp_path: Path) -> None:
+    """[feeds.val] with augment = "eval" under a top-level training pipeline must run eval, not the
+    training pipeline; and its data, not the first feed's, says its format."""
+    cfg = _config(
+        tmp_path,
+        'pipeline = "mypackage.aug:train"\nformat = "imagefolder"\n'
+        '[fields]\nimage = { dtype = "float16", shape = [3, 8, 8] }\n'
+        f'[feeds.val]\ndata = "{tmp_path}"\naugment = "eval"\n',
+    )
+    main, val = cfg.feeds()
+    assert (main.pipeline, main.format) == ("mypackage.aug:train", "imagefolder")
+    assert (val.pipeline, val.format, val.augment, val.fields) == ("", "auto", "eval", ())

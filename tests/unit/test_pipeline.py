@@ -324,8 +324,10 @@ def test_the_probe_learns_the_fields_in_the_returned_order(tmp_path: Path, saved
     path = pipeline_file(
         tmp_path,
         """
+        import os
         import numpy as np
         print("chatter on stdout must not spoil the result")
+        os.write(2, b"a library's bytes on stderr need not be UTF-8: \\xff\\xfe\\n")
         def fn(sample, rng):
             print("more chatter", sample["path"])
             image = np.zeros((3, 8, 8), np.float16)
