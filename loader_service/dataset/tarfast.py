@@ -7,6 +7,10 @@ headers doing per header only what finds the next one (its size), keeps the bloc
 rest (checksums, names, keys, grouping, extensions) a batch at a time with numpy. Anything not plain
 raises NotPlain, and the caller scans the shard again header by header (``tarshards``), which handles
 everything and must give the same result on a plain shard (the tests compare the two).
+
+The batch work needs ``np.strings`` with ``slice`` (numpy 2.3, Python 3.11 or later). With an older
+numpy, decided once at import (``HAS_NUMPY_STRINGS``), every shard is NotPlain: the careful scan
+indexes it, the same, only slower.
 """
 
 from __future__ import annotations
@@ -20,7 +24,7 @@ import numpy as np
 import numpy.typing as npt
 
 from loader_service.dataset.tables import decode_name
-from loader_service.dataset.tarformat import BLOCK, REGULAR, USTAR, ZERO_BLOCK, checksums_ok
+from loader_service.dataset.tarformat import BLOCK, REGULAR, USTAR, ZERO_BLOCK, checksums_ok, octal
 from loader_service.dataset.tarsamples import MAX_LABEL_BYTES, SampleTable, is_skipped_meta
 
 READ_AHEAD = 4096
@@ -33,6 +37,16 @@ _SIMPLE_KINDS = np.array(sorted(REGULAR | set(b"123456")), dtype=np.uint8)
 """Regular files, and links, devices, folders and FIFOs, which are skipped."""
 _REGULAR_KINDS = np.array(sorted(REGULAR), dtype=np.uint8)
 _USTAR = np.frombuffer(USTAR, dtype=np.uint8)
+_NUMPY_STRINGS = ("str_len", "rfind", "find", "startswith", "endswith", "slice")
+
+
+def has_numpy_strings(numpy: object) -> bool:
+    """Whether ``numpy`` has every ``np.strings`` function the batches use (``slice``: numpy 2.3)."""
+    strings = getattr(numpy, "strings", None)
+    return all(hasattr(strings, name) for name in _NUMPY_STRINGS)
+
+
+HAS_NUMPY_STRINGS = has_numpy_strings(np)
 
 
 class NotPlain(Exception):
@@ -58,6 +72,8 @@ class _Carry:
 
 def scan_plain(fd: int, end: int, shard: int, table: SampleTable) -> None:
     """Add a plain shard's samples to ``table``; NotPlain (having added some, maybe) if it is not."""
+    if not HAS_NUMPY_STRINGS:
+        raise NotPlain
     carry = _Carry()
     for batch in _walk(fd, end):
         carry = _group(batch, fd, shard, table, carry)
@@ -83,13 +99,15 @@ def _walk(fd: int, end: int) -> Iterator[_Batch]:
                 raise NotPlain
             pos = end
             break
+        text = block[124:136].split(b"\0", 1)[0]
         try:
-            size = int(block[124:136].split(b"\0", 1)[0] or b"0", 8)
+            # Digits only (bytes.isdigit: ASCII) before int: it would take a sign, "_" or whitespace.
+            size = int(text, 8) if text.isdigit() else octal(text)
         except ValueError:
-            raise NotPlain from None  # GNU base-256, or damage
+            raise NotPlain from None  # an 8 or a 9
         data = pos + BLOCK
-        if data + size > end:
-            raise NotPlain
+        if size is None or data + size > end:
+            raise NotPlain  # GNU base-256, a number tar does not write (damage), a member past the end
         if size <= MAX_LABEL_BYTES and data + size <= buf_end:
             small[len(positions)] = buf[at + BLOCK : at + BLOCK + size]
         blocks += block

@@ -11,12 +11,14 @@ shards take the fast scan (``tarfast``): per header, only what finds the next he
 and the rest a batch of headers at a time with numpy. A shard it cannot take (long names, pax
 headers, damage) is scanned again header by header here (``_CarefulScan``), checking each checksum.
 
-NOTE [ Damaged tar shards ]: a damage costs samples, never the shard. A header whose checksum is wrong
-is logged with shard and offset, and the scan resumes at the next block that holds a valid ustar
-header. Both the sample being grouped at the damage and the one the scan resumes in are marked flawed
-(a lost ``.cls`` header would otherwise leave a sample silently unlabelled). A member whose data runs
-past the end of the shard is indexed, and reading it fails; a sample without an image member is
-indexed, and reading it fails: both are bad samples when read, named by ``shard:key``.
+NOTE [ Damaged tar shards ]: a damage costs samples, never the shard. A header whose checksum is wrong,
+or whose numbers are not what tar writes (a negative size, say: ``tarformat``), is logged with shard
+and offset, and the scan resumes at the next block that holds a valid ustar header. Both the sample
+being grouped at the damage and the one the scan resumes in are marked flawed (a lost ``.cls`` header
+would otherwise leave a sample silently unlabelled). The first header is no exception: only a file
+with no valid header at all is refused, as not a tar file. A member whose data runs past the end of
+the shard is indexed, and reading it fails; a sample without an image member is indexed, and reading
+it fails: both are bad samples when read, named by ``shard:key``.
 """
 
 from __future__ import annotations
@@ -105,9 +107,9 @@ def _open_shard(path: Path, name: str) -> int:
 
 def _scan_shard(fd: int, shard: int, name: str, table: SampleTable, fast: bool) -> None:
     end = os.fstat(fd).st_size
-    _check_start(fd, name)
+    starts_plainly = _check_start(fd, end, name)
     mark = table.mark()
-    if fast:
+    if fast and starts_plainly:
         try:
             scan_plain(fd, end, shard, table)
             return
@@ -122,8 +124,10 @@ def _scan_shard(fd: int, shard: int, name: str, table: SampleTable, fast: bool) 
         log.warning("shard %s: %d more problems", name, len(scan.warnings) - MAX_WARNINGS_PER_SHARD)
 
 
-def _check_start(fd: int, name: str) -> None:
-    """DatasetError unless the shard is an uncompressed tar file (an empty one is: it has no samples)."""
+def _check_start(fd: int, end: int, name: str) -> bool:
+    """DatasetError unless the shard is an uncompressed tar file (an empty one is: it has no samples).
+    False when its first header is damaged (NOTE [ Damaged tar shards ]): the fast scan would only
+    refuse it."""
     head = os.pread(fd, BLOCK, 0)
     kind = compression_of(head)
     if kind is not None:
@@ -131,8 +135,11 @@ def _check_start(fd: int, name: str) -> None:
             f"shard {name} is {kind}-compressed: dataferry reads members in place, so shards "
             "must be uncompressed tar (decompress it once)"
         )
-    if head.strip(b"\0") and not checksum_ok(head):
-        raise DatasetError(f"shard {name} is not a tar file (no tar header at offset 0)")
+    if not head.strip(b"\0") or checksum_ok(head):
+        return True
+    if _next_header(fd, BLOCK, end) >= end:
+        raise DatasetError(f"shard {name} is not a tar file (no valid tar header in it)")
+    return False
 
 
 class _CarefulScan:
@@ -230,23 +237,10 @@ class _CarefulScan:
 
     def _resync(self, pos: int) -> int:
         """The offset of the next valid ustar header after the damaged one at ``pos``, or the end."""
-        found = self._next_header(pos + BLOCK)
+        found = _next_header(self.fd, pos + BLOCK, self.end)
         self.table.damage(f"tar header damaged at offset {pos} of {self.name}", self.key is not None)
         self.warnings.append(f"damaged tar header at offset {pos}; resumed at offset {found}")
         return found
-
-    def _next_header(self, pos: int) -> int:
-        """The first block at or after ``pos`` (a block boundary) holding a valid ustar header."""
-        while pos < self.end:
-            chunk = os.pread(self.fd, RESYNC_CHUNK + BLOCK, pos)
-            at = chunk.find(USTAR[:5], 257)
-            while 0 <= at < RESYNC_CHUNK + 257:
-                start = at - 257
-                if start % BLOCK == 0 and checksum_ok(chunk[start : start + BLOCK]):
-                    return pos + start
-                at = chunk.find(USTAR[:5], at + 1)
-            pos += RESYNC_CHUNK
-        return self.end
 
     def _after_zeros(self, pos: int) -> int:
         """Where to read on after the zero block at ``pos``: the end of the shard, the next archive of
@@ -266,7 +260,7 @@ class _CarefulScan:
             if block - pos >= 2 * BLOCK and checksum_ok(os.pread(self.fd, BLOCK, block)):
                 self.warnings.append(f"another archive follows the end of one at offset {pos}; read on")
                 return block
-            found = self._next_header(block)
+            found = _next_header(self.fd, block, self.end)
             if found < self.end:
                 self.table.damage(f"zero blocks at offset {pos} of {self.name}", self.key is not None)
                 self.warnings.append(f"zero blocks at offset {pos}: damaged? read on at offset {found}")
@@ -274,6 +268,20 @@ class _CarefulScan:
                 self.warnings.append(f"bytes after the end-of-archive blocks at {pos} are not tar members")
             return found
         return self.end
+
+
+def _next_header(fd: int, pos: int, end: int) -> int:
+    """The first block at or after ``pos`` (a block boundary) holding a valid ustar header, or ``end``."""
+    while pos < end:
+        chunk = os.pread(fd, RESYNC_CHUNK + BLOCK, pos)
+        at = chunk.find(USTAR[:5], 257)
+        while 0 <= at < RESYNC_CHUNK + 257:
+            start = at - 257
+            if start % BLOCK == 0 and checksum_ok(chunk[start : start + BLOCK]):
+                return pos + start
+            at = chunk.find(USTAR[:5], at + 1)
+        pos += RESYNC_CHUNK
+    return end
 
 
 def _fields(block: bytes) -> tuple[bytes, int, int]:

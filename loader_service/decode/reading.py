@@ -40,13 +40,14 @@ class SampleReader:
         if member is None:
             found = ", ".join(tar.extension(m) for m in tar.members(i)) or "none"
             raise DecodeError(f"no image member ({', '.join(IMAGE_EXTENSIONS)}; members: {found})")
-        return self._member_bytes(tar, i, member)
+        return self._member_bytes(tar, i, member, image=True)
 
     def metadata(self, i: int) -> dict[str, Callable[[], object]]:
         """Every metadata item of sample ``i`` by name, each read when called: a list's other columns
         (csv: strings) or keys (jsonl: JSON values), a tar sample's members other than its image
-        (bytes, by extension: ``json``, ``txt``, ``cls``...). A sample flawed at indexing raises
-        DecodeError here too, so a pipeline that reads neither image nor bytes still skips it."""
+        (bytes, by extension: ``json``, ``txt``, ``cls``...; an empty member is ``b""``, an empty caption
+        say). A sample flawed at indexing raises DecodeError here too, so a pipeline that reads
+        neither image nor bytes still skips it."""
         self._check_flaw(i)
         tar = self.index.tar
         if tar is not None:
@@ -71,7 +72,8 @@ class SampleReader:
         if flaw is not None:
             raise DecodeError(flaw)
 
-    def _member_bytes(self, tar: TarMembers, i: int, member: int) -> bytes:
+    def _member_bytes(self, tar: TarMembers, i: int, member: int, image: bool = False) -> bytes:
+        """A member's bytes; an empty one is a bad sample only as its ``image``."""
         name = f"member {self.index.names.text(i)}.{tar.extension(member)}"
         size = int(tar.member_size[member])
         if size == SIZE_UNKNOWN:
@@ -79,7 +81,9 @@ class SampleReader:
         if size > self.max_bytes:
             raise DecodeError(f"{name} of {size} bytes is over --max-file-bytes {self.max_bytes}")
         if size == 0:
-            raise DecodeError(f"{name} is empty")
+            if image:
+                raise DecodeError(f"{name} is empty")
+            return b""
         shard = int(tar.sample_shard[i])
         fd = self._shard_fd(tar, shard)
         offset = int(tar.member_offset[member])

@@ -126,6 +126,23 @@ def test_bad_tar_samples_are_decode_errors(tmp_path: Path, reader_of: ReaderFact
         json_member()
 
 
+def test_empty_metadata_members_are_empty_bytes(tmp_path: Path, reader_of: ReaderFactory) -> None:
+    members = [
+        ("a.jpg", b"image"),
+        ("a.txt", b""),  # an empty caption
+        ("a.json", b"{}"),
+        ("a.png", b""),  # a second image member is metadata
+        ("b.jpg", b""),
+        ("b.txt", b""),
+    ]
+    reader = reader_of(build_index(write_tar(tmp_path / "s.tar", members)))
+    assert reader.image_bytes(0) == b"image"
+    assert {k: v() for k, v in reader.metadata(0).items()} == {"txt": b"", "json": b"{}", "png": b""}
+    with pytest.raises(DecodeError, match=r"member b\.jpg is empty"):
+        reader.image_bytes(1)
+    assert {k: v() for k, v in reader.metadata(1).items()} == {"txt": b""}
+
+
 def test_a_shard_replaced_by_a_fifo_is_refused_without_blocking(
     tmp_path: Path, reader_of: ReaderFactory
 ) -> None:

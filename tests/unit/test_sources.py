@@ -17,9 +17,18 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from loader_service.dataset import tarfast
+from loader_service.dataset import tarfast, tarformat
 from loader_service.dataset.index import DatasetError, DatasetIndex, build_index
 from loader_service.dataset.shards import expand_braces, list_shards
+from loader_service.dataset.tarformat import (
+    BadHeader,
+    number,
+    octal,
+    octal_fields_ok,
+    overridden,
+    pax_records,
+)
+from loader_service.dataset.tarsamples import SampleTable
 from loader_service.dataset.tarshards import scan_shards
 from tests.helpers import write_tar
 
@@ -377,6 +386,230 @@ def test_a_member_past_the_end_is_indexed_and_warned(
     assert "member b.jpg at offset" in caplog.text and "runs past the end of the shard" in caplog.text
     assert [index.relpath(i) for i in range(len(index))] == ["s.tar:a", "s.tar:b"]
     assert members_of(index, 1)["jpg"][1] == 5000
+
+
+def set_size_field(shard: Path, at: int, field: bytes) -> None:
+    """Write ``field`` into the size field of the header at ``at``, and a right checksum."""
+    data = bytearray(shard.read_bytes())
+    data[at + 124 : at + 136] = field.ljust(12, b"\0")
+    data[at + 148 : at + 156] = b" " * 8
+    data[at + 148 : at + 156] = b"%06o\0 " % sum(data[at : at + 512])
+    shard.write_bytes(bytes(data))
+
+
+def fast_scan_refuses(shard: Path) -> bool:
+    """Whether the fast scan takes the shard (False) or steps aside with NotPlain (True)."""
+    fd = os.open(shard, os.O_RDONLY)
+    try:
+        tarfast.scan_plain(fd, os.fstat(fd).st_size, 0, SampleTable(None))
+    except tarfast.NotPlain:
+        return True
+    finally:
+        os.close(fd)
+    return False
+
+
+@pytest.mark.parametrize(
+    ("field", "value"),
+    [
+        (b"00000001750\0", 0o1750),
+        (b"00000001750 ", 0o1750),  # a space instead of the NUL
+        (b"      1750 \0", 0o1750),  # old tars: leading spaces
+        (b"0001750\0garbage", 0o1750),  # what follows the NUL is not read
+        (b"\0" * 12, 0),
+        (b"\x80" + (5).to_bytes(11, "big"), 5),  # GNU base-256
+    ],
+)
+def test_tar_number_fields(field: bytes, value: int) -> None:
+    assert number(field) == value
+
+
+@pytest.mark.parametrize(
+    "field",
+    [
+        b"-0000001000\0",
+        b"+0000000007\0",
+        b"0000000_007\0",
+        b"\t0000000007\0",
+        b"0000000007\n\0",
+        b"0o000000007\0",
+        b"00000 00007\0",
+        b"           \0",
+        b"\xff" + bytes(11),  # GNU base-256, negative
+        b"\xc0" + bytes(10) + b"\x07",  # GNU base-256: the sign bit is 0x40
+    ],
+)
+def test_tar_number_fields_that_are_not_octal(field: bytes) -> None:
+    with pytest.raises(BadHeader):
+        number(field)
+
+
+def test_the_fast_scans_field_check_agrees_with_the_careful_one() -> None:
+    rng = random.Random(0)
+    alphabet = b"0000001777 \0\0-+_\t8o\x80\xb0\xff"
+    fields = [bytes(rng.choices(alphabet, k=rng.randint(0, 8))).ljust(8, b"\0") for _ in range(20_000)]
+    fields += [b"%06o\0 " % rng.randrange(8**6) for _ in range(100)] + [b" " * 8, b" 17 \0-+ ", b"7" * 8]
+    for width in (8, 7, 3):  # the checksum field, and shorter ones
+        cut = [f[:width] for f in fields]
+        rows = np.frombuffer(b"".join(cut), np.uint8).reshape(-1, width)
+        ok = octal_fields_ok(rows)
+        assert ok.tolist() == [octal(f) is not None for f in cut]
+        assert 1000 < ok.sum() < len(fields) - 1000
+        values = tarformat._octal_fields(rows)  # what checksums_ok compares the sums with
+        read = ok & (rows[:, 0] != 0)
+        assert values[read].tolist() == [octal(f) for f, good in zip(cut, read, strict=True) if good]
+
+
+@pytest.mark.parametrize("text", [b"15 size=-100\n", b"15 size=+100\n", b"15 size=1_00\n", b"15 size= 100\n"])
+def test_a_pax_size_that_is_not_decimal(text: bytes) -> None:
+    records = pax_records(text)
+    with pytest.raises(BadHeader):
+        overridden(b"a.jpg", 7, True, None, records)
+
+
+@pytest.mark.parametrize(
+    "text", [b"-1 a=b\n", b"+11 path=x\n", b"0_12 path=x\n", b"\t11 path=x\n", b" 11 path=x\n"]
+)
+def test_a_pax_record_length_that_is_not_decimal(text: bytes) -> None:
+    with pytest.raises(BadHeader):
+        pax_records(text)
+
+
+HOSTILE_SIZES = [
+    b"-0000001000\0",  # negative: moved the scan backwards, then OverflowError
+    b"-0000000001\0",
+    b"+0000000002\0",
+    b"0000000_002\0",  # "1_7": Python's int reads it
+    b" \t000000002\0",
+    b"00000000002\n",
+]
+
+
+@pytest.mark.parametrize("field", HOSTILE_SIZES)
+@pytest.mark.parametrize("fmt", [tarfile.GNU_FORMAT, tarfile.USTAR_FORMAT])
+def test_a_size_field_that_is_not_octal_is_damage_in_both_scans(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture, field: bytes, fmt: int
+) -> None:
+    shard = write_tar(tmp_path / "s.tar", samples(f"{k:03d}" for k in range(10)), fmt)
+    at = header_offsets(shard)["004.cls"]  # the label "4\n": 2 bytes
+    set_size_field(shard, at, field)
+    assert fast_scan_refuses(shard)
+    with caplog.at_level(logging.WARNING):
+        index = build_index(shard)
+    assert f"shard s.tar: damaged tar header at offset {at}; resumed at offset {at + 1024}" in caplog.text
+    assert [index.relpath(i) for i in range(len(index))] == [f"s.tar:{k:03d}" for k in range(10)]
+    reason = f"tar header damaged at offset {at} of s.tar"
+    assert index.flaws == {4: reason, 5: reason}
+    assert index.labels.tolist() == [0, 1, 2, 3, -1, 5, 6, 7, 8, 9]
+    assert [index_data(index, i) for i in range(10)] == [
+        {"jpg": f"image {k:03d}".encode()}
+        if k == 4
+        else {"jpg": f"image {k:03d}".encode(), "cls": b"%d\n" % k}
+        for k in range(10)
+    ]
+    assert_same_scans(tmp_path, ["s.tar"])
+
+
+@pytest.mark.parametrize("size", ["-1000", "-2", "+2", "0_2", " 2", "2 ", "0x2", ""])
+def test_a_pax_size_that_is_not_decimal_is_damage_in_both_scans(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture, size: str
+) -> None:
+    shard = tmp_path / "s.tar"
+    with tarfile.open(shard, "w", format=tarfile.PAX_FORMAT) as tar:
+        for name, data in samples(f"{k:03d}" for k in range(10)):
+            info = tarfile.TarInfo(name)
+            info.size = len(data)
+            if name == "004.cls":
+                info.pax_headers = {"size": size}  # the ustar field holds 0
+                at = tar.offset + 1024  # after the pax header and its records
+            tar.addfile(info, io.BytesIO(data))
+    assert fast_scan_refuses(shard)
+    with caplog.at_level(logging.WARNING):
+        index = build_index(shard)
+    assert f"shard s.tar: damaged tar header at offset {at}; resumed at offset {at + 1024}" in caplog.text
+    assert [index.relpath(i) for i in range(len(index))] == [f"s.tar:{k:03d}" for k in range(10)]
+    reason = f"tar header damaged at offset {at} of s.tar"
+    assert index.flaws == {4: reason, 5: reason}
+    assert index.labels.tolist() == [0, 1, 2, 3, -1, 5, 6, 7, 8, 9]
+    assert_same_scans(tmp_path, ["s.tar"])
+
+
+@pytest.mark.parametrize("field", [b"00000000007 ", b"      7 \0\0\0\0", b"00000000007\0"])
+def test_size_fields_as_tars_pad_them_take_the_fast_scan(tmp_path: Path, field: bytes) -> None:
+    shard = write_tar(tmp_path / "s.tar", samples(["a", "b"]), tarfile.GNU_FORMAT)
+    set_size_field(shard, header_offsets(shard)["b.jpg"], field)  # "image b": 7 bytes
+    assert not fast_scan_refuses(shard)
+    index = build_index(shard)
+    assert index_data(index, 1) == {"jpg": b"image b", "cls": b"1\n"}
+    assert index.flaws == {}
+    assert_same_scans(tmp_path, ["s.tar"])
+
+
+def test_a_checksum_field_that_is_not_octal_is_damage(tmp_path: Path) -> None:
+    shard = write_tar(tmp_path / "s.tar", samples(["a", "b", "c"]), tarfile.GNU_FORMAT)
+    at = header_offsets(shard)["b.jpg"]
+    data = bytearray(shard.read_bytes())
+    data[at + 148 : at + 156] = b" " * 8
+    data[at + 148 : at + 156] = b"+%06o\0" % sum(data[at : at + 512])  # the right sum, with a sign
+    shard.write_bytes(bytes(data))
+    assert fast_scan_refuses(shard)
+    index = build_index(shard)
+    assert set(index.flaws) == {0, 1}
+    assert list(members_of(index, 1)) == ["cls"]
+    assert_same_scans(tmp_path, ["s.tar"])
+
+
+def test_the_fast_scan_steps_aside_without_numpy_strings(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    assert tarfast.has_numpy_strings(np)  # numpy 2.3 or later here
+    assert not tarfast.has_numpy_strings(object())  # numpy before 2.0
+    assert not tarfast.has_numpy_strings(type("Numpy22", (), {"strings": type("S", (), {})})())
+    for s in range(2):
+        members = [*samples([f"{s}/{k:03d}" for k in range(30)]), ("x.jpg", b"1"), ("x.jpg", b"2")]
+        write_tar(tmp_path / f"{s}.tar", members, tarfile.GNU_FORMAT)
+    assert not fast_scan_refuses(tmp_path / "0.tar")
+    fast = scan_shards(tmp_path, ["0.tar", "1.tar"])
+    monkeypatch.setattr(tarfast, "HAS_NUMPY_STRINGS", False)
+    monkeypatch.delattr(np, "strings")  # as where numpy has none: not touched
+    assert fast_scan_refuses(tmp_path / "0.tar")
+    stepped_aside = scan_shards(tmp_path, ["0.tar", "1.tar"])
+    assert stepped_aside.labels.tolist() == fast.labels.tolist()
+    assert stepped_aside.keys.blob.tobytes() == fast.keys.blob.tobytes()
+    assert stepped_aside.members.extensions == fast.members.extensions
+    for name, arr in fast.members.arrays.items():
+        assert np.array_equal(arr, stepped_aside.members.arrays[name]), name
+    assert stepped_aside.flaws == fast.flaws == {30: "two members x.jpg", 61: "two members x.jpg"}
+
+
+def test_a_damaged_first_header_costs_its_sample_not_the_shard(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    shard = write_tar(tmp_path / "s.tar", samples(["a", "b", "c"]), tarfile.GNU_FORMAT)
+    with open(shard, "r+b") as f:
+        f.seek(10)
+        f.write(b"garbage")
+    with caplog.at_level(logging.WARNING):
+        index = build_index(shard)
+    assert "shard s.tar: damaged tar header at offset 0; resumed at offset 1024" in caplog.text
+    assert [index.relpath(i) for i in range(len(index))] == ["s.tar:a", "s.tar:b", "s.tar:c"]
+    assert index.flaws == {0: "tar header damaged at offset 0 of s.tar"}
+    assert list(members_of(index, 0)) == ["cls"]
+    assert index.labels.tolist() == [0, 1, 2]
+    assert_same_scans(tmp_path, ["s.tar"])
+
+
+def test_a_file_without_a_valid_tar_header_is_refused(tmp_path: Path) -> None:
+    shard = write_tar(tmp_path / "s.tar", [("a.jpg", b"x" * 2000)], tarfile.GNU_FORMAT)
+    with open(shard, "r+b") as f:
+        f.seek(10)
+        f.write(b"garbage")  # its only header
+    for fast in (True, False):
+        with pytest.raises(DatasetError, match=r"shard s\.tar is not a tar file \(no valid tar header"):
+            scan_shards(tmp_path, ["s.tar"], fast=fast)
+    (tmp_path / "short.tar").write_bytes(b"ustar")
+    with pytest.raises(DatasetError, match=r"shard short\.tar is not a tar file"):
+        build_index(tmp_path / "short.tar")
 
 
 def test_a_base256_size_takes_the_careful_scan(tmp_path: Path) -> None:
