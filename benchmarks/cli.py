@@ -46,6 +46,11 @@ def build_parser() -> argparse.ArgumentParser:
         help="the service's JPEG decoding (default auto: the region decoder where it is built)",
     )
     p.add_argument(
+        "--rounds",
+        type=int,
+        help="interleaved rounds of (a), (f), (h), (i), (j) (default 5; --quick 3); more on a busy machine",
+    )
+    p.add_argument(
         "--scenarios",
         type=parse_scenarios,
         help=f"comma-separated subset of {','.join(SCENARIOS)} ({scenario_help})",
@@ -80,7 +85,7 @@ def _check_plotting(cfg: BenchConfig) -> None:
 
 def config_from(args: argparse.Namespace) -> BenchConfig:
     keys = (
-        "data", "cache", "images", "workers", "decoder", "scenarios", "json_path", "plot_path",
+        "data", "cache", "images", "workers", "decoder", "rounds", "scenarios", "json_path", "plot_path",
         "markdown_path",
     )  # fmt: skip
     cfg = make_config(args.quick, **{k: getattr(args, k) for k in keys})
@@ -101,6 +106,8 @@ def command_line(cfg: BenchConfig) -> str:
         parts.append(f"--workers {cfg.workers}")
     if cfg.decoder != preset.decoder:
         parts.append(f"--decoder {cfg.decoder}")
+    if cfg.rounds != preset.rounds:
+        parts.append(f"--rounds {cfg.rounds}")
     if cfg.scenarios != preset.scenarios:
         parts.append(f"--scenarios {','.join(cfg.scenarios)}")
     return " ".join(parts)

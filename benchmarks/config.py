@@ -13,7 +13,7 @@ from pathlib import Path
 
 from loader_service.decode.transforms import decoder_problem, uses_roi
 
-SCENARIOS = ("a", "b", "c", "d", "e", "f", "g", "j")
+SCENARIOS = ("a", "b", "c", "d", "e", "f", "g", "h", "i", "j")
 SCENARIO_TITLES = {
     "a": "steady-state throughput of one trainer",
     "b": "four trainers on the same data",
@@ -22,6 +22,8 @@ SCENARIO_TITLES = {
     "e": "consumer-side cost of next() on a ready batch",
     "f": "CPU-seconds per 1000 images, all processes",
     "g": "service memory across epochs",
+    "h": "a user pipeline (torchvision v2) in the service against a DataLoader running it",
+    "i": "tar shards against the same images as files",
     "j": "a remote trainer over TCP with CURVE, and the transport alone",
 }
 CLASSES = 8

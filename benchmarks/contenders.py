@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import itertools
 import time
-from collections.abc import Generator, Iterable
+from collections.abc import Generator, Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -34,6 +34,13 @@ class Tick:
 Stream = Generator[Tick, None, None]
 
 
+def batch_rows(batch: Any) -> int:
+    """Samples in a batch of any contender: a ``Batch`` or a DataLoader's tuple (by its first field),
+    or a DataLoader's collated dict (a pipeline's fields), by its first value."""
+    first = next(iter(batch.values())) if isinstance(batch, Mapping) else batch[0]
+    return int(first.shape[0])
+
+
 def loader_stream(loader: Iterable[Any]) -> Stream:
     """Epoch after epoch of a ServiceLoader or DataLoader; each batch is dropped before its tick.
 
@@ -43,7 +50,7 @@ def loader_stream(loader: Iterable[Any]) -> Stream:
     for epoch in itertools.count():
         position = 0
         for batch in loader:
-            images = int(batch[0].shape[0])
+            images = batch_rows(batch)
             del batch
             yield Tick(epoch, position, images)
             position += 1

@@ -5,28 +5,52 @@ ratio 3/4-4/3, torchvision's sampling) with a horizontal flip at p=0.5, RGB CHW 
 calls the service's own ``decode_file`` and ``transform_into``, so the two differ only in how the
 work is scheduled and delivered. The PIL one is what a torchvision user writes (``Image.open`` +
 ``convert("RGB")``, crop, bilinear ``resize``, ``transpose`` for the flip), without torchvision.
+
+(h) runs a user pipeline, ``FUNC(sample, rng)``, in a DataLoader (``PipelineSamples``), on the same
+samples in the same order as the service (``EpochOrder``), so both deliver the same batches. (i) reads
+the sample dataset again as WebDataset tar shards (``make_shards``), cached beside it.
 """
 
 from __future__ import annotations
 
+import io
 import os
 import re
-from collections.abc import Callable
+import shutil
+import tarfile
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import cv2
 import numpy as np
 import torch
 from PIL import Image
-from torch.utils.data import DataLoader, Dataset
+from torch.utils.data import DataLoader, Dataset, Sampler
 
 from benchmarks.config import CLASSES, BenchConfig
 from loader_service.dataset.index import DatasetIndex, build_index
-from loader_service.decode.transforms import decode_file, random_resized_crop_params, transform_into
+from loader_service.dataset.sampler import epoch_permutation, sample_rng
+from loader_service.decode.pipeline import load_pipeline, seed_globals
+from loader_service.decode.transforms import (
+    decode_bytes,
+    decode_file,
+    random_resized_crop_params,
+    transform_into,
+)
 
 Sample = tuple[torch.Tensor, int]
+Fields = dict[str, Any]
+"""What a pipeline returns for one sample, and (collated) a DataLoader's batch of them."""
+UserFunction = Callable[[Mapping[str, Any], np.random.Generator], object]
+"""A pipeline as a DataLoader calls it: with a plain dict where the service passes its lazy Sample."""
+SampleKey = tuple[int, int]
+"""(epoch, index): what ``EpochOrder`` hands ``PipelineSamples`` for each sample."""
+SHARD_SAMPLES = 256
+"""Samples per tar shard made for (i): 10 shards for the full run's 2560 images."""
+SHARDS_STAMP = "SOURCE"
+"""File in a shard folder naming the dataset it was made from; shards are remade when it differs."""
 
 
 @dataclass(frozen=True)
@@ -87,7 +111,7 @@ def keep_out_of_git(cache: Path) -> None:
     Generated datasets are hundreds of MB of JPEGs that a ``git add -A`` must never pick up. A
     directory that holds anything else is left alone: hiding someone's files from git is worse.
     """
-    ours = re.compile(rf"^{CLASSES}x\d+-seed\d+$")
+    ours = re.compile(rf"^{CLASSES}x\d+-seed\d+(-tar)?$")
     cache.mkdir(parents=True, exist_ok=True)
     ignore = cache / ".gitignore"
     if not ignore.exists() and all(ours.match(p.name) for p in cache.iterdir()):
@@ -167,3 +191,154 @@ def make_dataloader(
         worker_init_fn=single_threaded_worker,
         timeout=timeout,
     )
+
+
+# --- (h): a user pipeline in a DataLoader -----------------------------------------------------------
+
+
+class EpochOrder(Sampler[SampleKey]):
+    """The service's sample order, epoch after epoch, as (epoch, index) keys.
+
+    Each ``iter()`` (a DataLoader's epoch) walks the next epoch's ``epoch_permutation(seed, epoch, n)``,
+    the order a service with the same seed delivers; the epoch travels with each index because the
+    pipeline's randomness is drawn from (seed, epoch, index).
+    """
+
+    def __init__(self, samples: int, seed: int) -> None:
+        self.samples = samples
+        self.seed = seed
+        self.epoch = 0
+
+    def __len__(self) -> int:
+        return self.samples
+
+    def __iter__(self) -> Iterator[SampleKey]:
+        epoch, self.epoch = self.epoch, self.epoch + 1
+        return ((epoch, i) for i in epoch_permutation(self.seed, epoch, self.samples).tolist())
+
+
+class PipelineSamples(Dataset[Fields]):
+    """``FUNC(sample, rng)`` per sample, as a DataLoader user runs a pipeline, doing what the service's
+    decode workers do for it: read the file, decode it as ``sample["image"]`` is decoded
+    (``decode_bytes``, then BGR to RGB), reseed the global generators and draw ``rng`` from (seed,
+    epoch, index) (NOTE [ Pipeline determinism ]), so both give the same fields for the same sample.
+
+    The sample is a plain dict, decoded up front: a pipeline that reads ``image`` (as (h)'s does) costs
+    the same either way. The function is imported in each worker on first use, after
+    ``load_pipeline`` has made torch and OpenCV single-threaded there as in the service's workers.
+    """
+
+    def __init__(self, data: Path, pipeline: str, seed: int) -> None:
+        self.index: DatasetIndex = build_index(data)
+        self.pipeline = pipeline
+        self.seed = seed
+        self._fn: UserFunction | None = None
+
+    def __len__(self) -> int:
+        return len(self.index)
+
+    def __getstate__(self) -> dict[str, Any]:
+        """A spawned worker imports the function itself: one loaded from a file does not pickle."""
+        return {**self.__dict__, "_fn": None}
+
+    def function(self) -> UserFunction:
+        if self._fn is None:
+            self._fn = cast(UserFunction, load_pipeline(self.pipeline))
+        return self._fn
+
+    def sample(self, epoch: int, i: int) -> Fields:
+        """What the pipeline's ``sample`` mapping holds for sample ``i`` (the index has no metadata)."""
+        data = self.index.path(i).read_bytes()
+        return {
+            "image": cv2.cvtColor(decode_bytes(data), cv2.COLOR_BGR2RGB),
+            "bytes": data,
+            "label": int(self.index.labels[i]),
+            "index": i,
+            "epoch": epoch,
+            "path": self.index.relpath(i),
+        }
+
+    def __getitem__(self, key: SampleKey) -> Fields:
+        epoch, i = key
+        fn = self.function()
+        sample = self.sample(epoch, i)
+        seed_globals(self.seed, epoch, i)
+        result = fn(sample, sample_rng(self.seed, epoch, i))
+        if not isinstance(result, dict):
+            raise TypeError(f"pipeline {self.pipeline} returned a {type(result).__name__}, not a dict")
+        return result
+
+
+def make_pipeline_dataloader(
+    dataset: PipelineSamples, workers: int, batch_size: int, timeout: float
+) -> DataLoader[Fields]:
+    """``make_dataloader`` for a pipeline: the service's order instead of ``shuffle=True``, default
+    collate of the returned dicts (a dict of stacked tensors per batch)."""
+    return DataLoader(
+        dataset,
+        batch_size=batch_size,
+        sampler=EpochOrder(len(dataset), dataset.seed),
+        num_workers=workers,
+        persistent_workers=True,
+        worker_init_fn=single_threaded_worker,
+        timeout=timeout,
+    )
+
+
+# --- (i): the same images as tar shards --------------------------------------------------------------
+
+
+def shard_groups(samples: int, per_shard: int) -> list[range]:
+    """Sample indices of each shard, in index order: consecutive runs of ``per_shard`` (the last shorter)."""
+    if per_shard < 1:
+        raise ValueError(f"per_shard must be at least 1, got {per_shard}")
+    return [range(start, min(start + per_shard, samples)) for start in range(0, samples, per_shard)]
+
+
+def sample_key(i: int) -> str:
+    """A shard member's key (its name up to the first dot): the sample's index, zero-padded."""
+    return f"{i:06d}"
+
+
+def shards_folder(cfg: BenchConfig, root: Path) -> Path:
+    """Where (i)'s shards of the dataset at ``root`` are kept: beside it in the cache."""
+    return cfg.cache / f"{root.name}-tar"
+
+
+def source_stamp(index: DatasetIndex) -> str:
+    """What the shards were made from: the dataset's order and labels, and its files' total size."""
+    total = sum(index.path(i).stat().st_size for i in range(len(index)))
+    return f"{index.fingerprint()} {len(index)} {total}"
+
+
+def make_shards(index: DatasetIndex, folder: Path, per_shard: int = SHARD_SAMPLES) -> Path:
+    """The images of ``index`` as WebDataset shards ``train-NNNNNN.tar`` in ``folder``: per sample, in
+    index order, ``KEY.jpg`` (the file's bytes, under its own extension) then ``KEY.cls`` (the label).
+
+    Made once: kept while its stamp matches the dataset, written to a sibling folder and renamed, so
+    an interrupted run never leaves half a set of shards that looks complete.
+    """
+    stamp = source_stamp(index)
+    if (folder / SHARDS_STAMP).is_file() and (folder / SHARDS_STAMP).read_text().strip() == stamp:
+        return folder
+    partial = folder.with_name(folder.name + ".partial")
+    shutil.rmtree(partial, ignore_errors=True)
+    partial.mkdir(parents=True)
+    for number, group in enumerate(shard_groups(len(index), per_shard)):
+        with tarfile.open(partial / f"train-{number:06d}.tar", "w", format=tarfile.USTAR_FORMAT) as tar:
+            for i in group:
+                _add_sample(tar, index, i)
+    (partial / SHARDS_STAMP).write_text(stamp + "\n")
+    shutil.rmtree(folder, ignore_errors=True)
+    partial.rename(folder)
+    return folder
+
+
+def _add_sample(tar: tarfile.TarFile, index: DatasetIndex, i: int) -> None:
+    path = index.path(i)
+    key = sample_key(i)
+    tar.add(path, arcname=f"{key}.{path.suffix.lower().lstrip('.')}", recursive=False)
+    label = str(int(index.labels[i])).encode()
+    member = tarfile.TarInfo(f"{key}.cls")
+    member.size = len(label)
+    tar.addfile(member, io.BytesIO(label))

@@ -9,6 +9,7 @@ from __future__ import annotations
 import importlib.metadata
 import os
 import platform
+import sys
 from pathlib import Path
 
 
@@ -44,6 +45,15 @@ def _version(distribution: str) -> str:
         return "not installed"
 
 
+def _torch_version(module: str) -> str:
+    """``torch.__version__`` and the like: with the build's local tag (``+cpu``, ``+cu130``), which the
+    distribution's version leaves out. torchvision is read only if this run imported it ((h))."""
+    loaded = sys.modules.get(module)
+    if loaded is None and module == "torch":
+        import torch as loaded
+    return str(getattr(loaded, "__version__", None) or _version(module))
+
+
 def _opencv_version() -> str:
     import cv2
 
@@ -70,7 +80,8 @@ def machine_facts() -> dict[str, str]:
         "/dev/shm": f"{shm:.1f} GiB" if shm else "unknown",
         "os": f"{platform.system()} {platform.release()} {platform.machine()}",
         "python": platform.python_version(),
-        "torch": _version("torch"),
+        "torch": _torch_version("torch"),
+        "torchvision": _torch_version("torchvision"),
         "opencv": _opencv_version(),
         "pillow": _version("pillow"),
         "numpy": _version("numpy"),

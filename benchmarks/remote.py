@@ -21,7 +21,7 @@ NOTE [ Timing the transport alone ]
     Holding all K batches instead (no release, so no pause needed) was tried first: it receives every
     transfer into fresh memory, and on this virtual machine faulting those pages in cost the trainer
     more than the receiving did. A loop that releases as it goes reuses its buffers.
-    Bytes are those of the K batches' tensors (images, labels, indices) as the loop receives them.
+    Bytes are those of the K batches' tensors (every field, and the indices) as the loop receives them.
     Over shared memory nothing moves: the same count per second is the cost of announcing and
     wrapping ready slots, the local path the TCP figures are compared with. A raw pyzmq pair
     (``wire``) moves as many frames of the same size in the same rounds: ZeroMQ's own ceiling here.
@@ -134,7 +134,8 @@ class Timed(Protocol):
 
 
 def batch_bytes(batch: Batch) -> int:
-    return sum(t.numel() * t.element_size() for t in (batch.images, batch.labels, batch.indices))
+    """Bytes of a batch as received: every field, then the indices."""
+    return sum(t.nbytes for t in batch.values()) + batch.indices.nbytes
 
 
 def drain(epoch: Iterable[Batch]) -> None:

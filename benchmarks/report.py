@@ -17,6 +17,7 @@ from benchmarks.results import (
     J_SERIES,
     LOCAL_SHM,
     REMOTE_CURVE,
+    SERIES,
     SERVICE,
     SERVICE_TREE,
     SHM,
@@ -56,6 +57,12 @@ ROW_LABELS = {
     "e": "(e) next() on a ready batch of {batch_size:.0f}, us",
     "f": "(f) CPU-s per 1000 images",
     "g": "(g) service memory, MiB",
+    "h": "(h) pipeline, one trainer, images/s",
+    "h-cpu": "(h) pipeline, CPU-s per 1000 images",
+    "h-group": "(h) pipeline, per trainer, {trainers:.0f} in a group, images/s",
+    "h-equal": "(h) pipeline, samples identical",
+    "i": "(i) tar shards, one trainer, images/s",
+    "i-cpu": "(i) tar shards, CPU-s per 1000 images",
     "j-rate": "(j) remote trainer, TCP+CURVE, images/s",
     "j-cpu-images": "(j) remote trainer, CPU-s per 1000 images",
     "j-transport": "(j) ready batches over {series}, GB/s",
@@ -63,7 +70,7 @@ ROW_LABELS = {
     "j-cpu-tcp_curve": "(j) CPU-s per GB over TCP+CURVE",
     "j-cpu-tcp": "(j) CPU-s per GB over plain TCP",
 }
-"""Row labels by scenario, and by measurement key for (j), whose rows each have their own layout."""
+"""Row labels by scenario, and by measurement key for (h), (i) and (j), whose rows have their own layout."""
 COMPARED = {
     TCP_CURVE: (ZMQ_CURVE, TCP_PLAIN, SHM),
     TCP_PLAIN: (ZMQ_PLAIN, SHM),
@@ -72,7 +79,12 @@ COMPARED = {
     ZMQ_PLAIN: (),
 }
 """(j) transport rows, in table order, and what each is compared with."""
-TARGET_SOURCES = "issue 5; (j): issue 12"
+TARGET_SOURCES = "issue 5; (h), (i): issue 11; (j): issue 12"
+COMPARED_NOTE = (
+    "(h) and (i) rows hold one figure in the dataferry column (for (i), the service reading tar shards) "
+    "and compare it in the last column with what it ran against: a DataLoader running the same pipeline "
+    "function, or the same service reading the same images as files."
+)
 REMOTE_NOTE = (
     "(j) rows hold one figure each in the dataferry column: the remote trainer's, or one transport's "
     "(service and trainer added up for CPU per GB); the note compares it with the local trainer, the "
@@ -171,6 +183,28 @@ def _remote_rows(m: Measurement) -> list[Row]:
     return [_remote_row(m)]
 
 
+def _identical_row(m: Measurement) -> Row:
+    same = m.samples.get(SERVICE, ())
+    cell = f"{sum(1 for v in same if v == 1.0)}/{len(same)}"
+    note = "samples of a delivered batch whose every field equals the DataLoader's Dataset's, bit for bit"
+    return Row(ROW_LABELS[m.key], {SERVICE: cell}, note)
+
+
+def _compared_row(m: Measurement) -> Row:
+    """(h), (i): the first series (dataferry, or dataferry on tar shards) in the dataferry column; each
+    other series and the ratio to it in the note (to three places for (i), whose target is 1.0)."""
+    if m.key == "h-equal":
+        return _identical_row(m)
+    first, *others = m.samples
+    places = 3 if m.scenario == "i" else 2
+    note = "; ".join(
+        f"{SERIES.get(o, o)} {format_value(m.median(o), m.unit)}, ratio {_times(m.ratio(first, o), places)}"
+        for o in others
+    )
+    label = ROW_LABELS[m.key].format(**{"trainers": 4.0, **m.notes})
+    return Row(label, {SERVICE: format_value(m.median(first), m.unit)}, note)
+
+
 def row_for(m: Measurement) -> list[Row]:
     """A measurement's rows: the median per contender, then the ratios (for (d), the step's length
     too); one row for every scenario but (j)'s transport, which has one per transport."""
@@ -178,6 +212,8 @@ def row_for(m: Measurement) -> list[Row]:
         return [_memory_row(m)]
     if m.scenario == "j":
         return _remote_rows(m)
+    if m.scenario in ("h", "i"):
+        return [_compared_row(m)]
     label = ROW_LABELS[m.scenario].format(**{"trainers": 4.0, "batch_size": 0.0, **m.notes})
     cells = {key: format_value(m.median(key), m.unit) for key in COLUMNS if key in m.samples}
     note = ratio_note(m)
@@ -209,6 +245,7 @@ def format_table(results: BenchResults, checks: Sequence[Check]) -> str:
         first = line[0].ljust(widths[0])
         numbers = [cell.rjust(width) for cell, width in zip(line[1:-1], widths[1:], strict=True)]
         lines.append("  ".join([first, *numbers, line[-1]]).rstrip())
+    lines += [f"skipped ({key}): {reason}" for key, reason in results.skipped.items()]
     lines += ["", f"targets ({TARGET_SOURCES}):"]
     lines += [f"  {c.verdict:4}  ({c.scenario}) {c.target}: {c.measured}" for c in checks]
     return "\n".join(lines)
@@ -244,6 +281,7 @@ def markdown(results: BenchResults, checks: Sequence[Check], command: str) -> st
         "Every contender: decode, RandomResizedCrop "
         f"{s.get('image_size')} + flip, CHW uint8, batches of {s.get('batch_size')}, "
         f"{s.get('workers')} CPU processes. dataferry's decoder: {s.get('decoder_used', '?')}.",
+        *_pipeline_line(results),
         "",
         "| machine | |",
         "| --- | --- |",
@@ -254,7 +292,7 @@ def markdown(results: BenchResults, checks: Sequence[Check], command: str) -> st
         *("| " + " | ".join(_cells(r)) + " |" for r in rows(results)),
         "",
         "Medians of repeats; ratios are dataferry over the other contender (above 1: dataferry higher).",
-        *(["", REMOTE_NOTE, ""] if any(m.scenario == "j" for m in results.measurements) else [""]),
+        *_notes(results),
         f"| target ({TARGET_SOURCES}) | measured | result |",
         "| --- | --- | --- |",
         *(f"| ({c.scenario}) {c.target} | {c.measured} | {c.verdict} |" for c in checks),
@@ -263,9 +301,33 @@ def markdown(results: BenchResults, checks: Sequence[Check], command: str) -> st
     return "\n".join(out)
 
 
+def _notes(results: BenchResults) -> list[str]:
+    """The paragraphs under the table: how (h), (i) and (j) rows read, and what was skipped; each
+    followed by a blank line."""
+    scenarios = {m.scenario for m in results.measurements}
+    out = [""]
+    if scenarios & {"h", "i"}:
+        out += [COMPARED_NOTE, ""]
+    if "j" in scenarios:
+        out += [REMOTE_NOTE, ""]
+    out += [f"Skipped ({key}): {reason}" for key, reason in results.skipped.items()]
+    return out + ([""] if results.skipped else [])
+
+
+def _pipeline_line(results: BenchResults) -> list[str]:
+    """(h) does not run the transform above: say what it runs instead."""
+    if not any(m.scenario == "h" for m in results.measurements):
+        return []
+    pipeline = results.settings.get("pipeline", "?")
+    return [
+        f"(h) runs the user pipeline `{pipeline}` instead, on both sides: in dataferry's decode workers "
+        "(`--pipeline`) and in a DataLoader's workers, on the same samples in the same order."
+    ]
+
+
 def _ratio_pairs(m: Measurement) -> list[tuple[str, str]]:
-    """dataferry over every other contender; in (j), every series over each one after it."""
-    if m.scenario == "j":
+    """dataferry over every other contender; in (h), (i) and (j), every series over each one after it."""
+    if m.scenario in ("h", "i", "j"):
         keys = list(m.samples)
         return [(a, b) for i, a in enumerate(keys) for b in keys[i + 1 :]]
     return [(SERVICE, k) for k in m.samples if k != SERVICE and SERVICE in m.samples]
@@ -298,7 +360,8 @@ def to_json(results: BenchResults, checks: Sequence[Check]) -> dict[str, Any]:
         "seconds": results.seconds,
         "settings": dict(results.settings),
         "machine": dict(results.machine),
-        "contenders": dict(CONTENDERS),
+        "contenders": {**CONTENDERS, **SERIES},
+        "skipped": dict(results.skipped),
         "measurements": {m.key: _measurement_json(m) for m in results.measurements},
         "targets": [
             {"scenario": c.scenario, "target": c.target, "measured": c.measured, "passed": c.passed}

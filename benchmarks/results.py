@@ -1,5 +1,5 @@
 """What a run produces: measurements per scenario, per-batch timelines, and the targets (issue 5;
-(j)'s come with the remote trainers of issue 12).
+(h) and (i) are issue 11's, (j)'s come with the remote trainers of issue 12).
 
 A ``Measurement`` keeps every repeat, not only the median, so the JSON lets a reader judge the spread.
 Targets are evaluated here from measurements alone (pure), and reported, never enforced: a run whose
@@ -38,6 +38,21 @@ E_FLAT = 1.25
 G_ABSOLUTE_MIB = 4.0
 G_RELATIVE = 0.02
 """(g) reads "no growth" as: never more than max(4 MiB, 2%) above the first epoch's value."""
+
+# (h) and (i), issue 11: series keys (as in the JSON) and what tables call them.
+DL_PIPELINE = "dl_pipeline"
+TAR_SHARDS = "tar_shards"
+FILES = "files"
+SERIES = {
+    SERVICE: "dataferry",
+    DL_PIPELINE: "DataLoader running the same function",
+    TAR_SHARDS: "tar shards",
+    FILES: "the same images as files",
+}
+# Targets of (h) and (i) on the 2-core machine.
+H_VS_DATALOADER = 1.1
+H_GROUP_PER_TRAINER = 3.5
+I_TAR_VS_FILES = 1.0
 
 # (j), remote trainers: series keys (as in the JSON) and what tables call them.
 REMOTE_CURVE = "remote_curve"
@@ -145,6 +160,8 @@ class BenchResults:
     cleanup: Mapping[str, Any]
     started: str
     seconds: float
+    skipped: Mapping[str, str] = field(default_factory=dict)
+    """Scenarios selected but not run, and why (say, (h) without torchvision)."""
 
     def get(self, key: str) -> Measurement | None:
         return next((m for m in self.measurements if m.key == key), None)
@@ -279,6 +296,62 @@ def check_j(rates: Measurement | None, transport: Measurement | None) -> list[Ch
     ]
 
 
+def check_h(
+    one: Measurement | None,
+    group: Measurement | None,
+    equal: Measurement | None,
+    skipped: str | None = None,
+) -> list[Check]:
+    """A user pipeline: faster than a DataLoader running it, far faster per trainer in a group, and
+    the same output."""
+    vs_dl = one.ratio(SERVICE, DL_PIPELINE) if one else None
+    per_trainer = group.ratio(SERVICE, DL_PIPELINE) if group else None
+    trainers = group.notes.get("trainers", 4.0) if group else 4.0
+    same = list(equal.samples.get(SERVICE, ())) if equal else []
+    checks = [
+        Check(
+            "h",
+            f"pipeline, one trainer >= {H_VS_DATALOADER}x a DataLoader running it",
+            _fmt(vs_dl, ".2f", "x"),
+            _at_least(vs_dl, H_VS_DATALOADER),
+        ),
+        Check(
+            "h",
+            f"pipeline, per trainer in a group of {trainers:.0f} >= {H_GROUP_PER_TRAINER}x "
+            f"{trainers:.0f} DataLoaders",
+            _fmt(per_trainer, ".2f", "x"),
+            _at_least(per_trainer, H_GROUP_PER_TRAINER),
+        ),
+        Check(
+            "h",
+            "pipeline, every field identical to the DataLoader's for the same samples",
+            f"{sum(1 for v in same if v == 1.0)}/{len(same)} samples" if same else "not measured",
+            all(v == 1.0 for v in same) if same else None,
+        ),
+    ]
+    return _skipped(checks, skipped)
+
+
+def check_i(i: Measurement | None, skipped: str | None = None) -> list[Check]:
+    tar_vs_files = i.ratio(TAR_SHARDS, FILES) if i else None
+    checks = [
+        Check(
+            "i",
+            f"tar shards >= {I_TAR_VS_FILES:.1f}x the same images as files",
+            _fmt(tar_vs_files, ".3f", "x"),  # three places: 0.996 must not read as a passing 1.00
+            _at_least(tar_vs_files, I_TAR_VS_FILES),
+        ),
+    ]
+    return _skipped(checks, skipped)
+
+
+def _skipped(checks: list[Check], reason: str | None) -> list[Check]:
+    """A skipped scenario's checks say why, instead of "not measured"."""
+    if not reason:
+        return checks
+    return [Check(c.scenario, c.target, f"skipped: {reason}", None) for c in checks]
+
+
 def evaluate_targets(results: BenchResults) -> list[Check]:
     """Every target, in scenario order; targets of scenarios not run read "n/a"."""
     costs = [m for m in results.measurements if m.scenario == "e"]
@@ -289,5 +362,7 @@ def evaluate_targets(results: BenchResults) -> list[Check]:
         *check_d(results.get("d")),
         *check_e(costs),
         *check_g(results.get("g")),
+        *check_h(results.get("h"), results.get("h-group"), results.get("h-equal"), results.skipped.get("h")),
+        *check_i(results.get("i"), results.skipped.get("i")),
         *check_j(results.get("j-rate"), results.get("j-transport")),
     ]

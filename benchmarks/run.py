@@ -8,7 +8,10 @@ NOTE [ Scenario order ]
     4. Every contender of this process is closed, so that (b)'s eight trainers are alone with the
        service (an idle trainer attached here would hold slots of its pool).
     5. Service A is stopped and must exit 0; (e) at batch 256 runs on service B and a DataLoader of 256.
-    6. (j) last, on services of its own: a CURVE service on loopback TCP serves the remote and the
+    6. (h) on a service of its own running the user pipeline: its DataLoader first, then its
+       ServiceLoader; every contender closed before (h)'s group of trainers, as for (b). Then (i) on
+       two services of their own (tar shards, files), both read by this process in turn.
+    7. (j) last, on services of its own: a CURVE service on loopback TCP serves the remote and the
        local trainer; then plain-TCP and ipc services join it for the transport alone. Nothing else
        runs meanwhile, so no idle DataLoader or service of an earlier step sits in its way.
     Processes are released through ExitStacks, in reverse order of creation (streams, then loaders,
@@ -29,8 +32,19 @@ import cv2
 
 from benchmarks.config import SCENARIO_TITLES, BenchConfig
 from benchmarks.contenders import Contender, decode_limit_stream, loader_stream
-from benchmarks.datasets import DataSpec, OpenCVCrops, PILCrops, make_dataloader, prepare_data
+from benchmarks.datasets import (
+    DataSpec,
+    OpenCVCrops,
+    PILCrops,
+    PipelineSamples,
+    make_dataloader,
+    make_pipeline_dataloader,
+    make_shards,
+    prepare_data,
+    shards_folder,
+)
 from benchmarks.machine import machine_facts
+from benchmarks.pipelines import H_PIPELINE, measure_identical, pipeline_spec, torchvision_problem
 from benchmarks.proctree import service_segments
 from benchmarks.progress import LazyProgress, say
 from benchmarks.remote import (
@@ -45,10 +59,13 @@ from benchmarks.results import (
     DECODE_LIMIT,
     DL_OPENCV,
     DL_PIL,
+    DL_PIPELINE,
+    FILES,
     LOCAL_SHM,
     REMOTE_CURVE,
     SERVICE,
     SHM,
+    TAR_SHARDS,
     TCP_CURVE,
     TCP_PLAIN,
     ZMQ_CURVE,
@@ -63,15 +80,17 @@ from benchmarks.scenarios import (
     first_batch_service,
     measure_memory,
     measure_overlap,
+    measure_rates,
     measure_throughput,
     ready_costs,
     time_segment,
 )
-from benchmarks.service_process import ServiceProcess, ServiceSpec, running_service
+from benchmarks.service_process import BenchError, ServiceProcess, ServiceSpec, running_service
 from benchmarks.stats import rate
 from benchmarks.trainers import TrainerConfig, measure_trainers
 from benchmarks.wire import RawPair, loopback_endpoint
 from gpu_worker import ServiceLoader
+from loader_service.dataset.index import DatasetIndex, build_index
 from loader_service.decode.transforms import describe_decoder
 
 SERVICE_CREDITS = 6
@@ -83,6 +102,8 @@ TRANSPORT_SPARE_SLOTS = 4
 B_LOADER_KWARGS: dict[str, Any] = {"mode": "broadcast", "group": "bench", "group_size": 4}
 """(b)'s extra ServiceLoader arguments: the four trainers form one broadcast group, so each image
 is decoded once for all four (README: "Several trainers on one service")."""
+H_GROUP = "bench-pipeline"
+"""(h)'s broadcast group (B_LOADER_KWARGS otherwise)."""
 
 
 class BenchRun:
@@ -96,6 +117,7 @@ class BenchRun:
         self.timelines: dict[str, Timeline] = {}
         self.services: list[ServiceProcess] = []
         self.contenders: dict[str, Contender] = {}
+        self.skipped: dict[str, str] = {}
 
     # --- processes ------------------------------------------------------------------------------
 
@@ -109,11 +131,13 @@ class BenchRun:
         batch_size: int,
         endpoint: str = "",
         extra_args: tuple[str, ...] = (),
+        data: Path | None = None,
     ) -> ServiceProcess:
-        """A service on ``endpoint`` (default: an ipc socket in the scratch directory)."""
+        """A service on ``endpoint`` (default: an ipc socket in the scratch directory), reading ``data``
+        (default: the run's dataset)."""
         cfg = self.cfg
         spec = ServiceSpec(
-            self.data.root,
+            data or self.data.root,
             endpoint or f"ipc://{self.run_dir}/{name}.sock",
             cfg.workers,
             batch_size,
@@ -288,10 +312,10 @@ class BenchRun:
             measure_memory(self.contenders[SERVICE], service.pid, self.cfg.memory_epochs, bpe)
         )
 
-    def trainers(self, service: ServiceProcess) -> None:
+    def trainer_base(self, pipeline: str = "", seed: int = 0) -> TrainerConfig:
+        """What every trainer process of (b) and (h)'s group shares; each gets its own index."""
         cfg = self.cfg
-        say(f"(b) {SCENARIO_TITLES['b']}: {cfg.trainers} ServiceLoaders, then {cfg.trainers} DataLoaders")
-        base = TrainerConfig(
+        return TrainerConfig(
             0,
             "",
             self.data.root,
@@ -301,7 +325,14 @@ class BenchRun:
             cfg.warmup_batches,
             cfg.trainer_batches,
             cfg.timeout,
+            pipeline=pipeline,
+            seed=seed,
         )
+
+    def trainers(self, service: ServiceProcess) -> None:
+        cfg = self.cfg
+        say(f"(b) {SCENARIO_TITLES['b']}: {cfg.trainers} ServiceLoaders, then {cfg.trainers} DataLoaders")
+        base = self.trainer_base()
         kwargs = {**B_LOADER_KWARGS, "group_size": cfg.trainers}
         self.measurements.append(measure_trainers(base, cfg.trainers, service.spec.endpoint, kwargs))
 
@@ -349,7 +380,7 @@ class BenchRun:
         self.timelines.update({f"j:{k}": t for k, t in timelines.items()})
 
     def remote(self) -> None:
-        """(j), step 6 of NOTE [ Scenario order ]; the services' pools hold one transfer's batches."""
+        """(j), step 7 of NOTE [ Scenario order ]; the services' pools hold one transfer's batches."""
         cfg = self.cfg
         count = min(cfg.transport_batches, self.batches_per_epoch(cfg.batch_size))
         slots = ("--slots", str(count + TRANSPORT_SPARE_SLOTS))
@@ -378,14 +409,106 @@ class BenchRun:
             stack.callback(pairs[-1].close)  # at once: a later pair that fails must not strand this one
         return pairs
 
+    def pipeline_rates(self, service: ServiceProcess, dataset: PipelineSamples) -> None:
+        """(h) one trainer: the service against a DataLoader running the same function, alternately,
+        after checking that both make the same samples."""
+        cfg = self.cfg
+        with contextlib.ExitStack() as stack:
+            loader = make_pipeline_dataloader(dataset, cfg.workers, cfg.batch_size, cfg.timeout)
+            dataloader = Contender(
+                DL_PIPELINE, loader_stream(loader), DATALOADER_PREFETCH * cfg.workers, cfg.warmup_batches
+            )
+            stack.callback(dataloader.close)
+            dataloader.pull()  # its workers start (fork) before this process attaches a trainer
+            served = self.service_contender(stack, service)
+            identical = measure_identical(service.spec.endpoint, dataset, cfg.timeout)
+            rates, cpu, timelines = measure_rates(
+                [served, dataloader], cfg.rounds, cfg.timed_batches, "h", "pipeline, one trainer"
+            )
+        self.measurements += [rates, cpu, identical]
+        self.timelines.update({f"h:{k}": t for k, t in timelines.items()})
+
+    def pipeline_group(self, service: ServiceProcess, pipeline: str) -> None:
+        """(h) group: trainers in one broadcast group against as many DataLoaders running the pipeline."""
+        cfg = self.cfg
+        say(f"(h) {cfg.trainers} ServiceLoaders in a broadcast group, then {cfg.trainers} DataLoaders")
+        base = self.trainer_base(pipeline=pipeline, seed=cfg.seed)
+        kwargs = {**B_LOADER_KWARGS, "group": H_GROUP, "group_size": cfg.trainers}
+        endpoint = service.spec.endpoint
+        self.measurements.append(
+            measure_trainers(base, cfg.trainers, endpoint, kwargs, key="h-group", other=DL_PIPELINE)
+        )
+
+    def with_pipeline(self) -> None:
+        """(h), step 6 of NOTE [ Scenario order ]: a service running the pipeline instead of --augment."""
+        say(f"(h) {SCENARIO_TITLES['h']}: {H_PIPELINE}")
+        pipeline = pipeline_spec()
+        with contextlib.ExitStack() as stack:
+            service = self.start_service(
+                stack, "pipeline", self.cfg.batch_size, extra_args=("--pipeline", pipeline)
+            )
+            self.pipeline_rates(service, PipelineSamples(self.data.root, pipeline, self.cfg.seed))
+            self.pipeline_group(service, pipeline)
+
+    def shards(self) -> Path:
+        """(i)'s tar shards of the run's dataset (made once, then reused), checked against it."""
+        index = build_index(self.data.root)
+        folder = shards_folder(self.cfg, self.data.root)
+        say(f"(i) tar shards of the {len(index)} images: {folder.name} in the cache")
+        make_shards(index, folder)
+        check_same_samples(index, build_index(folder, "tar"))
+        return folder
+
+    def with_shards(self) -> None:
+        """(i), step 6 of NOTE [ Scenario order ]: one service on the shards, one on the files, one
+        trainer each, timed in turn."""
+        cfg = self.cfg
+        shards = self.shards()
+        say(f"(i) {SCENARIO_TITLES['i']}")
+        with contextlib.ExitStack() as stack:
+            tar = self.start_service(
+                stack, "tar", cfg.batch_size, extra_args=("--format", "tar"), data=shards
+            )
+            files = self.start_service(stack, "files", cfg.batch_size)
+            with contextlib.ExitStack() as contenders:
+                timed = [
+                    self.service_contender(contenders, tar, TAR_SHARDS),
+                    self.service_contender(contenders, files, FILES),
+                ]
+                rates, cpu, timelines = measure_rates(
+                    timed, cfg.rounds, cfg.timed_batches, "i", "tar shards against files"
+                )
+        self.measurements += [rates, cpu]
+        self.timelines.update({f"i:{k}": t for k, t in timelines.items()})
+
+    def check_scenarios(self) -> None:
+        """Before anything runs: scenarios this run cannot do, and why, said at once."""
+        if self.cfg.wants("h") and (problem := torchvision_problem()):
+            self.skipped["h"] = problem
+            say(f"(h) skipped: {problem}")
+
     def run_all(self) -> None:
         cv2.setNumThreads(1)  # this process only ever does single-process work (the decode limit)
+        self.check_scenarios()
         if self.cfg.wants("a", "b", "c", "d", "e", "f", "g"):
             self.with_service_a()
         if self.cfg.wants("e"):
             self.large_batch_costs()
+        if self.cfg.wants("h") and "h" not in self.skipped:
+            self.with_pipeline()
+        if self.cfg.wants("i"):
+            self.with_shards()
         if self.cfg.wants("j"):
             self.remote()
+
+
+def check_same_samples(files: DatasetIndex, shards: DatasetIndex) -> None:
+    """(i) compares two sources of the same samples: the same count and labels, in the same order."""
+    if len(files) != len(shards) or not (files.labels == shards.labels).all():
+        raise BenchError(
+            f"the tar shards hold {len(shards)} samples for {len(files)} files, or other labels: "
+            "remove the shard folder from the cache and run again"
+        )
 
 
 def settings(cfg: BenchConfig, data: DataSpec) -> dict[str, Any]:
@@ -397,6 +520,7 @@ def settings(cfg: BenchConfig, data: DataSpec) -> dict[str, Any]:
     values["cost_batch_sizes"] = list(cfg.cost_batch_sizes)
     values["data"] = data.public()
     values["decoder_used"] = describe_decoder(cfg.decoder)
+    values["pipeline"] = H_PIPELINE
     return values
 
 
@@ -426,4 +550,5 @@ def run(cfg: BenchConfig) -> BenchResults:
         cleanup=cleanup_report(bench.services),
         started=started,
         seconds=time.monotonic() - begin,
+        skipped=bench.skipped,
     )

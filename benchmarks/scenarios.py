@@ -1,5 +1,5 @@
-"""Scenarios (a) and (c)-(g), each driving contenders that ``run`` has set up. (b) is in ``trainers``,
-(j) in ``remote``.
+"""Scenarios (a), (c)-(g), and the one-trainer rounds of (h) and (i), each driving contenders that
+``run`` has set up. (b) and (h)'s group are in ``trainers``, (j) in ``remote``.
 
 Every scenario returns ``Measurement``s holding each repeat; medians and ratios are taken later, in
 one place (``results``, ``stats``).
@@ -125,6 +125,18 @@ def measure_throughput(
     a = Measurement("a", "a", "one trainer, steady state", "images/s", got.rates, paired=True)
     f = Measurement("f", "f", "CPU-seconds per 1000 images", "CPU-s", got.cpu_per_1000, paired=True)
     return a, f, got.timelines
+
+
+def measure_rates(
+    contenders: Sequence[Contender], rounds: int, batches: int, scenario: str, title: str
+) -> tuple[Measurement, Measurement, dict[str, Timeline]]:
+    """(h), (i): interleaved rounds as (a)'s; images/s (key ``scenario``) and CPU-seconds per 1000
+    images (``scenario-cpu``) of each contender, the first contender's series first."""
+    got = interleaved_rounds(contenders, rounds, batches, f"({scenario}) {title} rounds")
+    rates = Measurement(scenario, scenario, title, "images/s", got.rates, paired=True)
+    cpu_title = "CPU-seconds per 1000 images, all processes"
+    cpu = Measurement(scenario, f"{scenario}-cpu", cpu_title, "CPU-s", got.cpu_per_1000, paired=True)
+    return rates, cpu, got.timelines
 
 
 def _until_service_idle(endpoint: str, timeout: float) -> None:

@@ -1,10 +1,10 @@
-"""(b): several trainers reading the same data at once, each in its own spawned process.
+"""(b) and (h)'s group: several trainers reading the same data at once, each in its own process.
 
 One side attaches ``trainers`` ServiceLoaders to ONE service; the other runs as many independent
-DataLoaders (OpenCV), each with its own ``workers`` processes, as separate jobs would. Each trainer
-gets every image, waits at a common barrier, skips a warm-up, times a fixed number of batches, reports,
-then keeps consuming until every trainer has reported, so that no trainer is timed against fewer
-competitors than the others.
+DataLoaders (OpenCV crops; for (h), the service's pipeline), each with its own ``workers`` processes,
+as separate jobs would. Each trainer gets every image, waits at a common barrier, skips a warm-up,
+times a fixed number of batches, reports, then keeps consuming until every trainer has reported, so
+that no trainer is timed against fewer competitors than the others.
 
 The service side takes ``loader_kwargs`` for every ServiceLoader, so a decode-once mode can be
 benchmarked by passing e.g. ``{"mode": "broadcast", "group": "bench", "group_size": 4}``.
@@ -22,7 +22,7 @@ import queue
 import signal
 import time
 import traceback
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from multiprocessing.process import BaseProcess
 from multiprocessing.queues import Queue
@@ -55,6 +55,10 @@ class TrainerConfig:
     timeout: float
     endpoint: str = ""
     loader_kwargs: Mapping[str, Any] = field(default_factory=dict)
+    pipeline: str = ""
+    """(h): the DataLoader side runs this ``FILE.py:FUNC`` (``PipelineSamples``) instead of OpenCV crops."""
+    seed: int = 0
+    """(h): the seed the service was started with, so a pipeline DataLoader makes the same samples."""
 
 
 @dataclass(frozen=True)
@@ -84,17 +88,26 @@ def _stream(cfg: TrainerConfig) -> Iterator[Stream]:
             finally:
                 stream.close()
         return
-    from benchmarks.datasets import OpenCVCrops, make_dataloader
-
-    dataloader = make_dataloader(
-        OpenCVCrops(cfg.data, cfg.image_size), cfg.workers, cfg.batch_size, cfg.timeout
-    )
-    stream = loader_stream(dataloader)
+    stream = loader_stream(_dataloader(cfg))
     try:
         yield stream
     finally:
         stream.close()
-        del dataloader
+
+
+def _dataloader(cfg: TrainerConfig) -> Iterable[Any]:
+    """The DataLoader of a ``dataloader`` trainer: OpenCV crops, or (h) the service's pipeline."""
+    from benchmarks.datasets import (
+        OpenCVCrops,
+        PipelineSamples,
+        make_dataloader,
+        make_pipeline_dataloader,
+    )
+
+    if cfg.pipeline:
+        dataset = PipelineSamples(cfg.data, cfg.pipeline, cfg.seed)
+        return make_pipeline_dataloader(dataset, cfg.workers, cfg.batch_size, cfg.timeout)
+    return make_dataloader(OpenCVCrops(cfg.data, cfg.image_size), cfg.workers, cfg.batch_size, cfg.timeout)
 
 
 def _timed(cfg: TrainerConfig, stream: Stream, start: Barrier) -> TrainerReport:
@@ -202,12 +215,21 @@ def dataloader_trainers(base: TrainerConfig, count: int) -> list[float]:
 
 
 def measure_trainers(
-    base: TrainerConfig, count: int, endpoint: str, loader_kwargs: dict[str, Any]
+    base: TrainerConfig,
+    count: int,
+    endpoint: str,
+    loader_kwargs: dict[str, Any],
+    key: str = "b",
+    other: str = DL_OPENCV,
 ) -> Measurement:
-    """(b): per-trainer images/s, service side then DataLoader side."""
+    """(b), or (h)'s group (``key``): per-trainer images/s, service side then DataLoader side
+    (``other`` names the DataLoader contender)."""
     samples = {
         SERVICE: service_trainers(base, count, endpoint, loader_kwargs),
-        DL_OPENCV: dataloader_trainers(base, count),
+        other: dataloader_trainers(base, count),
     }
     notes = {"trainers": float(count)}
-    return Measurement("b", "b", f"per trainer, {count} trainers at once", "images/s", samples, notes=notes)
+    scenario = key[0]
+    return Measurement(
+        scenario, key, f"per trainer, {count} trainers at once", "images/s", samples, notes=notes
+    )

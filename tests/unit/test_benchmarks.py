@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 import socket
@@ -18,11 +19,14 @@ from benchmarks.results import (
     DECODE_LIMIT,
     DL_OPENCV,
     DL_PIL,
+    DL_PIPELINE,
+    FILES,
     LOCAL_SHM,
     REMOTE_CURVE,
     SERVICE,
     SERVICE_TREE,
     SHM,
+    TAR_SHARDS,
     TCP_CURVE,
     TCP_PLAIN,
     TRAINER,
@@ -162,6 +166,29 @@ def remote_measurements(curve_gb_s: float = 1.2, plain_gb_s: float = 2.5) -> tup
     )
 
 
+def byo_measurements(
+    pipeline: float = 1.2, group: float = 4.0, same: tuple[float, ...] = (1.0, 1.0), tar: float = 1.01
+) -> tuple[Measurement, ...]:
+    """(h) and (i), with dataferry at ``pipeline``, ``group`` and ``tar`` times its counterpart."""
+    return (
+        Measurement(
+            "h", "h", "pipeline", "images/s", {SERVICE: [pipeline * 200], DL_PIPELINE: [200.0]}, paired=True
+        ),
+        Measurement("h", "h-cpu", "CPU", "CPU-s", {SERVICE: [5.0], DL_PIPELINE: [5.5]}, paired=True),
+        Measurement(
+            "h",
+            "h-group",
+            "group",
+            "images/s",
+            {SERVICE: [group * 50] * 4, DL_PIPELINE: [50.0] * 4},
+            notes={"trainers": 4.0},
+        ),
+        Measurement("h", "h-equal", "identical", "samples", {SERVICE: list(same)}),
+        Measurement("i", "i", "tar", "images/s", {TAR_SHARDS: [tar * 1000], FILES: [1000.0]}, paired=True),
+        Measurement("i", "i-cpu", "CPU", "CPU-s", {TAR_SHARDS: [1.6], FILES: [1.7]}, paired=True),
+    )
+
+
 def full_results() -> BenchResults:
     return results_with(
         throughput([1200.0, 1150.0, 1180.0], [1000.0, 1000.0, 1000.0], [1250.0, 1250.0, 1250.0]),
@@ -178,6 +205,7 @@ def full_results() -> BenchResults:
             "MiB",
             {"rss_mib": [300.0, 301.0], "rss_anon_mib": [80.0, 81.0], "shm_mib": [110.0, 110.0]},
         ),
+        *byo_measurements(),
         *remote_measurements(),
     )
 
@@ -197,8 +225,31 @@ def test_every_target_passes_when_the_figures_meet_it() -> None:
         "d": [True],
         "e": [True, True],
         "g": [True],
+        "h": [True, True, True],
+        "i": [True],
         "j": [True, True, True],
     }
+
+
+def test_pipeline_and_tar_targets_fail_below_their_thresholds() -> None:
+    slow = byo_measurements(pipeline=1.09, group=3.4, same=(1.0, 0.0), tar=0.996)
+    got = verdicts(results_with(*slow))
+    assert got["h"] == [False, False, False]
+    assert got["i"] == [False]
+    checks = {c.target: c.measured for c in evaluate_targets(results_with(*slow))}
+    assert checks["tar shards >= 1.0x the same images as files"] == "0.996x"  # not a rounded 1.00x
+    assert checks["pipeline, every field identical to the DataLoader's for the same samples"] == "1/2 samples"
+
+
+def test_a_skipped_scenario_says_why_in_its_targets_table_and_json() -> None:
+    base = results_with()
+    skipped = dataclasses.replace(base, skipped={"h": "torchvision is not installed"})
+    checks = [c for c in evaluate_targets(skipped) if c.scenario == "h"]
+    assert len(checks) == 3
+    assert all(c.passed is None and c.measured == "skipped: torchvision is not installed" for c in checks)
+    assert "skipped (h): torchvision is not installed" in format_table(skipped, evaluate_targets(skipped))
+    assert "Skipped (h): torchvision is not installed" in markdown(skipped, evaluate_targets(skipped), "x")
+    assert to_json(skipped, evaluate_targets(skipped))["skipped"] == {"h": "torchvision is not installed"}
 
 
 def test_remote_targets_fail_below_their_thresholds() -> None:
@@ -261,11 +312,39 @@ def test_table_has_a_row_per_measurement_ratios_and_verdicts() -> None:
     assert "vs decode limit 0.94x" in table
     assert "80.0 -> 81.0" in table
     labels = [line.split("  ")[0] for line in table.splitlines() if line.startswith("(")]
-    scenarios = ["(a)", "(b)", "(c)", "(d)", "(e)", "(e)", "(f)", "(g)", *["(j)"] * 7]
+    scenarios = [
+        "(a)",
+        "(b)",
+        "(c)",
+        "(d)",
+        "(e)",
+        "(e)",
+        "(f)",
+        "(g)",
+        *["(h)"] * 4,
+        *["(i)"] * 2,
+        *["(j)"] * 7,
+    ]
     assert [label[:3] for label in labels] == scenarios
     assert "of 64" in labels[4] and "of 256" in labels[5]
     assert "PASS  (a) dataferry >= 1.15x DataLoader+OpenCV: 1.18x" in table
     assert "FAIL" not in table
+
+
+def test_pipeline_and_tar_rows_compare_with_their_counterparts() -> None:
+    results = results_with(*byo_measurements())
+    table = format_table(results, evaluate_targets(results))
+    lines = {line.split("  ")[0]: line for line in table.splitlines() if line.startswith(("(h)", "(i)"))}
+    one = lines["(h) pipeline, one trainer, images/s"]
+    assert "240" in one and "DataLoader running the same function 200, ratio 1.20x" in one
+    assert "4.00x" in lines["(h) pipeline, per trainer, 4 in a group, images/s"]
+    assert "2/2" in lines["(h) pipeline, samples identical"]
+    assert "the same images as files 1000, ratio 1.010x" in lines["(i) tar shards, one trainer, images/s"]
+    doc = to_json(results, evaluate_targets(results))
+    assert doc["measurements"]["i"]["ratios"] == {"tar_shards/files": pytest.approx(1.01)}
+    assert doc["measurements"]["h"]["ratios"] == {"service/dl_pipeline": pytest.approx(1.2)}
+    text = markdown(results, evaluate_targets(results), "python -m benchmarks --scenarios h,i")
+    assert "(h) runs the user pipeline" in text
 
 
 def test_remote_rows_compare_with_the_local_trainer_other_transports_and_tf_data() -> None:
@@ -310,7 +389,7 @@ def test_json_shape_and_strictness() -> None:
     assert json.loads(text)["schema"] == SCHEMA
     assert set(doc) == {
         "schema", "started", "seconds", "settings", "machine", "contenders",
-        "measurements", "targets", "timelines", "cleanup",
+        "measurements", "targets", "timelines", "cleanup", "skipped",
     }  # fmt: skip
     a = doc["measurements"]["a"]
     assert set(a) == {"scenario", "title", "unit", "paired", "samples", "median", "ratios", "notes"}
@@ -318,7 +397,8 @@ def test_json_shape_and_strictness() -> None:
     assert a["median"][SERVICE] == 1180.0
     assert a["ratios"]["service/dl_opencv"] == pytest.approx(1.18)
     assert set(doc["measurements"]) == {
-        "a", "b", "c", "d", "e64", "e256", "f", "g", "j-rate", "j-transport", "j-cpu-tcp_curve",
+        "a", "b", "c", "d", "e64", "e256", "f", "g", "h", "h-cpu", "h-group", "h-equal", "i", "i-cpu",
+        "j-rate", "j-transport", "j-cpu-tcp_curve",
     }  # fmt: skip
     assert doc["targets"][0] == {
         "scenario": "a",
@@ -364,6 +444,7 @@ def test_reported_settings_hold_no_path_of_this_machine(tmp_path: Path) -> None:
 def test_parse_scenarios_orders_and_keeps_unknown_for_validation() -> None:
     assert parse_scenarios("e, a,c") == ("a", "c", "e")
     assert parse_scenarios("j,a") == ("a", "j")
+    assert parse_scenarios("j,i,h") == ("h", "i", "j")
     assert parse_scenarios("A,,b") == ("a", "b")
     assert parse_scenarios("a,z") == ("a", "z")
 
@@ -395,6 +476,9 @@ def test_command_line_hides_the_data_path(tmp_path: Path) -> None:
     assert command_line(cfg) == "python -m benchmarks --quick --data DIR --workers 3 --scenarios a,c"
     assert command_line(make_config(False)) == "python -m benchmarks"
     assert command_line(make_config(False, images=5000)) == "python -m benchmarks --images 5000"
+    assert command_line(make_config(False, rounds=11, scenarios=("h", "i"))) == (
+        "python -m benchmarks --rounds 11 --scenarios h,i"
+    )
 
 
 def test_cpu_model_and_memory_from_proc_text() -> None:
@@ -430,3 +514,51 @@ def test_a_missing_matplotlib_is_refused_before_the_run(monkeypatch: pytest.Monk
     )
     assert cli.main(["--quick"]) == 2  # a run would take minutes before failing at the plot
     cli._check_plotting(cli.config_from(cli.build_parser().parse_args(["--no-plot"])))
+
+
+# --- (h) and (i) helpers ---------------------------------------------------------------------------
+
+
+def test_batch_rows_of_every_contender_kind() -> None:
+    import torch
+
+    from benchmarks.contenders import batch_rows
+
+    assert batch_rows((torch.zeros(5, 3), torch.zeros(5))) == 5  # a DataLoader's tuple
+    assert batch_rows({"image": torch.zeros(7, 2), "label": torch.zeros(7)}) == 7  # collated dicts
+
+
+def test_epoch_order_walks_the_services_permutation_epoch_after_epoch() -> None:
+    from benchmarks.datasets import EpochOrder
+    from loader_service.dataset.sampler import epoch_permutation
+
+    order = EpochOrder(10, seed=3)
+    first, second = list(order), list(order)
+    assert first == [(0, i) for i in epoch_permutation(3, 0, 10).tolist()]
+    assert second == [(1, i) for i in epoch_permutation(3, 1, 10).tolist()]
+    assert len(order) == 10
+
+
+def test_shard_groups_are_consecutive_runs_in_index_order() -> None:
+    from benchmarks.datasets import sample_key, shard_groups
+
+    assert shard_groups(600, 256) == [range(0, 256), range(256, 512), range(512, 600)]
+    assert shard_groups(256, 256) == [range(0, 256)]
+    assert shard_groups(0, 256) == []
+    with pytest.raises(ValueError):
+        shard_groups(10, 0)
+    assert sample_key(42) == "000042"  # no dot: a WebDataset key ends at the first one
+
+
+def test_same_fields_needs_names_dtypes_shapes_and_bits() -> None:
+    import numpy as np
+    import torch
+
+    from benchmarks.pipelines import same_fields
+
+    got = {"image": torch.ones(2, 2, dtype=torch.float16), "label": torch.tensor(3)}
+    assert same_fields(got, {"image": torch.ones(2, 2, dtype=torch.float16), "label": np.int64(3)})
+    assert not same_fields(got, {"image": torch.ones(2, 2, dtype=torch.float32), "label": 3})
+    assert not same_fields(got, {"image": torch.ones(1, 4, dtype=torch.float16), "label": 3})
+    assert not same_fields(got, {"image": torch.zeros(2, 2, dtype=torch.float16), "label": 3})
+    assert not same_fields(got, {"label": 3, "image": torch.ones(2, 2, dtype=torch.float16)})  # order
