@@ -13,6 +13,8 @@ NOTE [ Broadcast epochs ]
     iterate epochs together. A member that starts the epoch the group is
     already in (a late joiner, or one that rejoined after dying) receives it from the oldest batch
     still held, so it may miss the batches before that: exactly-once holds for members that stay.
+    When the last member in the epoch leaves and none is waiting for the next, the epoch is
+    abandoned and the group begins afresh with whoever starts next (``_abandon_epoch``).
     A member that holds the group up for longer than the lag timeout is evicted (trainers.py): it gets
     no further batches, but keeps the slots of those it holds until it releases them, so a slow step
     never sees its batch overwritten. A dead member is dropped after its heartbeat timeout, and its
@@ -206,9 +208,24 @@ class Stream(Producer):
             self._activate(m, m.want[1])
 
     def on_member_left(self) -> None:
-        """A departed member may have been the last one the next epoch was waiting for."""
-        if self.started:
+        """A departed member may have been the last one in the epoch, or the last one the next
+        epoch was waiting for."""
+        if self.started and not any(m.active or m.want is not None for m in self.members.values()):
+            self._abandon_epoch()
+        elif self.started:
             self._maybe_begin_group_epoch()
+
+    def _abandon_epoch(self) -> None:
+        """NOTE [ Broadcast epochs ]: nobody is in the group's epoch or waiting for the next one; the
+        members left (if any) attached but have not started. The epoch has no "where it is" for them
+        to join: without this, the group would decode the rest of it for nobody, and a member that
+        started next would join at its end and get nothing. The group begins afresh at their start,
+        as a new group would. Slots evicted members still hold stay theirs until released."""
+        for batch in self.batches.values():
+            batch.pending.clear()
+        self._collect()
+        self.restart(self.plan_key)  # a new generation: batches still decoding are refused
+        self.started = False
 
     def _join_running(self, member: Member) -> None:
         current = [seq for gen, seq in self.batches if gen == self.gen]

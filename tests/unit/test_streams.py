@@ -190,3 +190,35 @@ def test_a_member_that_resumed_its_session_goes_on_in_the_running_epoch() -> Non
     second = stream.plan_batch()
     assert stream.filled(second[0], second[1], slot=1, count=4)
     assert [k for k, _ in stream.deliverable(stream.members["a"])] == [(second[0], 1)]
+
+
+def test_a_member_starting_after_the_last_active_one_left_gets_the_whole_epoch() -> None:
+    """Found by the soak test: b attached while a was in the epoch and started only after a left.
+    The group went on decoding the epoch for nobody, so b joined at its end and got nothing."""
+    stream = group("a", group_size=1)
+    stream.on_start("a", 0, 0)
+    stream.add(session("b", group_size=1))
+    gen, seq, _ = stream.plan_batch()
+    assert stream.filled(gen, seq, slot=5, count=4)
+    assert [key for key, _ in stream.deliverable(stream.members["a"])] == [(gen, seq)]
+    late = stream.plan_batch()  # still decoding when a leaves
+    stream.remove("a")
+    stream.on_member_left()
+    assert not stream.wants_batch(), "nobody is in the epoch: nothing more is decoded for it"
+    assert not stream.filled(late[0], late[1], slot=6, count=4), "nor is a batch still decoding kept"
+    stream.on_start("b", 0, 0)
+    gen, seq, indices = stream.plan_batch()
+    assert (seq, indices.tolist()) == (0, [0, 1, 2, 3]), "b's epoch starts at its first batch"
+    assert stream.filled(gen, seq, slot=7, count=4)
+    assert [key for key, _ in stream.deliverable(stream.members["b"])] == [(gen, 0)]
+
+
+def test_members_waiting_for_the_next_epoch_still_begin_it_when_the_laggard_leaves() -> None:
+    stream = group("a", "b", "c", group_size=3)
+    for sid in ("a", "b", "c"):
+        stream.on_start(sid, 0, 0)
+    stream.on_start("a", 1, 0)
+    stream.on_start("b", 1, 0)
+    stream.remove("c")
+    stream.on_member_left()
+    assert stream.epoch == 1 and stream.wants_batch(), "a and b go on to epoch 1 without c"
