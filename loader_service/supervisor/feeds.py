@@ -207,6 +207,9 @@ def _layout(config: FeedConfig, index_dir: Path, probe_timeout: float) -> SlotLa
             f"{', '.join(f.describe() for f in found)} for sample 0, but the config file states "
             f"{', '.join(f.describe() for f in config.fields)}"
         )
-    layout = SlotLayout(config.batch_size, found)
+    try:
+        layout = SlotLayout(config.batch_size, found)
+    except ValueError as exc:  # too many fields, or a slot too large to allocate
+        raise PipelineError(f"feed {config.name}: pipeline {config.pipeline}: {exc}") from None
     log.info("feed %s: batch fields %s", config.name, ", ".join(f.describe() for f in layout.fields))
     return layout

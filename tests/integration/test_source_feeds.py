@@ -207,6 +207,12 @@ def test_samples_a_pipeline_fails_on_are_skipped_counted_and_logged_once_per_err
             "make",
             "complex64",
         ),
+        (
+            "import numpy as np\n"
+            "def make(sample, rng):\n    return {f'f{i}': np.int8(i) for i in range(40)}\n",
+            "make",
+            "fields",
+        ),
     ],
 )
 def test_a_pipeline_that_cannot_run_stops_the_start_with_exit_2(
