@@ -43,13 +43,12 @@ from gpu_worker.device import resolve_device
 from gpu_worker.fields import (
     ExpectedFields,
     as_expected,
-    describe_fields,
     expected_fields,
     field_differences,
 )
 from gpu_worker.leases import LeaseBook
 from gpu_worker.loader_config import LoaderConfig, shard_of
-from protocol.layout import SlotLayout
+from protocol.layout import SlotLayout, describe_fields
 from protocol.messages import MAX_RELEASES, BatchReady, Bye, EpochEnd, FeedInfo, Start, Welcome
 
 log = logging.getLogger(__name__)

@@ -70,8 +70,3 @@ def field_differences(expected: Sequence[FieldSpec], served: Sequence[FieldSpec]
 def as_expected(fields: Sequence[FieldSpec]) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
     """``fields`` in the form ``ServiceLoader(fields=...)`` takes: what to paste into a trainer."""
     return {f.name: (f.shape, getattr(torch, f.dtype)) for f in fields}
-
-
-def describe_fields(fields: Sequence[FieldSpec]) -> str:
-    """``image uint8[3, 224, 224], label int64[]``."""
-    return ", ".join(f.describe() for f in fields)

@@ -15,8 +15,8 @@ from dataclasses import dataclass
 from typing import Any
 
 from gpu_worker.client import ServiceLoader
-from gpu_worker.fields import describe_fields
 from gpu_worker.metrics import TrainerMetrics
+from protocol.layout import describe_fields
 
 log = logging.getLogger(__name__)
 StepFn = Callable[..., Any]

@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import math
 import re
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 SEGMENT_PREFIX = "dataferry-"
@@ -91,6 +92,11 @@ class FieldSpec:
     def describe(self) -> str:
         """``image uint8[3, 224, 224]``: how errors and logs name a field."""
         return f"{self.name} {self.dtype}[{', '.join(map(str, self.shape))}]"
+
+
+def describe_fields(fields: Sequence[FieldSpec]) -> str:
+    """``image uint8[3, 224, 224], label int64[]``: how logs and errors name a batch's fields."""
+    return ", ".join(f.describe() for f in fields)
 
 
 def image_fields(size: int, channels: int = 3) -> tuple[FieldSpec, ...]:

@@ -30,7 +30,7 @@ from loader_service.decode.reading import SampleReader
 from loader_service.decode.transforms import DecodeError, load_bytes_into
 from loader_service.logs import configure_logging
 from loader_service.shm import Segment
-from protocol.layout import SlotLayout, image_fields
+from protocol.layout import SlotLayout, describe_fields, image_fields
 from protocol.messages import MAX_BAD_REPORTS, StopWorker, Task, TaskDone, WorkerReady, decode, encode
 
 log = logging.getLogger(__name__)
@@ -213,7 +213,7 @@ def check_builtin_layout(layout: SlotLayout) -> None:
     image = layout.fields[0]
     expected = image_fields(image.shape[-1]) if image.shape else ()
     if layout.fields != expected:
-        found = ", ".join(f.describe() for f in layout.fields)
+        found = describe_fields(layout.fields)
         raise ValueError(f"the built-in transforms fill image uint8[3, S, S] and label int64[], not {found}")
 
 

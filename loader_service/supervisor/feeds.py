@@ -20,7 +20,7 @@ from loader_service.decode.worker import WorkerFeed
 from loader_service.shm import Segment, new_segment_name
 from loader_service.supervisor.rates import RateMeter
 from loader_service.supervisor.slots import SlotPool
-from protocol.layout import CHECK_BYTES, SlotLayout
+from protocol.layout import CHECK_BYTES, SlotLayout, describe_fields
 from protocol.messages import FeedInfo
 
 log = logging.getLogger(__name__)
@@ -204,12 +204,12 @@ def _layout(config: FeedConfig, index_dir: Path, probe_timeout: float) -> SlotLa
     if config.fields and config.fields != found:
         raise PipelineError(
             f"feed {config.name}: pipeline {config.pipeline} returns "
-            f"{', '.join(f.describe() for f in found)} for sample 0, but the config file states "
-            f"{', '.join(f.describe() for f in config.fields)}"
+            f"{describe_fields(found)} for sample 0, but the config file states "
+            f"{describe_fields(config.fields)}"
         )
     try:
         layout = SlotLayout(config.batch_size, found)
     except ValueError as exc:  # too many fields, or a slot too large to allocate
         raise PipelineError(f"feed {config.name}: pipeline {config.pipeline}: {exc}") from None
-    log.info("feed %s: batch fields %s", config.name, ", ".join(f.describe() for f in layout.fields))
+    log.info("feed %s: batch fields %s", config.name, describe_fields(layout.fields))
     return layout

@@ -25,10 +25,10 @@ import zmq
 from gpu_worker.batch import SMALL_ROW_BYTES, Batch, frame_fields, slot_fields
 from gpu_worker.connection import ServiceError
 from gpu_worker.delivery import Delivery
-from gpu_worker.fields import as_expected, describe_fields, expected_fields, field_differences
+from gpu_worker.fields import as_expected, expected_fields, field_differences
 from gpu_worker.leases import LeaseBook
 from gpu_worker.mapping import SlotMap
-from protocol.layout import PAGE, FieldSpec, SlotLayout
+from protocol.layout import PAGE, FieldSpec, SlotLayout, describe_fields
 from protocol.messages import BatchReady, FeedInfo
 
 Pair = tuple[zmq.Socket[bytes], zmq.Socket[bytes]]
