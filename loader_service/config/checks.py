@@ -5,13 +5,13 @@ from __future__ import annotations
 import ipaddress
 import math
 import os
-import re
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import zmq.auth
 
+from loader_service.decode.pipeline import parse_spec
 from loader_service.decode.transforms import decoder_problem
 
 LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR")
@@ -60,16 +60,13 @@ def data_source(name: str, value: Any) -> str | None:
     return None if path.exists() else f"{name} {value} does not exist"
 
 
-_NAME = r"[A-Za-z_][A-Za-z0-9_]*"
-_PIPELINE = re.compile(rf"^(?:[^:]+\.py|{_NAME}(?:\.{_NAME})*):{_NAME}$")
-
-
 def pipeline(name: str, value: Any) -> str | None:
     if not value:
         return None
-    if not _PIPELINE.match(value):
-        return f"{name} must be FILE.py:FUNC or package.module:FUNC, got {value!r}"
-    module = value.rpartition(":")[0]
+    try:
+        module, _func = parse_spec(value)  # the grammar the workers load it by
+    except ValueError as exc:
+        return str(exc)
     if module.endswith(".py") and not Path(module).expanduser().is_file():
         return f"{name}: file {module} does not exist"
     return None

@@ -92,7 +92,8 @@ class OutputError(Exception):
 def parse_spec(spec: str) -> tuple[str, str]:
     """``FILE.py:FUNC`` or ``package.module:FUNC`` -> (file or module, function); ValueError if neither."""
     target, _, func = spec.rpartition(":")
-    if not target or not _FUNC.match(func):
+    # One colon: a file path holding another would be read differently by the reader of the spec.
+    if not target or ":" in target or not _FUNC.match(func):
         raise ValueError(f"pipeline must be FILE.py:FUNC or package.module:FUNC, got {spec!r}")
     if not target.endswith(".py") and not _MODULE_SPEC.match(target):
         raise ValueError(f"pipeline {spec!r}: {target!r} is neither a .py file nor a module name")
