@@ -56,10 +56,13 @@ class Feed:
     check: str = ""
     """Hex of the bytes after the pool that prove to a trainer it mapped this pool (protocol.layout)."""
     counters: FeedCounters = field(default_factory=FeedCounters)
-    _bad_seen: npt.NDArray[np.bool_] = field(default_factory=lambda: np.zeros(0, bool))
+    _bad_seen: npt.NDArray[np.bool_] = field(init=False)
     """One flag per sample: bad at least once (logged then). A byte a sample, however many are bad."""
     _recent_bad: deque[int] = field(default_factory=lambda: deque(maxlen=RECENT_BAD))
     _logged_reasons: set[str] = field(default_factory=set)
+
+    def __post_init__(self) -> None:
+        self._bad_seen = np.zeros(len(self.index), bool)
 
     @classmethod
     def open(
@@ -92,6 +95,11 @@ class Feed:
         return cls(feed_id, config, index, layout, segment, pool, index_dir, index.fingerprint(), check.hex())
 
     @property
+    def image_size(self) -> int:
+        """The built-in transforms' output size; 0 for a pipeline, whose fields say what a sample is."""
+        return 0 if self.config.pipeline else self.config.image_size
+
+    @property
     def augment(self) -> str:
         """What makes the samples: a built-in transform's name, or ``pipeline``."""
         return "pipeline" if self.config.pipeline else self.config.augment
@@ -117,7 +125,7 @@ class Feed:
             samples=len(self.index),
             classes=self.index.num_classes,
             batch_size=cfg.batch_size,
-            image_size=0 if cfg.pipeline else cfg.image_size,
+            image_size=self.image_size,
             batches_per_epoch=self.shard_batches(1, "pad"),
             seed=cfg.seed,
             augment=self.augment,
@@ -157,8 +165,6 @@ class Feed:
         self.counters.bad_files += 1
         if not 0 <= index < len(self.index):
             return
-        if len(self._bad_seen) != len(self.index):
-            self._bad_seen = np.zeros(len(self.index), bool)
         if self._bad_seen[index]:
             return
         self._bad_seen[index] = True

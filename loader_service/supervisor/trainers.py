@@ -116,7 +116,7 @@ class TrainerDesk:
             served = ", ".join(repr(f.name) for f in self._feeds)
             return f"this service serves feed(s) {served}, not {msg.feed!r}"
         cfg = feed.config
-        image_size = 0 if cfg.pipeline else cfg.image_size  # a pipeline: its fields say what a sample is
+        image_size = feed.image_size
         if msg.batch_size not in (0, cfg.batch_size) or msg.image_size not in (0, image_size):
             served = f"{image_size}px images" if image_size else "a pipeline's fields, not a fixed image size"
             return (
