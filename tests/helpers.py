@@ -208,23 +208,35 @@ for i, batch in enumerate(loader):
 
 
 @contextlib.contextmanager
-def fake_segment(fill: int = 0) -> Iterator[str]:
-    """A real segment of ours, named as the service names them, holding one slot of 4 images of 8 px
-    (every byte ``fill``); removed afterwards. For fake services that announce a pool."""
-    name = f"dataferry-{os.getpid()}-fake-{os.urandom(3).hex()}"
+def shm_segment(tag: str, size: int, fill: Callable[[mmap.mmap], None]) -> Iterator[str]:
+    """A real segment of ours of ``size`` bytes, named as the service names them, written by
+    ``fill``; removed afterwards, pass or fail."""
+    name = f"dataferry-{os.getpid()}-{tag}-{os.urandom(3).hex()}"
     path = Path("/dev/shm") / name
-    size = SlotLayout.images(4, 8).segment_bytes(1)
     fd = os.open(path, os.O_CREAT | os.O_EXCL | os.O_RDWR, 0o600)
     try:
         os.ftruncate(fd, size)
         with mmap.mmap(fd, size) as m:
-            m[:] = bytes([fill]) * size
+            fill(m)
     finally:
         os.close(fd)
     try:
         yield name
     finally:
         path.unlink(missing_ok=True)
+
+
+@contextlib.contextmanager
+def fake_segment(fill: int = 0) -> Iterator[str]:
+    """One slot of 4 images of 8 px, every byte ``fill`` (``shm_segment``). For fake services that
+    announce a pool."""
+    size = SlotLayout.images(4, 8).segment_bytes(1)
+
+    def write(m: mmap.mmap) -> None:
+        m[:] = bytes([fill]) * size
+
+    with shm_segment("fake", size, write) as name:
+        yield name
 
 
 def consume_with_pause(

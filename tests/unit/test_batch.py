@@ -30,6 +30,7 @@ from gpu_worker.leases import LeaseBook
 from gpu_worker.mapping import SlotMap
 from protocol.layout import PAGE, FieldSpec, SlotLayout, describe_fields
 from protocol.messages import BatchReady, FeedInfo
+from tests.helpers import shm_segment
 
 Pair = tuple[zmq.Socket[bytes], zmq.Socket[bytes]]
 """A service's socket and a trainer's, connected."""
@@ -55,20 +56,13 @@ PIPELINE = SlotLayout(
 @contextlib.contextmanager
 def segment(layout: SlotLayout, slots: int = SLOTS) -> Iterator[str]:
     """A real segment of ours with ``slots`` slots of ``layout`` and the check page after them."""
-    name = f"dataferry-{os.getpid()}-batch-{os.urandom(3).hex()}"
-    path = Path("/dev/shm") / name
-    size = layout.mapped_bytes(slots)
-    fd = os.open(path, os.O_CREAT | os.O_EXCL | os.O_RDWR, 0o600)
-    try:
-        os.ftruncate(fd, size)
-        with mmap.mmap(fd, size) as m:
-            m[layout.segment_bytes(slots) : layout.segment_bytes(slots) + len(CHECK)] = CHECK
-    finally:
-        os.close(fd)
-    try:
+    pool = layout.segment_bytes(slots)
+
+    def write(m: mmap.mmap) -> None:
+        m[pool : pool + len(CHECK)] = CHECK
+
+    with shm_segment("batch", layout.mapped_bytes(slots), write) as name:
         yield name
-    finally:
-        path.unlink(missing_ok=True)
 
 
 def sample_rows(layout: SlotLayout, count: int, salt: int = 0) -> dict[str, npt.NDArray[np.generic]]:
