@@ -485,6 +485,19 @@ HOSTILE_SIZES = [
 ]
 
 
+def index_with_one_damaged_header(shard: Path, at: int, caplog: pytest.LogCaptureFixture) -> DatasetIndex:
+    """Index ``shard`` (s.tar, samples 000-009) whose header at ``at``, sample 004's ``.cls``, is
+    damage: logged, resumed after, samples 004 and 005 flawed and 004 unlabelled, no sample lost."""
+    with caplog.at_level(logging.WARNING):
+        index = build_index(shard)
+    assert f"shard s.tar: damaged tar header at offset {at}; resumed at offset {at + 1024}" in caplog.text
+    assert [index.relpath(i) for i in range(len(index))] == [f"s.tar:{k:03d}" for k in range(10)]
+    reason = f"tar header damaged at offset {at} of s.tar"
+    assert index.flaws == {4: reason, 5: reason}
+    assert index.labels.tolist() == [0, 1, 2, 3, -1, 5, 6, 7, 8, 9]
+    return index
+
+
 @pytest.mark.parametrize("field", HOSTILE_SIZES)
 @pytest.mark.parametrize("fmt", [tarfile.GNU_FORMAT, tarfile.USTAR_FORMAT])
 def test_a_size_field_that_is_not_octal_is_damage_in_both_scans(
@@ -494,13 +507,7 @@ def test_a_size_field_that_is_not_octal_is_damage_in_both_scans(
     at = header_offsets(shard)["004.cls"]  # the label "4\n": 2 bytes
     set_size_field(shard, at, field)
     assert fast_scan_refuses(shard)
-    with caplog.at_level(logging.WARNING):
-        index = build_index(shard)
-    assert f"shard s.tar: damaged tar header at offset {at}; resumed at offset {at + 1024}" in caplog.text
-    assert [index.relpath(i) for i in range(len(index))] == [f"s.tar:{k:03d}" for k in range(10)]
-    reason = f"tar header damaged at offset {at} of s.tar"
-    assert index.flaws == {4: reason, 5: reason}
-    assert index.labels.tolist() == [0, 1, 2, 3, -1, 5, 6, 7, 8, 9]
+    index = index_with_one_damaged_header(shard, at, caplog)
     assert [index_data(index, i) for i in range(10)] == [
         {"jpg": f"image {k:03d}".encode()}
         if k == 4
@@ -524,13 +531,7 @@ def test_a_pax_size_that_is_not_decimal_is_damage_in_both_scans(
                 at = tar.offset + 1024  # after the pax header and its records
             tar.addfile(info, io.BytesIO(data))
     assert fast_scan_refuses(shard)
-    with caplog.at_level(logging.WARNING):
-        index = build_index(shard)
-    assert f"shard s.tar: damaged tar header at offset {at}; resumed at offset {at + 1024}" in caplog.text
-    assert [index.relpath(i) for i in range(len(index))] == [f"s.tar:{k:03d}" for k in range(10)]
-    reason = f"tar header damaged at offset {at} of s.tar"
-    assert index.flaws == {4: reason, 5: reason}
-    assert index.labels.tolist() == [0, 1, 2, 3, -1, 5, 6, 7, 8, 9]
+    index_with_one_damaged_header(shard, at, caplog)
     assert_same_scans(tmp_path, ["s.tar"])
 
 
