@@ -19,7 +19,7 @@ import numpy as np
 
 from benchmarks.service_process import BenchError
 from loader_service.dataset.index import DatasetIndex
-from loader_service.decode.transforms import load_into
+from loader_service.decode.transforms import Recipe, load_into
 
 
 @dataclass(frozen=True)
@@ -79,7 +79,9 @@ def decode_limit_stream(
         for position, start in enumerate(range(0, len(order), batch_size)):
             chunk = order[start : start + batch_size].tolist()
             for row, idx in enumerate(chunk):
-                load_into(str(index.path(idx)), out[row], "train", _sample_rng(seed, epoch, idx), roi)
+                load_into(
+                    str(index.path(idx)), out[row], Recipe("train", roi=roi), _sample_rng(seed, epoch, idx)
+                )
             yield Tick(epoch, position, len(chunk))
 
 

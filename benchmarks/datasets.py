@@ -34,6 +34,7 @@ from loader_service.dataset.index import DatasetIndex, build_index
 from loader_service.dataset.sampler import epoch_permutation, sample_rng
 from loader_service.decode.pipeline import load_pipeline, seed_globals
 from loader_service.decode.transforms import (
+    Recipe,
     decode_bytes,
     decode_file,
     random_resized_crop_params,
@@ -149,7 +150,7 @@ class OpenCVCrops(_CropDataset):
 
     def __getitem__(self, i: int) -> Sample:
         out = np.empty((3, self.size, self.size), dtype=np.uint8)
-        transform_into(decode_file(str(self.index.path(i))), out, "train", self.rng())
+        transform_into(decode_file(str(self.index.path(i))), out, Recipe("train"), self.rng())
         return torch.from_numpy(out), int(self.index.labels[i])
 
 

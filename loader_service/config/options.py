@@ -30,7 +30,7 @@ from typing import Any
 from loader_service.config import checks
 from loader_service.config.checks import Check, at_least, between, positive
 from loader_service.dataset.index import FORMATS
-from loader_service.decode.transforms import DECODERS, DEFAULT_MAX_FILE_BYTES, uses_roi
+from loader_service.decode.transforms import DECODERS, DEFAULT_MAX_FILE_BYTES, INTERPOLATIONS, uses_roi
 from protocol.layout import FieldSpec
 
 AUGMENTS = ("train", "eval", "none")
@@ -99,6 +99,14 @@ class FeedOptions:
         default="train",
         metadata=option(
             "train (RandomResizedCrop + flip), eval (resize + center crop) or none (resize)", choices=AUGMENTS
+        ),
+    )
+    interpolation: str = field(
+        default=INTERPOLATIONS[0],
+        metadata=option(
+            "the built-in transforms' resize filter: bilinear-antialias (torchvision's default), "
+            "bilinear (OpenCV's INTER_LINEAR, as a plain cv2.resize) or area (OpenCV's INTER_AREA)",
+            choices=INTERPOLATIONS,
         ),
     )
     seed: int = field(

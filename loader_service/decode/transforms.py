@@ -49,6 +49,23 @@ DEFAULT_MAX_FILE_BYTES = 256 * 2**20
 SCALE = (0.08, 1.0)
 RATIO = (3 / 4, 4 / 3)
 
+INTERPOLATIONS = ("bilinear-antialias", "bilinear", "area")
+"""The resize filters, default first. ``bilinear-antialias`` is torchvision's default (its tensor
+resize, ``antialias=True``; PIL's bilinear is within one level of it); ``bilinear`` is OpenCV's
+``INTER_LINEAR``, what a plain ``cv2.resize`` pipeline does; ``area`` is OpenCV's ``INTER_AREA`` when
+shrinking (bilinear when enlarging)."""
+
+
+@dataclass(frozen=True)
+class Recipe:
+    """How the built-in transforms make one sample: which transform, which filter, which decoder."""
+
+    augment: str = "train"
+    """``train`` (RandomResizedCrop + flip), ``eval`` (centre crop) or ``none`` (resize)."""
+    interpolation: str = INTERPOLATIONS[0]
+    roi: bool = False
+    """Decode JPEGs with the region decoder where it can (module docstring)."""
+
 
 class DecodeError(Exception):
     """A file that is not a decodable image; ``str()`` is the reason logged and reported."""
@@ -207,10 +224,32 @@ def _central_fallback(height: int, width: int) -> Crop:
     return Crop((height - h) // 2, (width - w) // 2, h, w)
 
 
-def _resize(image: U8, width: int, height: int) -> U8:
+def resize(image: U8, width: int, height: int, interpolation: str) -> U8:
+    """``image`` (HWC uint8) resized to ``width`` x ``height`` with the named filter."""
+    if interpolation == "bilinear-antialias":
+        return _resize_antialias(image, width, height)
     shrinking = width * height < image.shape[0] * image.shape[1]
-    interpolation = cv2.INTER_AREA if shrinking else cv2.INTER_LINEAR
-    return cast(U8, cv2.resize(image, (width, height), interpolation=interpolation))
+    flag = cv2.INTER_AREA if interpolation == "area" and shrinking else cv2.INTER_LINEAR
+    return cast(U8, cv2.resize(image, (width, height), interpolation=flag))
+
+
+def _resize_antialias(image: U8, width: int, height: int) -> U8:
+    """torch's anti-aliased bilinear resize, the one torchvision's tensor transforms call. On an
+    HWC array viewed as a channels-last NCHW tensor it takes torch's uint8 SIMD path, no float copy."""
+    import torch  # imported by ``prepare`` at worker start, so no first batch pays for it
+    from torch.nn.functional import interpolate
+
+    tensor = torch.from_numpy(np.ascontiguousarray(image)).permute(2, 0, 1).unsqueeze(0)
+    resized = interpolate(tensor, size=(height, width), mode="bilinear", antialias=True, align_corners=False)
+    return cast(U8, resized[0].permute(1, 2, 0).numpy())
+
+
+def prepare(interpolation: str) -> None:
+    """Import what the filter needs now (a decode worker's start), single-threaded as a worker must be."""
+    if interpolation == "bilinear-antialias":
+        import torch
+
+        torch.set_num_threads(1)
 
 
 def _store(hwc_bgr: U8, out: U8, flip: bool = False) -> None:
@@ -231,63 +270,62 @@ def eval_geometry(height: int, width: int, size: int) -> tuple[int, int, Crop]:
     return new_h, new_w, Crop(top, left, size, size)
 
 
-def apply_train(image: U8, out: U8, rng: np.random.Generator) -> None:
+def apply_train(image: U8, out: U8, rng: np.random.Generator, interpolation: str) -> None:
     c = random_resized_crop_params(rng, image.shape[0], image.shape[1])
-    _finish_train(image[c.top : c.top + c.height, c.left : c.left + c.width], out, rng)
+    _finish_train(image[c.top : c.top + c.height, c.left : c.left + c.width], out, rng, interpolation)
 
 
-def _finish_train(crop: U8, out: U8, rng: np.random.Generator) -> None:
+def _finish_train(crop: U8, out: U8, rng: np.random.Generator, interpolation: str) -> None:
     """Resize the crop into ``out`` and draw the flip: what follows the crop draw on either path."""
     size = out.shape[1]
-    _store(_resize(crop, size, size), out, flip=bool(rng.random() < 0.5))
+    _store(resize(crop, size, size, interpolation), out, flip=bool(rng.random() < 0.5))
 
 
-def apply_eval(image: U8, out: U8) -> None:
+def apply_eval(image: U8, out: U8, interpolation: str) -> None:
     size = out.shape[1]
     new_h, new_w, c = eval_geometry(image.shape[0], image.shape[1], size)
-    resized = cast(U8, cv2.resize(image, (new_w, new_h), interpolation=cv2.INTER_AREA))
+    resized = resize(image, new_w, new_h, interpolation)
     _store(resized[c.top : c.top + size, c.left : c.left + size], out)
 
 
-def apply_none(image: U8, out: U8) -> None:
+def apply_none(image: U8, out: U8, interpolation: str) -> None:
     size = out.shape[1]
-    _store(_resize(image, size, size), out)
+    _store(resize(image, size, size, interpolation), out)
 
 
-def transform_into(image: U8, out: U8, augment: str, rng: np.random.Generator) -> None:
-    """Write ``image`` (BGR HWC) transformed by ``augment`` into ``out`` (RGB CHW, ``3 x S x S``)."""
-    if augment == "train":
-        apply_train(image, out, rng)
-    elif augment == "eval":
-        apply_eval(image, out)
+def transform_into(image: U8, out: U8, recipe: Recipe, rng: np.random.Generator) -> None:
+    """Write ``image`` (BGR HWC) transformed as ``recipe`` says into ``out`` (RGB CHW, ``3 x S x S``)."""
+    if recipe.augment == "train":
+        apply_train(image, out, rng, recipe.interpolation)
+    elif recipe.augment == "eval":
+        apply_eval(image, out, recipe.interpolation)
     else:
-        apply_none(image, out)
+        apply_none(image, out, recipe.interpolation)
 
 
 def load_into(
     path: str,
     out: U8,
-    augment: str,
+    recipe: Recipe,
     rng: np.random.Generator,
-    roi: bool,
     max_bytes: int = DEFAULT_MAX_FILE_BYTES,
 ) -> None:
     """Read the file ``path`` (``read_file``) and write it transformed into ``out``."""
-    load_bytes_into(read_file(path, max_bytes), out, augment, rng, roi)
+    load_bytes_into(read_file(path, max_bytes), out, recipe, rng)
 
 
-def load_bytes_into(data: bytes, out: U8, augment: str, rng: np.random.Generator, roi: bool) -> None:
+def load_bytes_into(data: bytes, out: U8, recipe: Recipe, rng: np.random.Generator) -> None:
     """Write the image file's bytes ``data`` transformed into ``out``: the built-in per-sample work.
 
-    With ``roi`` the train transform decodes only its crop where it can (module docstring); every
-    other case is ``transform_into(decode_bytes(data), ...)``.
+    With ``recipe.roi`` the train transform decodes only its crop where it can (module docstring);
+    every other case is ``transform_into(decode_bytes(data), ...)``.
     """
-    if roi and augment == "train" and _jpegcrop is not None and _whole_jpeg(data):
+    if recipe.roi and recipe.augment == "train" and _jpegcrop is not None and _whole_jpeg(data):
         size = _roi_header(data)
         if size is not None:
-            _roi_train(data, size, out, rng)
+            _roi_train(data, size, out, rng, recipe.interpolation)
             return
-    transform_into(decode_bytes(data), out, augment, rng)
+    transform_into(decode_bytes(data), out, recipe, rng)
 
 
 def _whole_jpeg(data: bytes) -> bool:
@@ -330,7 +368,9 @@ def roi_scale(crop: Crop, size: int) -> int:
     return num
 
 
-def _roi_train(data: bytes, size: tuple[int, int], out: U8, rng: np.random.Generator) -> None:
+def _roi_train(
+    data: bytes, size: tuple[int, int], out: U8, rng: np.random.Generator, interpolation: str
+) -> None:
     assert _jpegcrop is not None
     c = random_resized_crop_params(rng, size[0], size[1])
     num = roi_scale(c, out.shape[1])
@@ -339,7 +379,7 @@ def _roi_train(data: bytes, size: tuple[int, int], out: U8, rng: np.random.Gener
     except ValueError:
         # Same crop, same rng position: the fallback yields what this path would have.
         image = decode_bytes(data)
-        _finish_train(image[c.top : c.top + c.height, c.left : c.left + c.width], out, rng)
+        _finish_train(image[c.top : c.top + c.height, c.left : c.left + c.width], out, rng, interpolation)
         return
     # The decoder returns whole scaled pixels covering the crop; keep those whose centres fall in
     # it (edges rounded to the nearest scaled pixel), so the crop is not biased towards zooming out.
@@ -347,7 +387,7 @@ def _roi_train(data: bytes, size: tuple[int, int], out: U8, rng: np.random.Gener
     y0, y1 = _nearest(c.top, num) - top, _nearest(c.top + c.height, num) - top
     x0, x1 = _nearest(c.left, num) - left + skip, _nearest(c.left + c.width, num) - left + skip
     region = np.frombuffer(pixels, dtype=np.uint8).reshape(rows, row_width, 3)
-    _finish_train(region[y0:y1, x0:x1], out, rng)
+    _finish_train(region[y0:y1, x0:x1], out, rng, interpolation)
 
 
 def _nearest(full_px: int, num: int) -> int:

@@ -27,7 +27,7 @@ from loader_service.dataset.index import DatasetIndex
 from loader_service.dataset.sampler import sample_rng
 from loader_service.decode.pipeline import Pipeline, Sample, load_pipeline, run_into
 from loader_service.decode.reading import SampleReader
-from loader_service.decode.transforms import DecodeError, load_bytes_into
+from loader_service.decode.transforms import DecodeError, Recipe, load_bytes_into, prepare
 from loader_service.logs import configure_logging
 from loader_service.shm import Segment
 from protocol.layout import SlotLayout, describe_fields, image_fields
@@ -56,6 +56,8 @@ class WorkerFeed:
     seed: int
     augment: str
     """The built-in transform (train, eval, none); unused with a pipeline."""
+    interpolation: str
+    """The built-in transforms' resize filter (``transforms.INTERPOLATIONS``)."""
     pipeline: str
     """``FILE.py:FUNC`` or ``package.module:FUNC`` (``decode.pipeline``); "" for the built-in transforms."""
     max_file_bytes: int
@@ -81,6 +83,8 @@ class OpenFeed:
     segment: Segment
     pipeline: Pipeline | None
     """The user's function, or None for the built-in transforms."""
+    recipe: Recipe
+    """The built-in transform, filter and decoder; unused with a pipeline."""
     hidden_reported: set[str] = field(default_factory=set)
     """Metadata names already reported as hidden by a reserved key (logged once each)."""
 
@@ -108,13 +112,13 @@ def slot_views(segment: Segment, layout: SlotLayout, slot: int, slots: int) -> S
     )
 
 
-def fill_slot(worker: int, feed: OpenFeed, task: Task, roi: bool) -> TaskDone:
+def fill_slot(worker: int, feed: OpenFeed, task: Task) -> TaskDone:
     """Fill ``task``'s samples into consecutive rows, skipping (and reporting) bad samples."""
     views = slot_views(feed.segment, feed.spec.layout, task.slot, feed.spec.slots)
     row = 0
     bad: list[tuple[int, str]] = []
     for idx in np.frombuffer(task.indices, dtype="<i8").tolist():
-        reason = fill_row(feed, views, row, idx, task.epoch, roi)
+        reason = fill_row(feed, views, row, idx, task.epoch)
         if reason is not None:
             bad.append((idx, reason))
             continue
@@ -123,7 +127,7 @@ def fill_slot(worker: int, feed: OpenFeed, task: Task, roi: bool) -> TaskDone:
     return TaskDone(task.task, worker, row, tuple(bad[:MAX_BAD_REPORTS]))
 
 
-def fill_row(feed: OpenFeed, views: SlotViews, row: int, idx: int, epoch: int, roi: bool) -> str | None:
+def fill_row(feed: OpenFeed, views: SlotViews, row: int, idx: int, epoch: int) -> str | None:
     """Write sample ``idx`` into ``row`` of every field: None, or why the sample is bad."""
     if not 0 <= idx < len(feed.index):
         return "index outside dataset"
@@ -132,7 +136,7 @@ def fill_row(feed: OpenFeed, views: SlotViews, row: int, idx: int, epoch: int, r
     try:
         rng = sample_rng(feed.spec.seed, epoch, idx)
         image = feed.reader.image_bytes(idx)
-        load_bytes_into(image, views.fields["image"][row], feed.spec.augment, rng, roi)
+        load_bytes_into(image, views.fields["image"][row], feed.recipe, rng)
     except DecodeError as exc:
         return str(exc)
     except Exception as exc:  # an OpenCV failure on one file must not take the worker down
@@ -190,7 +194,7 @@ def _open_feeds(cfg: WorkerConfig) -> list[OpenFeed]:
     opened: list[OpenFeed] = []
     try:
         for f in cfg.feeds:
-            opened.append(open_feed(f))
+            opened.append(open_feed(f, cfg.roi))
     except BaseException:
         for feed in opened:
             feed.close()
@@ -198,14 +202,16 @@ def _open_feeds(cfg: WorkerConfig) -> list[OpenFeed]:
     return opened
 
 
-def open_feed(spec: WorkerFeed) -> OpenFeed:
+def open_feed(spec: WorkerFeed, roi: bool = False) -> OpenFeed:
     """Map the feed's index and slot pool, and import its pipeline (PipelineError if that fails)."""
     pipeline = load_pipeline(spec.pipeline) if spec.pipeline else None
+    recipe = Recipe(spec.augment, spec.interpolation, roi)
     if pipeline is None:
         check_builtin_layout(spec.layout)
+        prepare(spec.interpolation)
     index = DatasetIndex.load(spec.index_dir)
     segment = Segment.attach(spec.segment, spec.layout.segment_bytes(spec.slots))
-    return OpenFeed(spec, index, SampleReader(index, spec.max_file_bytes), segment, pipeline)
+    return OpenFeed(spec, index, SampleReader(index, spec.max_file_bytes), segment, pipeline, recipe)
 
 
 def check_builtin_layout(layout: SlotLayout) -> None:
@@ -231,7 +237,7 @@ def _serve(cfg: WorkerConfig, feeds: list[OpenFeed], sock: zmq.Socket[bytes]) ->
             log.error("task %d names feed %d of %d; ignored", msg.task, msg.feed, len(feeds))
             continue
         _injected_hang(cfg, feeds[msg.feed], msg)
-        sock.send(encode(fill_slot(cfg.worker, feeds[msg.feed], msg, cfg.roi)))
+        sock.send(encode(fill_slot(cfg.worker, feeds[msg.feed], msg)))
 
 
 def _injected_hang(cfg: WorkerConfig, feed: OpenFeed, task: Task) -> None:

@@ -144,6 +144,7 @@ class Feed:
             index_dir=self.index_dir,
             seed=self.config.seed,
             augment=self.config.augment,
+            interpolation=self.config.interpolation,
             pipeline=self.config.pipeline,
             max_file_bytes=self.config.max_file_bytes,
         )
@@ -192,6 +193,7 @@ class Feed:
             "recent_bad_files": recent,
             "format": self.index.kind,
             "augment": self.augment,
+            "interpolation": "" if self.config.pipeline else self.config.interpolation,
             "fields": [f.describe() for f in self.layout.fields],
         }
 

@@ -127,7 +127,7 @@ def reference_eval(path: Path, size: int) -> np.ndarray:
 
 def test_eval_pixels_match_reference_decode(photos: Path, start_service: ServiceFactory) -> None:
     index = build_index(photos)
-    service = start_service(photos, augment="eval", image_size=48)
+    service = start_service(photos, augment="eval", image_size=48, interpolation="area")
     checked = 0
     with ServiceLoader(service.endpoint, timeout=30) as loader:
         for batch in loader:

@@ -222,7 +222,8 @@ def test_readme_lists_every_flag() -> None:
 
 def test_feed_tables_accept_exactly_the_feed_options(tmp_path: Path) -> None:
     assert set(FEED_OPTIONS) == {
-        "data", "format", "pipeline", "batch_size", "image_size", "augment", "seed", "slots"
+        "data", "format", "pipeline", "batch_size", "image_size", "augment", "interpolation", "seed",
+        "slots"
     }  # fmt: skip
     table = f'data = "{tmp_path}"\nbatch_size = 8\nimage_size = 32\naugment = "none"\nseed = 3\nslots = 4\n'
     cfg_file = tmp_path / "svc.toml"

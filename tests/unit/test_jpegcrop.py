@@ -23,6 +23,7 @@ from loader_service.decode import transforms
 from loader_service.decode.transforms import (
     Crop,
     DecodeError,
+    Recipe,
     load_into,
     random_resized_crop_params,
     roi_decoder_version,
@@ -229,7 +230,7 @@ def load(tmp_path: Path, data: bytes, suffix: str, seed: int, roi: bool, size: i
     path = tmp_path / f"img{suffix}"
     path.write_bytes(data)
     out = np.empty((3, size, size), np.uint8)
-    load_into(str(path), out, "train", np.random.default_rng(seed), roi)
+    load_into(str(path), out, Recipe("train", "area", roi), np.random.default_rng(seed))
     return out
 
 

@@ -14,6 +14,7 @@ from PIL import Image
 from loader_service.decode.transforms import (
     RATIO,
     DecodeError,
+    Recipe,
     decode_file,
     eval_geometry,
     random_resized_crop_params,
@@ -30,7 +31,9 @@ def test_bgr_becomes_rgb_chw(tmp_path: Path) -> None:
     bgr = np.zeros((40, 40, 3), np.uint8)
     bgr[:, :, 2] = 200  # red in OpenCV order
     out = np.empty((3, 16, 16), np.uint8)
-    transform_into(decode_file(write(tmp_path / "r.png", bgr)), out, "none", np.random.default_rng(0))
+    transform_into(
+        decode_file(write(tmp_path / "r.png", bgr)), out, Recipe("none", "area"), np.random.default_rng(0)
+    )
     assert (out[0] == 200).all() and (out[1] == 0).all() and (out[2] == 0).all()
 
 
@@ -46,7 +49,9 @@ def test_eval_keeps_the_centre(tmp_path: Path) -> None:
     bgr = np.zeros((300, 600, 3), np.uint8)
     bgr[:, 250:350] = 255  # a white bar in the middle third
     out = np.empty((3, 32, 32), np.uint8)
-    transform_into(decode_file(write(tmp_path / "c.png", bgr)), out, "eval", np.random.default_rng(0))
+    transform_into(
+        decode_file(write(tmp_path / "c.png", bgr)), out, Recipe("eval", "area"), np.random.default_rng(0)
+    )
     assert out[:, :, 16].min() > 200 and out[:, :, 0].max() < 50
 
 
@@ -91,7 +96,7 @@ def test_train_flips_about_half_the_time(tmp_path: Path) -> None:
     ]
     flips = 0
     for seed in straddling:
-        transform_into(image, out, "train", np.random.default_rng(seed))
+        transform_into(image, out, Recipe("train", "area"), np.random.default_rng(seed))
         flips += int(out[:, :, 0].mean() < out[:, :, -1].mean())
     assert len(straddling) > 100
     assert abs(flips / len(straddling) - 0.5) < 0.12
@@ -102,8 +107,8 @@ def test_same_rng_same_pixels(tmp_path: Path) -> None:
         write(tmp_path / "n.png", np.random.default_rng(0).integers(0, 255, (90, 120, 3), np.uint8))
     )
     a, b = np.empty((3, 32, 32), np.uint8), np.empty((3, 32, 32), np.uint8)
-    transform_into(image, a, "train", np.random.default_rng(5))
-    transform_into(image, b, "train", np.random.default_rng(5))
+    transform_into(image, a, Recipe("train", "area"), np.random.default_rng(5))
+    transform_into(image, b, Recipe("train", "area"), np.random.default_rng(5))
     assert np.array_equal(a, b)
 
 

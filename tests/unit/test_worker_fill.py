@@ -24,7 +24,7 @@ import torch
 from loader_service.dataset.index import build_index
 from loader_service.dataset.sampler import sample_rng
 from loader_service.decode.pipeline import PipelineError, Sample, call_pipeline
-from loader_service.decode.transforms import load_into, uses_roi
+from loader_service.decode.transforms import INTERPOLATIONS, load_into, uses_roi
 from loader_service.decode.worker import OpenFeed, WorkerFeed, fill_slot, open_feed, slot_views
 from loader_service.shm import Segment, new_segment_name
 from protocol.layout import FieldSpec, SlotLayout
@@ -41,16 +41,19 @@ OpenTestFeed = Callable[..., OpenFeed]
 
 @pytest.fixture
 def open_test_feed(tmp_path: Path) -> Iterator[OpenTestFeed]:
-    """``open_test_feed(data, layout, pipeline="", augment="train")``: a pool with a worker's view of it."""
+    """``open_test_feed(data, layout, pipeline="", augment="train", roi=False)``: a pool with a worker's
+    view of it."""
     cleanup: list[Callable[[], None]] = []
 
-    def make(data: Path, layout: SlotLayout, pipeline: str = "", augment: str = "train") -> OpenFeed:
+    def make(
+        data: Path, layout: SlotLayout, pipeline: str = "", augment: str = "train", roi: bool = False
+    ) -> OpenFeed:
         index_dir = tmp_path / f"index{len(cleanup)}"
         index_dir.mkdir()
         build_index(data).save(index_dir)
         pool = Segment.create(new_segment_name("fill-test"), layout.mapped_bytes(2))
         cleanup.extend([pool.unlink, pool.close])  # run in reverse
-        feed = open_feed(worker_feed(pool.name, layout, index_dir, pipeline, augment))
+        feed = open_feed(worker_feed(pool.name, layout, index_dir, pipeline, augment), roi)
         cleanup.append(feed.close)
         return feed
 
@@ -67,6 +70,7 @@ def worker_feed(segment: str, layout: SlotLayout, index_dir: Path, pipeline: str
         index_dir=index_dir,
         seed=SEED,
         augment=augment,
+        interpolation=INTERPOLATIONS[0],
         pipeline=pipeline,
         max_file_bytes=MAX_BYTES,
     )
@@ -76,8 +80,8 @@ def task(indices: list[int], slot: int = 0, epoch: int = 1) -> Task:
     return Task(task=1, feed=0, slot=slot, epoch=epoch, indices=np.asarray(indices, "<i8").tobytes())
 
 
-def fill(feed: OpenFeed, indices: list[int], slot: int = 0, epoch: int = 1, roi: bool = False) -> TaskDone:
-    return fill_slot(0, feed, task(indices, slot, epoch), roi)
+def fill(feed: OpenFeed, indices: list[int], slot: int = 0, epoch: int = 1) -> TaskDone:
+    return fill_slot(0, feed, task(indices, slot, epoch))
 
 
 def rows(feed: OpenFeed, slot: int = 0) -> dict[str, np.ndarray]:
@@ -108,14 +112,14 @@ def test_builtin_rows_are_the_pixels_of_load_into(
 ) -> None:
     if roi and not uses_roi("auto"):
         pytest.skip("the region decoder is not built here")
-    feed = open_test_feed(photos, SlotLayout.images(6, 40), augment=augment)
+    feed = open_test_feed(photos, SlotLayout.images(6, 40), augment=augment, roi=roi)
     indices = [17, 0, 44, 3, 89]
-    done = fill(feed, indices, epoch=2, roi=roi)
+    done = fill(feed, indices, epoch=2)
     assert (done.count, done.bad) == (5, ())
     got = rows(feed)
     for row, i in enumerate(indices):
         expected = np.empty((3, 40, 40), np.uint8)
-        load_into(str(feed.index.path(i)), expected, augment, sample_rng(SEED, 2, i), roi)
+        load_into(str(feed.index.path(i)), expected, feed.recipe, sample_rng(SEED, 2, i))
         assert np.array_equal(got["image"][row], expected), f"sample {i}"
         assert got["label"][row] == feed.index.labels[i] and got["indices"][row] == i
 
@@ -286,7 +290,7 @@ def fill_in_child(
     try:
         out: dict[int, list[bytes]] = {}
         for indices in tasks:
-            done = fill_slot(1, feed, task(indices, slot), False)
+            done = fill_slot(1, feed, task(indices, slot))
             assert not done.bad, done.bad
             views = slot_views(feed.segment, spec.layout, slot, spec.slots)
             for row in range(done.count):
