@@ -2,16 +2,24 @@
 
 All three transforms end in one strided numpy copy that turns OpenCV's BGR HWC into RGB CHW directly
 in shared memory (and applies the horizontal flip in the same pass), so no batch-sized intermediate
-buffer exists. Resizing uses area interpolation when shrinking (anti-aliased, like torchvision's
-``antialias=True``) and bilinear when enlarging.
+buffer exists. The resize filter is the feed's ``interpolation`` (``INTERPOLATIONS``).
 
 ``load_bytes_into`` is the service's entry point (``load_into`` reads a file first). For the train
-transform on a JPEG it can draw the random crop from the header alone and decode only that region
+and eval transforms on a JPEG it can find the crop from the header alone and decode only that region
 (see ``_jpegcrop.c``), at 1/2, 1/4 or 1/8 scale when the crop is large (``roi_scale``). The crop and
 flip drawn are the ones a full decode would get. Unscaled, the pixels are OpenCV's exactly; scaled,
-libjpeg-turbo's DCT scaling replaces the first halvings of the area resize, which changes pixels
+libjpeg-turbo's DCT scaling replaces the first halvings of the resize, which changes pixels
 slightly but not their statistics. Anything the region decoder does not handle (other formats, CMYK,
 EXIF rotation, a file not ending in an EOI marker, a decoder error) takes the full OpenCV path.
+
+NOTE [ Eval regions ]
+    Eval resizes the whole image (shorter side to ``round(S * 256 / 224)``) and keeps the centre
+    ``S x S``, as torchvision does. Each output pixel of that centre depends only on the source
+    pixels under its filter's support, so the region decoder decodes just the centre region plus
+    a margin wider than any filter's support (``eval_region``) into an image-sized canvas whose
+    other pixels are never written, and the usual resize-then-crop runs on that canvas. The
+    centre's pixels are then exactly the full decode's (tested); the rest of the canvas, whatever
+    it holds, never reaches the output. Decoding is what is saved; the resize costs as before.
 """
 
 from __future__ import annotations
@@ -100,14 +108,16 @@ def decoder_problem(choice: str) -> str | None:
 
 
 def uses_roi(choice: str) -> bool:
-    """Whether a (valid) ``--decoder`` choice makes train crops go through the region decoder."""
+    """Whether a (valid) ``--decoder`` choice makes train and eval crops go through the region decoder."""
     return choice != "opencv" and roi_decoder_version() is not None
 
 
 def describe_decoder(choice: str) -> str:
     """One line for the service log: how the train transform decodes JPEGs, and why."""
     if uses_roi(choice):
-        return f"jpeg-roi (libjpeg-turbo {roi_decoder_version()}; train crops decode only their region)"
+        return (
+            f"jpeg-roi (libjpeg-turbo {roi_decoder_version()}; train and eval crops decode only their region)"
+        )
     if choice == "opencv":
         return "opencv (full decode; --decoder opencv)"
     return "opencv (full decode; the region decoder is not built: see README)"
@@ -281,11 +291,30 @@ def _finish_train(crop: U8, out: U8, rng: np.random.Generator, interpolation: st
     _store(resize(crop, size, size, interpolation), out, flip=bool(rng.random() < 0.5))
 
 
-def apply_eval(image: U8, out: U8, interpolation: str) -> None:
+def apply_eval(image: U8, out: U8, interpolation: str, full: tuple[int, int] | None = None) -> None:
+    """Resize, then keep the centre. ``full``: the (height, width) whose geometry applies, when
+    ``image`` is a DCT-scaled canvas of it, so a scaled decode is cut exactly where a full one is."""
     size = out.shape[1]
-    new_h, new_w, c = eval_geometry(image.shape[0], image.shape[1], size)
+    height, width = full or (image.shape[0], image.shape[1])
+    new_h, new_w, c = eval_geometry(height, width, size)
     resized = resize(image, new_w, new_h, interpolation)
     _store(resized[c.top : c.top + size, c.left : c.left + size], out)
+
+
+def eval_region(height: int, width: int, size: int, num: int = 8) -> Crop:
+    """The source pixels eval's centre crop depends on, whatever the filter (NOTE [ Eval regions ]):
+    the crop mapped back to the image, widened by the filter's support (at most the scale factor,
+    rounded up) plus two pixels, clipped to the image. ``num``: the region will be decoded at
+    ``num``/8 scale, so the margin is counted in scaled pixels."""
+    new_h, new_w, c = eval_geometry(height, width, size)
+    top, bottom = _support(c.top, c.top + size, height / new_h, height, num)
+    left, right = _support(c.left, c.left + size, width / new_w, width, num)
+    return Crop(top, left, bottom - top, right - left)
+
+
+def _support(start: int, stop: int, scale: float, limit: int, num: int) -> tuple[int, int]:
+    margin = (math.ceil(max(scale * num / 8, 1.0)) + 2) * 8 // num
+    return max(0, math.floor(start * scale) - margin), min(limit, math.ceil(stop * scale) + margin)
 
 
 def apply_none(image: U8, out: U8, interpolation: str) -> None:
@@ -320,10 +349,10 @@ def load_bytes_into(data: bytes, out: U8, recipe: Recipe, rng: np.random.Generat
     With ``recipe.roi`` the train transform decodes only its crop where it can (module docstring);
     every other case is ``transform_into(decode_bytes(data), ...)``.
     """
-    if recipe.roi and recipe.augment == "train" and _jpegcrop is not None and _whole_jpeg(data):
+    if recipe.roi and recipe.augment != "none" and _jpegcrop is not None and _whole_jpeg(data):
         size = _roi_header(data)
         if size is not None:
-            _roi_train(data, size, out, rng, recipe.interpolation)
+            _roi_transform(data, size, out, recipe, rng)
             return
     transform_into(decode_bytes(data), out, recipe, rng)
 
@@ -353,41 +382,90 @@ def _max_pixels() -> int:
         return 0
 
 
-ROI_HEADROOM = 3
-"""A scaled crop must stay this many times the output size: the area resize that follows then
-still does most of the shrinking. With 1x, outputs came out about 17% less sharp (mean absolute
-horizontal gradient) than a full decode's; with 3x, within 2% (tests/unit/test_jpegcrop.py)."""
+ROI_HEADROOM = {"bilinear-antialias": 2.0, "bilinear": math.inf, "area": 3.0}
+"""Per filter, how many times the output size a DCT-scaled region must stay on both sides, so the
+resize after it still does most of the shrinking: the smallest headroom (of 1, 1.5, 2, 3, 4, 6)
+whose outputs kept their sharpness (mean absolute horizontal gradient) within
+``SHARPNESS_TOLERANCE`` of a full decode's with the same filter, on every set that
+``python -m benchmarks.dct_scaling`` measured (docs/benchmarks.md). Plain ``bilinear`` never
+scales: its full-decode output is sharp because it aliases (it samples a few source pixels per
+output pixel), which a DCT-scaled decode, an averaging, cannot reproduce at any headroom measured
+(0.95 at 4x)."""
+SHARPNESS_TOLERANCE = 0.03
 
 
-def roi_scale(crop: Crop, size: int) -> int:
+def roi_scale(crop: Crop, size: int, headroom: float = ROI_HEADROOM["area"]) -> int:
     """libjpeg-turbo's scale in eighths: the smallest of 8/8, 4/8, 2/8, 1/8 that keeps the crop
-    at least ``ROI_HEADROOM * size`` on both sides."""
+    at least ``headroom * size`` on both sides."""
     num = 8
-    while num > 1 and min(crop.height, crop.width) * (num // 2) >= size * 8 * ROI_HEADROOM:
+    while num > 1 and min(crop.height, crop.width) * (num // 2) >= size * 8 * headroom:
         num //= 2
     return num
 
 
-def _roi_train(
-    data: bytes, size: tuple[int, int], out: U8, rng: np.random.Generator, interpolation: str
+def _roi_transform(
+    data: bytes, size: tuple[int, int], out: U8, recipe: Recipe, rng: np.random.Generator
 ) -> None:
+    """The train or eval transform with only what it needs decoded, DCT-scaled where that is large."""
+    headroom = ROI_HEADROOM[recipe.interpolation]
+    if recipe.augment == "eval":
+        _roi_eval(data, size, out, recipe.interpolation, headroom)
+        return
+    c = random_resized_crop_params(rng, *size)
+    decoded = _decode_region(data, c, roi_scale(c, out.shape[1], headroom))
+    if decoded is None:  # same crop, same rng position: the fallback yields what this path would have
+        region = decode_bytes(data)[c.top : c.top + c.height, c.left : c.left + c.width]
+    else:
+        region = decoded.crop(c)
+    _finish_train(region, out, rng, recipe.interpolation)
+
+
+def _roi_eval(data: bytes, size: tuple[int, int], out: U8, interpolation: str, headroom: float) -> None:
+    """Eval on a canvas holding only the centre's region (NOTE [ Eval regions ])."""
+    height, width = size
+    num = roi_scale(eval_region(height, width, out.shape[1]), out.shape[1], headroom)
+    decoded = _decode_region(data, eval_region(height, width, out.shape[1], num), num)
+    if decoded is None:
+        apply_eval(decode_bytes(data), out, interpolation)
+        return
+    # libjpeg-turbo's scaled image is ceil(side * num / 8) pixels on each side.
+    canvas = np.empty((-(-height * num // 8), -(-width * num // 8), 3), np.uint8)
+    decoded.place(canvas)
+    apply_eval(canvas, out, interpolation, full=size)
+
+
+@dataclass(frozen=True)
+class Decoded:
+    """Rows the region decoder returned: whole num/8-scaled rows from ``top``, starting ``left``."""
+
+    pixels: U8
+    top: int
+    left: int
+    num: int
+
+    def crop(self, c: Crop) -> U8:
+        """The scaled pixels whose centres fall in crop ``c`` (edges rounded to the nearest scaled
+        pixel), so a scaled crop is not biased towards zooming out."""
+        y0, y1 = _nearest(c.top, self.num) - self.top, _nearest(c.top + c.height, self.num) - self.top
+        x0, x1 = _nearest(c.left, self.num) - self.left, _nearest(c.left + c.width, self.num) - self.left
+        return self.pixels[y0:y1, x0:x1]
+
+    def place(self, canvas: U8) -> None:
+        """Write the rows where they belong in an image-sized (scaled) canvas."""
+        rows, cols = self.pixels.shape[:2]
+        canvas[self.top : self.top + rows, self.left : self.left + cols] = self.pixels
+
+
+def _decode_region(data: bytes, c: Crop, num: int) -> Decoded | None:
+    """The rows covering crop ``c`` at ``num``/8 scale, or None if libjpeg-turbo refused the file."""
     assert _jpegcrop is not None
-    c = random_resized_crop_params(rng, size[0], size[1])
-    num = roi_scale(c, out.shape[1])
     try:
         pixels, rows, row_width, skip = _jpegcrop.decode(data, c.top, c.left, c.height, c.width, num)
     except ValueError:
-        # Same crop, same rng position: the fallback yields what this path would have.
-        image = decode_bytes(data)
-        _finish_train(image[c.top : c.top + c.height, c.left : c.left + c.width], out, rng, interpolation)
-        return
-    # The decoder returns whole scaled pixels covering the crop; keep those whose centres fall in
-    # it (edges rounded to the nearest scaled pixel), so the crop is not biased towards zooming out.
-    top, left = c.top * num // 8, c.left * num // 8
-    y0, y1 = _nearest(c.top, num) - top, _nearest(c.top + c.height, num) - top
-    x0, x1 = _nearest(c.left, num) - left + skip, _nearest(c.left + c.width, num) - left + skip
-    region = np.frombuffer(pixels, dtype=np.uint8).reshape(rows, row_width, 3)
-    _finish_train(region[y0:y1, x0:x1], out, rng, interpolation)
+        return None
+    array = np.frombuffer(pixels, dtype=np.uint8).reshape(rows, row_width, 3)
+    # A row starts ``skip`` pixels left of the crop's first scaled column (an iMCU boundary).
+    return Decoded(array, c.top * num // 8, c.left * num // 8 - skip, num)
 
 
 def _nearest(full_px: int, num: int) -> int:

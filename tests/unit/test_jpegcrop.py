@@ -337,8 +337,10 @@ def test_roi_scale_keeps_headroom_over_the_output_size() -> None:
     rng = np.random.default_rng(0)
     for _ in range(500):
         c = Crop(0, 0, int(rng.integers(1, 9000)), int(rng.integers(1, 9000)))
-        num = roi_scale(c, 224)
-        assert num == 8 or min(c.height, c.width) * num >= 224 * 8 * transforms.ROI_HEADROOM
+        for headroom in (1.5, 2.0, 3.0):
+            num = roi_scale(c, 224, headroom)
+            assert num == 8 or min(c.height, c.width) * num >= 224 * 8 * headroom
+            assert num == 1 or min(c.height, c.width) * num / 2 < 224 * 8 * headroom  # the smallest
 
 
 def test_decoder_choice(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:

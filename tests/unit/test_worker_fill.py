@@ -105,7 +105,7 @@ def pipeline_file(tmp_path: Path, body: str) -> str:
 
 
 @pytest.mark.parametrize(
-    ("augment", "roi"), [("train", False), ("train", True), ("eval", False), ("none", False)]
+    ("augment", "roi"), [("train", False), ("train", True), ("eval", False), ("eval", True), ("none", False)]
 )
 def test_builtin_rows_are_the_pixels_of_load_into(
     photos: Path, open_test_feed: OpenTestFeed, augment: str, roi: bool
