@@ -106,7 +106,7 @@ def _scaled(data: bytes, recipe: Recipe, seed: int, size: int) -> bool:
     if recipe.augment == "train":
         crop = transforms.random_resized_crop_params(np.random.default_rng(seed), height, width)
     else:
-        crop = transforms.eval_crop(height, width, size)
+        crop = transforms.eval_region(height, width, size)
     return transforms.roi_scale(crop, size, ROI_HEADROOM[recipe.interpolation]) < 8
 
 

@@ -20,6 +20,7 @@ that differ by more than 2 levels.
 from __future__ import annotations
 
 import argparse
+import importlib
 import io
 import json
 from collections.abc import Callable, Sequence
@@ -57,10 +58,9 @@ class Match:
 
 def _v2() -> tuple[Any, Any]:
     """torchvision's v2 functional module and InterpolationMode, imported only when needed."""
-    from torchvision.transforms import InterpolationMode
-    from torchvision.transforms.v2 import functional
-
-    return functional, InterpolationMode
+    # By name: torchvision is optional, and not installed where the type checker runs.
+    functional = importlib.import_module("torchvision.transforms.v2.functional")
+    return functional, importlib.import_module("torchvision.transforms").InterpolationMode
 
 
 def _tensor(data: bytes) -> torch.Tensor:
@@ -84,21 +84,12 @@ def train_reference(kind: str) -> Reference:
     def run(data: bytes, rng: np.random.Generator, size: int, interpolation: str) -> np.ndarray:
         functional, mode = _v2()
         image = _tensor(data) if kind == "tensor" else _pil(data)
-        height, width = (image.shape[-2:]) if kind == "tensor" else (image.height, image.width)
+        height, width = functional.get_size(image)
         c = random_resized_crop_params(rng, height, width)
-        f = functional
-        out = f.resized_crop(  # type: ignore[attr-defined]
-            image,
-            c.top,
-            c.left,
-            c.height,
-            c.width,
-            [size, size],
-            mode.BILINEAR,
-            antialias=True,  # type: ignore[attr-defined]
-        )
+        box = (c.top, c.left, c.height, c.width)
+        out = functional.resized_crop(image, *box, [size, size], mode.BILINEAR, antialias=True)
         if rng.random() < 0.5:
-            out = f.horizontal_flip(out)  # type: ignore[attr-defined]
+            out = functional.horizontal_flip(out)
         return _as_chw(out)
 
     return run

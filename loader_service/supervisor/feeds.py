@@ -13,7 +13,7 @@ import numpy.typing as npt
 
 from loader_service.config import FeedConfig
 from loader_service.dataset.index import DatasetIndex, build_index
-from loader_service.dataset.sampler import batches_per_epoch, shard_plan, shard_size
+from loader_service.dataset.sampler import ShardOrder, batches_per_epoch, shard_order, shard_size
 from loader_service.decode.pipeline import PIPELINE_REASON
 from loader_service.decode.probe import PipelineError, probe_fields
 from loader_service.decode.worker import WorkerFeed
@@ -40,6 +40,8 @@ class FeedCounters:
     bad_files: int = 0
     warm_decoded: int = 0
     """Images decoded for the warm cache (NOTE [ Warm start ]), included in ``decoded``."""
+    split_batches: int = 0
+    """Batches decoded in parts by several workers at once (NOTE [ Split batches ])."""
 
 
 @dataclass
@@ -115,8 +117,9 @@ class Feed:
     def shard_batches(self, world_size: int, remainder: str) -> int:
         return batches_per_epoch(shard_size(len(self.index), world_size, remainder), self.config.batch_size)
 
-    def plan(self, epoch: int, rank: int, world_size: int, remainder: str) -> npt.NDArray[np.int64]:
-        return shard_plan(self.config.seed, epoch, len(self.index), rank, world_size, remainder)
+    def plan(self, epoch: int, rank: int, world_size: int, remainder: str) -> ShardOrder:
+        """A rank's order of ``epoch``: O(1) to make and to keep, each batch computed when planned."""
+        return shard_order(self.config.seed, epoch, len(self.index), rank, world_size, remainder)
 
     def info(self) -> FeedInfo:
         cfg = self.config
@@ -188,6 +191,7 @@ class Feed:
             "decoded": self.counters.decoded.total,
             "images_per_second": round(self.counters.decoded.rate(), 1),
             "warm_decoded": self.counters.warm_decoded,
+            "split_batches": self.counters.split_batches,
             "batches": self.counters.batches,
             "bad_files": self.counters.bad_files,
             "recent_bad_files": recent,

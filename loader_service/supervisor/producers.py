@@ -22,7 +22,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 import numpy.typing as npt
 
-from loader_service.dataset.sampler import batch_of
+from loader_service.dataset.sampler import ShardOrder
 from loader_service.supervisor.feeds import Feed
 
 if TYPE_CHECKING:
@@ -47,7 +47,9 @@ class Producer:
         """Seq of the next batch to plan."""
         self.filling = 0
         """Batches planned and not yet reported by their worker."""
-        self._order: npt.NDArray[np.int64] | None = None
+        self._order: ShardOrder | None = None
+        """Made when the first batch is planned; holds keys, not samples (NOTE [ Epoch order without a
+        permutation ] in loader_service.dataset.sampler)."""
 
     @property
     def epoch(self) -> int:
@@ -68,7 +70,7 @@ class Producer:
         seq = self.next_produce
         self.next_produce += 1
         self.filling += 1
-        return self.gen, seq, batch_of(self._order, seq, self.feed.config.batch_size)
+        return self.gen, seq, self._order.batch(seq, self.feed.config.batch_size)
 
     def complete(self, gen: int, seq: int, slot: int, count: int) -> Stream | None:
         """A worker filled ``slot`` for batch (gen, seq): keep it or free it (NOTE [ Slot lifecycle ]).

@@ -18,7 +18,7 @@ import pytest
 from gpu_worker import Batch, ServiceLoader
 from gpu_worker.client import LoaderConfig
 from loader_service.dataset.index import build_index
-from loader_service.dataset.sampler import batch_of, batches_per_epoch, shard_plan, shard_size
+from loader_service.dataset.sampler import batches_per_epoch, shard_order, shard_size
 from loader_service.supervisor.warm import WARM_BATCHES
 from protocol.messages import FeedInfo
 from tests.helpers import DIE_AFTER, ServiceFactory, in_threads, our_segments, status, trainer_process
@@ -106,9 +106,9 @@ def problems(
     due_seq = due_seqs(got, take, ended)
     if [b.seq for b in got.batches] != due_seq:
         found.append(f"got batches {[b.seq for b in got.batches]}, due {due_seq}")
-    plan = shard_plan(info.seed, 0, info.samples, cfg.rank, cfg.world_size, cfg.remainder)
+    order = shard_order(info.seed, 0, info.samples, cfg.rank, cfg.world_size, cfg.remainder)
     for b in got.batches:
-        due = batch_of(plan, b.seq, info.batch_size).tolist() if b.seq < got.per_epoch else None
+        due = order.batch(b.seq, info.batch_size).tolist() if b.seq < got.per_epoch else None
         if b.epoch != 0 or b.indices != due:
             found.append(f"batch {b.seq} of epoch {b.epoch} held samples {b.indices}, due {due}")
         elif b.labels != labels[b.indices].tolist() or b.pixels != [pixels[i] for i in b.indices]:

@@ -5,8 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any, cast
 
-import numpy as np
-
+from loader_service.dataset.sampler import ShardOrder, shard_order
 from loader_service.supervisor.attachments import Attachments
 from loader_service.supervisor.feeds import Feed, FeedCounters
 from loader_service.supervisor.outbox import Outbox
@@ -34,8 +33,8 @@ class FeedStub:
     def shard_batches(self, world_size: int, remainder: str) -> int:
         return 1
 
-    def plan(self, epoch: int, rank: int, world_size: int, remainder: str) -> np.ndarray:
-        return np.arange(self.samples, dtype=np.int64)
+    def plan(self, epoch: int, rank: int, world_size: int, remainder: str) -> ShardOrder:
+        return shard_order(0, epoch, self.samples, rank, world_size, remainder)
 
 
 class FlakyPeer:

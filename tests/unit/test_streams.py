@@ -5,9 +5,9 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any, cast
 
-import numpy as np
 import pytest
 
+from loader_service.dataset.sampler import ShardOrder, shard_order
 from loader_service.supervisor.feeds import Feed
 from loader_service.supervisor.sessions import Session
 from loader_service.supervisor.streams import StartRefused, Stream
@@ -40,8 +40,14 @@ class FeedStub:
     def shard_batches(self, world_size: int, remainder: str) -> int:
         return -(-self.samples // self.batch_size)
 
-    def plan(self, epoch: int, rank: int, world_size: int, remainder: str) -> np.ndarray:
-        return np.arange(self.samples, dtype=np.int64)
+    def plan(self, epoch: int, rank: int, world_size: int, remainder: str) -> ShardOrder:
+        return shard_order(0, epoch, self.samples, rank, world_size, remainder)
+
+
+def first_batch() -> list[int]:
+    """What the stub feed's epoch 0 starts with, for a group (one shard of the whole epoch)."""
+    stub = FeedStub()
+    return stub.plan(0, 0, 1, "pad").batch(0, stub.batch_size).tolist()
 
 
 def freed(stream: Stream) -> list[int]:
@@ -84,7 +90,7 @@ def test_batch_slot_is_freed_when_every_member_released_it() -> None:
     stream.on_start("a", 0, 0)
     stream.on_start("b", 0, 0)
     gen, seq, indices = stream.plan_batch()
-    assert indices.tolist() == [0, 1, 2, 3]
+    assert indices.tolist() == first_batch()
     assert stream.filled(gen, seq, slot=7, count=4)
     for sid in ("a", "b"):
         assert [key for key, _ in stream.deliverable(stream.members[sid])] == [(gen, seq)]
@@ -208,7 +214,7 @@ def test_a_member_starting_after_the_last_active_one_left_gets_the_whole_epoch()
     assert not stream.filled(late[0], late[1], slot=6, count=4), "nor is a batch still decoding kept"
     stream.on_start("b", 0, 0)
     gen, seq, indices = stream.plan_batch()
-    assert (seq, indices.tolist()) == (0, [0, 1, 2, 3]), "b's epoch starts at its first batch"
+    assert (seq, indices.tolist()) == (0, first_batch()), "b's epoch starts at its first batch"
     assert stream.filled(gen, seq, slot=7, count=4)
     assert [key for key, _ in stream.deliverable(stream.members["b"])] == [(gen, 0)]
 
