@@ -27,7 +27,7 @@ Decode workers talk to the service on a private socket::
 
     decode worker (DEALER)                   service (ROUTER)
       w_ready{worker, pid} ---------------->
-                           <---------------- task{task, feed, slot, epoch, indices}
+                           <---------------- task{task, feed, slot, epoch, indices, row}
       done{task, worker, count, bad} ------>
                            <---------------- stop
 
@@ -304,7 +304,9 @@ class WorkerReady(Message):
 
 @dataclass(frozen=True)
 class Task(Message):
-    """Decode the samples ``indices`` (little-endian int64) of ``epoch`` into ``slot`` of ``feed``."""
+    """Decode the samples ``indices`` (little-endian int64) of ``epoch`` into ``slot`` of ``feed``,
+    good ones into consecutive rows from ``row`` on: a whole batch from row 0, one part of a batch
+    split across workers from the first row after the parts before it (NOTE [ Split batches ])."""
 
     KIND: ClassVar[str] = "task"
     task: Annotated[int, Int()]
@@ -312,11 +314,13 @@ class Task(Message):
     slot: Annotated[int, Int(0, 65535)]
     epoch: Annotated[int, Int()]
     indices: Annotated[bytes, PackedInt64(65536)]
+    row: Annotated[int, Int(0, 65535), OMITTABLE] = 0
 
 
 @dataclass(frozen=True)
 class TaskDone(Message):
-    """Rows ``[0, count)`` of the task's slot are written; ``bad`` lists (index, reason) of skipped files."""
+    """Rows ``[row, row + count)`` of the task's slot are written (``Task.row``); ``bad`` lists (index,
+    reason) of skipped files."""
 
     KIND: ClassVar[str] = "done"
     task: Annotated[int, Int()]

@@ -42,6 +42,11 @@ FAULT_ENV = "DATAFERRY_INJECT_FAULT"
 ``main-loop`` makes the service's main loop raise as it begins; ``hang-on:TEXT`` makes a worker
 stall, as on a read that never returns, on every task holding a path that contains TEXT."""
 HANG_ON = "hang-on:"
+BENCH_WRITE_NOTHING_ENV = "DATAFERRY_BENCH_WRITE_NOTHING"
+"""Benchmark-only hook (``benchmarks.loop_cost``): ``1`` makes every decode worker answer each task
+at once, writing only the slot's sample indices, so a run measures the service's main loop with
+decoding taken out. Read once by the supervisor (``worker_pool``), which logs a warning; never set
+it for training: the batches hold whatever pixels the slot held before."""
 
 
 @dataclass(frozen=True)
@@ -73,6 +78,8 @@ class WorkerConfig:
     log_level: str
     roi: bool = False
     """Decode train crops with the region decoder (``transforms.load_bytes_into``)."""
+    write_nothing: bool = False
+    """Answer every task without reading or decoding anything (BENCH_WRITE_NOTHING_ENV)."""
 
 
 @dataclass
@@ -113,9 +120,10 @@ def slot_views(segment: Segment, layout: SlotLayout, slot: int, slots: int) -> S
 
 
 def fill_slot(worker: int, feed: OpenFeed, task: Task) -> TaskDone:
-    """Fill ``task``'s samples into consecutive rows, skipping (and reporting) bad samples."""
+    """Fill ``task``'s samples into consecutive rows from ``task.row`` on, skipping (and reporting)
+    bad samples; ``count`` is the rows written."""
     views = slot_views(feed.segment, feed.spec.layout, task.slot, feed.spec.slots)
-    row = 0
+    row = task.row
     bad: list[tuple[int, str]] = []
     for idx in np.frombuffer(task.indices, dtype="<i8").tolist():
         reason = fill_row(feed, views, row, idx, task.epoch)
@@ -124,7 +132,7 @@ def fill_slot(worker: int, feed: OpenFeed, task: Task) -> TaskDone:
             continue
         views.indices[row] = idx
         row += 1
-    return TaskDone(task.task, worker, row, tuple(bad[:MAX_BAD_REPORTS]))
+    return TaskDone(task.task, worker, row - task.row, tuple(bad[:MAX_BAD_REPORTS]))
 
 
 def fill_row(feed: OpenFeed, views: SlotViews, row: int, idx: int, epoch: int) -> str | None:
@@ -237,7 +245,19 @@ def _serve(cfg: WorkerConfig, feeds: list[OpenFeed], sock: zmq.Socket[bytes]) ->
             log.error("task %d names feed %d of %d; ignored", msg.task, msg.feed, len(feeds))
             continue
         _injected_hang(cfg, feeds[msg.feed], msg)
+        if cfg.write_nothing:
+            sock.send(encode(indices_only(cfg.worker, feeds[msg.feed], msg)))
+            continue
         sock.send(encode(fill_slot(cfg.worker, feeds[msg.feed], msg)))
+
+
+def indices_only(worker: int, feed: OpenFeed, task: Task) -> TaskDone:
+    """The benchmark's answer to ``task`` (BENCH_WRITE_NOTHING_ENV): every sample counted as written,
+    its index in the slot, no file read and no pixel written."""
+    views = slot_views(feed.segment, feed.spec.layout, task.slot, feed.spec.slots)
+    indices = np.frombuffer(task.indices, dtype="<i8")
+    views.indices[task.row : task.row + len(indices)] = indices
+    return TaskDone(task.task, worker, len(indices), ())
 
 
 def _injected_hang(cfg: WorkerConfig, feed: OpenFeed, task: Task) -> None:

@@ -1,8 +1,9 @@
 """Decode tasks: which batch each idle worker decodes next, and what happens to its report or its death.
 
-A task is one batch of one producer (a stream or a cache, ``producers.py``) in one slot. The task
-carries the producer itself, so a worker's report goes straight back to it (NOTE [ Plan
-generations ]); a task whose worker died is redone under a fresh id (NOTE [ Worker restarts ]).
+A task is one batch of one producer (a stream or a cache, ``producers.py``) in one slot, or one part
+of a batch its reader waits for, split across workers (NOTE [ Split batches ]). The task carries the
+producer itself, so a worker's report goes straight back to it (NOTE [ Plan generations ]); a task
+whose worker died is redone under a fresh id (NOTE [ Worker restarts ]).
 """
 
 from __future__ import annotations
@@ -16,8 +17,10 @@ from dataclasses import dataclass, replace
 import numpy as np
 
 from loader_service.config import ServiceConfig
+from loader_service.decode.worker import slot_views
 from loader_service.supervisor.attachments import Attachments
 from loader_service.supervisor.feeds import Feed
+from loader_service.supervisor.parts import SplitBatch, compact, plan_parts
 from loader_service.supervisor.producers import Producer
 from loader_service.supervisor.streams import Stream
 from loader_service.supervisor.warm import WarmCache
@@ -40,6 +43,10 @@ class TaskRecord:
     slot: int
     indices: bytes
     attempts: int = 0
+    row: int = 0
+    """The first row this task writes: 0, or where its part starts (NOTE [ Split batches ])."""
+    split: SplitBatch | None = None
+    """The batch this task is one part of, if split."""
 
     @property
     def feed(self) -> Feed:
@@ -64,6 +71,8 @@ class Scheduler:
         self._deliver = deliver
         self._tasks: dict[int, TaskRecord] = {}
         self._redo: deque[TaskRecord] = deque()
+        self._parts: deque[TaskRecord] = deque()
+        """Parts of split batches no worker has taken yet (NOTE [ Split batches ])."""
         self._next_task = 0
         self.fatal: str | None = None
         """Why the service must stop: ``--strict`` met a bad file, or workers cannot start."""
@@ -89,8 +98,20 @@ class Scheduler:
             handle.task = None
             handle.decoded.add(msg.count)
         record = self._tasks.pop(msg.task, None)
-        if record is not None:  # else: a report from before a redo (NOTE [ Worker restarts ])
-            self._complete(record, msg.count, msg.bad)
+        if record is None:
+            return  # a report from before a redo (NOTE [ Worker restarts ])
+        if record.split is not None:
+            log.debug(
+                "feed %s: batch %d of epoch %d (%s): part from row %d, %d rows by worker %d",
+                record.feed.name,
+                record.seq,
+                record.epoch,
+                record.producer.lane,
+                record.row,
+                msg.count,
+                msg.worker,
+            )
+        self._complete(record, msg.count, msg.bad)
 
     def _complete(self, record: TaskRecord, count: int, bad: tuple[tuple[int, str], ...]) -> None:
         feed = record.feed
@@ -102,6 +123,11 @@ class Scheduler:
         feed.counters.decoded.add(count)
         if record.producer.lane == "warm":
             feed.counters.warm_decoded += count
+        if record.split is not None:
+            if not record.split.report(record.row, count):
+                return  # NOTE [ Split batches ]: the batch is complete when its last part is in
+            views = slot_views(feed.segment, feed.layout, record.slot, feed.config.slots)
+            count = compact(views, record.split.runs())
         receiver = record.producer.complete(record.gen, record.seq, record.slot, count)
         if receiver is not None:
             self._deliver(receiver)
@@ -133,7 +159,8 @@ class Scheduler:
             self._give_up(redo)
 
     def _give_up(self, record: TaskRecord) -> None:
-        """A batch that killed its decoder every time: report its files bad and deliver it empty."""
+        """A batch (or part) that killed its decoder every time: report its files bad and deliver it
+        without them."""
         reason = f"decode worker died {record.attempts} times on the batch holding this file"
         indices = np.frombuffer(record.indices, dtype="<i8").tolist()
         self._complete(record, 0, tuple((i, reason) for i in indices))
@@ -142,14 +169,22 @@ class Scheduler:
 
     def schedule(self) -> None:
         for handle in self._workers.idle():
-            record = self._redo.popleft() if self._redo else self._next_job()
+            record = self._next_record()
             if record is None:
                 return
             assert handle.routing_id is not None
             handle.task, handle.task_since = record.task, time.monotonic()
             self._tasks[record.task] = record
-            task = Task(record.task, record.feed.id, record.slot, record.epoch, record.indices)
+            task = Task(record.task, record.feed.id, record.slot, record.epoch, record.indices, record.row)
             self._send_worker(handle.routing_id, task)
+
+    def _next_record(self) -> TaskRecord | None:
+        """Redone tasks first, then the parts of split batches, then a new batch."""
+        if self._redo:
+            return self._redo.popleft()
+        if self._parts:
+            return self._parts.popleft()
+        return self._next_job()
 
     def _next_job(self) -> TaskRecord | None:
         """The next batch to decode: for the stream with the fewest batches in flight (the trainer
@@ -175,9 +210,45 @@ class Scheduler:
         return None
 
     def _plan(self, producer: Producer) -> TaskRecord:
+        """Plan the producer's next batch: one task, or its first part with the others queued."""
         slot = producer.feed.pool.acquire()
         assert slot is not None
-        gen, seq, indices = producer.plan_batch()
-        self._next_task += 1
-        indices_bytes = indices.astype("<i8").tobytes()
-        return TaskRecord(self._next_task, producer, gen, seq, producer.epoch, slot, indices_bytes)
+        waited = waited_for(producer)  # asked before planning counts the batch as filling
+        gen, seq, planned = producer.plan_batch()
+        indices = planned.astype("<i8", copy=False)
+        # Every worker counts, even one still starting: parts go to whichever worker is idle next.
+        workers = sum(1 for _ in self._workers) if waited else 1
+        ranges = plan_parts(len(indices), workers)
+        split = SplitBatch(tuple(start for start, _ in ranges)) if len(ranges) > 1 else None
+        records = []
+        for start, rows in ranges:
+            self._next_task += 1
+            part = indices[start : start + rows].tobytes()
+            records.append(
+                TaskRecord(self._next_task, producer, gen, seq, producer.epoch, slot, part, 0, start, split)
+            )
+        if split is not None:
+            producer.feed.counters.split_batches += 1
+            self._parts.extend(records[1:])
+            log.debug(
+                "feed %s: batch %d of epoch %d split into %d parts (%s)",
+                producer.feed.name,
+                seq,
+                producer.epoch,
+                len(ranges),
+                producer.lane,
+            )
+        return records[0]
+
+
+def waited_for(producer: Producer) -> bool:
+    """Will the producer's reader wait for its next batch (NOTE [ Split batches ])? True when none
+    of its plan is decoding, decoded, or held by a trainer: a trainer that holds a batch is busy
+    with it, and splitting its next one would only add tasks."""
+    if producer.filling:
+        return False
+    if isinstance(producer, WarmCache):
+        return not producer.ready
+    if isinstance(producer, Stream):
+        return not any(gen == producer.gen for gen, _seq in producer.batches)
+    return False
