@@ -22,13 +22,14 @@ from benchmarks.config import (
     BenchConfig,
     ConfigError,
     make_config,
+    parse_interpolations,
     parse_scenarios,
 )
 from benchmarks.progress import say
 from benchmarks.report import format_table, markdown, to_json
 from benchmarks.results import BenchResults, evaluate_targets
 from benchmarks.service_process import BenchError
-from loader_service.decode.transforms import DECODERS
+from loader_service.decode.transforms import DECODERS, INTERPOLATIONS
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -46,9 +47,16 @@ def build_parser() -> argparse.ArgumentParser:
         help="the service's JPEG decoding (default auto: the region decoder where it is built)",
     )
     p.add_argument(
+        "--interpolations",
+        type=parse_interpolations,
+        help=f"comma-separated resize filters that (a) and (f) time, each in the service and in "
+        f"DataLoader+OpenCV (default {','.join(INTERPOLATIONS)}); the first is also the one (b)-(e), "
+        "(g) and (k) use",
+    )
+    p.add_argument(
         "--rounds",
         type=int,
-        help="interleaved rounds of (a), (f), (h), (i), (j) (default 5; --quick 3); more on a busy machine",
+        help="interleaved rounds of (a), (f), (h)-(k) (default 5; --quick 3); more on a busy machine",
     )
     p.add_argument(
         "--scenarios",
@@ -85,8 +93,8 @@ def _check_plotting(cfg: BenchConfig) -> None:
 
 def config_from(args: argparse.Namespace) -> BenchConfig:
     keys = (
-        "data", "cache", "images", "workers", "decoder", "rounds", "scenarios", "json_path", "plot_path",
-        "markdown_path",
+        "data", "cache", "images", "workers", "decoder", "interpolations", "rounds", "scenarios",
+        "json_path", "plot_path", "markdown_path",
     )  # fmt: skip
     cfg = make_config(args.quick, **{k: getattr(args, k) for k in keys})
     return replace(cfg, plot_path=None) if args.no_plot else cfg
@@ -106,6 +114,8 @@ def command_line(cfg: BenchConfig) -> str:
         parts.append(f"--workers {cfg.workers}")
     if cfg.decoder != preset.decoder:
         parts.append(f"--decoder {cfg.decoder}")
+    if cfg.interpolations != preset.interpolations:
+        parts.append(f"--interpolations {','.join(cfg.interpolations)}")
     if cfg.rounds != preset.rounds:
         parts.append(f"--rounds {cfg.rounds}")
     if cfg.scenarios != preset.scenarios:

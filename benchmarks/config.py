@@ -11,13 +11,13 @@ import math
 from dataclasses import dataclass, replace
 from pathlib import Path
 
-from loader_service.decode.transforms import decoder_problem, uses_roi
+from loader_service.decode.transforms import INTERPOLATIONS, decoder_problem, uses_roi
 
-SCENARIOS = ("a", "b", "c", "d", "e", "f", "g", "h", "i", "j")
+SCENARIOS = ("a", "b", "c", "d", "e", "f", "g", "h", "i", "j", "k")
 SCENARIO_TITLES = {
     "a": "steady-state throughput of one trainer",
     "b": "four trainers on the same data",
-    "c": "time to first batch against a warm service",
+    "c": "time to first batch, against a warm service and against a cold one",
     "d": "overlap with a simulated accelerator step",
     "e": "consumer-side cost of next() on a ready batch",
     "f": "CPU-seconds per 1000 images, all processes",
@@ -25,6 +25,7 @@ SCENARIO_TITLES = {
     "h": "a user pipeline (torchvision v2) in the service against a DataLoader running it",
     "i": "tar shards against the same images as files",
     "j": "a remote trainer over TCP with CURVE, and the transport alone",
+    "k": "an eval feed (centre crop) against a DataLoader running the same eval transform",
 }
 CLASSES = 8
 """Class folders of the generated dataset; ``--images`` is spread over them."""
@@ -51,10 +52,13 @@ class BenchConfig:
     seed: int = 0
     decoder: str = "auto"
     """The service's ``--decoder``; the decode limit runs the same per-sample work."""
+    interpolations: tuple[str, ...] = INTERPOLATIONS
+    """(a), (f): the resize filters timed, each by the service and by DataLoader+OpenCV. The first is
+    the run's main filter: (b)-(e), (g) and (k) use it (NOTE [ One feed per filter ] in ``run``)."""
     scenarios: tuple[str, ...] = SCENARIOS
     quick: bool = False
     rounds: int = 5
-    """(a), (f), (j): interleaved rounds; each round times every contender (or transport) once."""
+    """(a), (f), (h)-(k): interleaved rounds; each round times every contender (or transport) once."""
     warmup_batches: int = 4
     """Skipped at the start of each timed segment, on top of what a contender may have buffered."""
     timed_batches: int = 30
@@ -86,6 +90,11 @@ class BenchConfig:
         return uses_roi(self.decoder)
 
     @property
+    def interpolation(self) -> str:
+        """The run's main resize filter (``interpolations[0]``)."""
+        return self.interpolations[0]
+
+    @property
     def per_class(self) -> int:
         return math.ceil(self.images / CLASSES)
 
@@ -100,6 +109,9 @@ class BenchConfig:
         _check(bool(self.scenarios), "--scenarios selects nothing")
         unknown = sorted(set(self.scenarios) - set(SCENARIOS))
         _check(not unknown, f"unknown scenarios {','.join(unknown)} (choose from {','.join(SCENARIOS)})")
+        _check(bool(self.interpolations), "--interpolations selects nothing")
+        bad = sorted(set(self.interpolations) - set(INTERPOLATIONS))
+        _check(not bad, f"unknown interpolations {','.join(bad)} (choose from {','.join(INTERPOLATIONS)})")
         if problem := decoder_problem(self.decoder):
             raise ConfigError(f"--{problem}")
         _check(self.data is None or self.data.is_dir(), f"--data {self.data} is not a directory")
@@ -137,6 +149,13 @@ def parse_scenarios(text: str) -> tuple[str, ...]:
     picked = {part.strip().lower() for part in text.split(",") if part.strip()}
     known = tuple(s for s in SCENARIOS if s in picked)
     return known + tuple(sorted(picked - set(SCENARIOS)))
+
+
+def parse_interpolations(text: str) -> tuple[str, ...]:
+    """``"area, bilinear,area"`` -> ``("area", "bilinear")``: the order given (the first is the main
+    filter), duplicates dropped; unknown names are kept for validation."""
+    picked = [part.strip().lower() for part in text.split(",") if part.strip()]
+    return tuple(dict.fromkeys(picked))
 
 
 def make_config(quick: bool, **overrides: object) -> BenchConfig:

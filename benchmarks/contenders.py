@@ -19,7 +19,7 @@ import numpy as np
 
 from benchmarks.service_process import BenchError
 from loader_service.dataset.index import DatasetIndex
-from loader_service.decode.transforms import Recipe, load_into
+from loader_service.decode.transforms import Recipe, load_into, prepare
 
 
 @dataclass(frozen=True)
@@ -64,24 +64,23 @@ def _sample_rng(seed: int, epoch: int, index: int) -> np.random.Generator:
 
 
 def decode_limit_stream(
-    index: DatasetIndex, batch_size: int, image_size: int, seed: int, roi: bool
+    index: DatasetIndex, batch_size: int, image_size: int, seed: int, recipe: Recipe
 ) -> Stream:
-    """The service's per-sample work (``load_into``, with the service's decoder) in this one process,
-    into one reused batch buffer.
+    """The service's per-sample work (``load_into`` with the feed's ``recipe``: transform, filter,
+    decoder) in this one process, into one reused batch buffer.
 
     No queues, no shared memory, no delivery: its rate times the process count is the most any
     contender with that many single-threaded processes could deliver (the decode limit).
     """
     cv2.setNumThreads(1)
+    prepare(recipe.interpolation)  # single-threaded, as in a decode worker
     out = np.empty((batch_size, 3, image_size, image_size), dtype=np.uint8)
     for epoch in itertools.count():
         order = np.random.default_rng([seed, epoch]).permutation(len(index))
         for position, start in enumerate(range(0, len(order), batch_size)):
             chunk = order[start : start + batch_size].tolist()
             for row, idx in enumerate(chunk):
-                load_into(
-                    str(index.path(idx)), out[row], Recipe("train", roi=roi), _sample_rng(seed, epoch, idx)
-                )
+                load_into(str(index.path(idx)), out[row], recipe, _sample_rng(seed, epoch, idx))
             yield Tick(epoch, position, len(chunk))
 
 

@@ -2,9 +2,11 @@
 
 Both Datasets do the service's work per sample: decode, RandomResizedCrop to ``S`` (scale 0.08-1,
 ratio 3/4-4/3, torchvision's sampling) with a horizontal flip at p=0.5, RGB CHW uint8. The OpenCV one
-calls the service's own ``decode_file`` and ``transform_into``, so the two differ only in how the
-work is scheduled and delivered. The PIL one is what a torchvision user writes (``Image.open`` +
-``convert("RGB")``, crop, bilinear ``resize``, ``transpose`` for the flip), without torchvision.
+calls the service's own ``decode_file`` and ``transform_into`` with the service's ``Recipe`` (its
+transform and resize filter), so the two differ only in how the work is scheduled and delivered. The
+PIL one is what a torchvision user writes (``Image.open`` + ``convert("RGB")``, crop, bilinear
+``resize``, ``transpose`` for the flip), without torchvision. (k)'s ``PlainEval`` is a user's own
+OpenCV eval code, written as one would without the service's.
 
 (h) runs a user pipeline, ``FUNC(sample, rng)``, in a DataLoader (``PipelineSamples``), on the same
 samples in the same order as the service (``EpochOrder``), so both deliver the same batches. (i) reads
@@ -146,12 +148,38 @@ class _CropDataset(Dataset[Sample]):
 
 
 class OpenCVCrops(_CropDataset):
-    """The service's decode and transform, called per sample from DataLoader workers."""
+    """The service's decode and transform, called per sample from DataLoader workers: a full decode,
+    then ``recipe``'s transform and filter (never the region decoder: ``recipe.roi`` is ignored)."""
+
+    def __init__(self, root: Path, size: int, recipe: Recipe | None = None) -> None:
+        super().__init__(root, size)
+        recipe = recipe or Recipe()
+        self.recipe = Recipe(recipe.augment, recipe.interpolation)
 
     def __getitem__(self, i: int) -> Sample:
         out = np.empty((3, self.size, self.size), dtype=np.uint8)
-        transform_into(decode_file(str(self.index.path(i))), out, Recipe("train"), self.rng())
+        transform_into(decode_file(str(self.index.path(i))), out, self.recipe, self.rng())
         return torch.from_numpy(out), int(self.index.labels[i])
+
+
+class PlainEval(_CropDataset):
+    """(k): the eval code a DataLoader user writes with OpenCV alone: ``cv2.imread``, the shorter side
+    resized to round(S * 256 / 224) with ``cv2.resize``'s default INTER_LINEAR, a centred S x S crop,
+    BGR to RGB, CHW."""
+
+    def __getitem__(self, i: int) -> Sample:
+        image = cv2.imread(str(self.index.path(i)), cv2.IMREAD_COLOR)
+        if image is None:
+            raise ValueError(f"cv2.imread could not read {self.index.relpath(i)}")
+        height, width = image.shape[:2]
+        short = round(self.size * 256 / 224)
+        scale = short / min(height, width)
+        new_w, new_h = max(short, int(width * scale)), max(short, int(height * scale))
+        resized = cv2.resize(image, (new_w, new_h), interpolation=cv2.INTER_LINEAR)
+        top, left = (new_h - self.size) // 2, (new_w - self.size) // 2
+        crop = resized[top : top + self.size, left : left + self.size, ::-1]
+        pixels = torch.from_numpy(np.ascontiguousarray(crop.transpose(2, 0, 1)))
+        return pixels, int(self.index.labels[i])
 
 
 class PILCrops(_CropDataset):

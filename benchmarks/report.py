@@ -49,13 +49,13 @@ FORMATS = {
     "CPU-s/GB": ".2f",
 }
 ROW_LABELS = {
-    "a": "(a) one trainer, images/s",
+    "a": "(a) one trainer{variant}, images/s",
     "b": "(b) per trainer, {trainers:.0f} at once, images/s",
     "c": "(c) first batch, s",
     "c-cold": "(c) first batch, cold, s",
     "d": "(d) epoch / max(load, compute)",
     "e": "(e) next() on a ready batch of {batch_size:.0f}, us",
-    "f": "(f) CPU-s per 1000 images",
+    "f": "(f) CPU-s per 1000 images{variant}",
     "g": "(g) service memory, MiB",
     "h": "(h) pipeline, one trainer, images/s",
     "h-cpu": "(h) pipeline, CPU-s per 1000 images",
@@ -69,8 +69,11 @@ ROW_LABELS = {
     "j-transport-raw": "(j) {series} (pyzmq alone), GB/s",
     "j-cpu-tcp_curve": "(j) CPU-s per GB over TCP+CURVE",
     "j-cpu-tcp": "(j) CPU-s per GB over plain TCP",
+    "k": "(k) eval feed, one trainer{variant}, images/s",
+    "k-cpu": "(k) eval feed, CPU-s per 1000 images{variant}",
 }
-"""Row labels by scenario, and by measurement key for (h), (i) and (j), whose rows have their own layout."""
+"""Row labels by measurement key, else by scenario (``a-bilinear`` is an (a) row); ``{variant}``
+becomes ", FILTER" for a measurement that names its resize filter."""
 COMPARED = {
     TCP_CURVE: (ZMQ_CURVE, TCP_PLAIN, SHM),
     TCP_PLAIN: (ZMQ_PLAIN, SHM),
@@ -79,7 +82,7 @@ COMPARED = {
     ZMQ_PLAIN: (),
 }
 """(j) transport rows, in table order, and what each is compared with."""
-TARGET_SOURCES = "issue 5; (h), (i): issue 11; (j): issue 12"
+TARGET_SOURCES = "issue 5; (h), (i): issue 11; (j): issue 12; (a) per filter, (c) cold, (k): issue 13"
 COMPARED_NOTE = (
     "(h) and (i) rows hold one figure in the dataferry column (for (i), the service reading tar shards) "
     "and compare it in the last column with what it ran against: a DataLoader running the same pipeline "
@@ -90,6 +93,17 @@ REMOTE_NOTE = (
     "(service and trainer added up for CPU per GB); the note compares it with the local trainer, the "
     "other transports, a raw pyzmq pair on the same kind of TCP, and what a tf.data service consumer "
     "was reported to receive (tensorflow issue #49304, another machine: for scale only)."
+)
+COLD_NOTE = (
+    "(c) cold: the service idle and settled (no worker busy, nothing being decoded), then a trainer "
+    "that starts an epoch no cache holds (not the warm start's), so its first batch is decoded after "
+    "it asks."
+)
+EVAL_NOTE = (
+    "(k) rows: dataferry's eval feed (shorter side to round(S*256/224), centre crop S) against "
+    "DataLoader+OpenCV running the same eval transform after a full decode (`transform_into`), and "
+    "DataLoader, plain cv2: a user's own eval code (`cv2.imread`, `cv2.resize` INTER_LINEAR, centre "
+    "crop, BGR to RGB, CHW)."
 )
 
 
@@ -214,7 +228,9 @@ def row_for(m: Measurement) -> list[Row]:
         return _remote_rows(m)
     if m.scenario in ("h", "i"):
         return [_compared_row(m)]
-    label = ROW_LABELS[m.scenario].format(**{"trainers": 4.0, "batch_size": 0.0, **m.notes})
+    template = ROW_LABELS.get(m.key) or ROW_LABELS[m.scenario]
+    variant = f", {m.variant}" if m.variant else ""
+    label = template.format(**{"trainers": 4.0, "batch_size": 0.0, **m.notes, "variant": variant})
     cells = {key: format_value(m.median(key), m.unit) for key in COLUMNS if key in m.samples}
     note = ratio_note(m)
     if m.scenario == "d":
@@ -223,8 +239,12 @@ def row_for(m: Measurement) -> list[Row]:
 
 
 def rows(results: BenchResults) -> list[Row]:
-    """In scenario order, (e) by batch size, whatever order the run measured them in."""
-    ordered = sorted(results.measurements, key=lambda m: (m.scenario, m.notes.get("batch_size", 0.0)))
+    """In scenario order, whatever order the run measured them in: (e) by batch size, and in each
+    scenario the measurement keyed by its letter (for (a), the main filter) first."""
+    ordered = sorted(
+        results.measurements,
+        key=lambda m: (m.scenario, m.notes.get("batch_size", 0.0), m.key != m.scenario),
+    )
     return [row for m in ordered for row in row_for(m)]
 
 
@@ -281,6 +301,7 @@ def markdown(results: BenchResults, checks: Sequence[Check], command: str) -> st
         "Every contender: decode, RandomResizedCrop "
         f"{s.get('image_size')} + flip, CHW uint8, batches of {s.get('batch_size')}, "
         f"{s.get('workers')} CPU processes. dataferry's decoder: {s.get('decoder_used', '?')}.",
+        *_filters_line(results),
         *_pipeline_line(results),
         "",
         "| machine | |",
@@ -310,8 +331,25 @@ def _notes(results: BenchResults) -> list[str]:
         out += [COMPARED_NOTE, ""]
     if "j" in scenarios:
         out += [REMOTE_NOTE, ""]
+    if results.get("c-cold"):
+        out += [COLD_NOTE, ""]
+    if "k" in scenarios:
+        out += [EVAL_NOTE, ""]
     out += [f"Skipped ({key}): {reason}" for key, reason in results.skipped.items()]
     return out + ([""] if results.skipped else [])
+
+
+def _filters_line(results: BenchResults) -> list[str]:
+    """Which resize filter each row ran: (a) and (f) name theirs, the rest run the first."""
+    filters = list(results.settings.get("interpolations") or [])
+    if not filters:
+        return []
+    timed = ", ".join(f"`{f}`" for f in filters)
+    return [
+        f"Resize filters: (a) and (f) time dataferry and DataLoader+OpenCV at each of {timed}, the "
+        "decode limit at each too, DataLoader+PIL (PIL's bilinear, what torchvision's default pipeline "
+        f"costs) once, in the same rounds; every other scenario runs `{filters[0]}`."
+    ]
 
 
 def _pipeline_line(results: BenchResults) -> list[str]:
@@ -345,6 +383,7 @@ def _measurement_json(m: Measurement) -> dict[str, Any]:
         "median": medians,
         "ratios": ratios,
         "notes": dict(m.notes),
+        "variant": m.variant,
     }
 
 

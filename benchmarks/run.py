@@ -2,9 +2,12 @@
 
 NOTE [ Scenario order ]
     1. The DataLoader contenders start their workers first, while this process has no ZeroMQ
-       threads yet (DataLoader forks its workers).
-    2. Service A (batch 64) starts, one ServiceLoader attaches; the decode limit runs in this process.
-    3. (a)+(f) share their timed segments; then (d), (c), (e) at batch 64, (g), all on service A.
+       threads yet (DataLoader forks its workers): DataLoader+OpenCV at every filter of (a), then
+       DataLoader+PIL, then (k)'s two eval DataLoaders.
+    2. Service A (batch 64) starts with one feed per filter and an eval feed (NOTE [ One feed per
+       filter ]); a ServiceLoader attaches to each feed used; the decode limits run in this process.
+    3. (a)+(f) share their timed segments; then (k), (d), (c) warm and cold, (e) at batch 64, (g),
+       all on service A.
     4. Every contender of this process is closed, so that (b)'s eight trainers are alone with the
        service (an idle trainer attached here would hold slots of its pool).
     5. Service A is stopped and must exit 0; (e) at batch 256 runs on service B and a DataLoader of 256.
@@ -16,14 +19,27 @@ NOTE [ Scenario order ]
        runs meanwhile, so no idle DataLoader or service of an earlier step sits in its way.
     Processes are released through ExitStacks, in reverse order of creation (streams, then loaders,
     then the service), on success and failure alike (NOTE [ Benchmark service lifecycle ]).
+
+NOTE [ One feed per filter ]
+    (a) times the service at several resize filters in the same interleaved rounds, so one service
+    holds them all: its first feed (``train``, the flags) runs the main filter (the first of
+    ``--interpolations``), and a config file adds a ``[feeds.train-FILTER]`` table per other filter
+    and, for (k), ``[feeds.eval]`` (``augment = "eval"``, the main filter); every table names the same
+    data and inherits batch, size and seed from the flags. Each trainer picks its feed by name. The
+    feeds share the decode workers and each has its own pool, so a feed's idle trainer (its credits
+    full) takes no worker from the one being timed. Every scenario but (a), (f) and (k) uses the first
+    feed only, as a single-feed service would serve it; (g)'s shared memory counts every feed's pool.
 """
 
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import datetime
+import json
 import tempfile
 import time
+from collections.abc import Sequence
 from dataclasses import asdict
 from pathlib import Path
 from typing import Any
@@ -37,6 +53,7 @@ from benchmarks.datasets import (
     OpenCVCrops,
     PILCrops,
     PipelineSamples,
+    PlainEval,
     make_dataloader,
     make_pipeline_dataloader,
     make_shards,
@@ -60,6 +77,7 @@ from benchmarks.results import (
     DL_OPENCV,
     DL_PIL,
     DL_PIPELINE,
+    DL_USER,
     FILES,
     LOCAL_SHM,
     REMOTE_CURVE,
@@ -91,7 +109,7 @@ from benchmarks.trainers import TrainerConfig, measure_trainers
 from benchmarks.wire import RawPair, loopback_endpoint
 from gpu_worker import ServiceLoader
 from loader_service.dataset.index import DatasetIndex, build_index
-from loader_service.decode.transforms import describe_decoder
+from loader_service.decode.transforms import Recipe, describe_decoder
 
 SERVICE_CREDITS = 6
 """ServiceLoader's default: also how many batches may wait for it after it idled."""
@@ -104,6 +122,33 @@ B_LOADER_KWARGS: dict[str, Any] = {"mode": "broadcast", "group": "bench", "group
 is decoded once for all four (README: "Several trainers on one service")."""
 H_GROUP = "bench-pipeline"
 """(h)'s broadcast group (B_LOADER_KWARGS otherwise)."""
+MAIN_FEED = "train"
+"""The service's first feed (its default ``--feed``), at the run's main filter."""
+EVAL_FEED = "eval"
+"""(k)'s feed on service A (NOTE [ One feed per filter ])."""
+
+
+def filter_feed(interpolation: str) -> str:
+    """The feed of service A that runs the train transform at another filter than the main one."""
+    return f"{MAIN_FEED}-{interpolation}"
+
+
+def feeds_toml(data: Path, main: str, others: Sequence[str], eval_feed: bool) -> str:
+    """Service A's config file: a ``[feeds.NAME]`` table per filter of ``others`` (the flags' feed
+    runs ``main``), and the eval feed at ``main`` if asked (NOTE [ One feed per filter ])."""
+    tables = [(filter_feed(f), "train", f) for f in others]
+    if eval_feed:
+        tables.append((EVAL_FEED, "eval", main))
+    lines = []
+    for name, augment, interpolation in tables:
+        lines += [
+            f"[feeds.{json.dumps(name)}]",
+            f"data = {json.dumps(str(data))}",  # a JSON string is a TOML basic string
+            f"augment = {json.dumps(augment)}",
+            f"interpolation = {json.dumps(interpolation)}",
+            "",
+        ]
+    return "\n".join(lines)
 
 
 class BenchRun:
@@ -117,6 +162,11 @@ class BenchRun:
         self.timelines: dict[str, Timeline] = {}
         self.services: list[ServiceProcess] = []
         self.contenders: dict[str, Contender] = {}
+        """The main filter's contenders by key, for (d), (e) and (g)."""
+        self.throughput_timed: list[tuple[Contender, str]] = []
+        """(a), (f): every contender with the filter it runs ("": timed once for all filters)."""
+        self.eval_timed: list[Contender] = []
+        """(k)'s contenders."""
         self.skipped: dict[str, str] = {}
 
     # --- processes ------------------------------------------------------------------------------
@@ -143,7 +193,7 @@ class BenchRun:
             batch_size,
             cfg.image_size,
             seed=cfg.seed,
-            extra_args=("--decoder", cfg.decoder, *extra_args),
+            extra_args=("--decoder", cfg.decoder, "--interpolation", cfg.interpolation, *extra_args),
         )
         scheme = spec.endpoint.split(":")[0]
         say(f"starting service {name}: {cfg.workers} workers, batch {batch_size}, {scheme}")
@@ -151,14 +201,24 @@ class BenchRun:
         self.services.append(service)
         return service
 
-    def dataloader_contender(self, stack: contextlib.ExitStack, key: str, batch_size: int) -> Contender:
-        """A DataLoader with persistent workers, started now (its first batch is taken here)."""
-        cfg = self.cfg
-        dataset = (
-            OpenCVCrops(self.data.root, cfg.image_size)
-            if key == DL_OPENCV
-            else PILCrops(self.data.root, cfg.image_size)
+    def crops(self, augment: str = "train", interpolation: str = "") -> OpenCVCrops:
+        """The service's transform in a DataLoader's Dataset; default: train at the main filter."""
+        return OpenCVCrops(
+            self.data.root, self.cfg.image_size, Recipe(augment, interpolation or self.cfg.interpolation)
         )
+
+    def dataloader_contender(
+        self,
+        stack: contextlib.ExitStack,
+        key: str,
+        batch_size: int,
+        dataset: OpenCVCrops | PILCrops | PlainEval | None = None,
+    ) -> Contender:
+        """A DataLoader with persistent workers, started now (its first batch is taken here); its
+        dataset: ``dataset``, else the one ``key`` names at the main filter."""
+        cfg = self.cfg
+        if dataset is None:
+            dataset = self.crops() if key == DL_OPENCV else PILCrops(self.data.root, cfg.image_size)
         stream = loader_stream(make_dataloader(dataset, cfg.workers, batch_size, cfg.timeout))
         contender = Contender(key, stream, DATALOADER_PREFETCH * cfg.workers, cfg.warmup_batches)
         stack.callback(contender.close)
@@ -172,12 +232,15 @@ class BenchRun:
         credits: int = SERVICE_CREDITS,
         transport: str = "auto",
         curve: CurveFiles | None = None,
+        feed: str = "",
     ) -> ServiceLoader:
-        """A ServiceLoader on ``service``, closed with ``stack``; ``curve``: the keys to present."""
+        """A ServiceLoader on ``service`` (its ``feed``: default the first), closed with ``stack``;
+        ``curve``: the keys to present."""
         server_key, client_key = curve.client() if curve else (None, None)
         loader = ServiceLoader(
             service.spec.endpoint,
             device="cpu",
+            feed=feed,
             timeout=self.cfg.timeout,
             credits=credits,
             transport=transport,
@@ -194,45 +257,89 @@ class BenchRun:
         key: str = SERVICE,
         transport: str = "auto",
         curve: CurveFiles | None = None,
+        feed: str = "",
     ) -> Contender:
         """A ServiceLoader read as (a) reads it, with (a)'s credits."""
-        stream = loader_stream(self.loader(stack, service, SERVICE_CREDITS, transport, curve))
+        stream = loader_stream(self.loader(stack, service, SERVICE_CREDITS, transport, curve, feed))
         contender = Contender(key, stream, SERVICE_CREDITS, self.cfg.warmup_batches)
         stack.callback(contender.close)  # runs first: the stream ends before its loader closes
         return contender
 
-    def decode_limit_contender(self) -> Contender:
+    def decode_limit_contender(self, interpolation: str = "") -> Contender:
+        """The service's per-image work at ``interpolation`` (default: the main filter), one process."""
         cfg = self.cfg
-        stream = decode_limit_stream(
-            OpenCVCrops(self.data.root, cfg.image_size).index,
-            cfg.batch_size,
-            cfg.image_size,
-            cfg.seed,
-            cfg.roi,
-        )
+        recipe = Recipe("train", interpolation or cfg.interpolation, cfg.roi)
+        stream = decode_limit_stream(self.crops().index, cfg.batch_size, cfg.image_size, cfg.seed, recipe)
         return Contender(DECODE_LIMIT, stream, backlog=0, warmup=1, scale=cfg.workers)
 
     # --- phases (NOTE [ Scenario order ]) -------------------------------------------------------
 
     def setup(self, stack: contextlib.ExitStack, service: ServiceProcess) -> None:
-        """Contenders the batch-64 scenarios need, DataLoaders first."""
+        """Contenders the batch-64 scenarios need, every DataLoader first."""
         cfg = self.cfg
+        main, *others = cfg.interpolations
+        timing = cfg.wants("a", "f")
         if cfg.wants("a", "f", "d", "e"):
             self.contenders[DL_OPENCV] = self.dataloader_contender(stack, DL_OPENCV, cfg.batch_size)
-        if cfg.wants("a", "f"):
-            self.contenders[DL_PIL] = self.dataloader_contender(stack, DL_PIL, cfg.batch_size)
-            self.contenders[DECODE_LIMIT] = self.decode_limit_contender()
+        other_dls = {
+            f: self.dataloader_contender(stack, DL_OPENCV, cfg.batch_size, self.crops(interpolation=f))
+            for f in (others if timing else ())
+        }
+        pil = self.dataloader_contender(stack, DL_PIL, cfg.batch_size) if timing else None
+        if cfg.wants("k"):
+            self.eval_timed = [
+                self.dataloader_contender(stack, DL_OPENCV, cfg.batch_size, self.crops("eval")),
+                self.dataloader_contender(
+                    stack, DL_USER, cfg.batch_size, PlainEval(self.data.root, cfg.image_size)
+                ),
+            ]
+        # No DataLoader below this line: ServiceLoaders start ZeroMQ threads (NOTE [ Scenario order ]).
         if cfg.wants("a", "f", "d", "e", "g"):
             self.contenders[SERVICE] = self.service_contender(stack, service)
+        if cfg.wants("k"):
+            self.eval_timed.insert(0, self.service_contender(stack, service, feed=EVAL_FEED))
+        if pil is None:
+            return
+        self.throughput_timed = [
+            (self.contenders[SERVICE], main),
+            (self.contenders[DL_OPENCV], main),
+            (pil, ""),
+            (self.decode_limit_contender(), main),
+        ]
+        for f in others:  # each filter's contenders side by side, so a round times them close in time
+            self.throughput_timed += [
+                (self.service_contender(stack, service, feed=filter_feed(f)), f),
+                (other_dls[f], f),
+                (self.decode_limit_contender(f), f),
+            ]
+
+    def service_a_config(self) -> tuple[str, ...]:
+        """Service A's ``--config``, when it needs feeds beyond its first (NOTE [ One feed per filter ])."""
+        cfg = self.cfg
+        others = cfg.interpolations[1:] if cfg.wants("a", "f") else ()
+        if not others and not cfg.wants("k"):
+            return ()
+        path = self.run_dir / "feeds.toml"
+        path.write_text(feeds_toml(self.data.root, cfg.interpolation, others, cfg.wants("k")))
+        return ("--config", str(path))
 
     def throughput(self) -> None:
-        say(f"(a, f) {SCENARIO_TITLES['a']}; {SCENARIO_TITLES['f']}")
-        order = [k for k in (SERVICE, DL_OPENCV, DL_PIL, DECODE_LIMIT) if k in self.contenders]
-        a, f, timelines = measure_throughput(
-            [self.contenders[k] for k in order], self.cfg.rounds, self.cfg.timed_batches
+        say(f"(a, f) {SCENARIO_TITLES['a']}; {SCENARIO_TITLES['f']}: {', '.join(self.cfg.interpolations)}")
+        measured, timelines = measure_throughput(
+            self.throughput_timed, self.cfg.interpolations, self.cfg.rounds, self.cfg.timed_batches
         )
-        self.measurements += [m for m in (a, f) if self.cfg.wants(m.scenario)]
-        self.timelines.update({f"a:{k}": t for k, t in timelines.items()})
+        self.measurements += [m for m in measured if self.cfg.wants(m.scenario)]
+        self.timelines.update(timelines)
+
+    def eval_rates(self) -> None:
+        """(k): the eval feed against the DataLoaders running the same eval transform and a user's."""
+        cfg = self.cfg
+        say(f"(k) {SCENARIO_TITLES['k']}")
+        rates, cpu, timelines = measure_rates(
+            self.eval_timed, cfg.rounds, cfg.timed_batches, "k", "eval feed, one trainer"
+        )
+        self.measurements += [dataclasses.replace(m, variant=cfg.interpolation) for m in (rates, cpu)]
+        self.timelines.update({f"k:{k}": t for k, t in timelines.items()})
 
     def load_per_batch(self, key: str) -> float:
         """Seconds to load one batch: from (a) when it ran, else from one timed segment now."""
@@ -260,10 +367,11 @@ class BenchRun:
     def first_batch(self, service: ServiceProcess) -> None:
         say(f"(c) {SCENARIO_TITLES['c']}")
         cfg = self.cfg
+        endpoint = service.spec.endpoint
         samples = {
-            SERVICE: first_batch_service(service.spec.endpoint, cfg.first_batch_repeats, cfg.timeout),
+            SERVICE: first_batch_service(endpoint, cfg.first_batch_repeats, cfg.timeout),
             DL_OPENCV: first_batch_dataloader(
-                OpenCVCrops(self.data.root, cfg.image_size),
+                self.crops(),
                 cfg.workers,
                 cfg.batch_size,
                 max(2, cfg.first_batch_repeats // 2),
@@ -271,12 +379,10 @@ class BenchRun:
             ),
         }
         self.measurements.append(Measurement("c", "c", "construct to first batch", "s", samples))
-        cold = first_batch_service(service.spec.endpoint, cfg.first_batch_repeats, cfg.timeout, settle=False)
-        self.measurements.append(
-            Measurement(
-                "c-cold", "c-cold", "first batch, right after another trainer left", "s", {SERVICE: cold}
-            )
-        )
+        cold = first_batch_service(endpoint, cfg.first_batch_repeats, cfg.timeout, cold=True)
+        notes = {"batch_size": float(cfg.batch_size), "workers": float(cfg.workers)}
+        title = "construct to first batch, nothing decoded for its plan, every worker idle"
+        self.measurements.append(Measurement("c", "c-cold", title, "s", {SERVICE: cold}, notes=notes))
 
     def per_image_seconds(self) -> float:
         """One process's seconds per image of the pipeline: from (a)'s decode limit, else timed now."""
@@ -348,11 +454,14 @@ class BenchRun:
         """Every scenario at the run's batch size, on one service (stopped when this returns)."""
         cfg = self.cfg
         with contextlib.ExitStack() as stack:
-            service = self.start_service(stack, f"batch{cfg.batch_size}", cfg.batch_size)
+            name = f"batch{cfg.batch_size}"
+            service = self.start_service(stack, name, cfg.batch_size, extra_args=self.service_a_config())
             with contextlib.ExitStack() as contenders:
                 self.setup(contenders, service)
                 self.on_contenders(service)
             self.contenders.clear()
+            self.throughput_timed.clear()
+            self.eval_timed.clear()
             if cfg.wants("b"):
                 self.trainers(service)
 
@@ -360,6 +469,8 @@ class BenchRun:
         cfg = self.cfg
         if cfg.wants("a", "f"):
             self.throughput()
+        if cfg.wants("k"):
+            self.eval_rates()
         if cfg.wants("d"):
             self.overlap()
         if cfg.wants("c"):
@@ -490,7 +601,7 @@ class BenchRun:
     def run_all(self) -> None:
         cv2.setNumThreads(1)  # this process only ever does single-process work (the decode limit)
         self.check_scenarios()
-        if self.cfg.wants("a", "b", "c", "d", "e", "f", "g"):
+        if self.cfg.wants("a", "b", "c", "d", "e", "f", "g", "k"):
             self.with_service_a()
         if self.cfg.wants("e"):
             self.large_batch_costs()
@@ -518,6 +629,7 @@ def settings(cfg: BenchConfig, data: DataSpec) -> dict[str, Any]:
         values.pop(key)
     values["scenarios"] = "".join(cfg.scenarios)
     values["cost_batch_sizes"] = list(cfg.cost_batch_sizes)
+    values["interpolations"] = list(cfg.interpolations)
     values["data"] = data.public()
     values["decoder_used"] = describe_decoder(cfg.decoder)
     values["pipeline"] = H_PIPELINE

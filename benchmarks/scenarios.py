@@ -10,9 +10,9 @@ from __future__ import annotations
 import math
 import os
 import time
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from typing import TypeVar
+from typing import Any, TypeVar
 
 from torch.utils.data import Dataset
 
@@ -24,12 +24,18 @@ from benchmarks.results import Measurement, Timeline
 from benchmarks.service_process import BenchError
 from benchmarks.stats import overlap_ratio, rate
 from gpu_worker import ServiceLoader
+from loader_service.supervisor.warm import WARM_PLAN
 from loader_service.tools.status_view import query_status
 
 FILL_MARGIN = 1.5
 """(e) waits this many times the estimated decode time, so the batches timed are really waiting."""
 IDLE_CORES = 0.2
 """Below this much CPU (in cores) the benchmark's process tree counts as idle."""
+COLD_EPOCH = 1000
+"""(c) cold: the first of the epochs its trainers start, one each: no cache of the service holds them
+(the warm start keeps epoch ``WARM_PLAN[0]``; a stream's batches decoded ahead are its own)."""
+VARIANT_SEP = "@"
+"""(a), (f): a contender timed at one of several filters is the series ``KEY@FILTER`` in the rounds."""
 T = TypeVar("T")
 
 
@@ -96,35 +102,73 @@ def rotated(items: Sequence[T], r: int) -> list[T]:
     return [*items[r % len(items) :], *items[: r % len(items)]]
 
 
-def interleaved_rounds(contenders: Sequence[Contender], rounds: int, batches: int, label: str) -> Rounds:
-    """``rounds`` rounds, each timing every contender once (``time_segment``), the order rotating.
+def interleaved_rounds(
+    contenders: Sequence[Contender],
+    rounds: int,
+    batches: int,
+    label: str,
+    names: Sequence[str] | None = None,
+) -> Rounds:
+    """``rounds`` rounds, each timing every contender once (``time_segment``), the order rotating;
+    each contender's series is named by ``names`` (default: its key).
 
     Interleaving puts every contender under the same background load within a round, which is what
     makes the per-round ratios comparable on a shared machine.
     """
-    rates: dict[str, list[float]] = {c.key: [] for c in contenders}
-    cpu: dict[str, list[float]] = {c.key: [] for c in contenders}
-    timelines = {c.key: Timeline() for c in contenders}
-    bar = progress(label, rounds * len(contenders))
+    named = list(zip(names or [c.key for c in contenders], contenders, strict=True))
+    rates: dict[str, list[float]] = {name: [] for name, _ in named}
+    cpu: dict[str, list[float]] = {name: [] for name, _ in named}
+    timelines = {name: Timeline() for name, _ in named}
+    bar = progress(label, rounds * len(named))
     for r in range(rounds):
-        for c in rotated(contenders, r):
+        for name, c in rotated(named, r):
             segment = time_segment(c, batches)
-            rates[c.key].append(rate(segment.images, segment.seconds) * c.scale)
-            cpu[c.key].append(segment.cpu_seconds / max(1, segment.images) * 1000)
-            timelines[c.key] = timelines[c.key].then(segment.timeline)
+            rates[name].append(rate(segment.images, segment.seconds) * c.scale)
+            cpu[name].append(segment.cpu_seconds / max(1, segment.images) * 1000)
+            timelines[name] = timelines[name].then(segment.timeline)
             bar.update()
     bar.close()
     return Rounds(rates, cpu, timelines)
 
 
+def variant_key(key: str, variant: str) -> str:
+    """The series of contender ``key`` at filter ``variant``; ``key`` itself for one timed once for all."""
+    return f"{key}{VARIANT_SEP}{variant}" if variant else key
+
+
+def of_variant(series: Mapping[str, T], variant: str, shared: bool = True) -> dict[str, T]:
+    """One filter's series out of rounds that timed several: ``KEY@variant`` as ``KEY``, and, with
+    ``shared``, every series timed once for all filters (no ``@``), in the order timed."""
+    out = {}
+    for name, value in series.items():
+        key, sep, at = name.partition(VARIANT_SEP)
+        if (sep and at == variant) or (shared and not sep):
+            out[key] = value
+    return out
+
+
 def measure_throughput(
-    contenders: Sequence[Contender], rounds: int, batches: int
-) -> tuple[Measurement, Measurement, dict[str, Timeline]]:
-    """(a) and (f): interleaved rounds of every contender."""
-    got = interleaved_rounds(contenders, rounds, batches, "(a, f) throughput rounds")
-    a = Measurement("a", "a", "one trainer, steady state", "images/s", got.rates, paired=True)
-    f = Measurement("f", "f", "CPU-seconds per 1000 images", "CPU-s", got.cpu_per_1000, paired=True)
-    return a, f, got.timelines
+    timed: Sequence[tuple[Contender, str]], variants: Sequence[str], rounds: int, batches: int
+) -> tuple[list[Measurement], dict[str, Timeline]]:
+    """(a) and (f): interleaved rounds of every contender, each paired with the filter it runs ("":
+    one timed once for all, as DataLoader+PIL). A measurement of each per filter in ``variants``:
+    keys ``a`` and ``f`` for the first (the run's main filter), ``a-FILTER``, ``f-FILTER`` for the
+    others, each holding the shared series too, so that its ratios pair the same rounds. Timelines
+    ``KEY:CONTENDER``, the shared ones under the first filter only."""
+    names = [variant_key(c.key, v) for c, v in timed]
+    got = interleaved_rounds([c for c, _ in timed], rounds, batches, "(a, f) throughput rounds", names)
+    measured: list[Measurement] = []
+    timelines: dict[str, Timeline] = {}
+    for i, v in enumerate(variants):
+        suffix = f"-{v}" if i else ""
+        rates, cpu = of_variant(got.rates, v), of_variant(got.cpu_per_1000, v)
+        measured += [
+            Measurement("a", f"a{suffix}", "one trainer, steady state", "images/s", rates, True, variant=v),
+            Measurement("f", f"f{suffix}", "CPU-seconds per 1000 images", "CPU-s", cpu, True, variant=v),
+        ]
+        own = of_variant(got.timelines, v, shared=not i)
+        timelines.update({f"a{suffix}:{k}": t for k, t in own.items()})
+    return measured, timelines
 
 
 def measure_rates(
@@ -139,36 +183,51 @@ def measure_rates(
     return rates, cpu, got.timelines
 
 
-def _until_service_idle(endpoint: str, timeout: float) -> None:
-    """Wait until the service has settled after the previous trainer: nothing being decoded, its
-    warm-start batches ready (NOTE [ Warm start ]). A warm service is what (c) is about; the time a
-    trainer waits when it attaches right after another left is the cold case, measured separately."""
+def settled(status: Mapping[str, Any], warm: bool) -> bool:
+    """Nothing being decoded: every worker up and without a task, no slot of any feed filling; with
+    ``warm``, the first feed's warm-start batches ready too (NOTE [ Warm start ])."""
+    workers, feeds = status.get("worker_list") or [], status.get("feeds") or []
+    if not workers or not feeds:
+        return False
+    idle = all(w.get("ready") and w.get("task") is None for w in workers)
+    quiet = all(f.get("slots", {}).get("filling", 1) == 0 for f in feeds)
+    return idle and quiet and (not warm or feeds[0].get("slots", {}).get("ready", 0) >= 1)
+
+
+def until_settled(endpoint: str, timeout: float, warm: bool) -> None:
+    """Wait until the service has ``settled`` after the previous trainer."""
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
-        feed = query_status(endpoint, timeout)["feeds"][0]
-        if feed["slots"]["filling"] == 0 and feed["slots"]["ready"] >= 1:
+        if settled(query_status(endpoint, timeout), warm):
             return
         time.sleep(0.02)  # polling a remote state: there is no event to wait on
-    raise TimeoutError(f"the service at {endpoint} did not settle within {timeout:.0f} s")
+    raise BenchError(f"the service at {endpoint} did not settle within {timeout:.0f} s")
 
 
-def first_batch_service(endpoint: str, repeats: int, timeout: float, settle: bool = True) -> list[float]:
-    """(c): seconds from constructing a ServiceLoader to holding its first batch.
+def first_batch_service(endpoint: str, repeats: int, timeout: float, cold: bool = False) -> list[float]:
+    """(c): seconds from constructing a ServiceLoader to holding its first batch, each attach on a
+    settled service (every worker idle, nothing being decoded).
 
-    ``settle``: wait before each attach until the service is idle and warm (the target's case);
-    otherwise attach right after the previous trainer left (the cold case). One untimed attach first,
-    so the service has served a trainer before the timed ones.
+    Warm: the trainer starts epoch 0 at position 0 as rank 0 of 1, the plan the warm start keeps
+    decoded (the target's case). ``cold``: each trainer starts an epoch of its own from
+    ``COLD_EPOCH`` on, which nothing has decoded, so its first batch is decoded after it asks; the
+    batch's epoch is checked. One untimed attach first, so the service has served a trainer before
+    the timed ones.
     """
     times = []
-    bar = progress(f"(c) first batch, service ({'warm' if settle else 'cold'})", repeats)
+    bar = progress(f"(c) first batch, service ({'cold' if cold else 'warm'})", repeats)
     for attempt in range(repeats + 1):
-        if settle:
-            _until_service_idle(endpoint, timeout)
+        epoch = COLD_EPOCH + attempt if cold else WARM_PLAN[0]
+        until_settled(endpoint, timeout, warm=not cold)
         start = time.perf_counter()
         with ServiceLoader(endpoint, device="cpu", timeout=timeout, connect_timeout=timeout) as loader:
+            loader.set_epoch(epoch)
             batch = next(iter(loader))
             took = time.perf_counter() - start
+            got = batch.epoch
             del batch  # before close: a batch must not outlive its loader
+        if got != epoch:
+            raise BenchError(f"(c) asked for epoch {epoch}, got a batch of epoch {got}")
         if attempt:
             times.append(took)
             bar.update()

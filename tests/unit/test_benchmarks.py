@@ -7,11 +7,12 @@ import json
 import math
 import socket
 from pathlib import Path
+from typing import Any
 
 import pytest
 
 from benchmarks.cli import command_line
-from benchmarks.config import ConfigError, make_config, parse_scenarios
+from benchmarks.config import ConfigError, make_config, parse_interpolations, parse_scenarios
 from benchmarks.machine import cpu_model, mem_total_gib
 from benchmarks.proctree import CLOCK_TICKS, parse_stat, parse_status_kib
 from benchmarks.report import SCHEMA, format_table, format_value, markdown, to_json
@@ -20,6 +21,7 @@ from benchmarks.results import (
     DL_OPENCV,
     DL_PIL,
     DL_PIPELINE,
+    DL_USER,
     FILES,
     LOCAL_SHM,
     REMOTE_CURVE,
@@ -115,9 +117,11 @@ def test_rolling_skips_batches_that_took_no_time() -> None:
 # --- results and targets -------------------------------------------------------------------------
 
 
-def throughput(service: list[float], dl: list[float], limit: list[float]) -> Measurement:
+def throughput(
+    service: list[float], dl: list[float], limit: list[float], variant: str = "", key: str = "a"
+) -> Measurement:
     samples = {SERVICE: service, DL_OPENCV: dl, DL_PIL: [x / 2 for x in dl], DECODE_LIMIT: limit}
-    return Measurement("a", "a", "one trainer", "images/s", samples, paired=True)
+    return Measurement("a", key, "one trainer", "images/s", samples, paired=True, variant=variant)
 
 
 def test_measurement_ratio_pairs_only_paired_samples() -> None:
@@ -189,11 +193,24 @@ def byo_measurements(
     )
 
 
+def eval_measurement(vs_dl: float = 1.4) -> Measurement:
+    """(k) with dataferry at ``vs_dl`` times DataLoader+OpenCV."""
+    samples = {SERVICE: [vs_dl * 500] * 3, DL_OPENCV: [500.0] * 3, DL_USER: [600.0] * 3}
+    return Measurement("k", "k", "eval", "images/s", samples, paired=True, variant="bilinear-antialias")
+
+
+def cold_measurement(seconds: float = 0.05) -> Measurement:
+    notes = {"batch_size": 64.0, "workers": 2.0}
+    return Measurement("c", "c-cold", "cold first batch", "s", {SERVICE: [seconds] * 3}, notes=notes)
+
+
 def full_results() -> BenchResults:
     return results_with(
-        throughput([1200.0, 1150.0, 1180.0], [1000.0, 1000.0, 1000.0], [1250.0, 1250.0, 1250.0]),
+        throughput([1400.0, 1350.0, 1380.0], [1000.0] * 3, [1450.0] * 3, "bilinear-antialias"),
+        throughput([1500.0] * 3, [1100.0] * 3, [1600.0] * 3, "area", key="a-area"),
         Measurement("b", "b", "per trainer", "images/s", {SERVICE: [800.0] * 4, DL_OPENCV: [200.0] * 4}),
         Measurement("c", "c", "first batch", "s", {SERVICE: [0.08, 0.09, 0.2], DL_OPENCV: [0.5]}),
+        cold_measurement(),
         Measurement("d", "d", "overlap", "x", {SERVICE: [1.02], DL_OPENCV: [1.4]}, notes={"compute_s": 0.05}),
         Measurement("e", "e64", "next()", "us", {SERVICE: [50.0, 60.0, 70.0]}, notes={"batch_size": 64}),
         Measurement("e", "e256", "next()", "us", {SERVICE: [55.0, 65.0, 75.0]}, notes={"batch_size": 256}),
@@ -207,6 +224,7 @@ def full_results() -> BenchResults:
         ),
         *byo_measurements(),
         *remote_measurements(),
+        eval_measurement(),
     )
 
 
@@ -219,16 +237,37 @@ def verdicts(results: BenchResults) -> dict[str, list[bool | None]]:
 
 def test_every_target_passes_when_the_figures_meet_it() -> None:
     assert verdicts(full_results()) == {
-        "a": [True, True],
+        "a": [True] * 6,  # three targets per filter, two filters
         "b": [True],
-        "c": [True],
+        "c": [True, True],
         "d": [True],
         "e": [True, True],
         "g": [True],
         "h": [True, True, True],
         "i": [True],
         "j": [True, True, True],
+        "k": [True],
     }
+
+
+def test_throughput_targets_are_checked_per_filter_against_its_own_rounds() -> None:
+    bilinear = throughput([1250.0], [1000.0], [1300.0], "bilinear", key="a-bilinear")  # 1.25x, 2.5x
+    area = throughput([1400.0], [1000.0], [1450.0], "area", key="a-area")
+    area = dataclasses.replace(area, samples={**area.samples, DL_PIL: [750.0]})  # 1.87x PIL
+    checks = {c.target: (c.measured, c.passed) for c in evaluate_targets(results_with(bilinear, area))}
+    assert checks["bilinear: dataferry >= 1.3x DataLoader+OpenCV at the same filter"] == ("1.25x", False)
+    assert checks["bilinear: dataferry >= 2x DataLoader+PIL"] == ("2.50x", True)
+    assert checks["area: dataferry >= 1.3x DataLoader+OpenCV at the same filter"] == ("1.40x", True)
+    assert checks["area: dataferry >= 2x DataLoader+PIL"] == ("1.87x", False)
+    assert checks["area: dataferry >= 90% of the decode limit"] == ("97%", True)
+
+
+def test_cold_first_batch_and_eval_targets_fail_above_and_below_their_thresholds() -> None:
+    checks = evaluate_targets(results_with(cold_measurement(0.061), eval_measurement(1.29)))
+    got = {c.target: (c.measured, c.passed) for c in checks if c.scenario in ("c", "k")}
+    assert got["cold first batch <= 0.06 s (batch 64, 2 workers)"] == ("0.061 s", False)
+    assert got["eval feed >= 1.3x DataLoader+OpenCV running the same eval transform"] == ("1.29x", False)
+    assert got["first batch <= 0.1 s"] == ("not measured", None)
 
 
 def test_pipeline_and_tar_targets_fail_below_their_thresholds() -> None:
@@ -267,15 +306,15 @@ def test_remote_targets_fail_below_their_thresholds() -> None:
 
 def test_targets_fail_on_the_wrong_side_of_their_thresholds() -> None:
     results = results_with(
-        throughput([1100.0], [1000.0], [1300.0]),  # 1.10x DataLoader, 85% of the limit
+        throughput([1100.0], [1000.0], [1300.0]),  # 1.10x DataLoader, 2.2x PIL, 85% of the limit
         Measurement("c", "c", "first batch", "s", {SERVICE: [0.2]}),
         Measurement("e", "e64", "next()", "us", {SERVICE: [50.0]}, notes={"batch_size": 64}),
         Measurement("e", "e256", "next()", "us", {SERVICE: [90.0]}, notes={"batch_size": 256}),  # not flat
         Measurement("g", "g", "memory", "MiB", {"rss_anon_mib": [80.0, 90.0, 100.0], "shm_mib": [110.0] * 3}),
     )
     got = verdicts(results)
-    assert got["a"] == [False, False]
-    assert got["c"] == [False]
+    assert got["a"] == [False, True, False]
+    assert got["c"] == [False, None]
     assert got["e"] == [True, False]
     assert got["g"] == [False]
 
@@ -304,18 +343,20 @@ def test_format_value_per_unit() -> None:
 def test_table_has_a_row_per_measurement_ratios_and_verdicts() -> None:
     results = results_with(*reversed(full_results().measurements))  # rows come in scenario order
     table = format_table(results, evaluate_targets(results))
-    assert "(a) one trainer, images/s" in table
+    assert "(a) one trainer, bilinear-antialias, images/s" in table
+    assert "(a) one trainer, area, images/s" in table
+    assert "(c) first batch, cold, s" in table
     assert "(b) per trainer, 4 at once, images/s" in table
     assert "(e) next() on a ready batch of 64, us" in table
     assert "(e) next() on a ready batch of 256, us" in table
-    assert "vs DataLoader+OpenCV 1.18x" in table  # median of 1.2, 1.15, 1.18
-    assert "vs decode limit 0.94x" in table
+    assert "vs DataLoader+OpenCV 1.38x" in table  # median of 1.4, 1.35, 1.38
+    assert "vs DataLoader+PIL 2.76x, vs decode limit 0.95x" in table
     assert "80.0 -> 81.0" in table
     labels = [line.split("  ")[0] for line in table.splitlines() if line.startswith("(")]
     scenarios = [
-        "(a)",
+        *["(a)"] * 2,
         "(b)",
-        "(c)",
+        *["(c)"] * 2,
         "(d)",
         "(e)",
         "(e)",
@@ -324,10 +365,14 @@ def test_table_has_a_row_per_measurement_ratios_and_verdicts() -> None:
         *["(h)"] * 4,
         *["(i)"] * 2,
         *["(j)"] * 7,
+        "(k)",
     ]
     assert [label[:3] for label in labels] == scenarios
-    assert "of 64" in labels[4] and "of 256" in labels[5]
-    assert "PASS  (a) dataferry >= 1.15x DataLoader+OpenCV: 1.18x" in table
+    assert labels[1].startswith("(a) one trainer, area")  # the order measured, within a scenario
+    assert "of 64" in labels[6] and "of 256" in labels[7]
+    passed = "PASS  (a) bilinear-antialias: dataferry >= 1.3x DataLoader+OpenCV at the same filter: 1.38x"
+    assert passed in table
+    assert "vs DataLoader+OpenCV 1.40x, vs DataLoader, plain cv2 1.17x" in table  # (k)
     assert "FAIL" not in table
 
 
@@ -392,20 +437,26 @@ def test_json_shape_and_strictness() -> None:
         "measurements", "targets", "timelines", "cleanup", "skipped",
     }  # fmt: skip
     a = doc["measurements"]["a"]
-    assert set(a) == {"scenario", "title", "unit", "paired", "samples", "median", "ratios", "notes"}
-    assert a["samples"][SERVICE] == [1200.0, 1150.0, 1180.0]
-    assert a["median"][SERVICE] == 1180.0
-    assert a["ratios"]["service/dl_opencv"] == pytest.approx(1.18)
+    assert set(a) == {
+        "scenario", "title", "unit", "paired", "samples", "median", "ratios", "notes", "variant",
+    }  # fmt: skip
+    assert a["samples"][SERVICE] == [1400.0, 1350.0, 1380.0]
+    assert a["median"][SERVICE] == 1380.0
+    assert a["ratios"]["service/dl_opencv"] == pytest.approx(1.38)
+    assert a["variant"] == "bilinear-antialias"
+    assert doc["measurements"]["a-area"]["variant"] == "area"
+    assert doc["measurements"]["b"]["variant"] == ""
     assert set(doc["measurements"]) == {
-        "a", "b", "c", "d", "e64", "e256", "f", "g", "h", "h-cpu", "h-group", "h-equal", "i", "i-cpu",
-        "j-rate", "j-transport", "j-cpu-tcp_curve",
+        "a", "a-area", "b", "c", "c-cold", "d", "e64", "e256", "f", "g", "h", "h-cpu", "h-group", "h-equal",
+        "i", "i-cpu", "j-rate", "j-transport", "j-cpu-tcp_curve", "k",
     }  # fmt: skip
     assert doc["targets"][0] == {
         "scenario": "a",
-        "target": "dataferry >= 1.15x DataLoader+OpenCV",
-        "measured": "1.18x",
+        "target": "bilinear-antialias: dataferry >= 1.3x DataLoader+OpenCV at the same filter",
+        "measured": "1.38x",
         "passed": True,
     }
+    assert doc["measurements"]["k"]["ratios"]["service/dl_user"] == pytest.approx(700 / 600)
     assert doc["timelines"]["a:service"] == {"end_s": [1.0], "images": [64], "wait_s": [0.5]}
 
 
@@ -422,8 +473,11 @@ def test_markdown_has_machine_command_table_and_targets() -> None:
     assert text.startswith("## Results of 2026-01-02")
     assert "| cpu | Test CPU |" in text
     assert "`python -m benchmarks --quick`" in text
-    assert "| (a) one trainer, images/s | 1180 | 1000 | 500 | 1250 |" in text
-    assert "| (a) dataferry >= 1.15x DataLoader+OpenCV | 1.18x | PASS |" in text
+    assert "| (a) one trainer, bilinear-antialias, images/s | 1380 | 1000 | 500 | 1450 | - |" in text
+    assert "| (a) area: dataferry >= 2x DataLoader+PIL | 2.73x | PASS |" in text
+    assert "| (c) cold first batch <= 0.06 s (batch 64, 2 workers) | 0.050 s | PASS |" in text
+    assert "(c) cold: the service idle and settled" in text
+    assert "(k) rows: dataferry's eval feed" in text
 
 
 def test_reported_settings_hold_no_path_of_this_machine(tmp_path: Path) -> None:
@@ -449,6 +503,13 @@ def test_parse_scenarios_orders_and_keeps_unknown_for_validation() -> None:
     assert parse_scenarios("a,z") == ("a", "z")
 
 
+def test_parse_interpolations_keeps_the_order_given_without_duplicates() -> None:
+    assert parse_interpolations("area, bilinear,AREA") == ("area", "bilinear")
+    cfg = make_config(False, interpolations=parse_interpolations("bilinear,area"))
+    assert cfg.interpolation == "bilinear"  # the first is the run's main filter
+    assert make_config(False).interpolations == ("bilinear-antialias", "bilinear", "area")
+
+
 def test_quick_preset_and_overrides() -> None:
     quick = make_config(True, workers=4, images=None)
     assert quick.quick and quick.workers == 4 and quick.images == 1024
@@ -464,6 +525,8 @@ def test_quick_preset_and_overrides() -> None:
         ({"scenarios": ("a", "z")}, "unknown scenarios z"),
         ({"scenarios": ()}, "selects nothing"),
         ({"data": Path("/nonexistent/dataferry-bench")}, "--data"),
+        ({"interpolations": ("bilinear", "cubic")}, "unknown interpolations cubic"),
+        ({"interpolations": ()}, "--interpolations selects nothing"),
     ],
 )
 def test_bad_flags_are_named(overrides: dict[str, object], message: str) -> None:
@@ -478,6 +541,9 @@ def test_command_line_hides_the_data_path(tmp_path: Path) -> None:
     assert command_line(make_config(False, images=5000)) == "python -m benchmarks --images 5000"
     assert command_line(make_config(False, rounds=11, scenarios=("h", "i"))) == (
         "python -m benchmarks --rounds 11 --scenarios h,i"
+    )
+    assert command_line(make_config(False, interpolations=("area",))) == (
+        "python -m benchmarks --interpolations area"
     )
 
 
@@ -562,3 +628,83 @@ def test_same_fields_needs_names_dtypes_shapes_and_bits() -> None:
     assert not same_fields(got, {"image": torch.ones(1, 4, dtype=torch.float16), "label": 3})
     assert not same_fields(got, {"image": torch.zeros(2, 2, dtype=torch.float16), "label": 3})
     assert not same_fields(got, {"label": 3, "image": torch.ones(2, 2, dtype=torch.float16)})  # order
+
+
+# --- (a) filters, (c) cold, (k) helpers -------------------------------------------------------------
+
+
+def test_rounds_of_several_filters_split_into_one_series_set_per_filter() -> None:
+    from benchmarks.scenarios import of_variant, variant_key
+
+    rounds = {
+        variant_key(SERVICE, "bilinear"): [2.0],
+        variant_key(DL_OPENCV, "bilinear"): [1.0],
+        variant_key(DL_PIL, ""): [0.5],  # timed once for all filters
+        variant_key(SERVICE, "area"): [3.0],
+    }
+    assert of_variant(rounds, "bilinear") == {SERVICE: [2.0], DL_OPENCV: [1.0], DL_PIL: [0.5]}
+    assert of_variant(rounds, "area") == {DL_PIL: [0.5], SERVICE: [3.0]}
+    assert of_variant(rounds, "area", shared=False) == {SERVICE: [3.0]}
+    assert of_variant(rounds, "bilinear-antialias") == {DL_PIL: [0.5]}  # no prefix match
+
+
+def test_a_service_has_settled_only_with_every_worker_idle_and_nothing_filling() -> None:
+    from benchmarks.scenarios import settled
+
+    def status(task: int | None = None, up: bool = True, filling: int = 0, ready: int = 2) -> dict[str, Any]:
+        workers = [{"task": None, "ready": True}, {"task": task, "ready": up}]
+        feeds = [{"slots": {"filling": 0, "ready": ready}}, {"slots": {"filling": filling, "ready": 0}}]
+        return {"worker_list": workers, "feeds": feeds}
+
+    assert settled(status(), warm=True) and settled(status(ready=0), warm=False)
+    assert not settled(status(ready=0), warm=True)  # the warm start is not ready yet
+    assert not settled(status(task=3), warm=False)
+    assert not settled(status(up=False), warm=False)  # a worker still starting
+    assert not settled(status(filling=1), warm=False)  # any feed decoding counts
+    assert not settled({}, warm=False)
+
+
+def test_service_a_config_adds_a_feed_per_other_filter_and_the_eval_feed(tmp_path: Path) -> None:
+    import tomllib
+
+    from benchmarks.run import feeds_toml
+
+    data = tmp_path / 'photos "x"'
+    text = feeds_toml(data, "bilinear-antialias", ("bilinear", "area"), eval_feed=True)
+    feeds = tomllib.loads(text)["feeds"]
+    assert list(feeds) == ["train-bilinear", "train-area", "eval"]
+    assert feeds["train-area"] == {"data": str(data), "augment": "train", "interpolation": "area"}
+    assert feeds["eval"] == {"data": str(data), "augment": "eval", "interpolation": "bilinear-antialias"}
+    assert tomllib.loads(feeds_toml(data, "area", (), eval_feed=False)) == {}
+
+
+def test_the_service_reads_service_a_config_as_meant(tmp_path: Path) -> None:
+    from benchmarks.run import feeds_toml
+    from loader_service.config.loading import load_config
+
+    data = tmp_path / "data"
+    (data / "cls").mkdir(parents=True)
+    config = tmp_path / "feeds.toml"
+    config.write_text(feeds_toml(data, "bilinear", ("area",), eval_feed=True))
+    endpoint = f"ipc://{tmp_path}/s.sock"
+    cfg = load_config(
+        config, {"data": str(data), "endpoint": endpoint, "interpolation": "bilinear", "seed": 3}, {}
+    )
+    assert (cfg.augment, cfg.interpolation) == ("train", "bilinear")
+    extra = {f.name: (f.augment, f.interpolation, f.seed) for f in cfg.extra_feeds}
+    assert extra == {"train-area": ("train", "area", 3), "eval": ("eval", "bilinear", 3)}
+
+
+def test_plain_eval_is_a_centred_crop_of_the_shorter_side_resized(tmp_path: Path) -> None:
+    import cv2
+    import numpy as np
+
+    from benchmarks.datasets import PlainEval
+
+    (tmp_path / "cls").mkdir()
+    image = np.zeros((120, 200, 3), np.uint8)
+    image[:, :, 0] = 255  # blue in OpenCV's BGR
+    cv2.imwrite(str(tmp_path / "cls" / "a.png"), image)
+    pixels, label = PlainEval(tmp_path, 56)[0]
+    assert tuple(pixels.shape) == (3, 56, 56) and label == 0
+    assert int(pixels[2].min()) == 255 and int(pixels[0].max()) == 0  # RGB: blue is the last plane
