@@ -7,6 +7,8 @@ output decoded from its region alone exactly the full decode's wherever the regi
 from __future__ import annotations
 
 import math
+import shutil
+import sysconfig
 from types import ModuleType
 from typing import Any
 
@@ -32,6 +34,7 @@ from loader_service.decode.transforms import (
 from loader_service.tools.sample_data import render_photo
 
 jc = transforms._jpegcrop
+resample = transforms._resample
 needs_roi = pytest.mark.skipif(jc is None, reason="the region decoder is not built here")
 SHAPES = [(375, 500), (500, 375), (97, 130), (240, 320), (231, 1000), (1000, 230), (64, 64), (300, 301)]
 
@@ -70,6 +73,56 @@ def test_each_filter_is_the_library_call_it_names(height: int, width: int) -> No
     }
     for name in INTERPOLATIONS:
         assert np.array_equal(resize(image, 128, 96, name), expected[name]), name
+
+
+def test_built_wherever_a_c_compiler_exists() -> None:
+    # The install treats it as optional, so a broken build would only show as torch in every worker.
+    compiler = (sysconfig.get_config_var("CC") or "cc").split()[0]
+    if shutil.which(compiler) is None:
+        pytest.skip(f"no C compiler ({compiler}): torch's resize is what runs")
+    assert resample is not None
+
+
+def torch_antialias(image: np.ndarray, height: int, width: int) -> np.ndarray:
+    tensor = torch.from_numpy(image).permute(2, 0, 1).unsqueeze(0)
+    out = interpolate(tensor, size=(height, width), mode="bilinear", antialias=True, align_corners=False)
+    return out[0].permute(1, 2, 0).numpy()
+
+
+@pytest.mark.skipif(resample is None, reason="_resample is not built here")
+def test_the_c_resize_is_torchs_to_the_last_bit() -> None:
+    # Random sizes shrink, enlarge, keep one side or both; noise and smooth ramps both.
+    assert resample is not None
+    rng = np.random.default_rng(0)
+    for case in range(300):
+        h, w, oh, ow = (int(v) for v in rng.integers(1, 600, size=4))
+        image = rng.integers(0, 256, (h, w, 3), dtype=np.uint8)
+        if case % 2:
+            image = cv2.GaussianBlur(image, (0, 0), 3)
+        if case % 7 == 0:
+            oh = h
+        out = np.empty((oh, ow, 3), np.uint8)
+        resample.resize(image, h, w, out, oh, ow)
+        assert np.array_equal(out, torch_antialias(image, oh, ow)), (h, w, oh, ow)
+
+
+@pytest.mark.skipif(resample is None, reason="_resample is not built here")
+def test_the_c_resize_refuses_buffers_that_do_not_match() -> None:
+    assert resample is not None
+    with pytest.raises(ValueError, match="buffer sizes"):
+        resample.resize(bytes(30), 4, 4, bytearray(12), 2, 2)
+    with pytest.raises(ValueError, match="sides"):
+        resample.resize(bytes(0), 0, 4, bytearray(12), 2, 2)
+    with pytest.raises(TypeError):
+        resample.resize(bytes(48), 4, 4, bytes(12), 2, 2)  # a read-only destination
+
+
+def test_without_the_c_resize_torch_does_it(monkeypatch: pytest.MonkeyPatch) -> None:
+    image = photo(120, 90)
+    expected = torch_antialias(image, 40, 50)
+    monkeypatch.setattr(transforms, "_resample", None)
+    transforms.prepare("bilinear-antialias")
+    assert np.array_equal(resize(image, 50, 40, "bilinear-antialias"), expected)
 
 
 def test_the_filters_give_different_pixels() -> None:
