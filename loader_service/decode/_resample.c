@@ -3,16 +3,21 @@
  * uint8 CPU kernel for interpolate(mode="bilinear", antialias=True), which torchvision's resize
  * calls by default, without importing torch (about 130 MB per decode worker).
  *
- *   resize(src, height, width, dst, out_height, out_width)
+ *   resize(src, height, width, dst, out_height, out_width, top=0, left=0, rows=out_height,
+ *          cols=out_width)
  *
- * src holds height*width*3 bytes, dst out_height*out_width*3 (both C-contiguous HWC). The result
+ * src holds height*width*3 bytes, dst rows*cols*3 (both C-contiguous HWC). The result
  * is computed as torch computes it (aten/src/ATen/native/cpu/UpSampleKernel.cpp and
  * UpSampleKernelAVXAntialias.h, themselves from Pillow-SIMD): per axis, a triangle filter
  * stretched by the scale when shrinking, its weights normalised in double precision, then
  * rounded to int16 at the largest precision that keeps the largest weight below 2^15; a
- * horizontal pass then a vertical pass (either skipped when that side keeps its size), each
- * summing in int32 from half a unit, shifting and clamping to 0-255. Integer sums do not depend
- * on their order, so this scalar code gives torch's SIMD results exactly (tests compare them).
+ * horizontal pass then a vertical pass, each summing in int32 from half a unit, shifting and
+ * clamping to 0-255. (torch skips a pass whose side keeps its size; here its weights are then
+ * 1 and 0, which gives the same bytes.) Integer sums do not depend on their order, so this code
+ * gives torch's SIMD results exactly (tests compare them).
+ *
+ * Optional arguments top, left, rows, cols compute only that window of the output, each pixel
+ * exactly as the whole resize has it: eval keeps only its centre crop (NOTE [ Eval regions ]).
  */
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
@@ -102,85 +107,133 @@ static int axis_make(struct axis *a, int64_t in, int64_t out)
     return 0;
 }
 
-static inline uint8_t clamp8(int32_t v, unsigned shift)
+/* The vertical pass runs along contiguous rows, which compilers vectorise; AVX2 where the CPU has
+ * it (chosen at load time), SSE2 otherwise. */
+#if defined(__x86_64__) && defined(__GNUC__) && !defined(__clang__)
+__attribute__((target_clones("avx2", "default")))
+#endif
+static void vertical_line(const uint8_t *restrict src, int64_t line, const int64_t *restrict rows,
+                          const int16_t *restrict k, int64_t n, unsigned shift, int32_t *restrict sum,
+                          uint8_t *restrict o)
 {
-    v >>= shift;
-    return (uint8_t)(v < 0 ? 0 : v > 255 ? 255 : v);
-}
-
-static void horizontal(const uint8_t *src, int64_t rows, int64_t in_w, const struct axis *a,
-                       int64_t out_w, uint8_t *dst)
-{
-    const int32_t half = (int32_t)1 << (a->precision - 1);
-    for (int64_t y = 0; y < rows; y++) {
-        const uint8_t *row = src + y * in_w * CHANNELS;
-        uint8_t *o = dst + y * out_w * CHANNELS;
-        for (int64_t x = 0; x < out_w; x++) {
-            const int16_t *k = a->weight + x * a->taps;
-            const uint8_t *p = row + a->start[x] * CHANNELS;
-            int32_t s0 = half, s1 = half, s2 = half;
-            for (int64_t j = 0; j < a->size[x]; j++, p += CHANNELS) {
-                s0 += p[0] * k[j];
-                s1 += p[1] * k[j];
-                s2 += p[2] * k[j];
-            }
-            o[x * CHANNELS + 0] = clamp8(s0, a->precision);
-            o[x * CHANNELS + 1] = clamp8(s1, a->precision);
-            o[x * CHANNELS + 2] = clamp8(s2, a->precision);
-        }
+    const int32_t half = (int32_t)1 << (shift - 1);
+    for (int64_t c = 0; c < line; c++)
+        sum[c] = half;
+    for (int64_t j = 0; j < n; j++) {
+        const uint8_t *restrict row = src + (rows[0] + j) * line;
+        const int32_t kj = k[j];
+        for (int64_t c = 0; c < line; c++)
+            sum[c] += row[c] * kj;
+    }
+    for (int64_t c = 0; c < line; c++) {
+        int32_t v = sum[c] >> shift;
+        o[c] = (uint8_t)(v < 0 ? 0 : v > 255 ? 255 : v);
     }
 }
 
-static void vertical(const uint8_t *src, int64_t width, const struct axis *a, int64_t out_h,
-                     uint8_t *dst)
+/* Output lines [first, first + count) of axis ``a``, from lines of ``line`` bytes whose first one is
+ * source line ``offset``. */
+static int vertical(const uint8_t *src, int64_t line, const struct axis *a, int64_t first, int64_t count,
+                    int64_t offset, uint8_t *dst)
 {
-    const int32_t half = (int32_t)1 << (a->precision - 1);
-    const int64_t line = width * CHANNELS;
     int32_t *sum = malloc((size_t)line * sizeof(int32_t));
     if (!sum)
-        return;
-    for (int64_t y = 0; y < out_h; y++) {
-        const int16_t *k = a->weight + y * a->taps;
-        for (int64_t c = 0; c < line; c++)
-            sum[c] = half;
-        for (int64_t j = 0; j < a->size[y]; j++) {
-            const uint8_t *row = src + (a->start[y] + j) * line;
-            const int32_t kj = k[j];
-            for (int64_t c = 0; c < line; c++)
-                sum[c] += row[c] * kj;
-        }
-        uint8_t *o = dst + y * line;
-        for (int64_t c = 0; c < line; c++)
-            o[c] = clamp8(sum[c], a->precision);
+        return -1;
+    for (int64_t y = first; y < first + count; y++) {
+        const int64_t at = a->start[y] - offset;
+        vertical_line(src, line, &at, a->weight + y * a->taps, a->size[y], a->precision, sum,
+                      dst + (y - first) * line);
     }
     free(sum);
+    return 0;
 }
 
-static int resize_into(const uint8_t *src, int64_t h, int64_t w, uint8_t *dst, int64_t oh, int64_t ow)
+/* (rows, cols, 3) with rows ``stride`` pixels apart -> (cols, rows, 3), in tiles that stay in cache. */
+static void transpose(const uint8_t *restrict src, int64_t rows, int64_t cols, int64_t stride,
+                      uint8_t *restrict dst)
 {
-    if (h == oh && w == ow) {
-        memcpy(dst, src, (size_t)(h * w * CHANNELS));
+    enum { TILE = 32 };
+    for (int64_t r0 = 0; r0 < rows; r0 += TILE) {
+        const int64_t r1 = r0 + TILE < rows ? r0 + TILE : rows;
+        for (int64_t c0 = 0; c0 < cols; c0 += TILE) {
+            const int64_t c1 = c0 + TILE < cols ? c0 + TILE : cols;
+            for (int64_t r = r0; r < r1; r++) {
+                const uint8_t *restrict s = src + (r * stride + c0) * CHANNELS;
+                for (int64_t c = c0; c < c1; c++, s += CHANNELS) {
+                    uint8_t *restrict d = dst + (c * rows + r) * CHANNELS;
+                    d[0] = s[0];
+                    d[1] = s[1];
+                    d[2] = s[2];
+                }
+            }
+        }
+    }
+}
+
+/* Source lines [lo, hi) that outputs [first, first + count) of axis ``a`` read. */
+static void reach(const struct axis *a, int64_t first, int64_t count, int64_t *lo, int64_t *hi)
+{
+    *lo = a->start[first];
+    *hi = *lo;
+    for (int64_t i = first; i < first + count; i++) {
+        if (a->start[i] < *lo)
+            *lo = a->start[i];
+        if (a->start[i] + a->size[i] > *hi)
+            *hi = a->start[i] + a->size[i];
+    }
+}
+
+/* Columns [left, left + cols) of the horizontal pass over ``rows`` rows of ``width`` pixels: done
+ * as a vertical pass on the transposed block the window reads, the same sums in an order the
+ * compiler vectorises (about twice as fast as summing taps pixel by pixel). */
+static int horizontal(const uint8_t *src, int64_t rows, int64_t width, const struct axis *a, int64_t left,
+                      int64_t cols, uint8_t *dst)
+{
+    int64_t lo, hi;
+    reach(a, left, cols, &lo, &hi);
+    uint8_t *across = malloc((size_t)((hi - lo) * rows * CHANNELS));
+    uint8_t *resized = malloc((size_t)(cols * rows * CHANNELS));
+    int status = -1;
+    if (across && resized) {
+        transpose(src + lo * CHANNELS, rows, hi - lo, width, across);
+        status = vertical(across, rows * CHANNELS, a, left, cols, lo, resized);
+        if (status == 0)
+            transpose(resized, cols, rows, rows, dst);
+    }
+    free(across);
+    free(resized);
+    return status;
+}
+
+struct window {
+    int64_t top, left, rows, cols;
+};
+
+/* Output pixels ``win`` of the (oh, ow) resize of (h, w): each one exactly what the whole resize
+ * would hold there, since every output pixel is computed from its own taps alone. */
+static int resize_into(const uint8_t *src, int64_t h, int64_t w, int64_t oh, int64_t ow, struct window win,
+                       uint8_t *dst)
+{
+    if (h == oh && w == ow) { /* weights of 1 and 0: the window's own pixels */
+        for (int64_t r = 0; r < win.rows; r++)
+            memcpy(dst + r * win.cols * CHANNELS, src + ((win.top + r) * w + win.left) * CHANNELS,
+                   (size_t)(win.cols * CHANNELS));
         return 0;
     }
     struct axis ax = {0}, ay = {0};
     uint8_t *middle = NULL;
     int status = -1;
-    if (w != ow && axis_make(&ax, w, ow) != 0)
+    if (axis_make(&ax, w, ow) != 0 || axis_make(&ay, h, oh) != 0)
         goto done;
-    if (h != oh && axis_make(&ay, h, oh) != 0)
+    int64_t lo, hi;
+    reach(&ay, win.top, win.rows, &lo, &hi);
+    middle = malloc((size_t)((hi - lo) * win.cols * CHANNELS));
+    if (!middle)
         goto done;
-    if (w == ow) {
-        vertical(src, w, &ay, oh, dst);
-    } else if (h == oh) {
-        horizontal(src, h, w, &ax, ow, dst);
-    } else {
-        middle = malloc((size_t)(h * ow * CHANNELS));
-        if (!middle)
-            goto done;
-        horizontal(src, h, w, &ax, ow, middle);
-        vertical(middle, ow, &ay, oh, dst);
-    }
-    status = 0;
+    /* Horizontal first, as torch does (the order fixes where the intermediate is rounded). */
+    status = horizontal(src + lo * w * CHANNELS, hi - lo, w, &ax, win.left, win.cols, middle);
+    if (status == 0)
+        status = vertical(middle, win.cols * CHANNELS, &ay, win.top, win.rows, lo, dst);
 done:
     free(middle);
     axis_free(&ax);
@@ -188,22 +241,33 @@ done:
     return status;
 }
 
+static int sides_ok(Py_ssize_t a, Py_ssize_t b, Py_ssize_t c, Py_ssize_t d)
+{
+    return a >= 1 && b >= 1 && c >= 1 && d >= 1 && a <= MAX_SIDE && b <= MAX_SIDE && c <= MAX_SIDE &&
+           d <= MAX_SIDE;
+}
+
 static PyObject *resample_resize(PyObject *self, PyObject *args)
 {
     (void)self;
     Py_buffer src, dst;
-    Py_ssize_t h, w, oh, ow;
-    if (!PyArg_ParseTuple(args, "y*nnw*nn", &src, &h, &w, &dst, &oh, &ow))
+    Py_ssize_t h, w, oh, ow, top = 0, left = 0, rows = -1, cols = -1;
+    if (!PyArg_ParseTuple(args, "y*nnw*nn|nnnn", &src, &h, &w, &dst, &oh, &ow, &top, &left, &rows, &cols))
         return NULL;
+    rows = rows < 0 ? oh : rows;
+    cols = cols < 0 ? ow : cols;
     PyObject *result = NULL;
-    if (h < 1 || w < 1 || oh < 1 || ow < 1 || h > MAX_SIDE || w > MAX_SIDE || oh > MAX_SIDE || ow > MAX_SIDE) {
+    if (!sides_ok(h, w, oh, ow) || !sides_ok(rows, cols, 1, 1)) {
         PyErr_SetString(PyExc_ValueError, "sides must be between 1 and 65536");
-    } else if (src.len != h * w * CHANNELS || dst.len != oh * ow * CHANNELS) {
+    } else if (top < 0 || left < 0 || top + rows > oh || left + cols > ow) {
+        PyErr_SetString(PyExc_ValueError, "the window must lie inside the output");
+    } else if (src.len != h * w * CHANNELS || dst.len != rows * cols * CHANNELS) {
         PyErr_SetString(PyExc_ValueError, "buffer sizes do not match the sides given");
     } else {
+        struct window win = {top, left, rows, cols};
         int status;
         Py_BEGIN_ALLOW_THREADS
-        status = resize_into((const uint8_t *)src.buf, h, w, (uint8_t *)dst.buf, oh, ow);
+        status = resize_into((const uint8_t *)src.buf, h, w, oh, ow, win, (uint8_t *)dst.buf);
         Py_END_ALLOW_THREADS
         if (status != 0)
             PyErr_NoMemory();
@@ -217,10 +281,10 @@ static PyObject *resample_resize(PyObject *self, PyObject *args)
 
 static PyMethodDef methods[] = {
     {"resize", resample_resize, METH_VARARGS,
-     "resize(src, height, width, dst, out_height, out_width): anti-aliased bilinear, as torch's uint8 kernel"},
+     "resize(src, height, width, dst, out_height, out_width, top=0, left=0, rows=out_height, "
+     "cols=out_width): the window of the anti-aliased bilinear resize, as torch's uint8 kernel"},
     {NULL, NULL, 0, NULL},
 };
-
 static struct PyModuleDef module = {PyModuleDef_HEAD_INIT, "_resample", NULL, -1, methods};
 
 PyMODINIT_FUNC PyInit__resample(void)

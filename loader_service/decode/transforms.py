@@ -309,6 +309,15 @@ def apply_eval(image: U8, out: U8, interpolation: str, full: tuple[int, int] | N
     size = out.shape[1]
     height, width = full or (image.shape[0], image.shape[1])
     new_h, new_w, c = eval_geometry(height, width, size)
+    if interpolation == "bilinear-antialias" and _resample is not None:
+        # Only the centre is computed, each pixel exactly as the whole resize has it.
+        source = np.ascontiguousarray(image)
+        centre = np.empty((size, size, 3), np.uint8)
+        _resample.resize(
+            source, source.shape[0], source.shape[1], centre, new_h, new_w, c.top, c.left, size, size
+        )
+        _store(centre, out)
+        return
     resized = resize(image, new_w, new_h, interpolation)
     _store(resized[c.top : c.top + size, c.left : c.left + size], out)
 

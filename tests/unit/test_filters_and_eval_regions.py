@@ -107,6 +107,21 @@ def test_the_c_resize_is_torchs_to_the_last_bit() -> None:
 
 
 @pytest.mark.skipif(resample is None, reason="_resample is not built here")
+def test_a_window_of_the_c_resize_is_that_part_of_the_whole() -> None:
+    assert resample is not None
+    rng = np.random.default_rng(1)
+    for _ in range(100):
+        h, w, oh, ow = (int(v) for v in rng.integers(2, 500, size=4))
+        image = cv2.GaussianBlur(rng.integers(0, 256, (h, w, 3), dtype=np.uint8), (0, 0), 2)
+        top, left = int(rng.integers(0, oh)), int(rng.integers(0, ow))
+        rows, cols = int(rng.integers(1, oh - top + 1)), int(rng.integers(1, ow - left + 1))
+        window = np.empty((rows, cols, 3), np.uint8)
+        resample.resize(image, h, w, window, oh, ow, top, left, rows, cols)
+        whole = torch_antialias(image, oh, ow)
+        assert np.array_equal(window, whole[top : top + rows, left : left + cols]), (h, w, oh, ow, top, left)
+
+
+@pytest.mark.skipif(resample is None, reason="_resample is not built here")
 def test_the_c_resize_refuses_buffers_that_do_not_match() -> None:
     assert resample is not None
     with pytest.raises(ValueError, match="buffer sizes"):
@@ -115,6 +130,8 @@ def test_the_c_resize_refuses_buffers_that_do_not_match() -> None:
         resample.resize(bytes(0), 0, 4, bytearray(12), 2, 2)
     with pytest.raises(TypeError):
         resample.resize(bytes(48), 4, 4, bytes(12), 2, 2)  # a read-only destination
+    with pytest.raises(ValueError, match="window"):
+        resample.resize(bytes(48), 4, 4, bytearray(12), 2, 2, 1, 1, 2, 2)
 
 
 def test_without_the_c_resize_torch_does_it(monkeypatch: pytest.MonkeyPatch) -> None:
