@@ -9,7 +9,6 @@ from __future__ import annotations
 import math
 import shutil
 import sysconfig
-from types import ModuleType
 from typing import Any
 
 import cv2
@@ -32,6 +31,7 @@ from loader_service.decode.transforms import (
     roi_scale,
 )
 from loader_service.tools.sample_data import render_photo
+from tests.helpers import CountingDecoder
 
 jc = transforms._jpegcrop
 resample = transforms._resample
@@ -153,20 +153,6 @@ def test_the_filters_give_different_pixels() -> None:
 
 
 # --- eval regions ---------------------------------------------------------------------------------
-
-
-class CountingDecoder:
-    """The real region decoder, counting its decodes: equal pixels alone cannot show it ran."""
-
-    def __init__(self, module: ModuleType) -> None:
-        self.module = module
-        self.header = module.header
-        self.LIBJPEG_TURBO_VERSION_NUMBER = module.LIBJPEG_TURBO_VERSION_NUMBER
-        self.calls = 0
-
-    def decode(self, *args: Any) -> Any:
-        self.calls += 1
-        return self.module.decode(*args)
 
 
 @pytest.mark.parametrize(("height", "width"), SHAPES)

@@ -10,8 +10,6 @@ import io
 import sysconfig
 from collections.abc import Callable
 from pathlib import Path
-from types import ModuleType
-from typing import Any
 
 import cv2
 import numpy as np
@@ -30,6 +28,7 @@ from loader_service.decode.transforms import (
     roi_scale,
 )
 from loader_service.tools.sample_data import render_photo
+from tests.helpers import CountingDecoder
 
 jc = transforms._jpegcrop
 needs_roi = pytest.mark.skipif(jc is None, reason="the region decoder is not built here")
@@ -249,20 +248,6 @@ def test_what_the_region_decoder_skips_goes_the_full_way(tmp_path: Path, make: C
         assert np.array_equal(
             load(tmp_path, data, ".img", seed, roi=True), load(tmp_path, data, ".img", seed, roi=False)
         )
-
-
-class CountingDecoder:
-    """The real region decoder, counting its decodes: equal pixels alone cannot show it ran."""
-
-    def __init__(self, module: ModuleType) -> None:
-        self.module = module
-        self.header = module.header
-        self.LIBJPEG_TURBO_VERSION_NUMBER = module.LIBJPEG_TURBO_VERSION_NUMBER
-        self.calls = 0
-
-    def decode(self, *args: Any) -> Any:
-        self.calls += 1
-        return self.module.decode(*args)
 
 
 @needs_roi
