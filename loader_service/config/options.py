@@ -181,7 +181,7 @@ class ServiceConfig(FeedOptions):
     decoder: str = field(
         default="auto",
         metadata=option(
-            "train-transform JPEG decoding: auto (the region decoder if built), opencv (always a full "
+            "train and eval JPEG decoding: auto (the region decoder if built), opencv (always a full "
             "decode) or jpeg-roi (refuse to start without the region decoder)",
             choices=DECODERS,
             check=checks.decoder,
