@@ -28,7 +28,7 @@
 #include <string.h>
 
 #define CHANNELS 3
-#define MAX_SIDE (1 << 16)
+#define MAX_SIDE (1 << 20) /* OpenCV decodes no wider image */
 
 struct axis {
     int64_t *start; /* first source index of each output index */
@@ -43,6 +43,9 @@ static void axis_free(struct axis *a)
     free(a->start);
     free(a->size);
     free(a->weight);
+    a->start = NULL; /* safe to call again: a failed axis_make frees, and so does its caller */
+    a->size = NULL;
+    a->weight = NULL;
 }
 
 static double triangle(double x)
@@ -258,8 +261,8 @@ static PyObject *resample_resize(PyObject *self, PyObject *args)
     cols = cols < 0 ? ow : cols;
     PyObject *result = NULL;
     if (!sides_ok(h, w, oh, ow) || !sides_ok(rows, cols, 1, 1)) {
-        PyErr_SetString(PyExc_ValueError, "sides must be between 1 and 65536");
-    } else if (top < 0 || left < 0 || top + rows > oh || left + cols > ow) {
+        PyErr_SetString(PyExc_ValueError, "sides must be between 1 and 1048576");
+    } else if (top < 0 || left < 0 || top > oh - rows || left > ow - cols) {
         PyErr_SetString(PyExc_ValueError, "the window must lie inside the output");
     } else if (src.len != h * w * CHANNELS || dst.len != rows * cols * CHANNELS) {
         PyErr_SetString(PyExc_ValueError, "buffer sizes do not match the sides given");

@@ -19,7 +19,8 @@ NOTE [ Eval regions ]
     a margin wider than any filter's support (``eval_region``) into an image-sized canvas whose
     other pixels are never written, and the usual resize-then-crop runs on that canvas. The
     centre's pixels are then exactly the full decode's (tested); the rest of the canvas, whatever
-    it holds, never reaches the output. Decoding is what is saved; the resize costs as before.
+    it holds, never reaches the output. With ``bilinear-antialias`` only the centre window of the
+    resize is computed (``_resample.c``), exactly as the whole resize would have it.
 """
 
 from __future__ import annotations
@@ -367,7 +368,7 @@ def load_into(
 def load_bytes_into(data: bytes, out: U8, recipe: Recipe, rng: np.random.Generator) -> None:
     """Write the image file's bytes ``data`` transformed into ``out``: the built-in per-sample work.
 
-    With ``recipe.roi`` the train transform decodes only its crop where it can (module docstring);
+    With ``recipe.roi`` train and eval decode only their crop where they can (module docstring);
     every other case is ``transform_into(decode_bytes(data), ...)``.
     """
     if recipe.roi and recipe.augment != "none" and _jpegcrop is not None and _whole_jpeg(data):

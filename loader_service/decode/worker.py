@@ -77,7 +77,7 @@ class WorkerConfig:
     feeds: tuple[WorkerFeed, ...]
     log_level: str
     roi: bool = False
-    """Decode train crops with the region decoder (``transforms.load_bytes_into``)."""
+    """Decode train and eval crops with the region decoder (``transforms.load_bytes_into``)."""
     write_nothing: bool = False
     """Answer every task without reading or decoding anything (BENCH_WRITE_NOTHING_ENV)."""
 

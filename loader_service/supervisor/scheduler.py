@@ -245,8 +245,8 @@ def waited_for(producer: Producer) -> bool:
     """Will the producer's reader wait for its next batch (NOTE [ Split batches ])? True when none
     of its plan is decoding, decoded, or held by a trainer: a trainer that holds a batch is busy
     with it, and splitting its next one would only add tasks."""
-    if producer.filling:
-        return False
+    if producer.filling or producer.lane == "ahead":
+        return False  # a next epoch's first batches: planned while the trainer still holds batches
     if isinstance(producer, WarmCache):
         return not producer.ready
     if isinstance(producer, Stream):

@@ -1,14 +1,18 @@
 """The loader service's lifecycle: start-up, the main loop, shutdown.
 
-The main thread runs one loop (NOTE [ Main loop ]
+The main thread runs one loop (NOTE [ Main loop ]); nothing else touches sockets or slot states.
+What the loop dispatches to: ``trainers.py`` (trainer messages and sessions), ``scheduler.py`` (decode
+tasks and worker reports), ``outbox.py`` (what goes to trainers), ``status.py``.
+
+NOTE [ Main loop ]
     Each turn, in this order: poll both sockets (at most ``TICK`` seconds); handle trainer messages
     (``TrainerDesk``); handle worker reports (``Scheduler``); react to a recorded signal (SIGHUP:
     re-read the authorised CURVE keys; SIGTERM/SIGINT: stop) or a fatal error; then, at most every
-    ``HOUSEKEEPING`` seconds: kill workers stuck past the task timeout, reap and replace dead or
-    lost ones, their tasks redone (NOTE [ Stuck workers ], NOTE [ Worker restarts ]); expire
-    trainers whose heartbeats stopped and evict broadcast members that hold their group up; send
-    heartbeats and whatever is owed (NOTE [ Owed messages ]); report to systemd and metrics.
-    Last, every turn, hand tasks to idle workers.
+    ``HOUSEKEEPING`` seconds (or half a heartbeat interval, if that is shorter): kill workers stuck
+    past the task timeout, reap and replace dead or lost ones, their tasks redone (NOTE [ Stuck
+    workers ], NOTE [ Worker restarts ]); expire trainers whose heartbeats stopped and evict
+    broadcast members that hold their group up; send heartbeats and whatever is owed (NOTE [ Owed
+    messages ]); report to systemd and metrics. Last, every turn, hand tasks to idle workers.
     Signal handlers only record the signal, so shutdown always runs from here in a known state.
 
 NOTE [ Shutdown order ]
@@ -59,9 +63,10 @@ from protocol.messages import MAX_FRAME_BYTES, Message, ProtocolError, StopWorke
 log = logging.getLogger(__name__)
 TICK = 0.1
 HOUSEKEEPING = 0.05
-"""Seconds between the loop's checks of workers, sessions and heartbeats. Every deadline they
-enforce is a second or more, and running them on every turn cost the loop a tenth of its time at
-thousands of batches a second (``python -m benchmarks.loop_cost``)."""
+"""Seconds between the loop's checks of workers, sessions and heartbeats (at most: half the
+heartbeat interval if that is shorter). Their deadlines are seconds with the defaults, and running
+them on every turn cost the loop about a tenth of its time at thousands of batches a second
+(``python -m benchmarks.loop_cost``)."""
 STOP_GRACE = 5.0
 Socket = zmq.Socket[bytes]
 
@@ -251,6 +256,7 @@ class LoaderService:
         poller.register(self._backend, zmq.POLLIN)
         if os.environ.get(FAULT_ENV) == "main-loop":
             raise RuntimeError(f"fault injected by {FAULT_ENV}")
+        housekeeping = min(HOUSEKEEPING, self.config.heartbeat_interval / 2)
         while True:
             events = dict(poller.poll(int(TICK * 1000)))
             if self._frontend in events:
@@ -269,7 +275,7 @@ class LoaderService:
                 return
             now = time.monotonic()
             if now >= self._next_housekeeping:
-                self._next_housekeeping = now + HOUSEKEEPING
+                self._next_housekeeping = now + housekeeping
                 self._housekeeping(scheduler, now)
             scheduler.schedule()
 

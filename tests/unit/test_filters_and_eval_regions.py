@@ -128,6 +128,11 @@ def test_the_c_resize_refuses_buffers_that_do_not_match() -> None:
         resample.resize(bytes(30), 4, 4, bytearray(12), 2, 2)
     with pytest.raises(ValueError, match="sides"):
         resample.resize(bytes(0), 0, 4, bytearray(12), 2, 2)
+    # As wide as OpenCV decodes: a panorama is not a bad sample.
+    wide = np.zeros((2, 70000, 3), np.uint8)
+    out = np.empty((1, 100, 3), np.uint8)
+    resample.resize(wide, 2, 70000, out, 1, 100)
+    assert not out.any()
     with pytest.raises(TypeError):
         resample.resize(bytes(48), 4, 4, bytes(12), 2, 2)  # a read-only destination
     with pytest.raises(ValueError, match="window"):
