@@ -240,28 +240,40 @@ def _central_fallback(height: int, width: int) -> Crop:
     return Crop((height - h) // 2, (width - w) // 2, h, w)
 
 
-def resize(image: U8, width: int, height: int, interpolation: str) -> U8:
-    """``image`` (HWC uint8) resized to ``width`` x ``height`` with the named filter."""
+def resize(image: U8, width: int, height: int, interpolation: str, window: Crop | None = None) -> U8:
+    """``image`` (HWC uint8) resized to ``width`` x ``height`` with the named filter; with ``window``,
+    only that part of the result (computed alone where the filter allows, else cut out of it)."""
+    if interpolation == "bilinear-antialias" and _resample is not None:
+        return _resample_antialias(image, width, height, window or Crop(0, 0, height, width))
     if interpolation == "bilinear-antialias":
-        return _resize_antialias(image, width, height)
-    shrinking = width * height < image.shape[0] * image.shape[1]
-    flag = cv2.INTER_AREA if interpolation == "area" and shrinking else cv2.INTER_LINEAR
-    return cast(U8, cv2.resize(image, (width, height), interpolation=flag))
+        resized = _torch_antialias(image, width, height)
+    else:
+        shrinking = width * height < image.shape[0] * image.shape[1]
+        flag = cv2.INTER_AREA if interpolation == "area" and shrinking else cv2.INTER_LINEAR
+        resized = cast(U8, cv2.resize(image, (width, height), interpolation=flag))
+    if window is None:
+        return resized
+    return resized[window.top : window.top + window.height, window.left : window.left + window.width]
 
 
-def _resize_antialias(image: U8, width: int, height: int) -> U8:
-    """torch's anti-aliased bilinear resize (what torchvision's resize calls), computed by
-    ``_resample.c`` exactly as torch computes it, or by torch itself where that is not built."""
+def _resample_antialias(image: U8, width: int, height: int, window: Crop) -> U8:
+    """torch's anti-aliased bilinear resize (what torchvision's resize calls), as ``_resample.c``
+    computes it: exactly torch's bytes, and only the ``window`` of them."""
+    assert _resample is not None
     source = np.ascontiguousarray(image)
-    if _resample is not None:
-        out = np.empty((height, width, 3), np.uint8)
-        _resample.resize(source, source.shape[0], source.shape[1], out, height, width)
-        return out
+    out = np.empty((window.height, window.width, 3), np.uint8)
+    box = (window.top, window.left, window.height, window.width)
+    _resample.resize(source, source.shape[0], source.shape[1], out, height, width, *box)
+    return out
+
+
+def _torch_antialias(image: U8, width: int, height: int) -> U8:
+    """The same resize by torch itself, where ``_resample`` is not built."""
     import torch  # imported by ``prepare`` at worker start, so no first batch pays for it
     from torch.nn.functional import interpolate
 
     # An HWC array viewed as a channels-last NCHW tensor takes torch's uint8 SIMD path.
-    tensor = torch.from_numpy(source).permute(2, 0, 1).unsqueeze(0)
+    tensor = torch.from_numpy(np.ascontiguousarray(image)).permute(2, 0, 1).unsqueeze(0)
     resized = interpolate(tensor, size=(height, width), mode="bilinear", antialias=True, align_corners=False)
     return cast(U8, resized[0].permute(1, 2, 0).numpy())
 
@@ -310,17 +322,7 @@ def apply_eval(image: U8, out: U8, interpolation: str, full: tuple[int, int] | N
     size = out.shape[1]
     height, width = full or (image.shape[0], image.shape[1])
     new_h, new_w, c = eval_geometry(height, width, size)
-    if interpolation == "bilinear-antialias" and _resample is not None:
-        # Only the centre is computed, each pixel exactly as the whole resize has it.
-        source = np.ascontiguousarray(image)
-        centre = np.empty((size, size, 3), np.uint8)
-        _resample.resize(
-            source, source.shape[0], source.shape[1], centre, new_h, new_w, c.top, c.left, size, size
-        )
-        _store(centre, out)
-        return
-    resized = resize(image, new_w, new_h, interpolation)
-    _store(resized[c.top : c.top + size, c.left : c.left + size], out)
+    _store(resize(image, new_w, new_h, interpolation, window=c), out)
 
 
 def eval_region(height: int, width: int, size: int, num: int = 8) -> Crop:

@@ -45,7 +45,7 @@ HANG_ON = "hang-on:"
 BENCH_WRITE_NOTHING_ENV = "DATAFERRY_BENCH_WRITE_NOTHING"
 """Benchmark-only hook (``benchmarks.loop_cost``): ``1`` makes every decode worker answer each task
 at once, writing only the slot's sample indices, so a run measures the service's main loop with
-decoding taken out. Read once by the supervisor (``worker_pool``), which logs a warning; never set
+decoding taken out. Read once by the supervisor (``service``), which logs a warning; never set
 it for training: the batches hold whatever pixels the slot held before."""
 
 

@@ -44,7 +44,7 @@ from loader_service.config import ServiceConfig
 from loader_service.config.checks import is_loopback_tcp
 from loader_service.decode.pipeline import THREAD_ENV
 from loader_service.decode.transforms import describe_decoder
-from loader_service.decode.worker import FAULT_ENV, WorkerConfig
+from loader_service.decode.worker import BENCH_WRITE_NOTHING_ENV, FAULT_ENV, WorkerConfig
 from loader_service.shm import LOCK_NAME, SHM_DIR, hold_lock, remove_stale, restrict
 from loader_service.supervisor import status, systemd
 from loader_service.supervisor.attachments import Attachments
@@ -204,6 +204,7 @@ class LoaderService:
         return sock
 
     def _worker_template(self, backend: str) -> WorkerConfig:
+        """Every decode worker's config, replacements included."""
         return WorkerConfig(
             worker=0,
             parent_pid=os.getpid(),
@@ -211,6 +212,7 @@ class LoaderService:
             feeds=tuple(feed.worker_feed() for feed in self.feeds),
             log_level=self.config.log_level,
             roi=self.config.roi,
+            write_nothing=_write_nothing(),
         )
 
     def shutdown(self) -> None:
@@ -345,6 +347,17 @@ class LoaderService:
         """A JSON-shaped snapshot, bounded so it always fits one frame."""
         rejected = self._outbox.rejected_messages
         return status.snapshot(self.feeds, self._attached, self._workers, self._started_at, rejected)
+
+
+def _write_nothing() -> bool:
+    """The benchmark-only hook BENCH_WRITE_NOTHING_ENV, read once, where the workers' config is made."""
+    if os.environ.get(BENCH_WRITE_NOTHING_ENV) != "1":
+        return False
+    log.warning(
+        "%s=1: decode workers write nothing (a benchmark of the main loop); batches hold no pixels",
+        BENCH_WRITE_NOTHING_ENV,
+    )
+    return True
 
 
 MAX_PARTS = 3

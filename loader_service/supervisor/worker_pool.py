@@ -10,17 +10,11 @@ from __future__ import annotations
 import logging
 import multiprocessing
 import multiprocessing.process
-import os
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field, replace
 
-from loader_service.decode.worker import (
-    BENCH_WRITE_NOTHING_ENV,
-    WORKER_BOOT_ERROR,
-    WorkerConfig,
-    run_worker,
-)
+from loader_service.decode.worker import WORKER_BOOT_ERROR, WorkerConfig, run_worker
 from loader_service.supervisor.rates import RateMeter
 
 log = logging.getLogger(__name__)
@@ -70,7 +64,7 @@ class WorkerSet:
     """
 
     def __init__(self, template: WorkerConfig, count: int, spawn: Spawner | None = None) -> None:
-        self._template = _with_benchmark_hooks(template)
+        self._template = template
         self._start_process = spawn or _spawn_process
         self._handles = {i: self._spawn(i) for i in range(count)}
         self._lost: list[WorkerHandle] = []
@@ -198,15 +192,3 @@ def _spawn_process(cfg: WorkerConfig) -> multiprocessing.process.BaseProcess:
     )
     process.start()
     return process
-
-
-def _with_benchmark_hooks(template: WorkerConfig) -> WorkerConfig:
-    """The workers' config with the benchmark-only hook of BENCH_WRITE_NOTHING_ENV applied, read once
-    here so that every worker, replacements included, runs the same way."""
-    if os.environ.get(BENCH_WRITE_NOTHING_ENV) != "1":
-        return template
-    log.warning(
-        "%s=1: decode workers write nothing (a benchmark of the main loop); batches hold no pixels",
-        BENCH_WRITE_NOTHING_ENV,
-    )
-    return replace(template, write_nothing=True)
