@@ -13,15 +13,19 @@ again whatever the socket refused, at every wait (NOTE [ Releases that could not
 NOTE [ Reconnecting ]
     When the service restarts (it answers ``no-session``) or goes silent for several heartbeats, the
     loader opens a new connection on the same endpoint and asks to resume its session, naming the
-    leases its loop still holds. A service that was only stalled still has the session: it keeps
-    those leases (their slots stay untouched), returns the others, and carries on with the same pool.
-    A restarted service does not know it: the loader gets a new session, checks that the feed is the
-    same dataset with the same seed, geometry and fields, and maps the new pool. Either way, if an
-    epoch was under way, it is started again at the position the loop had reached. Batches received but not
-    yet handed out are dropped (the new start covers them); batches the loop still holds stay valid
-    (a resumed session keeps their leases; after a restart their old mapping lives as long as they
-    do). In shard mode each image of the epoch is therefore still seen exactly once. If no service
-    answers within ``timeout`` of the last word from the old one, ServiceTimeout.
+    leases its loop still holds or has not taken yet and how far it has received every announcement.
+    A service that was only stalled still has the session: it keeps those leases (their slots stay
+    untouched), returns the others, announces again everything after what was received (NOTE
+    [ Acknowledged delivery ] in ``gpu_worker/arrivals.py``) and carries on with the same pool and
+    the same run: nothing is lost or doubled, in shard and broadcast mode alike.
+    A restarted service (or one that had already given the session up) does not know it: the loader
+    gets a new session, checks that the feed is the same dataset with the same seed, geometry and
+    fields, and maps the new pool; if an epoch was under way, it is started again at the position
+    the loop had reached, and batches received but not yet handed out are dropped (the new start
+    covers them). Batches the loop still holds stay valid (a resumed session keeps their leases;
+    after a restart their old mapping lives as long as they do). In shard mode each image of the
+    epoch is therefore still seen exactly once. If no service answers within ``timeout`` of the last
+    word from the old one, ServiceTimeout.
 """
 
 from __future__ import annotations
@@ -113,6 +117,8 @@ class ServiceLoader:
         self._in_epoch = False
         self._leases = LeaseBook()
         self._unsent_start: Start | None = None
+        self._last_start: tuple[Start, float] | None = None
+        """The current run's start and when it went out: sent again if the service never shows it."""
         self._run = 0
         self._passes = 0
         self._next_epoch = 0
@@ -266,8 +272,8 @@ class ServiceLoader:
         log.warning("lost the loader service at %s (%s); reconnecting", self.config.endpoint, why)
         before = self.info
         gone_since = self._conn.last_heard
-        held = self._leases.held_ids(self._conn.generation)[:MAX_RELEASES]
-        self._unsent_start = None  # superseded by the start below, or meaningless to a new session
+        generation = self._conn.generation
+        held = (*self._leases.held_ids(generation), *self._conn.waiting_leases())[:MAX_RELEASES]
         welcome = self._conn.open(
             gone_since + self.config.timeout,
             f"the loader service at {self.config.endpoint} has been gone "
@@ -281,14 +287,15 @@ class ServiceLoader:
                 f"the service at {self.config.endpoint} came back serving "
                 "a different dataset, seed, geometry or fields"
             )
-        if self._conn.resumed:  # the service returned every lease not in ``held``: forget them
-            self._leases.resumed(self._conn.generation, held)
-        else:
-            self._adopt(welcome)
         self._reconnected_at = time.monotonic()
         log.warning(
             "%s session %s", "resumed" if self._conn.resumed else "reconnected as", self._conn.session
         )
+        if self._conn.resumed:  # the service returned every lease not in ``held``: forget them
+            self._leases.resumed(self._conn.generation, held)
+            return  # the same run goes on: what was lost is announced again
+        self._unsent_start = self._last_start = None  # meaningless to a new session
+        self._adopt(welcome)
         if self._in_epoch and self._current_epoch is not None:
             self._run += 1
             self._send_start(self._start(self._current_epoch, self._position))
@@ -312,9 +319,29 @@ class ServiceLoader:
     def _send_pending(self) -> None:
         """NOTE [ Releases that could not be sent ]: the kept start first, then every release."""
         self._delivery.collect()  # device copies that have finished let their slots go
+        self._start_again_if_lost()
         if self._unsent_start is not None:
             self._send_start(self._unsent_start)
         self._leases.flush(self._conn.generation, self._conn.send)
+        if self._conn.session and self._conn.arrivals.ack_due:
+            self._ack()
+
+    def _ack(self) -> None:
+        """NOTE [ Acknowledged delivery ]: after the releases, on the same socket."""
+        have = self._conn.arrivals.have
+        unreleased = (*self._leases.unreleased_ids(self._conn.generation), *self._conn.waiting_leases())
+        self._conn.ack(tuple(lease for lease in unreleased if lease <= have))
+
+    def _start_again_if_lost(self) -> None:
+        """A start the service's heartbeats still do not show a heartbeat interval after it went out
+        was lost with a connection (NOTE [ Acknowledged delivery ]); the service ignores a repeat."""
+        if self._last_start is None or self._unsent_start is not None:
+            return
+        start, sent_at = self._last_start
+        conn = self._conn
+        if conn.service_run != start.run and conn.heard_run_at - sent_at > conn.heartbeat_interval:
+            log.info("the service does not show run %d started; sending its start again", start.run)
+            self._send_start(start)
 
     def _start(self, epoch: int, position: int) -> Start:
         return Start(self._run, epoch, position, transport=self.transport)
@@ -326,7 +353,10 @@ class ServiceLoader:
 
     def _send_start(self, start: Start) -> None:
         """Send ``start``, or keep it to send again (it supersedes any start kept before)."""
-        self._unsent_start = None if self._conn.send(start) else start
+        if self._conn.send(start):
+            self._unsent_start, self._last_start = None, (start, time.monotonic())
+        else:
+            self._unsent_start = start
 
     # --- delivery -------------------------------------------------------------------------------
 
@@ -339,7 +369,7 @@ class ServiceLoader:
         self._send_pending()  # what the last pass let go is returned before this pass is asked for
         self._send_start(self._start(epoch, position))
         try:
-            while True:
+            while self._position < self._batches:  # the last batch ends the pass: its end may be lost
                 msg = self._next_batch()
                 if isinstance(msg, EpochEnd):
                     self._position = self._batches
@@ -350,6 +380,7 @@ class ServiceLoader:
                 if batch is not None:
                     yield batch
                 del batch  # the generator must not keep the previous batch's slot while waiting
+            self._send_pending()  # credits back now, so the next epoch can be decoded ahead
         finally:
             if self._passes == mine:  # an abandoned older pass must not end the current one
                 self._in_epoch = False

@@ -6,7 +6,9 @@ Every ``open`` makes a fresh socket (new routing id), so nothing queued for a pr
 instance is ever delivered to the next one. Every session message carries the token the welcome
 gave (``send`` adds it). A ``batch`` for a trainer on another host arrives with its bytes as more
 frames, one per field and one for the indices; they wait in ``payloads`` until the loader takes them
-with the batch, which checks them against the feed's layout.
+with the batch, which checks them against the feed's layout. Announcements pass through
+``gpu_worker.arrivals`` first, which hands them on in lease order, each once, and finds the ones a
+lost connection swallowed (NOTE [ Acknowledged delivery ]).
 """
 
 from __future__ import annotations
@@ -23,9 +25,13 @@ from typing import Any
 
 import zmq
 
+from gpu_worker.arrivals import Arrivals
 from gpu_worker.curve import ClientKeys
 from protocol.layout import MAX_FIELDS
 from protocol.messages import (
+    MAX_CREDITS,
+    MAX_RELEASES,
+    Ack,
     BatchReady,
     Bye,
     EpochEnd,
@@ -50,6 +56,8 @@ SILENCE_HEARTBEATS = 5
 SLOWEST_LINK = 10e6
 """Bytes a second the slowest network a remote trainer should work over carries. A heartbeat queued
 behind a batch arrives only after it, so silence is allowed to last as long as one batch takes."""
+HELLO_AGAIN = 2.0
+"""Seconds without a welcome after which the hello is sent again (a connection lost on the way)."""
 SEND_HWM = 64
 """Messages the main socket queues for a service that is not reading before a send is refused. It
 carries only starts, releases and a bye; the loader keeps refused ones itself, merged, and sends them
@@ -89,36 +97,74 @@ class Connection:
         self.batch_bytes = 0
         """Bytes one batch brings over the socket (TCP transport), which stretch the silence allowed."""
         self._lost: str | None = None
+        self.arrivals: Arrivals[list[zmq.Frame] | None] = Arrivals(MAX_CREDITS)
+        self.service_run = -1
+        """The run the service's last heartbeat said it serves this session."""
+        self.heard_run_at = 0.0
+        self.heartbeat_interval = 1.0
 
     def open(self, deadline: float, give_up: str, held: tuple[int, ...] = ()) -> Welcome:
         """Start a session, or take the last one back if the service still has it (``resumed``);
-        raise ServiceTimeout with ``give_up`` if none is had by ``deadline``."""
+        raise ServiceTimeout with ``give_up`` if none is had by ``deadline``.
+
+        A resumed session keeps what had arrived and not yet been taken (NOTE [ Acknowledged
+        delivery ]): the hello names ``held`` and ``have``, and the service frees and announces
+        again accordingly. A new one starts from nothing: the old leases died with the old session.
+        """
         previous = self.token
+        kept = self._inbox
+        self._inbox = deque()
         self._close_session()
         sock = self._sock = self._socket()
         sock.setsockopt(zmq.SNDHWM, SEND_HWM)
         sock.setsockopt(zmq.ROUTING_ID, secrets.token_bytes(12))
         sock.connect(self.endpoint)
-        sock.send(encode(replace(self._hello, resume=previous, held=held if previous else ())))
-        while True:
-            msg = self.recv(deadline)
-            if msg is None:
-                raise ServiceTimeout(give_up)
-            if isinstance(msg, Welcome):
-                break
+        have = self.arrivals.have if previous else 0
+        hello = encode(replace(self._hello, resume=previous, held=held if previous else (), have=have))
+        msg = self._await_welcome(sock, hello, deadline, give_up)
         self.resumed = bool(previous) and msg.token == previous
-        if not self.resumed:  # a new session: leases of the old one died with it
+        if self.resumed:
+            self._inbox.extendleft(reversed(kept))  # taken before anything after the welcome
+        else:  # a new session: leases of the old one died with it
             self.generation += 1
         self.session, self.token = msg.session, msg.token
+        self.heartbeat_interval = msg.heartbeat_interval
         self._silence_limit = max(SILENCE_HEARTBEATS * msg.heartbeat_interval, 3.0)
         self._start_heartbeat(msg.heartbeat_interval)
         return msg
+
+    def _await_welcome(self, sock: zmq.Socket[bytes], hello: bytes, deadline: float, give_up: str) -> Welcome:
+        """Send ``hello`` until a welcome comes: a hello lost with a connection is sent again (the
+        service welcomes a repeated hello again rather than opening a second session)."""
+        while True:
+            try:
+                sock.send(hello, zmq.NOBLOCK)
+            except zmq.Again:
+                pass  # nothing to send to yet: the next round tries again
+            msg = self.recv(min(deadline, time.monotonic() + HELLO_AGAIN))
+            if isinstance(msg, Welcome):
+                return msg
+            if time.monotonic() >= deadline:
+                raise ServiceTimeout(give_up)
+
+    def ack(self, held: tuple[int, ...]) -> bool:
+        """Tell the service what arrived (NOTE [ Acknowledged delivery ]); ``held``: the leases up to
+        ``arrivals.have`` the loop has not released. False when the socket refused it."""
+        arrivals = self.arrivals
+        sent = self.send(Ack(arrivals.have, arrivals.missing()[:MAX_RELEASES], held[:MAX_RELEASES]))
+        if sent:
+            arrivals.ack_due = False
+        return sent
+
+    def waiting_leases(self) -> tuple[int, ...]:
+        """Leases that arrived in order but that the loop has not taken yet."""
+        return tuple(msg.lease for msg in self._inbox if isinstance(msg, BatchReady))
 
     def send(self, msg: Message) -> bool:
         """Queue ``msg`` without blocking; False when the socket refused it (full, or no session)."""
         if self._sock is None:
             return False
-        if isinstance(msg, (Start, Release, Bye)):
+        if isinstance(msg, (Start, Release, Ack, Bye)):
             msg = replace(msg, token=self.token)
         try:
             self._sock.send(encode(msg), zmq.NOBLOCK)
@@ -158,11 +204,9 @@ class Connection:
                 msg = decode(parts[0].bytes, SERVICE_MESSAGES)
             except ProtocolError as exc:
                 raise ServiceError(f"malformed message from the service: {exc}") from None
-            if len(parts) != 1:
-                self._keep_payload(msg, parts[1:])
             self.last_heard = time.monotonic()
             if not isinstance(msg, ErrorReply):
-                self._inbox.append(msg)
+                self._arrived(msg, parts[1:])
             elif msg.code == "no-session" and self.session:
                 self._lost = "the service no longer knows this session (it restarted)"
                 self._inbox.clear()
@@ -174,16 +218,38 @@ class Connection:
             else:
                 log.warning("service reported: %s (%s)", msg.message, msg.code)
 
-    def _allowed_silence(self) -> float:
-        return max(self._silence_limit, self.batch_bytes / SLOWEST_LINK)
-
-    def _keep_payload(self, msg: Message, frames: list[zmq.Frame]) -> None:
-        # Only the bound here: the loader checks the count and every size against the feed's layout.
-        if not isinstance(msg, BatchReady) or not 2 <= len(frames) <= MAX_FIELDS + 1:
+    def _arrived(self, msg: Message, frames: list[zmq.Frame]) -> None:
+        """Pass ``msg`` on in the order the service sent it (NOTE [ Acknowledged delivery ])."""
+        if frames and (not isinstance(msg, BatchReady) or not 2 <= len(frames) <= MAX_FIELDS + 1):
             raise ServiceError(
                 f"malformed message from the service: {msg.KIND} with {len(frames)} extra frames"
             )
-        self.payloads[msg.lease] = frames
+        if isinstance(msg, Welcome):
+            if msg.token != self.token:  # a new session: nothing of the old one's order applies
+                self.arrivals.dropped_payloads()
+                self.payloads.clear()
+                self.arrivals = Arrivals(msg.credits)
+            self._inbox.append(msg)
+            return
+        if isinstance(msg, Heartbeat):
+            if self.session:
+                self.arrivals.heartbeat(msg.sent)
+                self.service_run, self.heard_run_at = msg.run, time.monotonic()
+            return
+        try:
+            if isinstance(msg, BatchReady):
+                ready = self.arrivals.batch(msg, frames or None)
+            else:
+                ready = self.arrivals.other(msg)
+        except OverflowError as exc:
+            raise ServiceError(f"malformed message from the service: {exc}") from None
+        for item, payload in ready:
+            if isinstance(item, BatchReady) and payload is not None:
+                self.payloads[item.lease] = payload
+            self._inbox.append(item)
+
+    def _allowed_silence(self) -> float:
+        return max(self._silence_limit, self.batch_bytes / SLOWEST_LINK)
 
     def _socket(self) -> zmq.Socket[bytes]:
         sock = self._ctx.socket(zmq.DEALER)
@@ -210,14 +276,15 @@ class Connection:
         if self._sock is not None:
             self._sock.close(linger=linger_ms)
             self._sock = None
-        self._inbox.clear()
-        self.payloads.clear()
         self.session = ""
 
     def close(self) -> None:
         # A short linger lets a final ``bye`` reach the service, so it frees this trainer's slots now
         # rather than after its heartbeat timeout; it cannot hang: the service is local or gone.
         self._close_session(linger_ms=BYE_LINGER_MS)
+        self._inbox.clear()
+        self.payloads.clear()
+        self.arrivals.dropped_payloads()
         self._ctx.term()
 
 

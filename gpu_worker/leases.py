@@ -88,6 +88,13 @@ class LeaseBook:
         released = set(self._released)
         return tuple(lease for gen, lease in self._live - released if gen == generation)
 
+    def unreleased_ids(self, generation: int) -> tuple[int, ...]:
+        """Lease ids of session ``generation`` whose release has not gone out: held, or let go and
+        not yet sent. What an ``ack`` names as held (NOTE [ Acknowledged delivery ])."""
+        ids = {lease for gen, lease in self._live if gen == generation}
+        ids.update(lease for gen, lease in self._unsent if gen == generation)
+        return tuple(sorted(ids))
+
     @property
     def pending(self) -> bool:
         """Something is waiting to be sent."""

@@ -11,15 +11,24 @@ slot's images, labels and indices, rows ``[0, count)`` only, sent from shared me
 copy. Either way the trainer releases the batch by its lease. A trainer's session::
 
     trainer (DEALER)                         service (ROUTER)
-      hello{feed, credits[, resume=token]} ->
+      hello{feed, credits[, resume=token, held, have]} ->
                            <---------------- welcome{session label, token, feed info, credits}
       start{run, epoch, position, transport, token} ->
                            <---------------- batch{run, epoch, seq, lease, slot, count}   (<= credits
                            <---------------- batch ... [+ images | labels | indices]       unreleased)
       release{leases, token} -------------->
+                           <---------------- heartbeat{sent, run}  (every heartbeat interval)
+      ack{have, missing, held, token} ----->
+                           <---------------- batch ... (again: each lease named in ``missing``)
                            <---------------- end{run, epoch, batches}
       heartbeat{token}  (from a second socket, every heartbeat interval)
       bye{token} --------------------------->
+
+Leases are numbered per session, 1, 2, 3, ... in the order they are announced, so a trainer knows
+exactly which announcements it has not received (NOTE [ Acknowledged delivery ] in
+``gpu_worker/connection.py``): ``ack`` says how far it has every one (``have``), which later ones it
+found missing (the service announces those again, same lease, same bytes), and which of the first
+``have`` its loop still holds (the service frees the others: their releases were lost).
 
     any peer: status? -> status{body}   (no session needed; shows no token)
 
@@ -75,6 +84,7 @@ __all__ = [
     "PROTOCOL_VERSION",
     "REMAINDERS",
     "TRANSPORTS",
+    "Ack",
     "BatchReady",
     "Bye",
     "EpochEnd",
@@ -97,7 +107,7 @@ __all__ = [
     "encode",
 ]
 
-PROTOCOL_VERSION: Final = 3
+PROTOCOL_VERSION: Final = 4
 MAX_FRAME_BYTES: Final = 64 * 1024
 _FIELDS: Final = ListOf(Items((Str(64), OneOf(DTYPES), ListOf(Int(1, 1 << 24), MAX_DIMS))), MAX_FIELDS)
 MAX_RELEASES: Final = 4096
@@ -153,7 +163,10 @@ class Hello(Message):
     resume: Annotated[str, _TOKEN, OMITTABLE] = ""
     """The token of a session this trainer had, to take over (it lost touch with a live service) ..."""
     held: Annotated[tuple[int, ...], ListOf(_LEASE, MAX_RELEASES), OMITTABLE] = ()
-    """... keeping only these of its leases: the batches its loop still holds."""
+    """... keeping only these of its first ``have`` leases: the batches its loop still holds ..."""
+    have: Annotated[int, _LEASE, OMITTABLE] = 0
+    """... and announcing again every lease after ``have`` that it still has (NOTE [ Acknowledged
+    delivery ]): they may have been lost with the old connection."""
 
     def cross_check(self) -> None:
         """Called by the decoder once every field has passed its own rule."""
@@ -189,9 +202,27 @@ class Release(Message):
 @dataclass(frozen=True)
 class Heartbeat(Message):
     """Liveness in either direction; from a trainer's second socket it carries the token of the session
-    it keeps alive."""
+    it keeps alive. From the service it also says the last lease announced to the session (``sent``)
+    and the run it serves (``run``): on one connection messages arrive in order, so a trainer that
+    gets this heartbeat without lease ``sent`` knows that announcement was lost, and one whose run
+    is newer knows its start was (NOTE [ Acknowledged delivery ])."""
 
     KIND: ClassVar[str] = "heartbeat"
+    token: Annotated[str, _TOKEN] = ""
+    sent: Annotated[int, _LEASE, OMITTABLE] = 0
+    run: Annotated[int, Int(-1, 2**31), OMITTABLE] = -1
+
+
+@dataclass(frozen=True)
+class Ack(Message):
+    """What the trainer has received (NOTE [ Acknowledged delivery ]): every lease up to ``have``;
+    ``missing`` leases after it never arrived (announce them again); of the leases up to ``have`` it
+    still holds only ``held`` (every other one was released, even if that release was lost)."""
+
+    KIND: ClassVar[str] = "ack"
+    have: Annotated[int, _LEASE]
+    missing: Annotated[tuple[int, ...], ListOf(_LEASE, MAX_RELEASES)] = ()
+    held: Annotated[tuple[int, ...], ListOf(_LEASE, MAX_RELEASES)] = ()
     token: Annotated[str, _TOKEN] = ""
 
 
@@ -342,6 +373,7 @@ MESSAGE_TYPES: Final[tuple[type[Message], ...]] = (
     Release,
     Heartbeat,
     Bye,
+    Ack,
     Welcome,
     StatusRequest,
     StatusReply,

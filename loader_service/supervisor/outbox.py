@@ -15,10 +15,11 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 
 from loader_service.logs import LogLimiter
 from loader_service.supervisor.attachments import Attachments
+from loader_service.supervisor.sessions import Leased, Session
 from loader_service.supervisor.slots import Send as SlotSend
 from loader_service.supervisor.slots import SlotState
 from loader_service.supervisor.streams import Member, Stream
@@ -39,7 +40,6 @@ class Outbox:
         self._send_frames = send_frames
         self._attached = attached
         self._heartbeat_interval = heartbeat_interval
-        self._next_lease = 0
         self._last_heartbeat = 0.0
         self.rejected_messages = 0
         self._reject_log = LogLimiter("rejected messages", per_minute=30)
@@ -55,25 +55,44 @@ class Outbox:
     def _announce(self, stream: Stream, member: Member) -> None:
         session = member.session
         for key, batch in stream.deliverable(member):
-            lease = self._next_lease
-            self._next_lease += 1
+            # A lease id is taken only once its announcement went out, so a session's ids have no
+            # holes the trainer could mistake for a lost announcement (NOTE [ Acknowledged delivery ]).
+            lease = session.next_lease
             announced = BatchReady(session.run, stream.epoch, key[1], lease, batch.slot, batch.count)
-            if not self._send_batch(stream, session.routing_id, announced, session.remote):
+            if not self._send_batch(stream, session, announced):
                 stream.undeliver(member, key)  # NOTE [ Owed messages ]
                 return
+            session.next_lease += 1
             if stream.feed.pool.state(batch.slot) is SlotState.READY:  # first member to get it
                 waited = stream.feed.pool.lease(batch.slot)
                 if self.observe_ready_wait is not None:
                     self.observe_ready_wait(stream.feed.name, waited)
-            session.leases[lease] = key
+            session.leases[lease] = Leased(key, announced)
             session.delivered += 1
 
-    def _send_batch(self, stream: Stream, routing_id: bytes, announced: BatchReady, remote: bool) -> bool:
+    def announce_again(
+        self, stream: Stream, session: Session, leases: Iterable[int], force: bool = False
+    ) -> None:
+        """Send again the announcements of ``leases`` the trainer says never arrived, in lease order
+        (NOTE [ Acknowledged delivery ]). Each goes at most once per heartbeat interval, unless
+        ``force``d (a resumed session's lost connection), so asking again and again costs a peer
+        its own bandwidth, not the service's."""
+        now = time.monotonic()
+        for lease in sorted(set(leases)):
+            leased = session.leases.get(lease)
+            if leased is None or (not force and now - leased.resent_at < self._heartbeat_interval):
+                continue
+            if not self._send_batch(stream, session, leased.announced):
+                return  # the peer is full or gone: it asks again, or its session ends
+            leased.resent_at = now
+            session.resent += 1
+
+    def _send_batch(self, stream: Stream, session: Session, announced: BatchReady) -> bool:
         """A local trainer maps the slot; a remote one is sent its bytes, straight from the slot."""
-        if not remote:
-            return self.send(routing_id, announced)
+        if not session.remote:
+            return self.send(session.routing_id, announced)
         frames = stream.feed.slot_frames(announced.slot, announced.count)
-        sent = self._send_frames(routing_id, announced, frames)
+        sent = self._send_frames(session.routing_id, announced, frames)
         if sent is None:
             return False
         stream.feed.pool.track(announced.slot, sent)  # NOTE [ Slot lifecycle ]: no reuse mid-send
@@ -90,8 +109,8 @@ class Outbox:
         if now - self._last_heartbeat < self._heartbeat_interval:
             return
         self._last_heartbeat = now
-        for routing_id in list(self._attached.sessions):
-            self.send(routing_id, Heartbeat())
+        for routing_id, session in list(self._attached.sessions.items()):
+            self.send(routing_id, Heartbeat(sent=session.sent, run=session.run))
         for stream in list(self._attached.streams.values()):
             self.deliver(stream)
 

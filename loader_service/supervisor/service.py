@@ -195,6 +195,10 @@ class LoaderService:
             )
         sock.setsockopt(zmq.LINGER, 0)
         sock.setsockopt(zmq.ROUTER_MANDATORY, 1)
+        # A trainer whose connection died without the service seeing it (a NAT that forgot the flow)
+        # reconnects under the same routing id: the new connection takes over the old one's place
+        # instead of being ignored while the dead one lingers (NOTE [ Acknowledged delivery ]).
+        sock.setsockopt(zmq.ROUTER_HANDOVER, 1)
         sock.setsockopt(zmq.MAXMSGSIZE, MAX_FRAME_BYTES)
         sock.bind(self.config.endpoint)
         self._owns_endpoint = True

@@ -6,9 +6,20 @@ import hmac
 import secrets
 from dataclasses import dataclass, field
 
-from protocol.messages import Hello
+from protocol.messages import BatchReady, Hello
 
 StreamKey = tuple[object, ...]
+
+
+@dataclass
+class Leased:
+    """A batch announced to a session and not yet released (NOTE [ Acknowledged delivery ])."""
+
+    key: tuple[int, int]
+    """(generation, seq) of the stream batch it names."""
+    announced: BatchReady
+    """The announcement as sent, to send again if the trainer says it never arrived."""
+    resent_at: float = float("-inf")
 
 
 @dataclass
@@ -27,9 +38,14 @@ class Session:
     last_seen: float
     run: int = -1
     epoch: int = 0
-    leases: dict[int, tuple[int, int]] = field(default_factory=dict)
-    """lease id -> (generation, seq) of the stream batch it names."""
+    leases: dict[int, Leased] = field(default_factory=dict)
+    """lease id -> the batch it names. Ids count 1, 2, 3, ... per session in announcement order."""
+    next_lease: int = 1
     delivered: int = 0
+    resent: int = 0
+    """Announcements sent again because the trainer said they never arrived."""
+    recovered: int = 0
+    """Leases freed because the trainer's acknowledgement showed their release was lost."""
     evicted: bool = False
     remote: bool = False
     """The trainer cannot map the segment (another host): batches travel as frames over the socket."""
@@ -40,6 +56,11 @@ class Session:
     def presents(self, token: str) -> bool:
         """Is ``token`` this session's? Compared in constant time."""
         return hmac.compare_digest(token.encode(), self.token.encode())
+
+    @property
+    def sent(self) -> int:
+        """The last lease id announced to this session (0: none yet)."""
+        return self.next_lease - 1
 
     @property
     def client(self) -> str:

@@ -48,6 +48,8 @@ def _session(feeds: list[Feed], attached: Attachments, s: Session, now: float) -
         "epoch": s.epoch,
         "delivered": s.delivered,
         "leased": len(s.leases),
+        "resent": s.resent,
+        "recovered_releases": s.recovered,
         "credits": s.credits,
         "lag": lag(attached, s),
         "idle_seconds": round(now - s.last_seen, 1),

@@ -21,6 +21,7 @@ from loader_service.supervisor.sessions import Session
 from loader_service.supervisor.streams import StartRefused, Stream
 from loader_service.supervisor.warm import WarmCache
 from protocol.messages import (
+    Ack,
     Bye,
     Heartbeat,
     Hello,
@@ -35,7 +36,7 @@ from protocol.messages import (
 )
 
 log = logging.getLogger(__name__)
-TRAINER_MESSAGES = (Hello, Start, Release, Heartbeat, Bye, StatusRequest)
+TRAINER_MESSAGES = (Hello, Start, Release, Ack, Heartbeat, Bye, StatusRequest)
 
 
 class TrainerDesk:
@@ -88,7 +89,7 @@ class TrainerDesk:
             why = "send hello first (the service may have restarted)"
             self._outbox.reject(routing_id, "no-session", why, fatal=True)
             return
-        if isinstance(msg, (Start, Release, Bye)) and not session.presents(msg.token):
+        if isinstance(msg, (Start, Release, Ack, Bye)) and not session.presents(msg.token):
             self._outbox.reject(routing_id, "bad-token", "this message does not carry its session's token")
             return
         session.last_seen = time.monotonic()
@@ -99,6 +100,8 @@ class TrainerDesk:
             self._on_start(session, msg)
         elif isinstance(msg, Release):
             self._on_release(session, msg)
+        elif isinstance(msg, Ack):
+            self._on_ack(session, msg)
         elif isinstance(msg, Bye):
             self.drop(session, "said bye")
 
@@ -139,9 +142,15 @@ class TrainerDesk:
             return
         resumed = self._attached.by_token(msg.resume)
         if resumed is not None and resumed.hello.pid == msg.pid and not resumed.evicted:
-            self._rebind(resumed, routing_id, set(msg.held))
+            self._rebind(resumed, routing_id, set(msg.held), msg.have)
             return
         old = self._attached.sessions.get(routing_id)
+        if old is not None and not msg.resume and old.hello == msg and old.run < 0:
+            # The same hello again on the same connection, before any start: the trainer resent it
+            # because the welcome did not come (a connection lost on the way). Welcome it again
+            # rather than replace the session it will know by the first welcome that arrives.
+            self._outbox.send(routing_id, self._welcome(old))
+            return
         if old is not None:
             self.drop(old, "said hello again")
         limit = self._config.max_sessions
@@ -168,22 +177,65 @@ class TrainerDesk:
         )
         self._outbox.send(routing_id, self._welcome(session))
 
-    def _rebind(self, session: Session, routing_id: bytes, held: set[int]) -> None:
+    def _rebind(self, session: Session, routing_id: bytes, held: set[int], have: int) -> None:
         """NOTE [ Reconnecting ]: a trainer that lost touch with this (live) service takes its session
-        back on a new socket. The leases of batches its loop still holds keep their slots; the others
-        (announcements lost on the old socket, releases not sent) are returned now."""
+        back on a new socket. Of the leases it had received every one of (up to ``have``), those its
+        loop still holds keep their slots and the others are returned (releases the old socket
+        lost); every later one is announced again after the welcome, as it may have been lost with
+        the old connection (NOTE [ Acknowledged delivery ])."""
         displaced = self._attached.sessions.get(routing_id)
         if displaced is not None and displaced is not session:
             # One connection, one session: the other one ends now, its slots with it, rather than
             # lingering unreachable (and being mistaken for this one by broadcast eviction).
             self.drop(displaced, f"its connection resumed session {session.session_id}")
         stream = self._attached.stream_of(session)
-        for lease in [lease for lease in session.leases if lease not in held]:
-            stream.release(session.session_id, session.leases.pop(lease))
+        self._return_released(session, stream, have, held)
         self._attached.move(session, routing_id)
         session.last_seen = time.monotonic()
         log.info("session %s (%s) resumed on a new connection", session.session_id, session.client)
         self._outbox.send(routing_id, self._welcome(session))
+        self._outbox.announce_again(
+            stream, session, [lease for lease in session.leases if lease > have], True
+        )
+        member = stream.members.get(session.session_id)
+        if member is not None and member.active:
+            member.end_sent = False  # the old connection may have lost it too
+        self._outbox.deliver(stream)
+
+    def _return_released(self, session: Session, stream: Stream, have: int, held: set[int]) -> int:
+        """Free the leases up to ``have`` that the trainer no longer holds: it released them, and the
+        release was lost (NOTE [ Acknowledged delivery ]). Returns how many."""
+        gone = [lease for lease in session.leases if lease <= have and lease not in held]
+        for lease in gone:
+            stream.release(session.session_id, session.leases.pop(lease).key)
+        return len(gone)
+
+    def _on_ack(self, session: Session, msg: Ack) -> None:
+        """NOTE [ Acknowledged delivery ]: free what the trainer released without the service
+        hearing it, and announce again what never reached the trainer."""
+        stream = self._attached.stream_of(session)
+        if msg.have > session.sent:
+            self._outbox.reject(
+                session.routing_id, "bad-ack", f"acknowledged lease {msg.have} of {session.sent}"
+            )
+            return
+        recovered = self._return_released(session, stream, msg.have, set(msg.held))
+        if recovered:
+            session.recovered += recovered
+            log.info(
+                "session %s: %d releases never arrived; their slots are returned",
+                session.session_id,
+                recovered,
+            )
+        missing = [lease for lease in msg.missing if lease > msg.have]
+        if missing:
+            log.info(
+                "session %s: %d announcements never arrived; sending them again",
+                session.session_id,
+                len(missing),
+            )
+            self._outbox.announce_again(stream, session, missing)
+        self._outbox.deliver(stream)
 
     def _welcome(self, session: Session) -> Welcome:
         feed = self._feeds[session.feed]
@@ -202,6 +254,8 @@ class TrainerDesk:
     # --- running --------------------------------------------------------------------------------
 
     def _on_start(self, session: Session, msg: Start) -> None:
+        if msg.run == session.run:
+            return  # sent again by a trainer that had not yet seen it arrive: it is in effect
         stream = self._attached.stream_of(session)
         session.run, session.epoch = msg.run, msg.epoch
         session.remote = msg.transport == "tcp"
@@ -216,11 +270,11 @@ class TrainerDesk:
         stream = self._attached.stream_of(session)
         unknown = 0
         for lease in msg.leases:
-            key = session.leases.pop(lease, None)
-            if key is None:
+            leased = session.leases.pop(lease, None)
+            if leased is None:
                 unknown += 1
                 continue
-            stream.release(session.session_id, key)
+            stream.release(session.session_id, leased.key)
         if unknown:
             self._outbox.rejected_messages += 1
             log.warning(

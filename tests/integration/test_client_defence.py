@@ -12,6 +12,7 @@ import zmq
 from gpu_worker import ServiceError, ServiceLoader
 from protocol.layout import SlotLayout
 from protocol.messages import (
+    Ack,
     BatchReady,
     Bye,
     EpochEnd,
@@ -54,7 +55,7 @@ def fake_service(tmp_path: Path) -> Iterator[Callable[[Script], str]]:
                 while not stop.is_set():
                     if sock.poll(100):
                         routing_id, frame = sock.recv_multipart()
-                        if isinstance(decode(frame, (Hello, Start, Release, Heartbeat, Bye)), Hello):
+                        if isinstance(decode(frame, (Hello, Start, Release, Ack, Heartbeat, Bye)), Hello):
                             script(sock, routing_id)
             finally:
                 sock.close(linger=0)
@@ -111,7 +112,7 @@ def test_a_slot_outside_the_pool_is_refused(
 ) -> None:
     def welcome_then_bad_slot(sock: zmq.Socket[bytes], rid: bytes) -> None:
         sock.send_multipart([rid, encode(Welcome("s", feed_info(small_segment, slots=1), 1.0, 2, 8))])
-        sock.send_multipart([rid, encode(BatchReady(1, 0, 0, 0, 5, 4))])
+        sock.send_multipart([rid, encode(BatchReady(1, 0, 0, 1, 5, 4))])
 
     endpoint = fake_service(welcome_then_bad_slot)
     with (
@@ -124,8 +125,10 @@ def test_a_slot_outside_the_pool_is_refused(
 def test_a_missing_batch_makes_the_loader_ask_again_from_there(
     fake_service: Callable[[Script], str], small_segment: str
 ) -> None:
-    """The service's announcement of batch 1 is lost; batch 2 arrives; the loader restarts at 1."""
+    """A service that skips batch 1 (its leases have no gap: it never announced it); batch 2
+    arrives; the loader restarts at 1."""
     starts: list[Start] = []
+    leases = iter(range(1, 100))
 
     def serve(sock: zmq.Socket[bytes], rid: bytes) -> None:
         sock.send_multipart([rid, encode(Welcome("s", feed_info(small_segment, slots=1), 1.0, 3, 12))])
@@ -133,15 +136,13 @@ def test_a_missing_batch_makes_the_loader_ask_again_from_there(
             if not sock.poll(10_000):
                 return
             _, frame = sock.recv_multipart()
-            msg = decode(frame, (Hello, Start, Release, Heartbeat, Bye))
+            msg = decode(frame, (Hello, Start, Release, Ack, Heartbeat, Bye))
             if not isinstance(msg, Start):
                 continue
             starts.append(msg)
             seqs = (0, 2) if len(starts) == 1 else (1, 2)
-            for lease, seq in enumerate(seqs):
-                sock.send_multipart(
-                    [rid, encode(BatchReady(msg.run, msg.epoch, seq, 10 * msg.run + lease, 0, 4))]
-                )
+            for seq in seqs:
+                sock.send_multipart([rid, encode(BatchReady(msg.run, msg.epoch, seq, next(leases), 0, 4))])
             if len(starts) == 2:
                 sock.send_multipart([rid, encode(EpochEnd(msg.run, msg.epoch, 3))])
 

@@ -25,6 +25,7 @@ import zmq
 from gpu_worker import Batch, ServiceLoader, connection
 from protocol.layout import SlotLayout
 from protocol.messages import (
+    Ack,
     BatchReady,
     Bye,
     EpochEnd,
@@ -41,12 +42,13 @@ from protocol.messages import (
 from tests.helpers import fake_segment
 
 pytestmark = pytest.mark.integration
-FROM_TRAINER = (Hello, Start, Release, Heartbeat, Bye)
+FROM_TRAINER = (Hello, Start, Release, Ack, Heartbeat, Bye)
 WAIT = 10.0
 """Seconds any one step of a test may take; a step that needs longer is a failure."""
 HEARTBEAT = 0.2
 """Seconds between the fake service's heartbeats while it waits."""
-LEASES = tuple(range(100, 108))
+LEASES = tuple(range(1, 9))
+"""A session's leases are numbered from 1 (NOTE [ Acknowledged delivery ])."""
 M = TypeVar("M", bound=Message)
 
 
@@ -222,7 +224,8 @@ def test_releases_refused_mid_epoch_are_sent_when_the_service_is_back(
         rid, _ = service.recv(Hello)
         service.send(rid, welcome(segment, heartbeat_interval=5.0))
         rid, start = service.recv(Start)
-        service.send(rid, *batches(start, len(LEASES)))
+        *first, last = batches(start, len(LEASES))
+        service.send(rid, *first)
         assert holding.wait(WAIT)
         service.vanish()
         service.await_connections(2)  # the trainer's socket and its heartbeat socket
@@ -230,8 +233,8 @@ def test_releases_refused_mid_epoch_are_sent_when_the_service_is_back(
         gone.set()
         assert unreachable.refused.wait(WAIT), "no send was refused: the test tested nothing"
         service.come_back()
-        service.await_releases(set(LEASES[:4]))
-        service.send(rid, EpochEnd(start.run, start.epoch, len(LEASES)))
+        service.await_releases(set(LEASES[:3]))
+        service.send(rid, last)  # the trainer waits for it, offering its kept releases meanwhile
 
     with (
         running(fake) as outcome,
@@ -241,11 +244,11 @@ def test_releases_refused_mid_epoch_are_sent_when_the_service_is_back(
         held: list[Batch] = [next(it) for _ in range(4)]
         holding.set()
         reached(gone, outcome)
-        for batch in it:  # the other four are here already: each step lets the oldest batch go
+        for batch in it:  # three more are here already: each step lets the oldest batch go
             held.pop(0)
             held.append(batch)
         outcome.result(3 * WAIT)
-    assert sorted(service.released) == list(LEASES[:4]), "every lease let go is released, once"
+    assert sorted(service.released) == list(LEASES[:3]), "every lease let go is released, once"
 
 
 def test_a_refused_start_is_sent_when_the_service_is_back(
@@ -291,7 +294,8 @@ def test_a_resumed_session_gets_no_release_it_already_returned(
     service: FlakyService, segment: str, unreachable: Unreachable
 ) -> None:
     """Releases refused before a resume are dropped (the service returned those leases itself);
-    batches held across the resume are still released when the loop lets them go."""
+    batches held across the resume are still released when the loop lets them go; the run goes on
+    (no new start) and the hello says how far every announcement arrived."""
     holding, gone = threading.Event(), threading.Event()
 
     hellos: list[Hello] = []
@@ -300,7 +304,8 @@ def test_a_resumed_session_gets_no_release_it_already_returned(
         rid, _ = service.recv(Hello)
         service.send(rid, welcome(segment, heartbeat_interval=0.5))  # silent for 3 s: lost
         rid, start = service.recv(Start)
-        service.send(rid, *batches(start, len(LEASES)))
+        *first, last = batches(start, len(LEASES))
+        service.send(rid, *first)
         assert holding.wait(WAIT)
         service.vanish()
         service.await_connections(2)
@@ -311,11 +316,9 @@ def test_a_resumed_session_gets_no_release_it_already_returned(
         service.come_back()
         rid, hello = service.recv(Hello)
         hellos.append(hello)
-        service.send(rid, welcome(segment, heartbeat_interval=0.5))
-        rid, restart = service.recv(Start)  # the epoch again, where the loop is
-        service.send(rid, EpochEnd(restart.run, restart.epoch, len(LEASES)))
+        service.send(rid, welcome(segment, heartbeat_interval=0.5), last)  # the same run goes on
         rid, following = service.recv(Start)
-        service.await_releases(set(LEASES[4:]))
+        service.await_releases(set(LEASES[3:]))
         service.send(rid, EpochEnd(following.run, following.epoch, len(LEASES)))
 
     with (
@@ -329,8 +332,8 @@ def test_a_resumed_session_gets_no_release_it_already_returned(
         for batch in it:
             held.pop(0)
             held.append(batch)
-        del held, batch  # held across the resume: the service kept these four leases
+        del held, batch
         assert list(loader) == []
         outcome.result(3 * WAIT)
-    assert [(h.resume, sorted(h.held)) for h in hellos] == [("secret-token", list(LEASES[4:]))]
-    assert sorted(service.released) == list(LEASES[4:]), "held ones released once; returned ones never"
+    assert [(h.resume, sorted(h.held), h.have) for h in hellos] == [("secret-token", list(LEASES[3:7]), 7)]
+    assert sorted(service.released) == list(LEASES[3:]), "held ones released once; returned ones never"

@@ -1,0 +1,228 @@
+"""Remote trainers through a network that misbehaves: resets, stalls, latency, a bandwidth cap.
+
+Every test puts ``benchmarks.netfaults.FaultProxy`` (a real TCP proxy) between a trainer and a
+service that listens on TCP with CURVE. The trainers that matter most run as another host would: in
+their own mount namespace with a private /dev/shm, so every byte they get came through the proxy.
+Run them all with ``pytest tests/integration -k network``.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import socket
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from benchmarks.netfaults import FaultProxy
+from gpu_worker import ServiceLoader
+from loader_service.dataset.index import build_index
+from loader_service.tools.keys import make_keys
+from tests.helpers import REPO, ServiceFactory, ServiceProcess, status
+
+pytestmark = pytest.mark.integration
+
+BATCH = 8
+EPOCHS = 3
+HEARTBEAT = 0.25
+PRIVATE_SHM = 'mount -t tmpfs -o size=16m tmpfs /dev/shm && exec "$0" "$@"'
+REMOTE_TRAINER = """
+import hashlib, json, os, sys
+from gpu_worker import ServiceLoader
+endpoint, server_key, client_key, mode, epochs = sys.argv[1:6]
+assert not [n for n in os.listdir("/dev/shm") if n.startswith("dataferry-")], "not a private /dev/shm"
+kwargs = {"mode": "broadcast", "group": "net", "group_size": 2} if mode == "broadcast" else {}
+with ServiceLoader(endpoint, server_key=server_key, client_key=client_key, timeout=60, **kwargs) as loader:
+    out = {"transport": loader.transport, "epochs": []}
+    for _ in range(int(epochs)):
+        seen = []
+        for batch in loader:
+            for row, index in enumerate(batch.indices.tolist()):
+                seen.append([index, hashlib.sha1(batch.images[row].numpy().tobytes()).hexdigest()])
+        out["epochs"].append(seen)
+print(json.dumps(out))
+"""
+
+
+def wait_until(condition: Callable[[], bool], what: str, timeout: float = 30) -> None:
+    """Poll the service's own account (status) until ``condition``: there is no event to wait on."""
+    deadline = time.monotonic() + timeout
+    while not condition():
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out waiting for: {what}")
+        time.sleep(0.05)
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port: int = sock.getsockname()[1]
+    return port
+
+
+class Net:
+    """A CURVE service on a TCP port, and a fault proxy in front of it."""
+
+    def __init__(self, root: Path, start_service: ServiceFactory, photos: Path, **flags: object) -> None:
+        self.service_keys = make_keys(root / "service", "service")
+        self.trainer_keys = make_keys(root / "trainer", "trainer")
+        authorized = root / "authorized"
+        authorized.mkdir()
+        (authorized / "trainer.key").write_bytes(self.trainer_keys.public.read_bytes())
+        self.port = free_port()
+        self.service: ServiceProcess = start_service(
+            photos,
+            endpoint=f"tcp://127.0.0.1:{self.port}",
+            batch_size=BATCH,
+            heartbeat_interval=HEARTBEAT,
+            curve_secret_key=self.service_keys.secret,
+            curve_authorized=authorized,
+            **flags,
+        )
+        self.proxy = FaultProxy(("127.0.0.1", self.port)).start()
+
+    def keys(self) -> dict[str, Any]:
+        return {"server_key": str(self.service_keys.public), "client_key": str(self.trainer_keys.secret)}
+
+    def loader(self, *, direct: bool = False, **kwargs: Any) -> ServiceLoader:
+        endpoint = f"tcp://127.0.0.1:{self.port}" if direct else self.proxy.endpoint
+        return ServiceLoader(endpoint, timeout=60, **self.keys(), **kwargs)
+
+    def remote_trainer(self, mode: str, epochs: int = EPOCHS) -> subprocess.Popen[str]:
+        """A trainer "on another host": its own /dev/shm, every byte through the proxy."""
+        keys = self.keys()
+        return subprocess.Popen(
+            ["unshare", "--mount", "--propagation", "private", "sh", "-c", PRIVATE_SHM]
+            + [sys.executable, "-c", REMOTE_TRAINER, self.proxy.endpoint]
+            + [keys["server_key"], keys["client_key"], mode, str(epochs)],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+            cwd=REPO,
+        )
+
+    def status(self) -> dict[str, Any]:
+        return status(f"tcp://127.0.0.1:{self.port}", **self.keys())
+
+
+@pytest.fixture
+def net(tmp_path: Path, start_service: ServiceFactory, photos: Path) -> Iterator[Net]:
+    network = Net(tmp_path / "keys", start_service, photos)
+    try:
+        yield network
+    finally:
+        network.proxy.close()
+
+
+def private_shm_available() -> bool:
+    probe = subprocess.run(
+        ["unshare", "--mount", "--propagation", "private", "sh", "-c", PRIVATE_SHM, "true"],
+        check=False,
+        capture_output=True,
+        timeout=30,
+    )
+    return probe.returncode == 0
+
+
+needs_private_shm = pytest.mark.skipif(
+    not private_shm_available(), reason="unshare --mount needs root or user namespaces here"
+)
+
+
+def finish(proc: subprocess.Popen[str], timeout: float = 150) -> dict[str, Any]:
+    try:
+        out, err = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        out, err = proc.communicate()
+        raise AssertionError(f"the remote trainer hung:\n{err[-4000:]}") from None
+    assert proc.returncode == 0, err[-4000:]
+    result: dict[str, Any] = json.loads(out)
+    return result
+
+
+def epochs_of(loader: ServiceLoader, epochs: int = EPOCHS) -> list[list[list[Any]]]:
+    """What a trainer saw: per epoch, [index, pixel digest] in delivery order."""
+    out = []
+    for _ in range(epochs):
+        seen = []
+        for batch in loader:
+            for row, index in enumerate(batch.indices.tolist()):
+                seen.append([index, hashlib.sha1(batch.images[row].numpy().tobytes()).hexdigest()])
+        out.append(seen)
+    return out
+
+
+def assert_exactly_once(epochs: list[list[list[Any]]], reference: list[list[list[Any]]], n: int) -> None:
+    for e, (seen, expected) in enumerate(zip(epochs, reference, strict=True)):
+        indices = sorted(index for index, _ in seen)
+        assert indices == list(range(n)), f"epoch {e}: not every image exactly once"
+        assert seen == expected, f"epoch {e}: other samples, order or pixels than without faults"
+
+
+# --- resets -----------------------------------------------------------------------------------
+
+
+@needs_private_shm
+def test_resets_every_few_batches_lose_and_double_nothing_in_shard_mode(net: Net, photos: Path) -> None:
+    n = len(build_index(photos))
+    with net.loader(direct=True) as local:
+        reference = epochs_of(local)
+    net.proxy.faults.reset_every = 2 * BATCH * 3 * 32 * 32  # about every two batches
+    got = finish(net.remote_trainer("shard"))
+    assert got["transport"] == "tcp"
+    assert net.proxy.counters.resets >= 5, net.proxy.counters
+    assert_exactly_once(got["epochs"], reference, n)
+    assert_no_credit_leaked(net)
+
+
+@needs_private_shm
+def test_resets_every_few_batches_lose_and_double_nothing_in_a_broadcast_group(
+    net: Net, photos: Path
+) -> None:
+    """Both members of a group of two are remote, and every reset hits both."""
+    n = len(build_index(photos))
+    net.proxy.faults.reset_every = 3 * BATCH * 3 * 32 * 32
+    members = [net.remote_trainer("broadcast"), net.remote_trainer("broadcast")]
+    first, second = (finish(proc) for proc in members)
+    assert net.proxy.counters.resets >= 5, net.proxy.counters
+    for e in range(EPOCHS):
+        assert sorted(i for i, _ in first["epochs"][e]) == list(range(n)), f"epoch {e}"
+        assert first["epochs"][e] == second["epochs"][e], f"epoch {e}: members saw different batches"
+    assert_no_credit_leaked(net)
+
+
+def assert_no_credit_leaked(net: Net) -> None:
+    """After the trainers left, every slot is back in the pool (none leased, none still sending)."""
+    body = net.status()
+    feed = body["feeds"][0]
+    assert body["attached"] == 0
+    assert feed["slots"]["leased"] == 0, feed["slots"]
+
+
+def test_a_reset_with_every_credit_in_flight_is_recovered_not_timed_out(net: Net, photos: Path) -> None:
+    """The issue's case: all announced batches die with the connection; before acknowledgements the
+    service counted them leased forever and the trainer timed out."""
+    n = len(build_index(photos))
+    with net.loader(transport="tcp", credits=4) as loader:
+        net.proxy.faults.hold_from_server = True  # what the service sends stays in flight
+        seen: list[int] = []
+        trainer = threading.Thread(target=lambda: seen.extend(i for b in loader for i in b.indices.tolist()))
+        trainer.start()
+        try:
+            wait_until(lambda: net.status()["sessions"][0]["leased"] == 4, "every credit announced")
+            net.proxy.reset()  # and lost
+            net.proxy.faults.hold_from_server = False
+        finally:
+            trainer.join(60)
+        body = net.status()
+    assert sorted(seen) == list(range(n))
+    session = body["sessions"][0]
+    assert session["resent"] >= 4, "the lost announcements were sent again"
