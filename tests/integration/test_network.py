@@ -98,10 +98,10 @@ class Net:
     def remote_trainer(self, mode: str, epochs: int = EPOCHS) -> subprocess.Popen[str]:
         """A trainer "on another host": its own /dev/shm, every byte through the proxy."""
         keys = self.keys()
+        isolate = ["unshare", "--mount", "--propagation", "private", "sh", "-c", PRIVATE_SHM]
+        trainer = [sys.executable, "-c", REMOTE_TRAINER, self.proxy.endpoint]
         return subprocess.Popen(
-            ["unshare", "--mount", "--propagation", "private", "sh", "-c", PRIVATE_SHM]
-            + [sys.executable, "-c", REMOTE_TRAINER, self.proxy.endpoint]
-            + [keys["server_key"], keys["client_key"], mode, str(epochs)],
+            [*isolate, *trainer, keys["server_key"], keys["client_key"], mode, str(epochs)],
             stdout=subprocess.PIPE,
             stderr=subprocess.PIPE,
             text=True,
