@@ -154,7 +154,7 @@ class Feed:
 
     def slot_frames(self, slot: int, count: int) -> list[memoryview]:
         """The first ``count`` rows of each of a slot's fields, then its indices, as views of shared
-        memory: what a remote trainer is sent, without a copy."""
+        memory: what a remote trainer is sent a copy of (NOTE [ Remote sends ])."""
         start = self.layout.slot_offset(slot, self.config.slots)
         whole = memoryview(self.segment.buf)
         return [whole[start + offset : start + offset + size] for offset, size in self.layout.parts(count)]
@@ -187,7 +187,6 @@ class Feed:
             "name": self.name,
             "samples": len(self.index),
             "slots": self.pool.counts(),
-            "slots_sending": self.pool.sending,
             "decoded": self.counters.decoded.total,
             "images_per_second": round(self.counters.decoded.rate(), 1),
             "warm_decoded": self.counters.warm_decoded,

@@ -19,8 +19,9 @@ from collections.abc import Callable, Iterable
 
 from loader_service.logs import LogLimiter
 from loader_service.supervisor.attachments import Attachments
+from loader_service.supervisor.sends import Send as SlotSend
+from loader_service.supervisor.sends import SendBudget
 from loader_service.supervisor.sessions import Leased, Session
-from loader_service.supervisor.slots import Send as SlotSend
 from loader_service.supervisor.slots import SlotState
 from loader_service.supervisor.streams import Member, Stream
 from protocol.messages import BatchReady, EpochEnd, ErrorReply, Heartbeat, Message
@@ -29,7 +30,16 @@ log = logging.getLogger(__name__)
 Send = Callable[[bytes, Message], bool]
 """Send a message to a routing id without blocking; False if it did not go out."""
 SendFrames = Callable[[bytes, Message, list[memoryview]], "SlotSend | None"]
-"""Send a message followed by raw frames, without copying them; the send's tracker, or None."""
+"""Send a message followed by copies of a slot's views; the send's tracker, or None."""
+
+
+class _Done:
+    """A send that holds nothing (a local trainer's announcement)."""
+
+    done = True
+
+
+DONE: SlotSend = _Done()
 
 
 class Outbox:
@@ -40,6 +50,8 @@ class Outbox:
         self._send_frames = send_frames
         self._attached = attached
         self._heartbeat_interval = heartbeat_interval
+        self.sends = SendBudget(0)
+        """Copies on their way to remote trainers (NOTE [ Remote sends ]); sized at start."""
         self._last_heartbeat = 0.0
         self.rejected_messages = 0
         self._reject_log = LogLimiter("rejected messages", per_minute=30)
@@ -59,7 +71,8 @@ class Outbox:
             # holes the trainer could mistake for a lost announcement (NOTE [ Acknowledged delivery ]).
             lease = session.next_lease
             announced = BatchReady(session.run, stream.epoch, key[1], lease, batch.slot, batch.count)
-            if not self._send_batch(stream, session, announced):
+            sent = self._send_batch(stream, session, announced)
+            if sent is None:
                 stream.undeliver(member, key)  # NOTE [ Owed messages ]
                 return
             session.next_lease += 1
@@ -67,7 +80,7 @@ class Outbox:
                 waited = stream.feed.pool.lease(batch.slot)
                 if self.observe_ready_wait is not None:
                     self.observe_ready_wait(stream.feed.name, waited)
-            session.leases[lease] = Leased(key, announced)
+            session.leases[lease] = Leased(key, announced, sent)
             session.delivered += 1
 
     def announce_again(
@@ -82,21 +95,27 @@ class Outbox:
             leased = session.leases.get(lease)
             if leased is None or (not force and now - leased.resent_at < self._heartbeat_interval):
                 continue
-            if not self._send_batch(stream, session, leased.announced):
+            if not leased.send.done:
+                continue  # its copy is still on its way: never two copies of one batch queued
+            sent = self._send_batch(stream, session, leased.announced)
+            if sent is None:
                 return  # the peer is full or gone: it asks again, or its session ends
-            leased.resent_at = now
+            leased.send, leased.resent_at = sent, now
             session.resent += 1
 
-    def _send_batch(self, stream: Stream, session: Session, announced: BatchReady) -> bool:
-        """A local trainer maps the slot; a remote one is sent its bytes, straight from the slot."""
+    def _send_batch(self, stream: Stream, session: Session, announced: BatchReady) -> SlotSend | None:
+        """A local trainer maps the slot; a remote one is sent a copy of its bytes (NOTE [ Remote
+        sends ]). The send, or None if it could not go out now."""
         if not session.remote:
-            return self.send(session.routing_id, announced)
+            return DONE if self.send(session.routing_id, announced) else None
         frames = stream.feed.slot_frames(announced.slot, announced.count)
+        nbytes = sum(len(frame) for frame in frames)
+        if not self.sends.room(session.session_id, nbytes, session.credits):
+            return None
         sent = self._send_frames(session.routing_id, announced, frames)
-        if sent is None:
-            return False
-        stream.feed.pool.track(announced.slot, sent)  # NOTE [ Slot lifecycle ]: no reuse mid-send
-        return True
+        if sent is not None:
+            self.sends.add(session.session_id, sent, nbytes)
+        return sent
 
     def _maybe_end(self, stream: Stream, member: Member) -> None:
         if member.active and not member.end_sent and member.next_send >= stream.end:

@@ -54,6 +54,7 @@ from loader_service.supervisor.feeds import Feed
 from loader_service.supervisor.metrics import ServiceMetrics
 from loader_service.supervisor.outbox import Outbox
 from loader_service.supervisor.scheduler import Scheduler
+from loader_service.supervisor.sends import send_copied
 from loader_service.supervisor.trainers import TrainerDesk
 from loader_service.supervisor.warm import WarmCache
 from loader_service.supervisor.worker_pool import WorkerSet
@@ -147,6 +148,7 @@ class LoaderService:
         self._backend.bind(backend_endpoint)
         self._workers = WorkerSet(self._worker_template(backend_endpoint), cfg.workers)
         log.info("decoder: %s", describe_decoder(cfg.decoder))
+        self._outbox.sends.limit = sum(feed.segment.size for feed in self.feeds)  # NOTE [ Remote sends ]
         self._warm.update({feed.id: WarmCache(feed) for feed in self.feeds})
         self._scheduler = Scheduler(
             cfg, self._workers, self._attached, self._warm, self._send_worker, self._outbox.deliver
@@ -320,10 +322,10 @@ class LoaderService:
     def _send_frames(
         self, routing_id: bytes, msg: Message, frames: list[memoryview]
     ) -> zmq.MessageTracker | None:
-        """Send ``msg`` and a slot's views to a remote trainer (``send_from_slot``); None if nothing
-        went out."""
+        """Send ``msg`` and copies of a slot's views to a remote trainer (NOTE [ Remote sends ]);
+        None if nothing went out."""
         try:
-            return send_from_slot(self._frontend, routing_id, encode(msg), frames)
+            return send_copied(self._frontend, routing_id, encode(msg), frames)
         except zmq.ZMQError as exc:
             log.debug("could not send %s to %r: %s", msg.KIND, routing_id, exc)
             return None
@@ -350,7 +352,9 @@ class LoaderService:
     def status(self) -> dict[str, object]:
         """A JSON-shaped snapshot, bounded so it always fits one frame."""
         rejected = self._outbox.rejected_messages
-        return status.snapshot(self.feeds, self._attached, self._workers, self._started_at, rejected)
+        self._outbox.sends.settle()
+        sending = self._outbox.sends.held  # NOTE [ Remote sends ]
+        return status.snapshot(self.feeds, self._attached, self._workers, self._started_at, rejected, sending)
 
 
 def _write_nothing() -> bool:
@@ -378,26 +382,3 @@ def _recv_bounded(sock: Socket) -> list[bytes]:
         else:
             sock.recv(copy=False)
     return parts
-
-
-def send_from_slot(
-    sock: Socket, routing_id: bytes, header: bytes, views: list[memoryview]
-) -> zmq.MessageTracker:
-    """Send ``header`` then the slot's views (each field's rows, then the indices) without blocking.
-
-    Views of ``zmq.COPY_THRESHOLD`` bytes or more go without a copy, each as a tracked frame of its
-    own; the returned tracker is done once ZeroMQ reads none of them any more (NOTE [ Slot
-    lifecycle ]). Smaller views (labels, indices) are copied here. Each frame needs its own tracker:
-    pyzmq's ``send_multipart(track=True)`` tracks only the last part, and a part below the copy
-    threshold is copied and reported done at once.
-    """
-    parts: list[bytes | zmq.Frame] = [routing_id, header]
-    parts += [
-        zmq.Frame(view, copy=False, track=True) if len(view) >= zmq.COPY_THRESHOLD else bytes(view)
-        for view in views
-    ]
-    trackers = [part.tracker for part in parts if isinstance(part, zmq.Frame)]
-    sock.send_multipart(parts, zmq.NOBLOCK)
-    # A live Python reference to a frame would itself keep its tracker from finishing.
-    del parts[:]
-    return zmq.MessageTracker(*trackers)

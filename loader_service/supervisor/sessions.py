@@ -6,6 +6,7 @@ import hmac
 import secrets
 from dataclasses import dataclass, field
 
+from loader_service.supervisor.sends import Send
 from protocol.messages import BatchReady, Hello
 
 StreamKey = tuple[object, ...]
@@ -19,6 +20,8 @@ class Leased:
     """(generation, seq) of the stream batch it names."""
     announced: BatchReady
     """The announcement as sent, to send again if the trainer says it never arrived."""
+    send: Send
+    """Its latest copy's way out (NOTE [ Remote sends ]); always done for a local trainer."""
     resent_at: float = float("-inf")
 
 

@@ -18,16 +18,14 @@ NOTE [ Slot lifecycle ]
     * cancel: a trainer restarted its epoch or left; a FILLING slot whose task is still running is
       freed when that task reports (the worker may still be writing until then), a READY one at once.
     A slot is reused only from FREE, so no trainer can be handed memory that another still reads.
-    * remote trainers (TCP) get the slot's bytes sent straight from shared memory by ZeroMQ, which
-      may still be reading them after every holder has released the slot: such a FREE slot is
-      ``track``ed and not acquired again until every send of it is done.
+    * remote trainers (TCP) are sent a copy of the slot's bytes, never the slot itself (NOTE
+      [ Remote sends ] in sends.py), so nothing but a lease keeps a slot out of FREE.
 """
 
 from __future__ import annotations
 
 import enum
 import time
-from typing import Protocol
 
 
 class SlotState(enum.Enum):
@@ -41,22 +39,11 @@ class SlotStateError(RuntimeError):
     """A transition that NOTE [ Slot lifecycle ] forbids; always a bug in the service."""
 
 
-class Send(Protocol):
-    """A send in progress (a ZeroMQ ``MessageTracker``)."""
-
-    @property
-    def done(self) -> bool: ...
-
-
 class SlotPool:
     def __init__(self, slots: int) -> None:
         self._states = [SlotState.FREE] * slots
         self._free = list(range(slots - 1, -1, -1))
-        self._sends: dict[int, list[Send]] = {}
-        """Slots whose bytes ZeroMQ may still be reading, and the sends that read them."""
-        self._parked: set[int] = set()
         self._ready_since: dict[int, float] = {}
-        """FREE slots waiting for their sends before they may be acquired."""
 
     def __len__(self) -> int:
         return len(self._states)
@@ -64,7 +51,6 @@ class SlotPool:
     @property
     def free(self) -> int:
         """Slots ``acquire`` can hand out now."""
-        self._settle()
         return len(self._free)
 
     def state(self, slot: int) -> SlotState:
@@ -78,7 +64,6 @@ class SlotPool:
 
     def acquire(self) -> int | None:
         """FREE -> FILLING; None when every slot is in use."""
-        self._settle()
         if not self._free:
             return None
         slot = self._free.pop()
@@ -99,30 +84,7 @@ class SlotPool:
         if self._states[slot] is SlotState.FREE:
             raise SlotStateError(f"slot {slot} released twice")
         self._states[slot] = SlotState.FREE
-        if slot in self._sends:
-            self._parked.add(slot)
-        else:
-            self._free.append(slot)
-
-    @property
-    def sending(self) -> int:
-        """FREE slots held back because ZeroMQ still sends them (a remote trainer not reading)."""
-        self._settle()
-        return len(self._parked)
-
-    def track(self, slot: int, send: Send) -> None:
-        """ZeroMQ is sending the slot's bytes: keep it from reuse until ``send.done``."""
-        self._sends.setdefault(slot, []).append(send)
-
-    def _settle(self) -> None:
-        for slot, sends in list(self._sends.items()):
-            sends[:] = [s for s in sends if not s.done]
-            if sends:
-                continue
-            del self._sends[slot]
-            if slot in self._parked:
-                self._parked.discard(slot)
-                self._free.append(slot)
+        self._free.append(slot)
 
     def _move(self, slot: int, expected: SlotState, new: SlotState) -> None:
         if self._states[slot] is not expected:

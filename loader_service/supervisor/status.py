@@ -79,6 +79,7 @@ def snapshot(
     workers: WorkerSet | None,
     started_at: float,
     rejected_messages: int,
+    remote_send_bytes: int = 0,
 ) -> dict[str, object]:
     """A JSON-shaped snapshot of the whole service."""
     now = time.monotonic()
@@ -93,4 +94,5 @@ def snapshot(
         "workers": 0 if workers is None else sum(1 for _ in workers),
         "worker_restarts": 0 if workers is None else workers.restarts,
         "rejected_messages": rejected_messages,
+        "remote_send_bytes": remote_send_bytes,
     }

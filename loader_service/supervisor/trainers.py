@@ -304,10 +304,15 @@ class TrainerDesk:
             self._outbox.deliver(stream)
 
     def expire(self, now: float) -> None:
+        """Drop sessions whose heartbeats stopped, and remote ones that stopped reading (NOTE
+        [ Remote sends ]): either way, their slots return within the client timeout."""
         timeout = self._config.client_timeout
         for session in list(self._attached.sessions.values()):
+            stuck = self._outbox.sends.stuck_since(session.session_id)
             if now - session.last_seen > timeout:
                 self.drop(session, f"no heartbeat for {timeout:.0f} s")
+            elif stuck is not None and now - stuck > timeout:
+                self.drop(session, f"stopped reading: a batch sent {now - stuck:.0f} s ago has not gone out")
 
     def evict_laggards(self, now: float) -> None:
         """NOTE [ Broadcast epochs ]: one member may not hold its group up beyond the lag timeout."""

@@ -226,3 +226,55 @@ def test_a_reset_with_every_credit_in_flight_is_recovered_not_timed_out(net: Net
     assert sorted(seen) == list(range(n))
     session = body["sessions"][0]
     assert session["resent"] >= 4, "the lost announcements were sent again"
+
+
+# --- stalls -----------------------------------------------------------------------------------
+
+
+def stalled_epoch(
+    net: Net, stall: float, **kwargs: Any
+) -> tuple[list[list[list[Any]]], list[list[list[Any]]]]:
+    """One epoch through the proxy with one stall of ``stall`` seconds after the third batch, and
+    the same epoch read directly as the reference."""
+    with net.loader(direct=True, transport="tcp") as direct:
+        reference = epochs_of(direct, 1)
+    net.proxy.faults.stall_at = [(3 * BATCH * 3 * 32 * 32, stall)]
+    with net.loader(transport="tcp", **kwargs) as loader:
+        got = epochs_of(loader, 1)
+    assert net.proxy.counters.stalls == 1, "the stall happened"
+    return got, reference
+
+
+def test_a_two_second_stall_costs_nothing_but_time(net: Net, photos: Path) -> None:
+    got, reference = stalled_epoch(net, 2.0)
+    assert_exactly_once(got, reference, len(build_index(photos)))
+    assert net.service.log.count("attached to feed") == 2, "one session each: it lived through the stall"
+    assert "no heartbeat" not in net.service.log
+
+
+def test_a_stall_longer_than_the_client_timeout_continues_the_epoch_where_the_trainer_was(
+    tmp_path: Path, start_service: ServiceFactory, photos: Path
+) -> None:
+    """The service gives the session up (no heartbeat for the client timeout); the trainer opens a
+    new one and starts the epoch again at its position: still every image once."""
+    net = Net(tmp_path / "keys", start_service, photos, client_timeout=1.5)
+    try:
+        got, reference = stalled_epoch(net, 4.0)
+    finally:
+        net.proxy.close()
+    assert_exactly_once(got, reference, len(build_index(photos)))
+    net.service.wait_for(r"detached: no heartbeat")
+
+
+# --- a slow link ------------------------------------------------------------------------------
+
+
+def test_a_slow_far_link_delivers_everything_in_order(net: Net, photos: Path) -> None:
+    """50 ms each way and 100 MB/s: slower, never wrong. The throughput ratio is benchmark (l)."""
+    with net.loader(direct=True, transport="tcp") as direct:
+        reference = epochs_of(direct, 2)
+    net.proxy.faults.latency = 0.05
+    net.proxy.faults.bandwidth = 100e6
+    with net.loader(transport="tcp") as loader:
+        got = epochs_of(loader, 2)
+    assert_exactly_once(got, reference, len(build_index(photos)))

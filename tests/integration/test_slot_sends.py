@@ -1,5 +1,5 @@
-"""A remote trainer's batch is sent straight from shared memory: the slot must not be reused before
-ZeroMQ is done reading it. Real sockets, a real mapping, a peer that does not read."""
+"""A remote trainer's batch is sent as a copy of its slot, so a peer that does not read holds memory,
+never the pool. Real sockets, a real mapping, a peer that does not read."""
 
 from __future__ import annotations
 
@@ -9,8 +9,7 @@ from collections.abc import Iterator
 import pytest
 import zmq
 
-from loader_service.supervisor.service import send_from_slot
-from loader_service.supervisor.slots import SlotPool
+from loader_service.supervisor.sends import send_copied
 
 pytestmark = pytest.mark.integration
 IMAGES = 64 * 2**20
@@ -36,26 +35,25 @@ def pair(tmp_path: object) -> Iterator[tuple[zmq.Socket[bytes], zmq.Socket[bytes
         ctx.destroy(linger=0)
 
 
-def test_the_slot_stays_out_of_the_pool_until_the_peer_has_read_the_images(
+def test_a_remote_batch_is_a_copy_so_the_slot_is_free_while_the_peer_has_not_read_it(
     pair: tuple[zmq.Socket[bytes], zmq.Socket[bytes]],
 ) -> None:
+    """NOTE [ Remote sends ]: the slot may be rewritten at once; the peer still gets the bytes as
+    they were when sent, and the send is done only once ZeroMQ let the copy go."""
     router, dealer = pair
     region = mmap.mmap(-1, IMAGES + 16)
     try:
         view = memoryview(region)
-        pool = SlotPool(1)
-        slot = pool.acquire()
-        assert slot is not None
-        sent = send_from_slot(
+        region[:4] = b"old!"
+        sent = send_copied(
             router, b"peer", b"batch", [view[:IMAGES], view[IMAGES : IMAGES + 8], view[IMAGES + 8 :]]
         )
-        pool.track(slot, sent)
-        pool.release(slot)  # the trainer's session ended; ZeroMQ is still sending
-        assert not sent.done and pool.acquire() is None, "the slot is still being read by ZeroMQ"
+        region[:4] = b"new!"  # the slot reused while ZeroMQ still sends
+        assert not sent.done, "a peer that does not read holds the copy, not the slot"
         parts = dealer.recv_multipart()
         assert [len(p) for p in parts] == [5, IMAGES, 8, 8]
+        assert parts[1][:4] == b"old!"
         sent.wait(10)  # raises NotDone if the send never finishes after the peer read it
-        assert pool.acquire() == slot
         del view
     finally:
         region.close()

@@ -343,8 +343,8 @@ def make(sample, rng):
 def test_remote_trainers_get_every_field_of_a_pipeline_feed(
     photos: Path, start_service: ServiceFactory, tmp_path: Path, code: str
 ) -> None:
-    """Over TCP each field is its own frame (the large ones sent from the slot without a copy): the
-    fields a remote trainer receives are the bytes a local one maps."""
+    """Over TCP each field is its own frame: the fields a remote trainer receives are the bytes a
+    local one maps."""
     pipeline = write_pipeline(tmp_path, code)
     service = start_service(photos, pipeline=f"{pipeline}:make", batch_size=8)
     received = {}
@@ -354,7 +354,7 @@ def test_remote_trainers_get_every_field_of_a_pipeline_feed(
             received[transport] = field_epoch(loader)
     assert received["tcp"] == received["shm"]
     assert sorted(received["tcp"]) == list(range(len(folder_samples(photos))))
-    assert status(service.endpoint)["feeds"][0]["slots_sending"] == 0
+    assert status(service.endpoint)["remote_send_bytes"] == 0
 
 
 def test_the_albumentations_example_gives_the_same_pixels_whatever_worker_ran_it(
