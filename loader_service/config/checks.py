@@ -100,14 +100,19 @@ def is_loopback_tcp(endpoint: str) -> bool:
 
 
 def security(endpoint: str, secret_key: str, authorized: str, insecure: bool) -> str | None:
-    """CURVE is all or nothing, and a network endpoint beyond loopback needs it or an explicit opt-out."""
+    """CURVE is all or nothing, and every tcp:// endpoint needs it or an explicit opt-out.
+
+    Loopback is no exception: any local user can connect to it (an ipc socket's file mode keeps
+    them out), and libzmq buffers a peer's unfinished multipart message whole before the service
+    sees a byte of it, so only authorised peers may reach a socket at all (README, Limits)."""
     if bool(secret_key) != bool(authorized):
         return "curve_secret_key and curve_authorized go together: give both or neither"
     if secret_key:
         return _key_files(secret_key, authorized)
-    if endpoint.startswith("tcp://") and not is_loopback_tcp(endpoint) and not insecure:
+    if endpoint.startswith("tcp://") and not insecure:
+        reach = "only this host, but every user on it," if is_loopback_tcp(endpoint) else "other hosts"
         return (
-            f"endpoint {endpoint} is reachable from other hosts: give --curve-secret-key and "
+            f"endpoint {endpoint} can be reached by {reach}: give --curve-secret-key and "
             f"--curve-authorized ({KEYS_HINT}), or --insecure-tcp to run it without authentication"
         )
     return None

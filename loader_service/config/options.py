@@ -204,7 +204,9 @@ class ServiceConfig(FeedOptions):
     )
     insecure_tcp: bool = field(
         default=False,
-        metadata=option("allow a tcp:// endpoint beyond loopback without CURVE (a warning at every start)"),
+        metadata=option(
+            "allow a tcp:// endpoint, loopback included, without CURVE (a warning at every start)"
+        ),
     )
     max_sessions: int = field(
         default=256, metadata=option("trainers attached at once, at most", check=between(1, 65536))

@@ -177,6 +177,8 @@ def _json_object(line: str, text: bytes) -> dict[str, Any]:
         obj = json.loads(text)
     except ValueError as exc:  # UnicodeDecodeError is a ValueError too
         raise DatasetError(f"{line}: not valid JSON: {exc}") from None
+    except RecursionError:  # a line of ten thousand nested brackets
+        raise DatasetError(f"{line}: JSON nested too deeply to read") from None
     if not isinstance(obj, dict):
         raise DatasetError(f"{line}: expected a JSON object, got {_kind(obj)}")
     return obj

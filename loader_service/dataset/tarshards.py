@@ -16,8 +16,9 @@ or whose numbers are not what tar writes (a negative size, say: ``tarformat``), 
 and offset, and the scan resumes at the next block that holds a valid ustar header. Both the sample
 being grouped at the damage and the one the scan resumes in are marked flawed (a lost ``.cls`` header
 would otherwise leave a sample silently unlabelled). The first header is no exception: only a file
-with no valid header at all is refused, as not a tar file. A member whose data runs past the end of
-the shard is indexed, and reading it fails; a sample without an image member is indexed, and reading
+with no valid header at all is refused, as not a tar file. A pax ``size`` that runs past the end of
+the shard is such damage too (the scan resumes; before, it ended there). A member whose header's own
+size runs past the end of the shard (a truncated last member) is indexed, and reading it fails; a sample without an image member is indexed, and reading
 it fails: both are bad samples when read, named by ``shard:key``.
 """
 
@@ -172,6 +173,8 @@ class _CarefulScan:
                     pos = data + padded(size)
                     continue
                 name, size, regular = overridden(name, size, kind in REGULAR, long_name, pax)
+                if pax and b"size" in pax and data + size > self.end:
+                    raise BadHeader  # a pax size is damage past the end, not a truncated last member
             except BadHeader:
                 pos = self._resync(pos)
                 long_name = pax = None

@@ -19,6 +19,7 @@ from zmq.auth.thread import ThreadAuthenticator
 from loader_service.logs import LogLimiter
 
 log = logging.getLogger(__name__)
+ZAP_DOMAIN = b"dataferry"
 
 
 class TrainerKeys:
@@ -36,15 +37,26 @@ class TrainerKeys:
         self.refused = 0
 
     def reload(self) -> int:
-        """Read the folder again; return how many keys are allowed now."""
+        """Read the folder again; return how many keys are allowed now.
+
+        Fails closed: a key file that cannot be read is skipped (and logged), never a reason to keep
+        the old set, in which a key just removed would still be allowed; a folder that cannot be
+        read allows nobody until it can.
+        """
         try:
-            keys = frozenset(zmq.auth.load_certificates(str(self._folder)))
-        except (OSError, ValueError) as exc:
-            log.error(
-                "cannot read authorised trainer keys from %s (keeping the old set): %s", self._folder, exc
-            )
-            return len(self._keys)
-        self._keys = keys
+            files = sorted(path for path in self._folder.iterdir() if path.suffix == ".key")
+        except OSError as exc:
+            log.error("cannot read authorised trainer keys from %s: allowing none: %s", self._folder, exc)
+            files = []
+        keys = set()
+        for path in files:
+            try:
+                public, _secret = zmq.auth.load_certificate(str(path))
+            except (OSError, ValueError) as exc:
+                log.error("skipping trainer key %s: %s", path, exc)
+                continue
+            keys.add(public)
+        self._keys = frozenset(keys)
         log.info("CURVE: %d trainer keys allowed (from %s)", len(keys), self._folder)
         return len(keys)
 
@@ -72,13 +84,17 @@ class CurveGuard:
         self.keys.reload()
         self._auth = ThreadAuthenticator(ctx, log=logging.getLogger("zmq.auth"))
         self._auth.start()
-        self._auth.configure_curve_callback(domain="*", credentials_provider=self.keys)
+        self._auth.configure_curve_callback(domain=ZAP_DOMAIN.decode(), credentials_provider=self.keys)
 
     def secure(self, sock: zmq.Socket[bytes]) -> None:
         """Call before ``bind``: the handshake settings apply to connections made after them."""
         sock.curve_secretkey = self._secret
         sock.curve_publickey = self._public
         sock.curve_server = True
+        # With a ZAP domain that libzmq must enforce, a handshake fails when no ZAP handler answers
+        # (its thread died, or was never started); without one, CURVE would admit any key then.
+        sock.setsockopt(zmq.ZAP_DOMAIN, ZAP_DOMAIN)
+        sock.setsockopt(zmq.ZAP_ENFORCE_DOMAIN, 1)
 
     def stop(self) -> None:
         self._auth.stop()

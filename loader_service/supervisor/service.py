@@ -189,11 +189,13 @@ class LoaderService:
         if cfg.curve_secret_key:
             self._guard = CurveGuard(ctx, Path(cfg.curve_secret_key), Path(cfg.curve_authorized))
             self._guard.secure(sock)
-        elif cfg.endpoint.startswith("tcp://") and not is_loopback_tcp(cfg.endpoint):
+        elif cfg.endpoint.startswith("tcp://"):
+            reach = "every user of this host" if is_loopback_tcp(cfg.endpoint) else "other hosts"
             log.warning(
-                "%s is open to other hosts WITHOUT authentication or encryption (--insecure-tcp): "
+                "%s is open to %s WITHOUT authentication or encryption (--insecure-tcp): "
                 "anyone who reaches it can attach; see README, Trainers on other hosts",
                 cfg.endpoint,
+                reach,
             )
         sock.setsockopt(zmq.LINGER, 0)
         sock.setsockopt(zmq.ROUTER_MANDATORY, 1)
@@ -202,9 +204,15 @@ class LoaderService:
         # instead of being ignored while the dead one lingers (NOTE [ Acknowledged delivery ]).
         sock.setsockopt(zmq.ROUTER_HANDOVER, 1)
         sock.setsockopt(zmq.MAXMSGSIZE, MAX_FRAME_BYTES)
-        sock.bind(self.config.endpoint)
-        self._owns_endpoint = True
         path = ipc_path(self.config.endpoint)
+        # The socket file is made with the umask's mode: closed to all but the owner from its first
+        # moment, then opened to the group (if any) by ``restrict``.
+        umask = os.umask(0o077)
+        try:
+            sock.bind(self.config.endpoint)
+        finally:
+            os.umask(umask)
+        self._owns_endpoint = True
         if path is not None:
             restrict(path, self.config.group)  # only the service's user (and group) may connect
         return sock

@@ -13,9 +13,13 @@ from pathlib import Path
 
 import pytest
 import zmq
+import zmq.auth
 
 from gpu_worker import ServiceLoader
+from gpu_worker.curve import ClientKeys
 from loader_service.dataset.index import build_index
+from loader_service.supervisor.curve import CurveGuard, TrainerKeys
+from loader_service.tools.keys import KeyPair, make_keys
 from protocol.messages import Heartbeat, Hello, Start, Welcome, decode, encode
 from tests.helpers import ServiceFactory, epoch_indices, status
 
@@ -94,3 +98,73 @@ def test_a_remote_peer_that_stops_reading_loses_its_slots_within_the_client_time
     assert body["attached"] == 1, "the peer's session is gone, the trainer's is there"
     batch_bytes = 8 * 3 * 160 * 160 + 2 * 8 * 8  # images, labels, indices
     assert body["remote_send_bytes"] <= 6 * batch_bytes, "its copies stay within its credits"
+
+
+# --- CURVE: who is let in ---------------------------------------------------------------------
+
+
+Pair = tuple[zmq.Socket[bytes], zmq.Socket[bytes]]
+
+
+def curve_pair(guard: CurveGuard, client: KeyPair, server_public: Path) -> Pair:
+    """A CURVE server socket secured by ``guard`` and a client with ``client``'s keys, connected."""
+    ctx = zmq.Context.instance()
+    server = ctx.socket(zmq.ROUTER)
+    server.setsockopt(zmq.LINGER, 0)
+    guard.secure(server)
+    port = server.bind_to_random_port("tcp://127.0.0.1")
+    sock = ctx.socket(zmq.DEALER)
+    sock.setsockopt(zmq.LINGER, 0)
+    keys = ClientKeys.load(str(server_public), str(client.secret))
+    assert keys is not None
+    keys.apply(sock)
+    sock.connect(f"tcp://127.0.0.1:{port}")
+    return server, sock
+
+
+def reaches(server: zmq.Socket[bytes], client: zmq.Socket[bytes]) -> bool:
+    client.send(b"hello")
+    return bool(server.poll(1500))
+
+
+def test_curve_admits_nobody_when_the_key_handler_is_gone(tmp_path: Path) -> None:
+    """Without a ZAP domain libzmq skips the handler it cannot find and admits any key."""
+    service = make_keys(tmp_path / "service", "service")
+    trainer = make_keys(tmp_path / "trainer", "trainer")
+    allowed = tmp_path / "allowed"
+    allowed.mkdir()
+    (allowed / "trainer.key").write_bytes(trainer.public.read_bytes())
+    ctx = zmq.Context.instance()
+    guard = CurveGuard(ctx, service.secret, allowed)
+    try:
+        server, client = curve_pair(guard, trainer, service.public)
+        assert reaches(server, client), "an authorised key is let in while the handler runs"
+        server.close()
+        client.close()
+    finally:
+        guard.stop()
+    server, client = curve_pair(guard, trainer, service.public)
+    try:
+        assert not reaches(server, client), "no handler: nobody is let in"
+    finally:
+        server.close()
+        client.close()
+
+
+def test_a_reload_skips_a_bad_key_file_and_drops_a_removed_key(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """One malformed file used to make the reload keep the whole old set, removed keys included."""
+    folder = tmp_path / "allowed"
+    folder.mkdir()
+    pairs = {name: make_keys(tmp_path / name, name) for name in ("kept", "removed")}
+    for name, pair in pairs.items():
+        (folder / f"{name}.key").write_bytes(pair.public.read_bytes())
+    keys = TrainerKeys(folder)
+    assert keys.reload() == 2
+    (folder / "removed.key").unlink()
+    (folder / "broken.key").write_text("not a key file\n")
+    assert keys.reload() == 1
+    public = {name: zmq.auth.load_certificate(str(pair.public))[0] for name, pair in pairs.items()}
+    assert keys.callback("*", public["kept"]) and not keys.callback("*", public["removed"])
+    assert "skipping trainer key" in caplog.text and "broken.key" in caplog.text

@@ -20,7 +20,7 @@ from loader_service.tools.cli import build_parser
 def test_file_then_flags_precedence(tmp_path: Path) -> None:
     cfg_file = tmp_path / "svc.toml"
     cfg_file.write_text(
-        f'data = "{tmp_path}"\nendpoint = "tcp://127.0.0.1:5555"\nbatch_size = 32\nworkers = 3\n'
+        f'data = "{tmp_path}"\nendpoint = "ipc:///tmp/feed.sock"\nbatch_size = 32\nworkers = 3\n'
     )
     cfg = load_config(cfg_file, {"batch_size": 16, "workers": None})
     assert cfg.batch_size == 16 and cfg.workers == 3 and cfg.data == tmp_path.resolve()
@@ -40,13 +40,13 @@ def test_bad_files_name_the_problem(tmp_path: Path, text: str, message: str) -> 
     cfg_file = tmp_path / "svc.toml"
     cfg_file.write_text(text)
     with pytest.raises(ConfigError, match=message):
-        load_config(cfg_file, {"data": tmp_path, "endpoint": "tcp://127.0.0.1:1"})
+        load_config(cfg_file, {"data": tmp_path, "endpoint": "ipc:///tmp/feed.sock"})
 
 
 @pytest.mark.parametrize(
     ("overrides", "message"),
     [
-        ({"endpoint": "tcp://127.0.0.1:1"}, "data is required"),
+        ({"endpoint": "ipc:///tmp/feed.sock"}, "data is required"),
         ({"data": "DATA", "endpoint": "http://x"}, "endpoint must be"),
         ({"data": "DATA", "endpoint": "ipc:///" + "x" * 120}, "1 to 107 bytes"),
         ({"data": "DATA", "endpoint": "ipc:///no/such/dir/s.sock"}, "does not exist"),
@@ -65,7 +65,7 @@ def test_bad_values_are_refused(tmp_path: Path, overrides: dict[str, object], me
 def test_feed_tables_add_feeds_inheriting_top_level_values(tmp_path: Path) -> None:
     cfg_file = tmp_path / "svc.toml"
     cfg_file.write_text(
-        f'data = "{tmp_path}"\nendpoint = "tcp://127.0.0.1:5555"\nbatch_size = 32\nimage_size = 160\n'
+        f'data = "{tmp_path}"\nendpoint = "ipc:///tmp/feed.sock"\nbatch_size = 32\nimage_size = 160\n'
         f'[feeds.val]\ndata = "{tmp_path}"\naugment = "eval"\nimage_size = 224\n'
     )
     train, val = load_config(cfg_file, {}).feeds()
@@ -86,7 +86,7 @@ def test_feed_tables_add_feeds_inheriting_top_level_values(tmp_path: Path) -> No
 def test_bad_feed_tables_are_refused(tmp_path: Path, table: str, message: str) -> None:
     cfg_file = tmp_path / "svc.toml"
     cfg_file.write_text(
-        f'data = "{tmp_path}"\nendpoint = "tcp://127.0.0.1:5555"\n[feeds.val]\n'
+        f'data = "{tmp_path}"\nendpoint = "ipc:///tmp/feed.sock"\n[feeds.val]\n'
         + table.replace("DATA", str(tmp_path))
     )
     with pytest.raises(ConfigError, match=message):
@@ -97,7 +97,7 @@ def test_bad_feed_tables_are_refused(tmp_path: Path, table: str, message: str) -
 
 
 def base_env(tmp_path: Path) -> dict[str, str]:
-    return {"DATAFERRY_DATA": str(tmp_path), "DATAFERRY_ENDPOINT": "tcp://127.0.0.1:5555"}
+    return {"DATAFERRY_DATA": str(tmp_path), "DATAFERRY_ENDPOINT": "ipc:///tmp/feed.sock"}
 
 
 @pytest.mark.parametrize(
@@ -120,7 +120,7 @@ def test_environment_values_are_read_as_the_option_type(
 ) -> None:
     cfg = load_config(None, {}, environ={**base_env(tmp_path), variable: text})
     assert getattr(cfg, field) == value and type(getattr(cfg, field)) is type(value)
-    assert cfg.data == tmp_path.resolve() and cfg.endpoint == "tcp://127.0.0.1:5555"
+    assert cfg.data == tmp_path.resolve() and cfg.endpoint == "ipc:///tmp/feed.sock"
 
 
 @pytest.mark.parametrize(
@@ -161,7 +161,7 @@ def test_precedence_is_defaults_file_environment_flags(
 ) -> None:
     cfg_file = tmp_path / "svc.toml"
     cfg_file.write_text(
-        f'data = "{tmp_path}"\nendpoint = "tcp://127.0.0.1:5555"\n' + "workers = 3\n" * in_file
+        f'data = "{tmp_path}"\nendpoint = "ipc:///tmp/feed.sock"\n' + "workers = 3\n" * in_file
     )
     environ = {"DATAFERRY_WORKERS": "5"} if in_env else {}
     assert load_config(cfg_file, {"workers": flag}, environ=environ).workers == expected
@@ -169,7 +169,7 @@ def test_precedence_is_defaults_file_environment_flags(
 
 def test_errors_say_which_layer_set_the_bad_value(tmp_path: Path) -> None:
     cfg_file = tmp_path / "svc.toml"
-    cfg_file.write_text(f'data = "{tmp_path}"\nendpoint = "tcp://127.0.0.1:5555"\nworkers = 0\n')
+    cfg_file.write_text(f'data = "{tmp_path}"\nendpoint = "ipc:///tmp/feed.sock"\nworkers = 0\n')
     with pytest.raises(ConfigError, match=r"workers must be at least 1 \(set by .*svc.toml\)"):
         load_config(cfg_file, {}, environ={})
     with pytest.raises(ConfigError, match=r"workers must be at least 1 \(set by --workers\)"):
@@ -227,12 +227,12 @@ def test_feed_tables_accept_exactly_the_feed_options(tmp_path: Path) -> None:
     }  # fmt: skip
     table = f'data = "{tmp_path}"\nbatch_size = 8\nimage_size = 32\naugment = "none"\nseed = 3\nslots = 4\n'
     cfg_file = tmp_path / "svc.toml"
-    cfg_file.write_text(f'data = "{tmp_path}"\nendpoint = "tcp://127.0.0.1:5555"\n[feeds.x]\n{table}')
+    cfg_file.write_text(f'data = "{tmp_path}"\nendpoint = "ipc:///tmp/feed.sock"\n[feeds.x]\n{table}')
     _, x = load_config(cfg_file, {}, environ={}).feeds()
     assert (x.name, x.batch_size, x.image_size, x.augment, x.seed, x.slots) == ("x", 8, 32, "none", 3, 4)
     for name in set(OPTIONS) - set(FEED_OPTIONS):
         cfg_file.write_text(
-            f'data = "{tmp_path}"\nendpoint = "tcp://127.0.0.1:5555"\n[feeds.x]\n{table}{name} = 1\n'
+            f'data = "{tmp_path}"\nendpoint = "ipc:///tmp/feed.sock"\n[feeds.x]\n{table}{name} = 1\n'
         )
         with pytest.raises(ConfigError, match=rf"unknown keys in \[feeds.x\]: {name}"):
             load_config(cfg_file, {}, environ={})
@@ -241,7 +241,7 @@ def test_feed_tables_accept_exactly_the_feed_options(tmp_path: Path) -> None:
 def test_feed_slots_are_not_inherited_and_zero_means_auto(tmp_path: Path) -> None:
     cfg_file = tmp_path / "svc.toml"
     cfg_file.write_text(
-        f'data = "{tmp_path}"\nendpoint = "tcp://127.0.0.1:5555"\nworkers = 4\nslots = 30\n'
+        f'data = "{tmp_path}"\nendpoint = "ipc:///tmp/feed.sock"\nworkers = 4\nslots = 30\n'
         f'[feeds.x]\ndata = "{tmp_path}"\n[feeds.y]\ndata = "{tmp_path}"\nslots = 0\n'
     )
     main, x, y = load_config(cfg_file, {}, environ={}).feeds()
@@ -253,14 +253,14 @@ def test_feed_slots_are_not_inherited_and_zero_means_auto(tmp_path: Path) -> Non
     [("batch_size", 0), ("image_size", 4096), ("augment", "fancy"), ("seed", -1), ("slots", 5000)],
 )
 def test_feed_tables_are_checked_like_the_top_level(tmp_path: Path, key: str, value: object) -> None:
-    base = {"data": tmp_path, "endpoint": "tcp://127.0.0.1:5555"}
+    base = {"data": tmp_path, "endpoint": "ipc:///tmp/feed.sock"}
     with pytest.raises(ConfigError) as top:
         load_config(None, {**base, key: value}, environ={})
     top_message = str(top.value).removesuffix(f" (set by {OPTIONS[key].flag})")
     cfg_file = tmp_path / "svc.toml"
     toml_value = f'"{value}"' if isinstance(value, str) else value
     cfg_file.write_text(
-        f'data = "{tmp_path}"\nendpoint = "tcp://127.0.0.1:5555"\n'
+        f'data = "{tmp_path}"\nendpoint = "ipc:///tmp/feed.sock"\n'
         f'[feeds.x]\ndata = "{tmp_path}"\n{key} = {toml_value}\n'
     )
     with pytest.raises(ConfigError) as feed:
@@ -271,7 +271,7 @@ def test_feed_tables_are_checked_like_the_top_level(tmp_path: Path, key: str, va
 def _config(tmp_path: Path, text: str) -> ServiceConfig:
     cfg_file = tmp_path / "svc.toml"
     cfg_file.write_text(text)
-    return load_config(cfg_file, {"data": tmp_path, "endpoint": "tcp://127.0.0.1:1"})
+    return load_config(cfg_file, {"data": tmp_path, "endpoint": "ipc:///tmp/feed.sock"})
 
 
 def test_pipelines_and_their_fields_come_from_the_file_per_feed(tmp_path: Path) -> None:
@@ -297,7 +297,7 @@ def test_pipelines_and_their_fields_come_from_the_file_per_feed(tmp_path: Path) 
 def test_a_relative_pipeline_file_is_made_absolute(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     (tmp_path / "aug.py").write_text("")
     monkeypatch.chdir(tmp_path)
-    cfg = load_config(None, {"data": tmp_path, "endpoint": "tcp://127.0.0.1:1", "pipeline": "aug.py:make"})
+    cfg = load_config(None, {"data": tmp_path, "endpoint": "ipc:///tmp/feed.sock", "pipeline": "aug.py:make"})
     assert cfg.pipeline == f"{tmp_path.resolve()}/aug.py:make"
 
 
@@ -322,10 +322,10 @@ def test_bad_pipelines_formats_and_fields_are_refused(tmp_path: Path, text: str,
 
 def test_a_shard_pattern_needs_only_its_folder(tmp_path: Path) -> None:
     pattern = tmp_path / "train-{000000..000009}.tar"
-    cfg = load_config(None, {"data": pattern, "endpoint": "tcp://127.0.0.1:1"})
+    cfg = load_config(None, {"data": pattern, "endpoint": "ipc:///tmp/feed.sock"})
     assert cfg.data == pattern.resolve()
     with pytest.raises(ConfigError, match="does not exist"):
-        load_config(None, {"data": tmp_path / "nope" / "x-{0..1}.tar", "endpoint": "tcp://127.0.0.1:1"})
+        load_config(None, {"data": tmp_path / "nope" / "x-{0..1}.tar", "endpoint": "ipc:///tmp/feed.sock"})
 
 
 def test_feed_tables_do_not_take_over_the_top_level_pipeline_or_format(tmp_path: Path) -> None:

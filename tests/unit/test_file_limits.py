@@ -125,7 +125,7 @@ def test_good_and_empty_files_read_as_before(tmp_path: Path) -> None:
 
 
 def test_max_file_bytes_defaults_to_256_mib_and_reaches_every_feed(tmp_path: Path) -> None:
-    base = {"data": tmp_path, "endpoint": "tcp://127.0.0.1:5555"}
+    base = {"data": tmp_path, "endpoint": "ipc:///tmp/feed.sock"}
     assert load_config(None, base, environ={}).max_file_bytes == 256 * MIB
     cfg_file = tmp_path / "svc.toml"
     cfg_file.write_text(f'max_file_bytes = 1000\n[feeds.val]\ndata = "{tmp_path}"\n')
@@ -135,4 +135,4 @@ def test_max_file_bytes_defaults_to_256_mib_and_reaches_every_feed(tmp_path: Pat
 
 def test_max_file_bytes_must_be_positive(tmp_path: Path) -> None:
     with pytest.raises(ConfigError, match="max_file_bytes must be at least 1"):
-        load_config(None, {"data": tmp_path, "endpoint": "tcp://127.0.0.1:5555", "max_file_bytes": 0})
+        load_config(None, {"data": tmp_path, "endpoint": "ipc:///tmp/feed.sock", "max_file_bytes": 0})

@@ -329,7 +329,7 @@ def test_roi_scale_keeps_headroom_over_the_output_size() -> None:
 
 
 def test_decoder_choice(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    base = {"data": tmp_path, "endpoint": "tcp://127.0.0.1:1"}
+    base = {"data": tmp_path, "endpoint": "ipc:///tmp/feed.sock"}
     assert not load_config(None, {**base, "decoder": "opencv"}).roi
     assert load_config(None, base).roi == (jc is not None)
     with pytest.raises(ConfigError, match="decoder must be one of"):

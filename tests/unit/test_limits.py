@@ -48,8 +48,13 @@ def config(tmp_path: Path, **flags: object) -> object:
 def test_a_network_endpoint_needs_curve_or_an_explicit_opt_out(tmp_path: Path) -> None:
     with pytest.raises(ConfigError, match="loader-service keys --out DIR"):
         config(tmp_path, endpoint="tcp://0.0.0.0:5555")
-    config(tmp_path, endpoint="tcp://127.0.0.1:5555")  # loopback: only this host can reach it
     config(tmp_path, endpoint="tcp://0.0.0.0:5555", insecure_tcp=True)
+
+
+def test_loopback_tcp_follows_the_same_rule_since_every_local_user_reaches_it(tmp_path: Path) -> None:
+    with pytest.raises(ConfigError, match="only this host, but every user on it"):
+        config(tmp_path, endpoint="tcp://127.0.0.1:5555")
+    config(tmp_path, endpoint="tcp://127.0.0.1:5555", insecure_tcp=True)
 
 
 def test_curve_options_go_together_and_must_name_real_keys(tmp_path: Path) -> None:

@@ -184,6 +184,10 @@ def test_jsonl_rows_with_json_metadata(tmp_path: Path) -> None:
         (['{"path": "a", "label": "3"}'], r"l\.jsonl:1: label must be an integer or null, got str"),
         (['{"path": "a", "label": 1.0}'], r"l\.jsonl:1: label must be an integer or null, got float"),
         (['{"path": "\\ud800"}'], r"l\.jsonl:1: the path is not utf-8"),
+        (
+            ['{"path": "a", "m": ' + "[" * 100_000 + "]" * 100_000 + "}"],
+            r"l\.jsonl:1: JSON nested too deeply",
+        ),
     ],
 )
 def test_jsonl_errors_name_the_line(tmp_path: Path, lines: list[str], error: str) -> None:
@@ -517,8 +521,8 @@ def test_a_size_field_that_is_not_octal_is_damage_in_both_scans(
     assert_same_scans(tmp_path, ["s.tar"])
 
 
-@pytest.mark.parametrize("size", ["-1000", "-2", "+2", "0_2", " 2", "2 ", "0x2", ""])
-def test_a_pax_size_that_is_not_decimal_is_damage_in_both_scans(
+@pytest.mark.parametrize("size", ["-1000", "-2", "+2", "0_2", " 2", "2 ", "0x2", "", "99999999999"])
+def test_a_pax_size_that_is_not_decimal_or_runs_past_the_end_is_damage_in_both_scans(
     tmp_path: Path, caplog: pytest.LogCaptureFixture, size: str
 ) -> None:
     shard = tmp_path / "s.tar"
