@@ -17,9 +17,10 @@ and offset, and the scan resumes at the next block that holds a valid ustar head
 being grouped at the damage and the one the scan resumes in are marked flawed (a lost ``.cls`` header
 would otherwise leave a sample silently unlabelled). The first header is no exception: only a file
 with no valid header at all is refused, as not a tar file. A pax ``size`` that runs past the end of
-the shard is such damage too (the scan resumes; before, it ended there). A member whose header's own
-size runs past the end of the shard (a truncated last member) is indexed, and reading it fails; a sample without an image member is indexed, and reading
-it fails: both are bad samples when read, named by ``shard:key``.
+the shard is such damage too (the scan resumes; it used to end there). A member whose header's own
+size runs past the end of the shard (a truncated last member) is indexed, and reading it fails; a
+sample without an image member is indexed, and reading it fails: both are bad samples when read,
+named by ``shard:key``.
 """
 
 from __future__ import annotations
