@@ -1,4 +1,4 @@
-"""Bounds on what one trainer connection may cost the service: messages per second, frames per message.
+"""Bounds on what trainer connections may cost the service: messages per second, each and together.
 
 A peer over the limit is not answered: its excess messages are dropped before they are decoded,
 counted, and logged at most a few times a minute.
@@ -11,6 +11,10 @@ from dataclasses import dataclass
 MESSAGES_PER_SECOND = 1000.0
 """Sustained rate per connection: a trainer sends a release per batch and a heartbeat per second."""
 BURST = 2000.0
+ALL_MESSAGES_PER_SECOND = 20_000.0
+"""Sustained rate over all connections together: the main loop's budget for trainer messages,
+whoever sends them (fifty connections used to get fifty times the per-connection rate)."""
+ALL_BURST = 40_000.0
 FORGET_AFTER = 60.0
 """Seconds after which an idle connection's bucket is forgotten (it restarts full)."""
 MAX_BUCKETS = 10_000
@@ -23,11 +27,20 @@ class _Bucket:
 
 
 class RateGate:
-    """A token bucket per routing id."""
+    """A token bucket per routing id, and one over all of them."""
 
-    def __init__(self, rate: float = MESSAGES_PER_SECOND, burst: float = BURST) -> None:
+    def __init__(
+        self,
+        rate: float = MESSAGES_PER_SECOND,
+        burst: float = BURST,
+        all_rate: float = ALL_MESSAGES_PER_SECOND,
+        all_burst: float = ALL_BURST,
+    ) -> None:
         self._rate = rate
         self._burst = burst
+        self._all_rate = all_rate
+        self._all = _Bucket(all_burst, 0.0)
+        self._all_burst = all_burst
         self._buckets: dict[bytes, _Bucket] = {}
         self.dropped = 0
 
@@ -37,12 +50,13 @@ class RateGate:
             if len(self._buckets) >= MAX_BUCKETS:
                 self._forget_idle(now)
             bucket = self._buckets[peer] = _Bucket(self._burst, now)
-        bucket.tokens = min(self._burst, bucket.tokens + (now - bucket.last) * self._rate)
-        bucket.last = now
-        if bucket.tokens < 1.0:
+        _refill(bucket, now, self._rate, self._burst)
+        _refill(self._all, now, self._all_rate, self._all_burst)
+        if bucket.tokens < 1.0 or self._all.tokens < 1.0:
             self.dropped += 1
             return False
         bucket.tokens -= 1.0
+        self._all.tokens -= 1.0
         return True
 
     def _forget_idle(self, now: float) -> None:
@@ -51,3 +65,8 @@ class RateGate:
             del self._buckets[peer]
         if len(self._buckets) >= MAX_BUCKETS:  # all busy: an attack with many connections
             self._buckets.clear()
+
+
+def _refill(bucket: _Bucket, now: float, rate: float, burst: float) -> None:
+    bucket.tokens = min(burst, bucket.tokens + max(0.0, now - bucket.last) * rate)
+    bucket.last = now

@@ -15,6 +15,15 @@ from loader_service.supervisor.limits import RateGate
 from loader_service.tools.keys import KeysError, make_keys
 
 
+def test_many_connections_together_stay_within_the_loops_budget() -> None:
+    """Fifty connections used to get fifty times the per-connection rate."""
+    gate = RateGate(rate=1000.0, burst=2000.0, all_rate=20_000.0, all_burst=40_000.0)
+    admitted = sum(gate.admit(b"peer-%d" % peer, 100.0) for peer in range(50) for _ in range(2000))
+    assert admitted == 40_000, "the burst over all connections, not 50 x 2000"
+    assert not gate.admit(b"peer-49", 100.0), "a connection with its own burst left is refused too"
+    assert gate.admit(b"peer-49", 100.01), "and served again as the budget refills"
+
+
 def test_a_connection_over_its_rate_is_dropped_and_recovers() -> None:
     gate = RateGate(rate=10.0, burst=5.0)
     assert all(gate.admit(b"a", 0.0) for _ in range(5))
