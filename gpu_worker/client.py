@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import gc
 import logging
+import os
 import time
 from collections.abc import Iterator
 from types import TracebackType
@@ -51,7 +52,7 @@ from gpu_worker.fields import (
     field_differences,
 )
 from gpu_worker.leases import LeaseBook
-from gpu_worker.loader_config import LoaderConfig, shard_of
+from gpu_worker.loader_config import GROUP_SECRET_ENV, LoaderConfig, shard_of
 from protocol.layout import SlotLayout, describe_fields
 from protocol.messages import MAX_RELEASES, BatchReady, Bye, EpochEnd, FeedInfo, Start, Welcome
 
@@ -86,10 +87,13 @@ class ServiceLoader:
         server_key: str | None = None,
         client_key: str | None = None,
         fields: ExpectedFields | None = None,
+        group_secret: str | None = None,
     ) -> None:
         """``fields``: what the trainer expects each batch to hold, e.g. ``{"image": ((3, 224, 224),
         torch.uint8), "label": ((), torch.int64)}``; a feed that serves anything else (missing, extra,
-        shape, dtype or order) raises ServiceError naming every difference before any batch."""
+        shape, dtype or order) raises ServiceError naming every difference before any batch.
+        ``group_secret`` (default: ``DATAFERRY_GROUP_SECRET``): a broadcast group is its name among the
+        trainers that share this secret, so others on the service can neither join it nor hold it up."""
         rank, world_size = shard_of(mode, rank, world_size)
         self.config = LoaderConfig(
             endpoint,
@@ -108,6 +112,7 @@ class ServiceLoader:
             image_size or 0,
             transport,
             fields=() if fields is None else expected_fields(fields),
+            group_secret=os.environ.get(GROUP_SECRET_ENV, "") if group_secret is None else group_secret,
         ).validated()
         keys = ClientKeys.load(server_key, client_key)
         self.device = resolve_device(device)

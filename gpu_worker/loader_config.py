@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from protocol.layout import FieldSpec
@@ -13,8 +13,9 @@ TRANSPORT_CHOICES = ("auto", *TRANSPORTS)
 
 HELLO_FIELDS = (
     "feed", "credits", "mode", "rank", "world_size", "remainder", "group", "group_size", "batch_size",
-    "image_size",
+    "image_size", "group_secret",
 )  # fmt: skip
+GROUP_SECRET_ENV = "DATAFERRY_GROUP_SECRET"
 """The fields a hello carries to the service; the others only matter in the trainer's process."""
 
 
@@ -43,6 +44,8 @@ class LoaderConfig:
     client_key: str = ""
     fields: tuple[FieldSpec, ...] = ()
     """The fields the trainer expects, in order (``gpu_worker.fields``); () takes what the feed has."""
+    group_secret: str = field(default="", repr=False)
+    """Broadcast: shared by the group's members; outsiders without it cannot join or hold it up."""
 
     def validated(self) -> LoaderConfig:
         if not self.endpoint.startswith(("ipc://", "tcp://")):
@@ -65,6 +68,8 @@ class LoaderConfig:
             )
         if not 1 <= self.group_size <= 1024 or not self.group or len(self.group) > 64:
             raise ValueError("group must be a name of 1 to 64 characters and group_size 1 to 1024")
+        if len(self.group_secret) > 64:
+            raise ValueError("group_secret must be at most 64 characters")
         return self
 
     def hello_fields(self) -> dict[str, Any]:

@@ -51,7 +51,7 @@ field; the receiver answers or drops it, never crashes.
 from __future__ import annotations
 
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Annotated, Any, ClassVar, Final, TypeVar
 
 import msgpack
@@ -167,6 +167,9 @@ class Hello(Message):
     have: Annotated[int, _LEASE, OMITTABLE] = 0
     """... and announcing again every lease after ``have`` that it still has (NOTE [ Acknowledged
     delivery ]): they may have been lost with the old connection."""
+    group_secret: Annotated[str, Str(64), OMITTABLE] = field(default="", repr=False)
+    """Broadcast: the group is ``group`` among the trainers that know this secret; one that does not
+    lands in another group of the same name and can neither join nor hold up this one."""
 
     def cross_check(self) -> None:
         """Called by the decoder once every field has passed its own rule."""

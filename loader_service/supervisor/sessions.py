@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import hashlib
 import hmac
 import secrets
 from dataclasses import dataclass, field
@@ -100,8 +101,14 @@ class Session:
 
     def stream_key(self) -> StreamKey:
         if self.mode == "broadcast":
-            return ("broadcast", self.feed, self.group)
+            return group_key(self.feed, self.group, self.hello.group_secret)
         return ("shard", self.session_id)
+
+
+def group_key(feed: int, group: str, secret: str) -> StreamKey:
+    """A broadcast group is its name among the trainers that share its secret; the key holds a
+    digest of the secret, never the secret."""
+    return ("broadcast", feed, group or "default", hashlib.sha256(secret.encode()).hexdigest()[:32])
 
 
 def printable(text: str) -> str:

@@ -15,9 +15,10 @@ NOTE [ Broadcast epochs ]
     still held, so it may miss the batches before that: exactly-once holds for members that stay.
     When the last member in the epoch leaves and none is waiting for the next, the epoch is
     abandoned and the group begins afresh with whoever starts next (``_abandon_epoch``).
-    A member that holds the group up for longer than the lag timeout is evicted (trainers.py): it gets
-    no further batches, but keeps the slots of those it holds until it releases them, so a slow step
-    never sees its batch overwritten. A dead member is dropped after its heartbeat timeout, and its
+    A member that holds the group up for longer than the lag timeout is evicted (trainers.py), and so
+    is one that attached and never started while the others wait to begin: it gets no further
+    batches, but keeps the slots of those it holds until it releases them, so a slow step never sees
+    its batch overwritten. A dead member is dropped after its heartbeat timeout, and its
     slots with it. Either way the others never stall for longer than those timeouts.
 
 Every batch is keyed by (generation, seq); the generation changes with every (re)start of a plan, so
@@ -87,6 +88,8 @@ class Stream(Producer):
         self.end = 0
         self.batches: dict[BatchKey, SharedBatch] = {}
         self.blocked_since: float | None = None
+        self.idle_since: float | None = None
+        """Since when members that never started hold up the others' start (``never_started``)."""
         self.ahead: WarmCache | None = None
         """Shard mode: the next epoch's first batches, decoded early (NOTE [ Warm start ])."""
 
@@ -212,7 +215,7 @@ class Stream(Producer):
         epoch was waiting for."""
         if self.started and not any(m.active or m.want is not None for m in self.members.values()):
             self._abandon_epoch()
-        elif self.started:
+        else:  # the group's first epoch too may have waited only for the one that left
             self._maybe_begin_group_epoch()
 
     def _abandon_epoch(self) -> None:
@@ -321,6 +324,13 @@ class Stream(Producer):
     def _collect(self) -> None:
         done = [key for key, batch in self.batches.items() if batch.finished]
         self.free(self.batches.pop(key).slot for key in done)
+
+    def never_started(self) -> list[str]:
+        """Broadcast members that attached and have not started while others wait to begin an epoch:
+        the group cannot begin without them (NOTE [ Broadcast epochs ])."""
+        if not self.broadcast or not any(m.want is not None for m in self.members.values()):
+            return []
+        return [sid for sid, m in self.members.items() if not m.active and m.want is None]
 
     def laggard(self) -> str | None:
         """The member holding up a full broadcast window: it has not received or released the oldest batch."""

@@ -17,7 +17,7 @@ from loader_service.supervisor.attachments import Attachments
 from loader_service.supervisor.feeds import Feed
 from loader_service.supervisor.limits import RateGate
 from loader_service.supervisor.outbox import Outbox
-from loader_service.supervisor.sessions import Session
+from loader_service.supervisor.sessions import Session, group_key
 from loader_service.supervisor.streams import StartRefused, Stream
 from loader_service.supervisor.warm import WarmCache
 from protocol.messages import (
@@ -127,7 +127,7 @@ class TrainerDesk:
                 f"this trainer asked for {msg.batch_size or 'any'} of {msg.image_size or 'any'}px"
             )
         if msg.mode == "broadcast":
-            stream = self._attached.streams.get(("broadcast", feed.id, msg.group or "default"))
+            stream = self._attached.streams.get(group_key(feed.id, msg.group, msg.group_secret))
             if stream is not None and stream.group_size != msg.group_size:
                 return (
                     f"broadcast group {stream.group!r} has group_size {stream.group_size}, "
@@ -315,8 +315,10 @@ class TrainerDesk:
                 self.drop(session, f"stopped reading: a batch sent {now - stuck:.0f} s ago has not gone out")
 
     def evict_laggards(self, now: float) -> None:
-        """NOTE [ Broadcast epochs ]: one member may not hold its group up beyond the lag timeout."""
+        """NOTE [ Broadcast epochs ]: one member may not hold its group up beyond the lag timeout,
+        by lagging or by never starting."""
         for stream in list(self._attached.streams.values()):
+            self._evict_idle(stream, now)
             laggard = stream.laggard()
             if laggard is None:
                 stream.blocked_since = None
@@ -329,8 +331,22 @@ class TrainerDesk:
                 if session is not None:
                     self._evict(stream, session)
 
-    def _evict(self, stream: Stream, session: Session) -> None:
-        why = f"held broadcast group {stream.group!r} up for over {self._config.lag_timeout:.0f} s"
+    def _evict_idle(self, stream: Stream, now: float) -> None:
+        """Members that attached and never started, while the others wait to begin an epoch."""
+        idle = stream.never_started()
+        if not idle:
+            stream.idle_since = None
+        elif stream.idle_since is None:
+            stream.idle_since = now
+        elif now - stream.idle_since > self._config.lag_timeout:
+            stream.idle_since = None
+            for session_id in idle:
+                session = self._attached.by_id(session_id)
+                if session is not None:
+                    self._evict(stream, session, "never started, holding")
+
+    def _evict(self, stream: Stream, session: Session, how: str = "held") -> None:
+        why = f"{how} broadcast group {stream.group!r} up for over {self._config.lag_timeout:.0f} s"
         log.warning("session %s (%s) evicted: %s", session.session_id, session.client, why)
         session.evicted = True
         stream.evict(session.session_id)

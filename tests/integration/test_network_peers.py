@@ -21,7 +21,7 @@ from loader_service.dataset.index import build_index
 from loader_service.supervisor.curve import CurveGuard, TrainerKeys
 from loader_service.tools.keys import KeyPair, make_keys
 from protocol.messages import Heartbeat, Hello, Start, Welcome, decode, encode
-from tests.helpers import ServiceFactory, epoch_indices, status
+from tests.helpers import ServiceFactory, epoch_indices, in_threads, status
 
 pytestmark = pytest.mark.integration
 
@@ -168,3 +168,38 @@ def test_a_reload_skips_a_bad_key_file_and_drops_a_removed_key(
     public = {name: zmq.auth.load_certificate(str(pair.public))[0] for name, pair in pairs.items()}
     assert keys.callback("*", public["kept"]) and not keys.callback("*", public["removed"])
     assert "skipping trainer key" in caplog.text and "broken.key" in caplog.text
+
+
+# --- broadcast groups that outsiders cannot break ------------------------------------------------
+
+
+def group_epoch(endpoint: str, **kwargs: object) -> list[int]:
+    with ServiceLoader(endpoint, mode="broadcast", group="sweep", timeout=30, **kwargs) as loader:  # type: ignore[arg-type]
+        return epoch_indices(loader)[0]
+
+
+def test_an_outsider_without_the_group_secret_cannot_join_resize_or_hold_up_the_group(
+    photos: Path, start_service: ServiceFactory
+) -> None:
+    """It names the group first, with group_size 1024, and starts epoch 5: before group secrets its
+    size refused every member, and its epoch made their starts fatal."""
+    service = start_service(photos)
+    with raw_peer(service.endpoint, mode="broadcast", group="sweep", group_size=1024) as outsider:
+        outsider.start(epoch=5)
+        members = in_threads([lambda: group_epoch(service.endpoint, group_size=2, group_secret="s3")] * 2)
+    n = len(build_index(photos))
+    assert [sorted(m) for m in members] == [list(range(n))] * 2
+    feed = status(service.endpoint)["feeds"][0]
+    assert feed["decoded"] - feed["warm_decoded"] >= n, "the members' epoch was decoded"
+
+
+def test_a_member_that_joins_and_never_starts_is_dropped_after_the_lag_timeout(
+    photos: Path, start_service: ServiceFactory
+) -> None:
+    """It holds the group's first epoch, which waits for every attached member, until evicted."""
+    service = start_service(photos, lag_timeout=2)
+    with raw_peer(service.endpoint, mode="broadcast", group="sweep", group_size=2):
+        members = in_threads([lambda: group_epoch(service.endpoint, group_size=2)] * 2)
+    n = len(build_index(photos))
+    assert [sorted(m) for m in members] == [list(range(n))] * 2
+    service.wait_for(r"session t1 \(raw:1\) evicted: never started")
