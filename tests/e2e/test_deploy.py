@@ -107,6 +107,62 @@ def test_loader_unit_exposure_is_at_most_4(canary: Path, tmp_path: Path) -> None
     assert result.returncode == 0, result.stdout + result.stderr
 
 
+# --- the sandbox, applied to a process here ------------------------------------------------------
+
+SANDBOXED_CONVOLUTION = """
+import ctypes, os, sys
+libc = ctypes.CDLL(None, use_errno=True)
+PR_SET_NO_NEW_PRIVS, PR_SET_MDWE, PR_MDWE_REFUSE_EXEC_GAIN = 38, 65, 1
+settings = dict(arg.split("=", 1) for arg in sys.argv[1:])
+if settings.get("NoNewPrivileges") == "yes":
+    assert libc.prctl(PR_SET_NO_NEW_PRIVS, 1, 0, 0, 0) == 0, ctypes.get_errno()
+if settings.get("MemoryDenyWriteExecute") == "yes":  # what systemd >= 254 does for it
+    assert libc.prctl(PR_SET_MDWE, PR_MDWE_REFUSE_EXEC_GAIN, 0, 0, 0) == 0, ctypes.get_errno()
+if "UMask" in settings:
+    os.umask(int(settings["UMask"], 8))
+import torch
+torch.set_num_threads(1)
+image = torch.rand(1, 3, 64, 64)
+blur = torch.full((3, 1, 3, 3), 1 / 9)
+print(tuple(torch.nn.functional.conv2d(image, blur, groups=3).shape))
+"""
+APPLICABLE = ("NoNewPrivileges", "MemoryDenyWriteExecute", "UMask")
+"""Settings of the loader unit a process can apply to itself, with the kernel's own mechanisms."""
+
+
+def unit_settings(unit: str) -> list[str]:
+    lines = (DEPLOY / unit).read_text().splitlines()
+    return [line for line in lines if line.split("=", 1)[0] in APPLICABLE]
+
+
+def convolve_under(settings: list[str]) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [sys.executable, "-c", SANDBOXED_CONVOLUTION, *settings],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=False,
+    )
+
+
+def mdwe_available() -> bool:
+    probe = "import ctypes; raise SystemExit(ctypes.CDLL(None).prctl(65, 1, 0, 0, 0))"
+    return subprocess.run([sys.executable, "-c", probe], check=False, timeout=30).returncode == 0
+
+
+def test_a_torch_convolution_runs_under_the_loader_units_sandbox() -> None:
+    """oneDNN makes the kernels it writes executable; MemoryDenyWriteExecute= forbade it."""
+    result = convolve_under(unit_settings("loader-service@.service"))
+    assert result.returncode == 0 and "(1, 3, 62, 62)" in result.stdout, result.stderr[-2000:]
+
+
+def test_the_sandbox_check_would_catch_memory_deny_write_execute() -> None:
+    if not mdwe_available():
+        pytest.skip("this kernel has no PR_SET_MDWE (Linux 6.3 or later)")
+    result = convolve_under(["MemoryDenyWriteExecute=yes"])
+    assert result.returncode != 0 and "could not create a primitive" in result.stderr
+
+
 # --- status of a real service --------------------------------------------------------------------
 
 
