@@ -42,7 +42,7 @@ import torch
 
 from gpu_worker.batch import Batch
 from gpu_worker.connection import Connection, ServiceError, ServiceTimeout, SessionLost, make_hello
-from gpu_worker.curve import ClientKeys
+from gpu_worker.curve import ClientKeys, warn_if_in_the_clear
 from gpu_worker.delivery import Delivery
 from gpu_worker.device import resolve_device
 from gpu_worker.fields import (
@@ -115,6 +115,7 @@ class ServiceLoader:
             group_secret=os.environ.get(GROUP_SECRET_ENV, "") if group_secret is None else group_secret,
         ).validated()
         keys = ClientKeys.load(server_key, client_key)
+        warn_if_in_the_clear(endpoint, keys)
         self.device = resolve_device(device)
         self._resume: tuple[int, int] | None = None
         self._position = 0

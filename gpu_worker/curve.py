@@ -8,6 +8,8 @@ change. Without either, connections are plain: what an ipc:// or loopback endpoi
 
 from __future__ import annotations
 
+import ipaddress
+import logging
 import os
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -16,6 +18,7 @@ from typing import Any
 import zmq
 import zmq.auth
 
+log = logging.getLogger(__name__)
 SERVER_KEY_ENV = "DATAFERRY_SERVER_KEY"
 CLIENT_KEY_ENV = "DATAFERRY_CLIENT_KEY"
 
@@ -58,3 +61,26 @@ def _read(path: str) -> tuple[bytes, bytes | None]:
         return zmq.auth.load_certificate(path)
     except (OSError, ValueError) as exc:
         raise ValueError(f"cannot read CURVE key {path}: {exc}") from None
+
+
+def in_the_clear(endpoint: str, keys: ClientKeys | None) -> bool:
+    """Would this connection carry batches unencrypted to another host (a tcp:// endpoint that is
+    not loopback, without keys)?"""
+    if keys is not None or not endpoint.startswith("tcp://"):
+        return False
+    host = endpoint[len("tcp://") :].rsplit(":", 1)[0].strip("[]")
+    if host == "localhost":
+        return False
+    try:
+        return not ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return True  # a host name: another host, as far as this process can tell
+
+
+def warn_if_in_the_clear(endpoint: str, keys: ClientKeys | None) -> None:
+    if in_the_clear(endpoint, keys):
+        log.warning(
+            "connecting to %s WITHOUT CURVE: every batch and message crosses the network unencrypted "
+            "and unauthenticated (give server_key/client_key, or DATAFERRY_SERVER_KEY/DATAFERRY_CLIENT_KEY)",
+            endpoint,
+        )

@@ -9,6 +9,7 @@ from pathlib import Path
 import pytest
 import zmq.auth
 
+from gpu_worker.curve import ClientKeys, in_the_clear
 from loader_service.config import ConfigError, load_config
 from loader_service.config.checks import is_loopback_tcp
 from loader_service.supervisor.limits import RateGate
@@ -102,3 +103,22 @@ def test_keys_are_pyzmq_certificates_with_a_private_secret(tmp_path: Path) -> No
     with pytest.raises(KeysError, match="refusing to overwrite"):
         make_keys(tmp_path, "trainer-1")
     assert zmq.auth.load_certificate(str(pair.secret))[1] == secret, "the old key is untouched"
+
+
+@pytest.mark.parametrize(
+    ("endpoint", "clear"),
+    [
+        ("tcp://10.1.2.3:5555", True),
+        ("tcp://loader-host:5555", True),
+        ("tcp://127.0.0.1:5555", False),
+        ("tcp://[::1]:5555", False),
+        ("tcp://localhost:5555", False),
+        ("ipc:///run/dataferry/train.sock", False),
+    ],
+)
+def test_a_trainer_says_so_when_it_would_send_in_the_clear_to_another_host(
+    endpoint: str, clear: bool
+) -> None:
+    assert in_the_clear(endpoint, None) is clear
+    keys = ClientKeys(b"s" * 40, b"p" * 40, b"k" * 40)
+    assert in_the_clear(endpoint, keys) is False
