@@ -5,6 +5,8 @@ Run with the other network tests: ``pytest tests/integration -k network``.
 
 from __future__ import annotations
 
+import socket
+import struct
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -203,3 +205,48 @@ def test_a_member_that_joins_and_never_starts_is_dropped_after_the_lag_timeout(
     n = len(build_index(photos))
     assert [sorted(m) for m in members] == [list(range(n))] * 2
     service.wait_for(r"session t1 \(raw:1\) evicted: never started")
+
+
+# --- a limit only an authorised peer can reach -----------------------------------------------------
+
+
+def rss_bytes(pid: int) -> int:
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith("VmRSS:"):
+            return int(line.split()[1]) * 1024
+    raise AssertionError("no VmRSS")
+
+
+def zmtp_dealer(path: str) -> socket.socket:
+    """A DEALER spoken by hand over a Unix socket (ZMTP 3.0, NULL mechanism, RFC 23): unlike libzmq,
+    which keeps a message's parts until its last one, it sends each part as it comes."""
+    sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    sock.settimeout(10)
+    sock.connect(path)
+    sock.sendall(b"\xff" + bytes(8) + b"\x7f" + b"\x03\x00" + b"NULL".ljust(20, b"\0") + bytes(32))
+    peer_greeting = b""
+    while len(peer_greeting) < 64:
+        peer_greeting += sock.recv(64 - len(peer_greeting))
+    ready = b"\x05READY" + b"\x0bSocket-Type" + struct.pack(">I", 6) + b"DEALER"
+    sock.sendall(b"\x04" + bytes([len(ready)]) + ready)
+    return sock
+
+
+def test_libzmq_holds_an_unfinished_multipart_message_whole_so_only_authorised_peers_may_connect(
+    photos: Path, start_service: ServiceFactory
+) -> None:
+    """Shown, not fixed: libzmq hands a multipart message over only once its last part is in, and
+    MAXMSGSIZE bounds each part, not their number, so the service cannot see or refuse it while it
+    grows. No option bounds it; hence every endpoint needs CURVE or file permissions (README,
+    Limits). The main loop is not held up meanwhile."""
+    service = start_service(photos)
+    before = rss_bytes(service.proc.pid)
+    peer = zmtp_dealer(service.endpoint[len("ipc://") :])
+    try:
+        part = b"\x03" + struct.pack(">Q", 60_000) + bytes(60_000)  # MORE | LONG, 60 kB
+        for _ in range(1000):  # 60 MB, and never the last part
+            peer.sendall(part)
+        wait_until(lambda: rss_bytes(service.proc.pid) - before > 40e6, "the service holds the parts")
+        assert status(service.endpoint)["attached"] == 0, "the loop still answers"
+    finally:
+        peer.close()
