@@ -155,9 +155,11 @@ class ServiceConfig(FeedOptions):
         metadata=option("seconds one broadcast member may hold its group up before eviction", check=positive),
     )
     task_timeout: float = field(
-        default=120.0,
+        default=20.0,
         metadata=option(
-            "seconds a worker may spend on one batch before it is killed, the batch redone", check=positive
+            "seconds a worker may spend on one sample before it is killed, that sample skipped as bad and "
+            "the rest of its batch redone (well under a trainer's 60 s timeout)",
+            check=positive,
         ),
     )
     strict: bool = field(

@@ -9,11 +9,13 @@ It exits on ``stop``, and by itself when its parent is gone (checked between pol
 
 from __future__ import annotations
 
+import functools
 import logging
 import os
 import signal
 import sys
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -26,6 +28,7 @@ import zmq
 from loader_service.dataset.index import DatasetIndex
 from loader_service.dataset.sampler import sample_rng
 from loader_service.decode.pipeline import Pipeline, Sample, load_pipeline, run_into
+from loader_service.decode.progress import ProgressBoard
 from loader_service.decode.reading import SampleReader
 from loader_service.decode.transforms import DecodeError, Recipe, load_bytes_into, prepare
 from loader_service.logs import configure_logging
@@ -80,6 +83,10 @@ class WorkerConfig:
     """Decode train and eval crops with the region decoder (``transforms.load_bytes_into``)."""
     write_nothing: bool = False
     """Answer every task without reading or decoding anything (BENCH_WRITE_NOTHING_ENV)."""
+    progress: str = ""
+    """The service's progress page (NOTE [ Per-sample progress ]); "" writes none."""
+    workers: int = 1
+    """How many workers the page has room for."""
 
 
 @dataclass
@@ -119,19 +126,26 @@ def slot_views(segment: Segment, layout: SlotLayout, slot: int, slots: int) -> S
     )
 
 
-def fill_slot(worker: int, feed: OpenFeed, task: Task) -> TaskDone:
+Progress = Callable[[int], None]
+"""Called with the number of the task's samples finished so far (NOTE [ Per-sample progress ])."""
+
+
+def fill_slot(worker: int, feed: OpenFeed, task: Task, progress: Progress | None = None) -> TaskDone:
     """Fill ``task``'s samples into consecutive rows from ``task.row`` on, skipping (and reporting)
     bad samples; ``count`` is the rows written."""
     views = slot_views(feed.segment, feed.spec.layout, task.slot, feed.spec.slots)
     row = task.row
     bad: list[tuple[int, str]] = []
-    for idx in np.frombuffer(task.indices, dtype="<i8").tolist():
+    for done, idx in enumerate(np.frombuffer(task.indices, dtype="<i8").tolist(), start=1):
+        _injected_hang(feed, idx)
         reason = fill_row(feed, views, row, idx, task.epoch)
         if reason is not None:
             bad.append((idx, reason))
-            continue
-        views.indices[row] = idx
-        row += 1
+        else:
+            views.indices[row] = idx
+            row += 1
+        if progress is not None:
+            progress(done)
     return TaskDone(task.task, worker, row - task.row, tuple(bad[:MAX_BAD_REPORTS]))
 
 
@@ -232,6 +246,20 @@ def check_builtin_layout(layout: SlotLayout) -> None:
 
 
 def _serve(cfg: WorkerConfig, feeds: list[OpenFeed], sock: zmq.Socket[bytes]) -> None:
+    board = ProgressBoard(Path(cfg.progress), cfg.workers) if cfg.progress else None
+    try:
+        _serve_tasks(cfg, feeds, sock, board)
+    finally:
+        if board is not None:
+            board.close()
+
+
+def _serve_tasks(
+    cfg: WorkerConfig, feeds: list[OpenFeed], sock: zmq.Socket[bytes], board: ProgressBoard | None
+) -> None:
+    progress: Progress | None = None
+    if board is not None:
+        progress = functools.partial(board.finished, cfg.worker)
     while True:
         if not sock.poll(POLL_MS):
             if os.getppid() != cfg.parent_pid:
@@ -244,11 +272,12 @@ def _serve(cfg: WorkerConfig, feeds: list[OpenFeed], sock: zmq.Socket[bytes]) ->
         if not 0 <= msg.feed < len(feeds):
             log.error("task %d names feed %d of %d; ignored", msg.task, msg.feed, len(feeds))
             continue
-        _injected_hang(cfg, feeds[msg.feed], msg)
         if cfg.write_nothing:
             sock.send(encode(indices_only(cfg.worker, feeds[msg.feed], msg)))
             continue
-        sock.send(encode(fill_slot(cfg.worker, feeds[msg.feed], msg)))
+        if board is not None:
+            board.start(cfg.worker, msg.task)
+        sock.send(encode(fill_slot(cfg.worker, feeds[msg.feed], msg, progress)))
 
 
 def indices_only(worker: int, feed: OpenFeed, task: Task) -> TaskDone:
@@ -260,18 +289,16 @@ def indices_only(worker: int, feed: OpenFeed, task: Task) -> TaskDone:
     return TaskDone(task.task, worker, len(indices), ())
 
 
-def _injected_hang(cfg: WorkerConfig, feed: OpenFeed, task: Task) -> None:
-    """``hang-on:TEXT`` (FAULT_ENV): stall on a task holding a path that contains TEXT, until the
-    service kills this worker (``--task-timeout``) or is gone itself."""
+def _injected_hang(feed: OpenFeed, idx: int) -> None:
+    """``hang-on:TEXT`` (FAULT_ENV): stall on reaching a sample whose path contains TEXT, as on a
+    read that never returns, until the service kills this worker (``--task-timeout``) or is gone."""
     fault = os.environ.get(FAULT_ENV, "")
-    if not fault.startswith(HANG_ON) or not _names(feed, task, fault[len(HANG_ON) :]):
+    if not fault.startswith(HANG_ON) or not 0 <= idx < len(feed.index):
         return
-    log.warning("task %d: stalling, fault injected by %s=%s", task.task, FAULT_ENV, fault)
-    while os.getppid() == cfg.parent_pid:
+    if fault[len(HANG_ON) :] not in str(feed.index.path(idx)):
+        return
+    log.warning("sample %d: stalling, fault injected by %s=%s", idx, FAULT_ENV, fault)
+    parent = os.getppid()
+    while os.getppid() == parent:
         time.sleep(POLL_MS / 1000)  # a stall, not a wait for anything: only a kill ends it
     sys.exit(0)
-
-
-def _names(feed: OpenFeed, task: Task, text: str) -> bool:
-    indices = np.frombuffer(task.indices, dtype="<i8").tolist()
-    return any(text in str(feed.index.path(i)) for i in indices if 0 <= i < len(feed.index))

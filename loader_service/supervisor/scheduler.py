@@ -15,8 +15,10 @@ from collections.abc import Callable
 from dataclasses import dataclass, replace
 
 import numpy as np
+import numpy.typing as npt
 
 from loader_service.config import ServiceConfig
+from loader_service.decode.progress import ProgressBoard
 from loader_service.decode.worker import slot_views
 from loader_service.supervisor.attachments import Attachments
 from loader_service.supervisor.feeds import Feed
@@ -24,11 +26,15 @@ from loader_service.supervisor.parts import SplitBatch, compact, plan_parts
 from loader_service.supervisor.producers import Producer
 from loader_service.supervisor.streams import Stream
 from loader_service.supervisor.warm import WarmCache
-from loader_service.supervisor.worker_pool import WorkerSet
+from loader_service.supervisor.worker_pool import WorkerHandle, WorkerSet
 from protocol.messages import Message, ProtocolError, Task, TaskDone, WorkerReady, decode
 
 log = logging.getLogger(__name__)
 MAX_TASK_ATTEMPTS = 3
+"""Tries of a task whose worker died before finishing any sample of it (NOTE [ Per-sample progress ])."""
+CRASHES_PER_SAMPLE = 2
+"""Deaths of a worker on one sample after which that sample is bad: the first may be the machine's."""
+MAX_SUSPECTS = 10_000
 WORKER_MESSAGES = (WorkerReady, TaskDone)
 
 
@@ -62,6 +68,7 @@ class Scheduler:
         warm: dict[int, WarmCache],
         send_worker: Callable[[bytes, Message], None],
         deliver: Callable[[Stream], None],
+        progress: ProgressBoard | None = None,
     ) -> None:
         self._config = config
         self._workers = workers
@@ -74,6 +81,9 @@ class Scheduler:
         self._parts: deque[TaskRecord] = deque()
         """Parts of split batches no worker has taken yet (NOTE [ Split batches ])."""
         self._next_task = 0
+        self._progress = progress
+        self._suspects: dict[tuple[int, int], int] = {}
+        """(feed, sample) -> deaths of a worker while decoding it (NOTE [ Per-sample progress ])."""
         self.fatal: str | None = None
         """Why the service must stop: ``--strict`` met a bad file, or workers cannot start."""
 
@@ -116,10 +126,7 @@ class Scheduler:
     def _complete(self, record: TaskRecord, count: int, bad: tuple[tuple[int, str], ...]) -> None:
         feed = record.feed
         for idx, reason in bad:
-            feed.note_bad(idx, reason)
-            if self._config.strict and self.fatal is None:
-                where = feed.index.relpath(idx) if 0 <= idx < len(feed.index) else f"sample {idx}"
-                self.fatal = f"--strict: feed {feed.name!r}: {where}: {reason}"
+            self._report_bad(feed, idx, reason)
         feed.counters.decoded.add(count)
         if record.producer.lane == "warm":
             feed.counters.warm_decoded += count
@@ -132,19 +139,45 @@ class Scheduler:
         if receiver is not None:
             self._deliver(receiver)
 
+    def _report_bad(self, feed: Feed, idx: int, reason: str) -> None:
+        feed.note_bad(idx, reason)
+        if self._config.strict and self.fatal is None:
+            where = feed.index.relpath(idx) if 0 <= idx < len(feed.index) else f"sample {idx}"
+            self.fatal = f"--strict: feed {feed.name!r}: {where}: {reason}"
+
     # --- worker deaths --------------------------------------------------------------------------
 
     def reap(self) -> None:
         """Replace dead or lost workers and redo their tasks (NOTE [ Worker restarts ])."""
         now = time.monotonic()
+        self._note_progress(now)
         for lost in self._workers.check_stuck(now, self._config.task_timeout):
-            self._redo_task(lost.task)
+            self._redo_task(lost.task, self._died_on(lost), hung=True)
         for dead in self._workers.reap(now):
-            self._redo_task(dead.task)
+            self._redo_task(dead.task, self._died_on(dead), hung=dead.killed_at is not None)
         if self._workers.given_up and self.fatal is None:
             self.fatal = "decode workers keep failing at start-up; see their errors above"
 
-    def _redo_task(self, task: int | None) -> None:
+    def _note_progress(self, now: float) -> None:
+        """A worker that finished a sample since the last look has its task timeout started again."""
+        if self._progress is None:
+            return
+        for h in self._workers:
+            if h.task is None:
+                continue
+            task, done = self._progress.read(h.worker)
+            if task == h.task and done != h.samples_done:
+                h.samples_done, h.task_since = done, now
+
+    def _died_on(self, handle: WorkerHandle) -> int | None:
+        """How many samples of its task the worker had finished, if it said (NOTE [ Per-sample
+        progress ]); the next one is the sample it died on."""
+        if self._progress is None or handle.task is None:
+            return None
+        task, done = self._progress.read(handle.worker)
+        return done if task == handle.task else None
+
+    def _redo_task(self, task: int | None, done: int | None, hung: bool) -> None:
         record = self._tasks.pop(task, None) if task is not None else None
         if record is None:
             return
@@ -152,11 +185,37 @@ class Scheduler:
         # task id makes a late ``done`` from the dead worker unrecognisable, so the slot can never
         # be announced while the redo is still writing it.
         self._next_task += 1
-        redo = replace(record, task=self._next_task, attempts=record.attempts + 1)
-        if redo.attempts < MAX_TASK_ATTEMPTS:
-            self._redo.append(redo)
-        else:
-            self._give_up(redo)
+        indices = np.frombuffer(record.indices, dtype="<i8")
+        if done is not None and done < len(indices):
+            redo = self._without_culprit(record, indices, done, hung)
+        else:  # it died before saying where: the whole task again, a few times at most
+            redo = replace(record, attempts=record.attempts + 1)
+            if redo.attempts >= MAX_TASK_ATTEMPTS:
+                self._give_up(redo)
+                return
+        self._redo.append(replace(redo, task=self._next_task))
+
+    def _without_culprit(
+        self, record: TaskRecord, indices: npt.NDArray[np.int64], done: int, hung: bool
+    ) -> TaskRecord:
+        """NOTE [ Per-sample progress ]: the task again, without the sample its worker died on once
+        that sample is proven bad (a hang, or a second crash)."""
+        culprit = int(indices[done])
+        key = (record.feed.id, culprit)
+        deaths = self._suspects[key] = self._suspects.get(key, 0) + 1
+        if not hung and deaths < CRASHES_PER_SAMPLE:
+            return record
+        del self._suspects[key]
+        if len(self._suspects) > MAX_SUSPECTS:
+            self._suspects.clear()
+        why = (
+            f"its decode worker finished nothing for over {self._config.task_timeout:.0f} s (--task-timeout)"
+            if hung
+            else f"its decode worker died {deaths} times on it"
+        )
+        self._report_bad(record.feed, culprit, why)
+        rest = np.delete(indices, done).astype("<i8", copy=False)
+        return replace(record, indices=rest.tobytes())
 
     def _give_up(self, record: TaskRecord) -> None:
         """A batch (or part) that killed its decoder every time: report its files bad and deliver it
@@ -173,7 +232,7 @@ class Scheduler:
             if record is None:
                 return
             assert handle.routing_id is not None
-            handle.task, handle.task_since = record.task, time.monotonic()
+            handle.task, handle.task_since, handle.samples_done = record.task, time.monotonic(), 0
             self._tasks[record.task] = record
             task = Task(record.task, record.feed.id, record.slot, record.epoch, record.indices, record.row)
             self._send_worker(handle.routing_id, task)

@@ -43,6 +43,7 @@ import zmq
 from loader_service.config import ServiceConfig
 from loader_service.config.checks import is_loopback_tcp
 from loader_service.decode.pipeline import THREAD_ENV
+from loader_service.decode.progress import ProgressBoard
 from loader_service.decode.transforms import describe_decoder
 from loader_service.decode.worker import BENCH_WRITE_NOTHING_ENV, FAULT_ENV, WorkerConfig
 from loader_service.shm import LOCK_NAME, SHM_DIR, hold_lock, remove_stale, restrict
@@ -95,6 +96,7 @@ class LoaderService:
         self._outbox = Outbox(self._send, self._send_frames, self._attached, config.heartbeat_interval)
         self._desk = TrainerDesk(config, self.feeds, self._warm, self._attached, self._outbox, self.status)
         self._scheduler: Scheduler | None = None
+        self._progress: ProgressBoard | None = None
 
     # --- lifecycle ------------------------------------------------------------------------------
 
@@ -146,12 +148,20 @@ class LoaderService:
         self._backend = self._ctx.socket(zmq.ROUTER)
         self._backend.setsockopt(zmq.LINGER, 0)
         self._backend.bind(backend_endpoint)
+        # NOTE [ Per-sample progress ]: made before any worker maps it, removed with the folder.
+        self._progress = ProgressBoard(self._runtime_dir / "progress", cfg.workers, create=True)
         self._workers = WorkerSet(self._worker_template(backend_endpoint), cfg.workers)
         log.info("decoder: %s", describe_decoder(cfg.decoder))
         self._outbox.sends.limit = sum(feed.segment.size for feed in self.feeds)  # NOTE [ Remote sends ]
         self._warm.update({feed.id: WarmCache(feed) for feed in self.feeds})
         self._scheduler = Scheduler(
-            cfg, self._workers, self._attached, self._warm, self._send_worker, self._outbox.deliver
+            cfg,
+            self._workers,
+            self._attached,
+            self._warm,
+            self._send_worker,
+            self._outbox.deliver,
+            self._progress,
         )
         self._start_metrics()
         for feed in self.feeds:
@@ -227,6 +237,8 @@ class LoaderService:
             log_level=self.config.log_level,
             roi=self.config.roi,
             write_nothing=_write_nothing(),
+            progress=str(self._runtime_dir / "progress") if self._runtime_dir else "",
+            workers=self.config.workers,
         )
 
     def shutdown(self) -> None:
@@ -246,6 +258,9 @@ class LoaderService:
         for feed in self.feeds:
             feed.close()
         self.feeds.clear()
+        if self._progress is not None:
+            self._progress.close()
+            self._progress = None
         if self._runtime_dir is not None:
             shutil.rmtree(self._runtime_dir, ignore_errors=True)
             self._runtime_dir = None

@@ -34,6 +34,8 @@ class WorkerHandle:
     task: int | None = None
     """The task id this worker is decoding, if any."""
     task_since: float = 0.0
+    """When its task began, or when it last finished a sample of it (NOTE [ Per-sample progress ])."""
+    samples_done: int = 0
     decoded: RateMeter = field(default_factory=RateMeter)
     killed_at: float | None = None
     """When it was killed for overrunning its task; it is killed (and logged) only once."""
@@ -52,10 +54,11 @@ class WorkerSet:
     a fatal error instead of restarting forever.
 
     NOTE [ Stuck workers ]
-    A worker whose task runs past the task timeout (a read that never returns, a decoder that loops)
-    is sent SIGKILL once and logged once. Normally it exits at once and ``reap`` replaces it like any
-    dead worker. A process in uninterruptible sleep (a hung network filesystem) cannot die until
-    the kernel call returns; if it has not exited ``LOST_AFTER`` seconds after the kill, it is
+    A worker that finishes no sample of its task within the task timeout (a read that never
+    returns, a decoder that loops; NOTE [ Per-sample progress ]) is sent SIGKILL once and logged
+    once. Normally it exits at once and ``reap`` replaces it like any dead worker. A process in
+    uninterruptible sleep (a hung network filesystem) cannot die until the kernel call returns; if
+    it has not exited ``LOST_AFTER`` seconds after the kill, it is
     given up for lost, once: a replacement starts, its task is redone, and the old pid is watched
     (never again signalled or logged) until it finally exits. Redoing its batch into the same slot
     is safe because a SIGKILLed process never runs user code again, and workers read files into
@@ -92,12 +95,12 @@ class WorkerSet:
         return [h for h in self._handles.values() if h.idle]
 
     def check_stuck(self, now: float, limit: float, lost_after: float = LOST_AFTER) -> list[WorkerHandle]:
-        """Kill workers whose task has run past ``limit``; return those given up for lost, whose
+        """Kill workers that finished no sample for ``limit``; return those given up for lost, whose
         tasks must be redone now (NOTE [ Stuck workers ])."""
         for h in self._handles.values():
             if h.task is not None and h.killed_at is None and now - h.task_since > limit:
                 log.error(
-                    "decode worker %d (pid %s) spent over %.0f s on task %s; killing it",
+                    "decode worker %d (pid %s) spent over %.0f s on one sample of task %s; killing it",
                     h.worker,
                     h.process.pid,
                     limit,

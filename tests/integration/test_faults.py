@@ -151,9 +151,12 @@ def test_ipc_socket_is_private_without_a_group(photos: Path, start_service: Serv
     assert stat.S_IMODE(os.stat(service.endpoint[len("ipc://") :]).st_mode) == 0o600
 
 
-def test_a_worker_stuck_on_a_file_is_killed_and_the_batch_given_up_after_three_tries(
+def test_a_worker_stuck_on_a_file_costs_that_file_only(
     photos: Path, start_service: ServiceFactory, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
+    """NOTE [ Per-sample progress ]: the worker is killed once, after one task timeout without a
+    finished sample; the file it was on is bad and the rest of its batch is delivered (it used to be
+    killed three times and the whole batch given up)."""
     data = tmp_path / "stuck"
     (data / "a").mkdir(parents=True)
     for p in sorted(photos.glob("class_000/*.jpg"))[:7]:
@@ -167,13 +170,40 @@ def test_a_worker_stuck_on_a_file_is_killed_and_the_batch_given_up_after_three_t
     service = start_service(data, batch_size=4, task_timeout=1.5)
     with ServiceLoader(service.endpoint, timeout=60) as loader:
         seen = [i for batch in loader for i in batch.indices.tolist()]
-    assert stuck not in seen
-    assert len(seen) >= len(index) - 4, "only the batch holding the stuck file is lost"
-    assert len(set(seen)) == len(seen)
-    service.wait_for(r"spent over 2 s on task", count=3)
-    service.wait_for(r"a/stuck.jpg: decode worker died 3 times on the batch holding this file")
-    # three for the trainer's batch, and maybe more for the warm-start cache decoding the same batch
-    assert status(service.endpoint)["worker_restarts"] >= 3
+    assert sorted(seen) == sorted(set(range(len(index))) - {stuck}), "every other file, once"
+    service.wait_for(r"spent over 2 s on one sample")
+    service.wait_for(r"a/stuck.jpg: its decode worker finished nothing for over 2 s")
+    assert "died 3 times" not in service.log
+
+
+def test_a_file_that_crashes_its_worker_twice_costs_that_file_only(
+    photos: Path, start_service: ServiceFactory, tmp_path: Path
+) -> None:
+    """A pipeline call that kills its process (as a crash inside a C library would) on one sample:
+    the first death may be the machine's, the second proves the sample bad; its batch is
+    delivered without it."""
+    crash_on = 13
+    pipeline = tmp_path / "crash.py"
+    pipeline.write_text(CRASHING_PIPELINE.replace("CRASH_ON", str(crash_on)))
+    service = start_service(photos, pipeline=f"{pipeline}:make", batch_size=4, workers=1)
+    with ServiceLoader(service.endpoint, timeout=60) as loader:
+        seen = [i for batch in loader for i in batch["x"].tolist()]
+    n = len(build_index(photos))
+    assert sorted(seen) == sorted(set(range(n)) - {crash_on}), "every other sample, once"
+    service.wait_for(r"its decode worker died 2 times on it")
+
+
+CRASHING_PIPELINE = """
+import os, signal
+
+import numpy as np
+
+
+def make(sample, rng):
+    if sample["index"] == CRASH_ON:
+        os.kill(os.getpid(), signal.SIGKILL)
+    return {"x": np.int64(sample["index"])}
+"""
 
 
 FREEZE_AFTER = """

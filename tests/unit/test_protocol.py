@@ -276,8 +276,8 @@ def test_kinds_of_the_wrong_type_are_refused_not_crashed_on(kind: object) -> Non
 # --- the declarations: golden frames, and properties derived from every message's field rules -----
 
 # Frames of protocol version 4 (version 3 plus acknowledged delivery: per-session lease numbers,
-# ``ack``, a heartbeat's ``sent`` and ``run``, a resuming hello's ``have``): any change here is a
-# wire change, which needs a new PROTOCOL_VERSION.
+# ``ack``, a heartbeat's ``sent`` and ``run``, a resuming hello's ``have``; and a hello's
+# ``group_secret``): any change here is a wire change, which needs a new PROTOCOL_VERSION.
 GOLDEN: list[tuple[Message, str]] = [
     (
         BatchReady(1, 2, 3, 4, 5, 64),
@@ -300,10 +300,10 @@ GOLDEN: list[tuple[Message, str]] = [
     (Bye(), "83a17604a16ba3627965a5746f6b656ea0"),
     (
         Hello("host:1", 1, "train", 6, held=(7,)),
-        "de0011a17604a16ba568656c6c6fa6636c69656e74a6686f73743a31a370696401a466656564a5747261696ea763726564"
+        "de0012a17604a16ba568656c6c6fa6636c69656e74a6686f73743a31a370696401a466656564a5747261696ea763726564"
         "69747306a46d6f6465a57368617264a472616e6b00aa776f726c645f73697a6501a972656d61696e646572a3706164a567"
         "726f7570a0aa67726f75705f73697a6501aa62617463685f73697a6500aa696d6167655f73697a6500a6726573756d65a0"
-        "a468656c649107a46861766500",
+        "a468656c649107a46861766500ac67726f75705f736563726574a0",
     ),
     (Heartbeat(sent=9, run=2), "85a17604a16ba9686561727462656174a5746f6b656ea0a473656e7409a372756e02"),
     (Ack(5, (7,), (4,)), "86a17604a16ba361636ba46861766505a76d697373696e679107a468656c649104a5746f6b656ea0"),

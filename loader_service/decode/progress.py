@@ -1,0 +1,63 @@
+"""How far each decode worker is in its task, sample by sample, on a small shared page.
+
+NOTE [ Per-sample progress ]
+    A worker that dies or hangs sends no report, and a batch used to be redone whole, then given up
+    whole after three deaths: one file that crashed OpenCV or a pipeline call that never returned
+    cost every sample of its batch, and took three task timeouts to do so. So each worker writes,
+    after every sample, the task it works on and how many of its samples it has finished, into its
+    own two words of a page the service made (one 8-byte store each, which the reader can never
+    see half-done). When the worker dies or is killed, the service reads where it was: the sample
+    at that position is the one it died on. A hang (no sample finished within the task timeout,
+    which is therefore a time per sample) costs that sample at once; a crash costs it at its second
+    crash (the first may have been the machine's, an OOM kill). Either way the task is redone
+    without it, so the rest of its batch is delivered. A worker that died before writing anything
+    for its task is retried whole, up to ``MAX_TASK_ATTEMPTS`` (scheduler.py).
+"""
+
+from __future__ import annotations
+
+import mmap
+import os
+from pathlib import Path
+
+import numpy as np
+import numpy.typing as npt
+
+WORDS = 2
+"""Per worker: the task id, and the samples of it finished."""
+
+
+class ProgressBoard:
+    """``workers`` pairs of int64 in a file the service creates and every worker maps."""
+
+    def __init__(self, path: Path, workers: int, create: bool = False) -> None:
+        size = max(1, workers) * WORDS * 8
+        flags = os.O_RDWR | (os.O_CREAT | os.O_TRUNC if create else 0)
+        fd = os.open(path, flags, 0o600)
+        try:
+            if create:
+                os.ftruncate(fd, size)
+            self._map = mmap.mmap(fd, size, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
+        finally:
+            os.close(fd)
+        self._words: npt.NDArray[np.int64] = np.ndarray((max(1, workers), WORDS), np.int64, self._map)
+        if create:
+            self._words[:, 0] = -1
+
+    def start(self, worker: int, task: int) -> None:
+        self._words[worker, 1] = 0
+        self._words[worker, 0] = task
+
+    def finished(self, worker: int, done: int) -> None:
+        """``done`` samples of the current task are finished (written or found bad)."""
+        self._words[worker, 1] = done
+
+    def read(self, worker: int) -> tuple[int, int]:
+        """(task, samples finished) as the worker last wrote them; task -1 before its first."""
+        if not 0 <= worker < len(self._words):
+            return -1, 0
+        return int(self._words[worker, 0]), int(self._words[worker, 1])
+
+    def close(self) -> None:
+        del self._words
+        self._map.close()
