@@ -13,7 +13,7 @@ from pathlib import Path
 
 from loader_service.decode.transforms import INTERPOLATIONS, decoder_problem, uses_roi
 
-SCENARIOS = ("a", "b", "c", "d", "e", "f", "g", "h", "i", "j", "k")
+SCENARIOS = ("a", "b", "c", "d", "e", "f", "g", "h", "i", "j", "k", "l")
 SCENARIO_TITLES = {
     "a": "steady-state throughput of one trainer",
     "b": "four trainers on the same data",
@@ -26,6 +26,7 @@ SCENARIO_TITLES = {
     "i": "tar shards against the same images as files",
     "j": "a remote trainer over TCP with CURVE, and the transport alone",
     "k": "an eval feed (centre crop) against a DataLoader running the same eval transform",
+    "l": "a remote trainer 50 ms away (each way, through a TCP proxy) against the same one with none",
 }
 CLASSES = 8
 """Class folders of the generated dataset; ``--images`` is spread over them."""

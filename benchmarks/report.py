@@ -17,6 +17,7 @@ from benchmarks.results import (
     J_SERIES,
     LOCAL_SHM,
     REMOTE_CURVE,
+    REMOTE_FAR,
     SERIES,
     SERVICE,
     SERVICE_TREE,
@@ -71,6 +72,7 @@ ROW_LABELS = {
     "j-cpu-tcp": "(j) CPU-s per GB over plain TCP",
     "k": "(k) eval feed, one trainer{variant}, images/s",
     "k-cpu": "(k) eval feed, CPU-s per 1000 images{variant}",
+    "l-rate": "(l) remote trainer 50 ms away each way, TCP+CURVE, images/s",
 }
 """Row labels by measurement key, else by scenario (``a-bilinear`` is an (a) row); ``{variant}``
 becomes ", FILTER" for a measurement that names its resize filter."""
@@ -189,7 +191,19 @@ def _cpu_per_gb_row(m: Measurement) -> Row:
     return Row(ROW_LABELS[m.key], {SERVICE: format_value(ours, m.unit)}, note)
 
 
+def _far_row(m: Measurement) -> Row:
+    """(l): the trainer through the delaying proxy; the same trainer without it, and the ratio."""
+    near = format_value(m.median(REMOTE_CURVE), m.unit)
+    credits = m.notes.get("credits", 0.0)
+    note = (
+        f"no proxy {near}; 50 ms / none {_times(m.ratio(REMOTE_FAR, REMOTE_CURVE), 3)}; credits {credits:.0f}"
+    )
+    return Row(ROW_LABELS[m.key], {SERVICE: format_value(m.median(REMOTE_FAR), m.unit)}, note)
+
+
 def _remote_rows(m: Measurement) -> list[Row]:
+    if m.key == "l-rate":
+        return [_far_row(m)]
     if m.key == "j-transport":
         return _transport_rows(m)
     if m.unit == "CPU-s/GB":
@@ -224,7 +238,7 @@ def row_for(m: Measurement) -> list[Row]:
     too); one row for every scenario but (j)'s transport, which has one per transport."""
     if m.scenario == "g":
         return [_memory_row(m)]
-    if m.scenario == "j":
+    if m.scenario in ("j", "l"):
         return _remote_rows(m)
     if m.scenario in ("h", "i"):
         return [_compared_row(m)]

@@ -61,6 +61,7 @@ from benchmarks.datasets import (
     shards_folder,
 )
 from benchmarks.machine import machine_facts
+from benchmarks.netfaults import FaultProxy
 from benchmarks.pipelines import H_PIPELINE, measure_identical, pipeline_spec, torchvision_problem
 from benchmarks.proctree import service_segments
 from benchmarks.progress import LazyProgress, say
@@ -78,9 +79,11 @@ from benchmarks.results import (
     DL_PIL,
     DL_PIPELINE,
     DL_USER,
+    FAR_LATENCY,
     FILES,
     LOCAL_SHM,
     REMOTE_CURVE,
+    REMOTE_FAR,
     SERVICE,
     SHM,
     TAR_SHARDS,
@@ -96,6 +99,7 @@ from benchmarks.scenarios import (
     fill_seconds,
     first_batch_dataloader,
     first_batch_service,
+    interleaved_rounds,
     measure_memory,
     measure_overlap,
     measure_rates,
@@ -233,12 +237,13 @@ class BenchRun:
         transport: str = "auto",
         curve: CurveFiles | None = None,
         feed: str = "",
+        endpoint: str = "",
     ) -> ServiceLoader:
         """A ServiceLoader on ``service`` (its ``feed``: default the first), closed with ``stack``;
-        ``curve``: the keys to present."""
+        ``curve``: the keys to present; ``endpoint``: where to reach it, if not its own (a proxy)."""
         server_key, client_key = curve.client() if curve else (None, None)
         loader = ServiceLoader(
-            service.spec.endpoint,
+            endpoint or service.spec.endpoint,
             device="cpu",
             feed=feed,
             timeout=self.cfg.timeout,
@@ -258,9 +263,11 @@ class BenchRun:
         transport: str = "auto",
         curve: CurveFiles | None = None,
         feed: str = "",
+        endpoint: str = "",
     ) -> Contender:
         """A ServiceLoader read as (a) reads it, with (a)'s credits."""
-        stream = loader_stream(self.loader(stack, service, SERVICE_CREDITS, transport, curve, feed))
+        loader = self.loader(stack, service, SERVICE_CREDITS, transport, curve, feed, endpoint)
+        stream = loader_stream(loader)
         contender = Contender(key, stream, SERVICE_CREDITS, self.cfg.warmup_batches)
         stack.callback(contender.close)  # runs first: the stream ends before its loader closes
         return contender
@@ -490,16 +497,43 @@ class BenchRun:
         self.measurements += measured
         self.timelines.update({f"j:{k}": t for k, t in timelines.items()})
 
+    def far_rate(self, service: ServiceProcess, curve: CurveFiles) -> None:
+        """(l): the remote trainer through a proxy that delays every byte 50 ms each way, against the
+        same trainer without it, timed in turn; both with the README's default credits."""
+        cfg = self.cfg
+        say(f"(l) {SCENARIO_TITLES['l']}")
+        with contextlib.ExitStack() as stack:
+            host, port = service.spec.endpoint[len("tcp://") :].rsplit(":", 1)
+            proxy = FaultProxy((host, int(port))).start()
+            stack.callback(proxy.close)
+            proxy.faults.latency = FAR_LATENCY
+            far = self.service_contender(stack, service, REMOTE_FAR, "tcp", curve, endpoint=proxy.endpoint)
+            near = self.service_contender(stack, service, REMOTE_CURVE, transport="tcp", curve=curve)
+            got = interleaved_rounds(
+                [far, near], cfg.rounds, cfg.timed_batches, "(l) far and near trainer rounds"
+            )
+        title = "remote trainer (TCP+CURVE) through a 50 ms proxy and without it, on one service"
+        notes = {"credits": float(SERVICE_CREDITS), "latency_ms": FAR_LATENCY * 1000}
+        self.measurements.append(
+            Measurement("l", "l-rate", title, "images/s", got.rates, paired=True, notes=notes)
+        )
+        self.timelines.update({f"l:{k}": t for k, t in got.timelines.items()})
+
     def remote(self) -> None:
-        """(j), step 7 of NOTE [ Scenario order ]; the services' pools hold one transfer's batches."""
+        """(j) and (l), step 7 of NOTE [ Scenario order ]; the services' pools hold one transfer's
+        batches."""
         cfg = self.cfg
         count = min(cfg.transport_batches, self.batches_per_epoch(cfg.batch_size))
         slots = ("--slots", str(count + TRANSPORT_SPARE_SLOTS))
         curve = make_curve_files(self.run_dir / "keys")
-        say(f"(j) {SCENARIO_TITLES['j']}")
         with contextlib.ExitStack() as stack:
             curve_args = (*slots, *curve.service_args())
             secure = self.start_service(stack, "curve", cfg.batch_size, loopback_endpoint(), curve_args)
+            if cfg.wants("l"):
+                self.far_rate(secure, curve)
+            if not cfg.wants("j"):
+                return
+            say(f"(j) {SCENARIO_TITLES['j']}")
             self.remote_rate(secure, curve)
             plain = self.start_service(stack, "tcp", cfg.batch_size, loopback_endpoint(), slots)
             local = self.start_service(stack, "shm", cfg.batch_size, extra_args=slots)
@@ -609,7 +643,7 @@ class BenchRun:
             self.with_pipeline()
         if self.cfg.wants("i"):
             self.with_shards()
-        if self.cfg.wants("j"):
+        if self.cfg.wants("j", "l"):
             self.remote()
 
 
