@@ -48,6 +48,8 @@ class Faults:
     hold_from_server: bool = False
     """Read what the server sends but pass none of it on (the client's messages still go through):
     announcements pile up in flight, for a reset to lose."""
+    hold_from_client: bool = False
+    """The same the other way: a trainer's releases pile up in flight."""
 
 
 @dataclass
@@ -57,6 +59,7 @@ class _Direction:
     from_server: bool
     queue: deque[tuple[float, memoryview]] = field(default_factory=deque)
     buffered: int = 0
+    read_while_held: int = 0
     tokens: float = 0.0
     refilled: float = field(default_factory=time.monotonic)
     eof: bool = False
@@ -146,6 +149,11 @@ class FaultProxy:
             self._stalled_until = max(self._stalled_until, time.monotonic() + seconds)
             self.counters.stalls += 1
 
+    def held_from_clients(self) -> list[int]:
+        """Bytes each open connection's client sent while ``hold_from_client`` was on (and so still
+        holds), in order of connection."""
+        return [link.ways[0].read_while_held for link in list(self._links)]
+
     @property
     def stalled(self) -> bool:
         return time.monotonic() < self._stalled_until
@@ -216,8 +224,7 @@ class FaultProxy:
         for d in self._directions():
             if rate:
                 d.refill(rate, now)
-            held = d.from_server and self.faults.hold_from_server
-            if d.queue and d.queue[0][0] <= now and (not rate or d.tokens >= 1) and not held:
+            if d.queue and d.queue[0][0] <= now and (not rate or d.tokens >= 1) and not self._held(d):
                 out.append(d.dst)
         return out
 
@@ -242,8 +249,15 @@ class FaultProxy:
             return
         d.queue.append((now + self.faults.latency, memoryview(data)))
         d.buffered += len(data)
+        if self._held(d):
+            d.read_while_held += len(data)
+
+    def _held(self, d: _Direction) -> bool:
+        return self.faults.hold_from_server if d.from_server else self.faults.hold_from_client
 
     def _write(self, d: _Direction, now: float) -> None:
+        if self._held(d):  # checked again: a hold may begin between the select and the write
+            return
         rate = self.faults.bandwidth
         while d.queue and d.queue[0][0] <= now:
             due, chunk = d.queue[0]

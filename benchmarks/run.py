@@ -535,7 +535,8 @@ class BenchRun:
                 return
             say(f"(j) {SCENARIO_TITLES['j']}")
             self.remote_rate(secure, curve)
-            plain = self.start_service(stack, "tcp", cfg.batch_size, loopback_endpoint(), slots)
+            plain_args = (*slots, "--insecure-tcp")  # loopback, yet every tcp:// needs CURVE or this
+            plain = self.start_service(stack, "tcp", cfg.batch_size, loopback_endpoint(), plain_args)
             local = self.start_service(stack, "shm", cfg.batch_size, extra_args=slots)
             timed: list[Timed] = [
                 Transport(TCP_CURVE, self.loader(stack, secure, count, "tcp", curve), secure, curve.client()),

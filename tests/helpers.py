@@ -12,7 +12,9 @@ import json
 import mmap
 import os
 import re
+import shutil
 import signal
+import socket
 import subprocess
 import sys
 import tarfile
@@ -329,3 +331,36 @@ class CountingDecoder:
     def decode(self, *args: Any) -> Any:
         self.calls += 1
         return self.module.decode(*args)
+
+
+PRIVATE_SHM = 'mount -t tmpfs -o size=16m tmpfs /dev/shm && exec "$0" "$@"'
+"""``sh -c`` prefix that gives the command its own empty /dev/shm: "another host" for shared memory."""
+
+
+def private_shm_available() -> bool:
+    """Can a process get its own /dev/shm here (``unshare --mount``: root or user namespaces)?"""
+    if shutil.which("unshare") is None:
+        return False
+    probe = subprocess.run(
+        ["unshare", "--mount", "--propagation", "private", "sh", "-c", PRIVATE_SHM, "true"],
+        check=False,
+        capture_output=True,
+        timeout=30,
+    )
+    return probe.returncode == 0
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port: int = sock.getsockname()[1]
+    return port
+
+
+def wait_until(condition: Callable[[], bool], what: str, timeout: float = 30) -> None:
+    """Poll the service's own account (status) until ``condition``: there is no event to wait on."""
+    deadline = time.monotonic() + timeout
+    while not condition():
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out waiting for: {what}")
+        time.sleep(0.05)

@@ -110,7 +110,7 @@ def security(endpoint: str, secret_key: str, authorized: str, insecure: bool) ->
     if secret_key:
         return _key_files(secret_key, authorized)
     if endpoint.startswith("tcp://") and not insecure:
-        reach = "only this host, but every user on it," if is_loopback_tcp(endpoint) else "other hosts"
+        reach = "every user of this host" if is_loopback_tcp(endpoint) else "other hosts"
         return (
             f"endpoint {endpoint} can be reached by {reach}: give --curve-secret-key and "
             f"--curve-authorized ({KEYS_HINT}), or --insecure-tcp to run it without authentication"

@@ -55,7 +55,7 @@ from loader_service.supervisor.feeds import Feed
 from loader_service.supervisor.metrics import ServiceMetrics
 from loader_service.supervisor.outbox import Outbox
 from loader_service.supervisor.scheduler import Scheduler
-from loader_service.supervisor.sends import send_copied
+from loader_service.supervisor.sends import CopiedSend, send_copied
 from loader_service.supervisor.trainers import TrainerDesk
 from loader_service.supervisor.warm import WarmCache
 from loader_service.supervisor.worker_pool import WorkerSet
@@ -342,13 +342,11 @@ class LoaderService:
             return False
         return True
 
-    def _send_frames(
-        self, routing_id: bytes, msg: Message, frames: list[memoryview]
-    ) -> zmq.MessageTracker | None:
+    def _send_frames(self, routing_id: bytes, msg: Message, frames: list[memoryview]) -> CopiedSend | None:
         """Send ``msg`` and copies of a slot's views to a remote trainer (NOTE [ Remote sends ]);
         None if nothing went out."""
         try:
-            return send_copied(self._frontend, routing_id, encode(msg), frames)
+            return send_copied(self._frontend, routing_id, encode(msg), frames, self._outbox.sends)
         except zmq.ZMQError as exc:
             log.debug("could not send %s to %r: %s", msg.KIND, routing_id, exc)
             return None

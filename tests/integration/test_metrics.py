@@ -2,23 +2,15 @@
 
 from __future__ import annotations
 
-import socket
 import urllib.request
 from pathlib import Path
 
 import pytest
 
 from gpu_worker import ServiceLoader
-from tests.helpers import ServiceFactory
+from tests.helpers import ServiceFactory, free_port
 
 pytestmark = pytest.mark.integration
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port: int = sock.getsockname()[1]
-    return port
 
 
 def sample(text: str, name: str) -> float:

@@ -10,12 +10,10 @@ from __future__ import annotations
 
 import hashlib
 import json
-import socket
 import subprocess
 import sys
 import threading
-import time
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -25,14 +23,22 @@ from benchmarks.netfaults import FaultProxy
 from gpu_worker import ServiceLoader
 from loader_service.dataset.index import build_index
 from loader_service.tools.keys import make_keys
-from tests.helpers import REPO, ServiceFactory, ServiceProcess, status
+from tests.helpers import (
+    PRIVATE_SHM,
+    REPO,
+    ServiceFactory,
+    ServiceProcess,
+    free_port,
+    private_shm_available,
+    status,
+    wait_until,
+)
 
 pytestmark = pytest.mark.integration
 
 BATCH = 8
 EPOCHS = 3
 HEARTBEAT = 0.25
-PRIVATE_SHM = 'mount -t tmpfs -o size=16m tmpfs /dev/shm && exec "$0" "$@"'
 REMOTE_TRAINER = """
 import hashlib, json, os, sys
 from gpu_worker import ServiceLoader
@@ -49,22 +55,6 @@ with ServiceLoader(endpoint, server_key=server_key, client_key=client_key, timeo
         out["epochs"].append(seen)
 print(json.dumps(out))
 """
-
-
-def wait_until(condition: Callable[[], bool], what: str, timeout: float = 30) -> None:
-    """Poll the service's own account (status) until ``condition``: there is no event to wait on."""
-    deadline = time.monotonic() + timeout
-    while not condition():
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out waiting for: {what}")
-        time.sleep(0.05)
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port: int = sock.getsockname()[1]
-    return port
 
 
 class Net:
@@ -119,16 +109,6 @@ def net(tmp_path: Path, start_service: ServiceFactory, photos: Path) -> Iterator
         yield network
     finally:
         network.proxy.close()
-
-
-def private_shm_available() -> bool:
-    probe = subprocess.run(
-        ["unshare", "--mount", "--propagation", "private", "sh", "-c", PRIVATE_SHM, "true"],
-        check=False,
-        capture_output=True,
-        timeout=30,
-    )
-    return probe.returncode == 0
 
 
 needs_private_shm = pytest.mark.skipif(
@@ -278,3 +258,48 @@ def test_a_slow_far_link_delivers_everything_in_order(net: Net, photos: Path) ->
     with net.loader(transport="tcp") as loader:
         got = epochs_of(loader, 2)
     assert_exactly_once(got, reference, len(build_index(photos)))
+
+
+def test_a_release_lost_with_its_connection_gives_its_credit_back(net: Net) -> None:
+    """Before acknowledgements the service counted the lease forever: one credit less for good."""
+    got1, go, got2 = threading.Event(), threading.Event(), threading.Event()
+    seen: list[int] = []
+
+    def trainer() -> None:
+        it = iter(loader)
+        first = next(it)
+        seen.extend(first.indices.tolist())
+        got1.set()
+        assert go.wait(30)
+        del first
+        second = next(it)  # sends the first batch's release on the way
+        seen.extend(second.indices.tolist())
+        del second
+        got2.set()
+        assert go.wait(30)
+        for batch in it:
+            seen.extend(batch.indices.tolist())
+
+    with net.loader(transport="tcp", credits=4) as loader:
+        thread = threading.Thread(target=trainer)
+        thread.start()
+        try:
+            assert got1.wait(30)
+            net.proxy.faults.hold_from_client = True
+            go.set()
+            assert got2.wait(30)
+            # The trainer's first connection carries its releases; nothing else goes on it until the
+            # next fetch, so what it sent since the hold began is the release.
+            wait_until(lambda: net.proxy.held_from_clients()[0] > 0, "the release is in flight")
+            net.proxy.reset()  # and lost
+            net.proxy.faults.hold_from_client = False
+        finally:
+            go.set()
+            thread.join(60)
+        assert sorted(seen) == list(range(90))
+        # Every credit is there again: the loop can hold all four it was granted. The lost release
+        # would have cost one for good, and the fourth fetch would time out.
+        it = iter(loader)
+        held = [next(it) for _ in range(4)]
+        assert len(held) == 4
+        assert net.status()["sessions"][0]["recovered_releases"] >= 1

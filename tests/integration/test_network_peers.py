@@ -8,8 +8,7 @@ from __future__ import annotations
 import socket
 import struct
 import threading
-import time
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
@@ -23,18 +22,9 @@ from loader_service.dataset.index import build_index
 from loader_service.supervisor.curve import CurveGuard, TrainerKeys
 from loader_service.tools.keys import KeyPair, make_keys
 from protocol.messages import Heartbeat, Hello, Start, Welcome, decode, encode
-from tests.helpers import ServiceFactory, epoch_indices, in_threads, status
+from tests.helpers import ServiceFactory, epoch_indices, in_threads, status, wait_until
 
 pytestmark = pytest.mark.integration
-
-
-def wait_until(condition: Callable[[], bool], what: str, timeout: float = 30) -> None:
-    """Poll the service's own account (status) until ``condition``: there is no event to wait on."""
-    deadline = time.monotonic() + timeout
-    while not condition():
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out waiting for: {what}")
-        time.sleep(0.05)
 
 
 class RawPeer:

@@ -9,7 +9,6 @@ from __future__ import annotations
 import hashlib
 import json
 import shutil
-import socket
 import subprocess
 import sys
 import threading
@@ -22,11 +21,19 @@ import pytest
 from gpu_worker import ServiceLoader, ServiceTimeout
 from loader_service.dataset.index import build_index
 from loader_service.tools.keys import KeyPair, make_keys
-from tests.helpers import REPO, ServiceFactory, consume_with_pause, in_threads, status
+from tests.helpers import (
+    PRIVATE_SHM,
+    REPO,
+    ServiceFactory,
+    consume_with_pause,
+    free_port,
+    in_threads,
+    private_shm_available,
+    status,
+)
 
 pytestmark = pytest.mark.integration
 
-PRIVATE_SHM = 'mount -t tmpfs -o size=16m tmpfs /dev/shm && exec "$0" "$@"'
 EPOCH_DIGESTS = """
 import hashlib, json, os, sys
 from gpu_worker import ServiceLoader
@@ -41,25 +48,6 @@ with ServiceLoader(endpoint, server_key=server_key, client_key=client_key, timeo
             )
 print(json.dumps(out))
 """
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port: int = sock.getsockname()[1]
-    return port
-
-
-def private_shm_available() -> bool:
-    if shutil.which("unshare") is None:
-        return False
-    probe = subprocess.run(
-        ["unshare", "--mount", "--propagation", "private", "sh", "-c", PRIVATE_SHM, "true"],
-        check=False,
-        capture_output=True,
-        timeout=30,
-    )
-    return probe.returncode == 0
 
 
 class Keys:

@@ -9,7 +9,7 @@ from collections.abc import Iterator
 import pytest
 import zmq
 
-from loader_service.supervisor.sends import send_copied
+from loader_service.supervisor.sends import SendBudget, send_copied
 
 pytestmark = pytest.mark.integration
 IMAGES = 64 * 2**20
@@ -45,15 +45,19 @@ def test_a_remote_batch_is_a_copy_so_the_slot_is_free_while_the_peer_has_not_rea
     try:
         view = memoryview(region)
         region[:4] = b"old!"
+        budget = SendBudget(limit=2 * IMAGES)
         sent = send_copied(
-            router, b"peer", b"batch", [view[:IMAGES], view[IMAGES : IMAGES + 8], view[IMAGES + 8 :]]
+            router, b"peer", b"batch", [view[:IMAGES], view[IMAGES : IMAGES + 8], view[IMAGES + 8 :]], budget
         )
+        budget.add("peer", sent, IMAGES)
         region[:4] = b"new!"  # the slot reused while ZeroMQ still sends
         assert not sent.done, "a peer that does not read holds the copy, not the slot"
         parts = dealer.recv_multipart()
         assert [len(p) for p in parts] == [5, IMAGES, 8, 8]
         assert parts[1][:4] == b"old!"
-        sent.wait(10)  # raises NotDone if the send never finishes after the peer read it
+        sent.tracker.wait(10)  # raises NotDone if the send never finishes after the peer read it
+        budget.settle()
+        assert budget.buffer(IMAGES) is sent.buffers[0], "its buffer is reused once ZeroMQ let it go"
         del view
     finally:
         region.close()

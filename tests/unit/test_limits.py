@@ -62,7 +62,7 @@ def test_a_network_endpoint_needs_curve_or_an_explicit_opt_out(tmp_path: Path) -
 
 
 def test_loopback_tcp_follows_the_same_rule_since_every_local_user_reaches_it(tmp_path: Path) -> None:
-    with pytest.raises(ConfigError, match="only this host, but every user on it"):
+    with pytest.raises(ConfigError, match="can be reached by every user of this host"):
         config(tmp_path, endpoint="tcp://127.0.0.1:5555")
     config(tmp_path, endpoint="tcp://127.0.0.1:5555", insecure_tcp=True)
 
