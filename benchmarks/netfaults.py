@@ -19,13 +19,17 @@ test can say "reset every two batches" without watching the trainer. Used by the
 
 from __future__ import annotations
 
+import contextlib
+import multiprocessing
 import select
 import socket
 import struct
 import threading
 import time
 from collections import deque
+from collections.abc import Iterator
 from dataclasses import dataclass, field
+from multiprocessing.connection import Connection
 
 CHUNK = 256 * 1024
 MAX_BUFFERED = 8 * 1024 * 1024
@@ -117,6 +121,10 @@ class FaultProxy:
         self._next_reset_at = self.faults.reset_every
         self._thread.start()
         return self
+
+    def wait(self) -> None:
+        """Block while the proxy runs (a process that exists only to run it)."""
+        self._thread.join()
 
     def close(self) -> None:
         self._stop.set()
@@ -324,3 +332,30 @@ def _abort(sock: socket.socket) -> None:
     except OSError:
         pass
     sock.close()
+
+
+def _serve_in_child(upstream: tuple[str, int], latency: float, port: Connection) -> None:
+    """A child process's proxy: reports its port, then forwards until the parent ends it."""
+    proxy = FaultProxy(upstream)
+    proxy.faults.latency = latency
+    proxy.start()
+    port.send(proxy.port)
+    port.close()
+    proxy._thread.join()
+
+
+@contextlib.contextmanager
+def proxy_process(upstream: tuple[str, int], latency: float) -> Iterator[str]:
+    """A delaying proxy in a process of its own (its endpoint while the ``with`` lasts), so that
+    what it costs to forward does not share a GIL with the trainer it serves (benchmark (l))."""
+    ctx = multiprocessing.get_context("spawn")
+    parent, child = ctx.Pipe()
+    process = ctx.Process(target=_serve_in_child, args=(upstream, latency, child), daemon=True)
+    process.start()
+    try:
+        if not parent.poll(30):
+            raise TimeoutError("the proxy process did not start")
+        yield f"tcp://127.0.0.1:{parent.recv()}"
+    finally:
+        process.terminate()
+        process.join(5)

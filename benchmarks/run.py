@@ -61,7 +61,7 @@ from benchmarks.datasets import (
     shards_folder,
 )
 from benchmarks.machine import machine_facts
-from benchmarks.netfaults import FaultProxy
+from benchmarks.netfaults import proxy_process
 from benchmarks.pipelines import H_PIPELINE, measure_identical, pipeline_spec, torchvision_problem
 from benchmarks.proctree import service_segments
 from benchmarks.progress import LazyProgress, say
@@ -504,10 +504,8 @@ class BenchRun:
         say(f"(l) {SCENARIO_TITLES['l']}")
         with contextlib.ExitStack() as stack:
             host, port = service.spec.endpoint[len("tcp://") :].rsplit(":", 1)
-            proxy = FaultProxy((host, int(port))).start()
-            stack.callback(proxy.close)
-            proxy.faults.latency = FAR_LATENCY
-            far = self.service_contender(stack, service, REMOTE_FAR, "tcp", curve, endpoint=proxy.endpoint)
+            proxy = stack.enter_context(proxy_process((host, int(port)), FAR_LATENCY))
+            far = self.service_contender(stack, service, REMOTE_FAR, "tcp", curve, endpoint=proxy)
             near = self.service_contender(stack, service, REMOTE_CURVE, transport="tcp", curve=curve)
             got = interleaved_rounds(
                 [far, near], cfg.rounds, cfg.timed_batches, "(l) far and near trainer rounds"
