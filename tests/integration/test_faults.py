@@ -42,16 +42,19 @@ def test_killed_worker_is_replaced_and_no_image_is_lost_or_repeated(
     n = len(build_index(photo_sources["imagefolder"]))
     service = start_service(photo_sources[source], batch_size=4, workers=2)
     killed: list[int] = []
+    hit = False
     seen: list[int] = []
     with ServiceLoader(service.endpoint, timeout=30) as loader:
         for batch in loader:
             seen += batch.indices.tolist()
-            if not killed and (pid := busy_worker(service.endpoint)) is not None:
+            if not hit and (pid := busy_worker(service.endpoint)) is not None:
                 os.kill(pid, signal.SIGKILL)
                 killed.append(pid)
-        assert killed, "never caught a worker in the middle of a task"
+                # It may have finished its task between the status and the kill: then try again.
+                died = service.wait_for(rf"decode worker \d \(pid {pid}\) died with exit code -9.*", 10)
+                hit = "holding task" in died[0]
+        assert hit, "never caught a worker in the middle of a task"
         assert sorted(seen) == list(range(n)), "every image exactly once despite the kill"
-        service.wait_for(rf"decode worker \d \(pid {killed[0]}\) died with exit code -9 holding task", 10)
         assert sorted(i for b in loader for i in b.indices.tolist()) == list(range(n)), "the next epoch too"
     # The replacement may still be booting: one worker can carry a small epoch on its own.
     deadline = time.monotonic() + 20
@@ -60,7 +63,7 @@ def test_killed_worker_is_replaced_and_no_image_is_lost_or_repeated(
         assert time.monotonic() < deadline, f"replacement worker never became ready: {body['worker_list']}"
         time.sleep(0.1)
         body = status(service.endpoint)
-    assert body["worker_restarts"] == 1
+    assert body["worker_restarts"] == len(killed)
 
 
 def test_workers_failing_at_start_up_are_not_restarted_forever(photos: Path, tmp_path: Path) -> None:
