@@ -66,10 +66,12 @@ class Arrivals(Generic[Payload]):
         return self._in_order()
 
     def other(self, msg: Message) -> list[tuple[Message, Payload | None]]:
-        """Take an ``end`` (or any non-batch message sent in sequence with the batches)."""
-        if not self._early:
+        """Take an ``end`` (or any non-batch message sent in sequence with the batches): it waits
+        for every announcement known to have been sent before it, even when none came after the gap."""
+        after = max(self.known_sent, max(self._early, default=0))
+        if after <= self.have:
             return [(msg, None)]
-        self._behind.append((max(self._early), msg))
+        self._behind.append((after, msg))
         return []
 
     def heartbeat(self, sent: int) -> None:

@@ -225,6 +225,8 @@ class Connection:
                 f"malformed message from the service: {msg.KIND} with {len(frames)} extra frames"
             )
         if isinstance(msg, Welcome):
+            if self.session:
+                return  # a repeated hello's second welcome: the session is settled (open() returned)
             if msg.token != self.token:  # a new session: nothing of the old one's order applies
                 self.arrivals.dropped_payloads()
                 self.payloads.clear()

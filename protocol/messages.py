@@ -26,7 +26,7 @@ copy. Either way the trainer releases the batch by its lease. A trainer's sessio
 
 Leases are numbered per session, 1, 2, 3, ... in the order they are announced, so a trainer knows
 exactly which announcements it has not received (NOTE [ Acknowledged delivery ] in
-``gpu_worker/connection.py``): ``ack`` says how far it has every one (``have``), which later ones it
+``gpu_worker/arrivals.py``): ``ack`` says how far it has every one (``have``), which later ones it
 found missing (the service announces those again, same lease, same bytes), and which of the first
 ``have`` its loop still holds (the service frees the others: their releases were lost).
 

@@ -10,8 +10,10 @@ NOTE [ Per-sample progress ]
     at that position is the one it died on. A hang (no sample finished within the task timeout,
     which is therefore a time per sample) costs that sample at once; a crash costs it at its second
     crash (the first may have been the machine's, an OOM kill). Either way the task is redone
-    without it, so the rest of its batch is delivered. A worker that died before writing anything
-    for its task is retried whole, up to ``MAX_TASK_ATTEMPTS`` (scheduler.py).
+    without it, so the rest of its batch is delivered. A worker marks its task started (position
+    0) before its first sample, so a death during that sample counts against it too; only one
+    that died before even that (between taking the task and starting it) leaves the service
+    nowhere to point, and its task is retried whole, up to ``MAX_TASK_ATTEMPTS`` (scheduler.py).
 """
 
 from __future__ import annotations

@@ -12,8 +12,8 @@ MESSAGES_PER_SECOND = 1000.0
 """Sustained rate per connection: a trainer sends a release per batch and a heartbeat per second."""
 BURST = 2000.0
 ALL_MESSAGES_PER_SECOND = 20_000.0
-"""Sustained rate over all connections together: the main loop's budget for trainer messages,
-whoever sends them (fifty connections used to get fifty times the per-connection rate)."""
+"""Sustained rate over all connections without a session together (fifty connections used to get
+fifty times the per-connection rate); those with one are bounded by ``--max-sessions`` instead."""
 ALL_BURST = 40_000.0
 FORGET_AFTER = 60.0
 """Seconds after which an idle connection's bucket is forgotten (it restarts full)."""
@@ -44,7 +44,10 @@ class RateGate:
         self._buckets: dict[bytes, _Bucket] = {}
         self.dropped = 0
 
-    def admit(self, peer: bytes, now: float) -> bool:
+    def admit(self, peer: bytes, now: float, established: bool = False) -> bool:
+        """Take one message from ``peer``. ``established``: the connection carries a session (or
+        its heartbeats), so only its own bucket applies: connections nobody has vouched for share
+        the budget over all connections, and cannot starve the trainers by flooding it."""
         bucket = self._buckets.get(peer)
         if bucket is None:
             if len(self._buckets) >= MAX_BUCKETS:
@@ -52,11 +55,12 @@ class RateGate:
             bucket = self._buckets[peer] = _Bucket(self._burst, now)
         _refill(bucket, now, self._rate, self._burst)
         _refill(self._all, now, self._all_rate, self._all_burst)
-        if bucket.tokens < 1.0 or self._all.tokens < 1.0:
+        if bucket.tokens < 1.0 or (not established and self._all.tokens < 1.0):
             self.dropped += 1
             return False
         bucket.tokens -= 1.0
-        self._all.tokens -= 1.0
+        if not established:
+            self._all.tokens -= 1.0
         return True
 
     def _forget_idle(self, now: float) -> None:

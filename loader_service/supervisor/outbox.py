@@ -95,7 +95,7 @@ class Outbox:
             leased = session.leases.get(lease)
             if leased is None or (not force and now - leased.resent_at < self._heartbeat_interval):
                 continue
-            if not leased.send.done:
+            if not force and not leased.send.done:
                 continue  # its copy is still on its way: never two copies of one batch queued
             sent = self._send_batch(stream, session, leased.announced)
             if sent is None:

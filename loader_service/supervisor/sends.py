@@ -12,8 +12,14 @@ NOTE [ Remote sends ]
     * in all: ``limit`` bytes (the size of every feed's pool); past it, announcements wait (NOTE
       [ Owed messages ]) until ZeroMQ lets copies go;
     * a session whose oldest copy has not gone out within the client timeout has stopped reading:
-      it is dropped and its slots return (trainers.py ``expire``). Its copies still count until
-      its connection closes: that is memory only an authorised peer can hold, within ``limit``.
+      it is dropped and its slots return (trainers.py ``expire``);
+    * the copies of a session that ended, or resumed on a new connection, are orphans: they no
+      longer count against that session or keep the others from ``limit``, and go when ZeroMQ lets
+      them go. libzmq closes a connection whose peer answers no ZMTP heartbeat for the client
+      timeout (service.py), which frees them for a dead or paused peer. A peer that keeps its
+      connection alive and still never reads keeps its orphans: memory that only an authorised
+      peer can hold, at most ``credits`` batches per session it opens (``status``:
+      ``remote_send_bytes``).
 """
 
 from __future__ import annotations
@@ -60,7 +66,11 @@ class SendBudget:
     """Bytes of copies ZeroMQ may hold for remote trainers at once."""
     _copies: dict[str, deque[_Copy]] = field(default_factory=dict)
     held: int = 0
-    """Bytes ZeroMQ holds now."""
+    """Bytes ZeroMQ holds now, for live sessions."""
+    _orphans: list[_Copy] = field(default_factory=list)
+    """Copies of sessions that ended or moved to another connection: still held by ZeroMQ (until
+    their connection closes), no longer anyone's to wait for."""
+    orphaned: int = 0
     _spare: list[bytearray] = field(default_factory=list)
     """Buffers ZeroMQ is done with, kept for the next copies: a fresh one of a batch's size costs
     its page faults again on every batch (measured: about half of what copying costs)."""
@@ -71,10 +81,27 @@ class SendBudget:
             while copies and copies[0].send.done:
                 done = copies.popleft()
                 self.held -= done.nbytes
-                if isinstance(done.send, CopiedSend):
-                    self.give_back(done.send.buffers)
+                self._reuse(done)
             if not copies:
                 del self._copies[session_id]
+        for done in [c for c in self._orphans if c.send.done]:
+            self._orphans.remove(done)
+            self.orphaned -= done.nbytes
+            self._reuse(done)
+
+    def orphan(self, session_id: str) -> None:
+        """The session ended or resumed on another connection: its copies on the old one no longer
+        count against it (nor make it look stuck), nor against the other sessions' room."""
+        copies = self._copies.pop(session_id, None)
+        if copies:
+            self._orphans.extend(copies)
+            moved = sum(c.nbytes for c in copies)
+            self.held -= moved
+            self.orphaned += moved
+
+    def _reuse(self, done: _Copy) -> None:
+        if isinstance(done.send, CopiedSend):
+            self.give_back(done.send.buffers)
 
     def buffer(self, nbytes: int) -> bytearray:
         """A buffer of at least ``nbytes``: a spare one if any fits, else a new one."""

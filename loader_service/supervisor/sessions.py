@@ -56,6 +56,8 @@ class Session:
     max_credits: int = 2**31
     """The feed's pool size: credits beyond it are capped."""
     token: str = field(default_factory=lambda: secrets.token_hex(16))
+    opened_by: Hello | None = None
+    """The hello that opened or last resumed the session: the same one again is a repeat."""
 
     def presents(self, token: str) -> bool:
         """Is ``token`` this session's? Compared in constant time."""

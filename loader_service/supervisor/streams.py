@@ -28,6 +28,7 @@ slots of an abandoned plan are never delivered, and are freed when their last ho
 from __future__ import annotations
 
 import logging
+import time
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 
@@ -57,6 +58,8 @@ class SharedBatch:
 @dataclass
 class Member:
     session: Session
+    since: float = field(default_factory=time.monotonic)
+    """When it joined the stream."""
     want: tuple[int, int] | None = None
     """(epoch, position) asked by the latest start that has not begun yet."""
     active: bool = False
@@ -88,8 +91,8 @@ class Stream(Producer):
         self.end = 0
         self.batches: dict[BatchKey, SharedBatch] = {}
         self.blocked_since: float | None = None
-        self.idle_since: float | None = None
-        """Since when members that never started hold up the others' start (``never_started``)."""
+        self.waiting_since: float | None = None
+        """Since when members have been waiting to begin an epoch that others have not started."""
         self.ahead: WarmCache | None = None
         """Shard mode: the next epoch's first batches, decoded early (NOTE [ Warm start ])."""
 
@@ -325,12 +328,21 @@ class Stream(Producer):
         done = [key for key, batch in self.batches.items() if batch.finished]
         self.free(self.batches.pop(key).slot for key in done)
 
-    def never_started(self) -> list[str]:
-        """Broadcast members that attached and have not started while others wait to begin an epoch:
-        the group cannot begin without them (NOTE [ Broadcast epochs ])."""
+    def never_started(self, now: float, patience: float) -> list[str]:
+        """Broadcast members that attached and have not started while others wait to begin an epoch,
+        for longer than ``patience``, each counted from when it attached or when the others began to
+        wait, whichever is later: the group cannot begin without them (NOTE [ Broadcast epochs ])."""
         if not self.broadcast or not any(m.want is not None for m in self.members.values()):
+            self.waiting_since = None
             return []
-        return [sid for sid, m in self.members.items() if not m.active and m.want is None]
+        if self.waiting_since is None:
+            self.waiting_since = now
+        since = self.waiting_since
+        return [
+            sid
+            for sid, m in self.members.items()
+            if not m.active and m.want is None and now - max(m.since, since) > patience
+        ]
 
     def laggard(self) -> str | None:
         """The member holding up a full broadcast window: it has not received or released the oldest batch."""

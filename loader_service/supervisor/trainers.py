@@ -56,11 +56,14 @@ class TrainerDesk:
         self._outbox = outbox
         self._status = status
         self._gate = RateGate()
+        self._beating: dict[bytes, float] = {}
+        """Heartbeat connections that carried a live session's token, and when they last did."""
         self._labels = itertools.count(1)
 
     def on_frames(self, frames: list[bytes]) -> None:
         routing_id = frames[0]
-        if not self._gate.admit(routing_id, time.monotonic()):
+        now = time.monotonic()
+        if not self._gate.admit(routing_id, now, self._established(routing_id, now)):
             self._outbox.note_flood(routing_id)
             return
         try:
@@ -83,6 +86,7 @@ class TrainerDesk:
             beating = self._attached.by_token(msg.token)
             if beating is not None:
                 beating.last_seen = time.monotonic()
+                self._note_beat(routing_id, beating.last_seen)
             return
         session = self._attached.sessions.get(routing_id)
         if session is None:
@@ -104,6 +108,20 @@ class TrainerDesk:
             self._on_ack(session, msg)
         elif isinstance(msg, Bye):
             self.drop(session, "said bye")
+
+    def _established(self, routing_id: bytes, now: float) -> bool:
+        """Does this connection carry a session, or a live session's heartbeats? The rate gate spares
+        those the budget that connections nobody has vouched for share."""
+        if routing_id in self._attached.sessions:
+            return True
+        seen = self._beating.get(routing_id)
+        return seen is not None and now - seen <= self._config.client_timeout
+
+    def _note_beat(self, routing_id: bytes, now: float) -> None:
+        self._beating[routing_id] = now
+        if len(self._beating) > 4 * self._config.max_sessions:  # forget the long gone, in bulk
+            timeout = self._config.client_timeout
+            self._beating = {rid: t for rid, t in self._beating.items() if now - t <= timeout}
 
     # --- attaching ------------------------------------------------------------------------------
 
@@ -140,16 +158,17 @@ class TrainerDesk:
         if refusal is not None:
             self._outbox.reject(routing_id, "refused", refusal, fatal=True)
             return
+        old = self._attached.sessions.get(routing_id)
+        if old is not None and old.run < 0 and old.opened_by == msg:
+            # The same hello again on the same connection, before any start: the trainer resent it
+            # because no welcome had come yet (it resends every few seconds, and ZeroMQ queues them
+            # for a service that is down). Welcome it again rather than replace the session it
+            # will know by the first welcome that arrives.
+            self._outbox.send(routing_id, self._welcome(old))
+            return
         resumed = self._attached.by_token(msg.resume)
         if resumed is not None and resumed.hello.pid == msg.pid and not resumed.evicted:
-            self._rebind(resumed, routing_id, set(msg.held), msg.have)
-            return
-        old = self._attached.sessions.get(routing_id)
-        if old is not None and not msg.resume and old.hello == msg and old.run < 0:
-            # The same hello again on the same connection, before any start: the trainer resent it
-            # because the welcome did not come (a connection lost on the way). Welcome it again
-            # rather than replace the session it will know by the first welcome that arrives.
-            self._outbox.send(routing_id, self._welcome(old))
+            self._rebind(resumed, routing_id, msg)
             return
         if old is not None:
             self.drop(old, "said hello again")
@@ -161,7 +180,7 @@ class TrainerDesk:
         feed = self._find_feed(msg.feed)
         assert feed is not None
         label = f"t{next(self._labels)}"  # public: status and logs show it; the token stays secret
-        session = Session(routing_id, label, msg, feed.id, time.monotonic())
+        session = Session(routing_id, label, msg, feed.id, time.monotonic(), opened_by=msg)
         session.max_credits = feed.config.slots  # more could never be honoured: no slots behind them
         self._attached.add(session)
         self._attached.stream_for(session, feed).add(session)
@@ -177,12 +196,17 @@ class TrainerDesk:
         )
         self._outbox.send(routing_id, self._welcome(session))
 
-    def _rebind(self, session: Session, routing_id: bytes, held: set[int], have: int) -> None:
+    def _rebind(self, session: Session, routing_id: bytes, hello: Hello) -> None:
         """NOTE [ Reconnecting ]: a trainer that lost touch with this (live) service takes its session
         back on a new socket. Of the leases it had received every one of (up to ``have``), those its
         loop still holds keep their slots and the others are returned (releases the old socket
         lost); every later one is announced again after the welcome, as it may have been lost with
         the old connection (NOTE [ Acknowledged delivery ])."""
+        held, have = set(hello.held), hello.have
+        if session.routing_id == routing_id and session.opened_by == hello:
+            self._outbox.send(routing_id, self._welcome(session))  # a repeat: it is done already
+            return
+        session.opened_by = hello
         displaced = self._attached.sessions.get(routing_id)
         if displaced is not None and displaced is not session:
             # One connection, one session: the other one ends now, its slots with it, rather than
@@ -191,6 +215,7 @@ class TrainerDesk:
         stream = self._attached.stream_of(session)
         self._return_released(session, stream, have, held)
         self._attached.move(session, routing_id)
+        self._outbox.sends.orphan(session.session_id)  # the old connection's copies: NOTE [ Remote sends ]
         session.last_seen = time.monotonic()
         log.info("session %s (%s) resumed on a new connection", session.session_id, session.client)
         self._outbox.send(routing_id, self._welcome(session))
@@ -296,6 +321,7 @@ class TrainerDesk:
             len(session.leases),
         )
         session.leases.clear()
+        self._outbox.sends.orphan(session.session_id)
         self._attached.forget(session)
         if not stream.members and not stream.evicted:
             self._attached.close_stream(stream)
@@ -333,17 +359,10 @@ class TrainerDesk:
 
     def _evict_idle(self, stream: Stream, now: float) -> None:
         """Members that attached and never started, while the others wait to begin an epoch."""
-        idle = stream.never_started()
-        if not idle:
-            stream.idle_since = None
-        elif stream.idle_since is None:
-            stream.idle_since = now
-        elif now - stream.idle_since > self._config.lag_timeout:
-            stream.idle_since = None
-            for session_id in idle:
-                session = self._attached.by_id(session_id)
-                if session is not None:
-                    self._evict(stream, session, "never started, holding")
+        for session_id in stream.never_started(now, self._config.lag_timeout):
+            session = self._attached.by_id(session_id)
+            if session is not None:
+                self._evict(stream, session, "never started, holding")
 
     def _evict(self, stream: Stream, session: Session, how: str = "held") -> None:
         why = f"{how} broadcast group {stream.group!r} up for over {self._config.lag_timeout:.0f} s"

@@ -114,3 +114,42 @@ def test_a_trainer_that_lost_touch_with_a_live_service_takes_its_session_back(
         assert torch.equal(held.images, copy), "the held batch kept its slot through the reconnect"
     service.wait_for(r"session \w+ \(\S+\) resumed on a new connection")
     assert "no heartbeat" not in service.log
+
+
+def test_a_trainer_that_waits_out_a_long_restart_gets_one_session_and_its_whole_epoch(
+    photos: Path, start_service: ServiceFactory
+) -> None:
+    """While the service is down the trainer sends its resuming hello again every few seconds and
+    ZeroMQ queues them all; the restarted service welcomes the repeats instead of opening a session
+    for each (each used to replace the last, and the trainer, holding the first one's token, was
+    refused until it timed out)."""
+    n = len(build_index(photos))
+    first = start_service(photos, batch_size=8, name="svc", heartbeat_interval=0.2)
+    three = threading.Event()
+    result: dict[str, Any] = {}
+
+    def trainer() -> None:
+        try:
+            with ServiceLoader(first.endpoint, timeout=60) as loader:
+                seen: list[int] = []
+                for batch in loader:
+                    seen += batch.indices.tolist()
+                    if len(seen) >= 3 * 8:
+                        three.set()
+                result["seen"] = seen
+        except BaseException as exc:
+            result["error"] = exc
+
+    thread = threading.Thread(target=trainer)
+    thread.start()
+    try:
+        assert three.wait(60)
+        assert first.stop() == 0
+        time.sleep(8)  # the outage itself: the trainer gives the session up after 3 s, then waits
+        second = start_service(photos, batch_size=8, name="svc", heartbeat_interval=0.2)
+        thread.join(90)
+    finally:
+        thread.join(5)
+    assert "error" not in result, result.get("error")
+    assert sorted(result["seen"]) == list(range(n)), "each image of the epoch exactly once"
+    assert second.log.count("attached to feed") == 1, "one session for all the repeated hellos"

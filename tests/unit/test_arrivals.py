@@ -67,3 +67,13 @@ def test_a_new_session_forgets_what_waited_and_returns_its_payloads() -> None:
     a.batch(batch(2), "p2")
     assert a.dropped_payloads() == ["p2"]
     assert a.batch(batch(1), "p1") and a.have == 1
+
+
+def test_an_end_waits_for_announcements_lost_at_the_tail() -> None:
+    """Nothing arrived after the lost ones, but a heartbeat said they were sent: the end waits."""
+    a: Arrivals[str] = Arrivals(8)
+    a.batch(batch(1), "p1")
+    a.heartbeat(sent=3)
+    assert a.other(EpochEnd(1, 0, 3)) == []
+    assert leases(a.batch(batch(2), "p2")) == [2]
+    assert leases(a.batch(batch(3), "p3")) == [3, "end"]

@@ -22,7 +22,8 @@ def test_many_connections_together_stay_within_the_loops_budget() -> None:
     admitted = sum(gate.admit(b"peer-%d" % peer, 100.0) for peer in range(50) for _ in range(2000))
     assert admitted == 40_000, "the burst over all connections, not 50 x 2000"
     assert not gate.admit(b"peer-49", 100.0), "a connection with its own burst left is refused too"
-    assert gate.admit(b"peer-49", 100.01), "and served again as the budget refills"
+    assert gate.admit(b"trainer", 100.0, established=True), "one that carries a session is not starved"
+    assert gate.admit(b"peer-49", 100.01), "and the others are served again as the budget refills"
 
 
 def test_a_connection_over_its_rate_is_dropped_and_recovers() -> None:
