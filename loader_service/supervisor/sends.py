@@ -15,11 +15,12 @@ NOTE [ Remote sends ]
       it is dropped and its slots return (trainers.py ``expire``);
     * the copies of a session that ended, or resumed on a new connection, are orphans: they no
       longer count against that session or keep the others from ``limit``, and go when ZeroMQ lets
-      them go. libzmq closes a connection whose peer answers no ZMTP heartbeat for the client
-      timeout (service.py), which frees them for a dead or paused peer. A peer that keeps its
-      connection alive and still never reads keeps its orphans: memory that only an authorised
-      peer can hold, at most ``credits`` batches per session it opens (``status``:
-      ``remote_send_bytes``).
+      them go, which is when their connection closes: at once when the peer's process ends, after
+      the kernel's retransmission timeout (about 15 minutes) for a network path that died, and
+      never for a peer that keeps its connection open and does not read. ZMTP heartbeats do not
+      help: their PING waits behind the copies in the full socket buffer (tried: a paused trainer's
+      connection stayed open with them). So that is memory only an authorised peer can hold, at
+      most ``credits`` batches per session it opens (``status``: ``remote_send_bytes``).
 """
 
 from __future__ import annotations

@@ -213,11 +213,6 @@ class LoaderService:
         # reconnects under the same routing id: the new connection takes over the old one's place
         # instead of being ignored while the dead one lingers (NOTE [ Acknowledged delivery ]).
         sock.setsockopt(zmq.ROUTER_HANDOVER, 1)
-        # ZMTP heartbeats: a connection whose peer answers nothing for the client timeout (a dead
-        # NAT flow, a paused process) is closed by libzmq, and the copies queued on it let go
-        # (NOTE [ Remote sends ]). A live trainer's ZeroMQ thread answers them, even mid-step.
-        sock.setsockopt(zmq.HEARTBEAT_IVL, int(cfg.heartbeat_interval * 1000))
-        sock.setsockopt(zmq.HEARTBEAT_TIMEOUT, int(cfg.client_timeout * 1000))
         sock.setsockopt(zmq.MAXMSGSIZE, MAX_FRAME_BYTES)
         path = ipc_path(self.config.endpoint)
         # The socket file is made with the umask's mode: closed to all but the owner from its first

@@ -22,7 +22,7 @@ from loader_service.dataset.index import build_index
 from loader_service.supervisor.curve import CurveGuard, TrainerKeys
 from loader_service.tools.keys import KeyPair, make_keys
 from protocol.messages import Heartbeat, Hello, Start, Welcome, decode, encode
-from tests.helpers import ServiceFactory, epoch_indices, in_threads, status, wait_until
+from tests.helpers import ServiceFactory, epoch_indices, in_threads, status, trainer_process, wait_until
 
 pytestmark = pytest.mark.integration
 
@@ -240,3 +240,37 @@ def test_libzmq_holds_an_unfinished_multipart_message_whole_so_only_authorised_p
         assert status(service.endpoint)["attached"] == 0, "the loop still answers"
     finally:
         peer.close()
+
+
+PAUSE_AFTER_FIRST = """
+import os, signal, sys
+from gpu_worker import ServiceLoader
+loader = ServiceLoader(sys.argv[1], transport="tcp", credits=6, timeout=30)
+for batch in loader:
+    print("pausing", flush=True)
+    os.kill(os.getpid(), signal.SIGSTOP)  # alive, connected, reading nothing, answering nothing
+"""
+
+
+def test_a_paused_remote_trainer_holds_copies_not_slots_and_other_remote_trainers_go_on(
+    photos: Path, start_service: ServiceFactory
+) -> None:
+    """Its session ends after the client timeout (no heartbeat) and its slots return; the copies
+    queued on its connection stay until that connection closes (when its process ends: libzmq has
+    no way to take them back), bounded by its credits, and do not hold up another remote trainer
+    (NOTE [ Remote sends ])."""
+    service = start_service(photos, image_size=160, slots=12, client_timeout=2)
+    batch_bytes = 8 * 3 * 160 * 160 + 2 * 8 * 8  # images, labels, indices
+    paused = trainer_process(service.endpoint, PAUSE_AFTER_FIRST)
+    try:
+        assert paused.stdout is not None and paused.stdout.readline().strip() == "pausing"
+        service.wait_for(r"session t1 \(.*\) detached: (no heartbeat|stopped reading)")
+        held = status(service.endpoint)["remote_send_bytes"]
+        assert 0 < held <= 6 * batch_bytes, "copies, at most its credits' worth"
+        with ServiceLoader(service.endpoint, transport="tcp", timeout=30) as other:
+            indices, _ = epoch_indices(other)
+        assert sorted(indices) == list(range(len(build_index(photos)))), "the other goes on"
+    finally:
+        paused.kill()
+        paused.communicate(timeout=10)  # reaps it and closes its pipes
+    wait_until(lambda: status(service.endpoint)["remote_send_bytes"] == 0, "its copies let go")
