@@ -39,7 +39,7 @@ pytestmark = pytest.mark.integration
 BATCH = 8
 EPOCHS = 3
 HEARTBEAT = 0.25
-CLIENT_TIMEOUT = 3.0
+CLIENT_TIMEOUT = 4.0
 """Above the 2 s stall that must keep its session; short, so a bye lost in a reset costs little."""
 REMOTE_TRAINER = """
 import hashlib, json, os, sys
