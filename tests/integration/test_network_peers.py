@@ -116,7 +116,7 @@ def curve_pair(guard: CurveGuard, client: KeyPair, server_public: Path) -> Pair:
 
 def reaches(server: zmq.Socket[bytes], client: zmq.Socket[bytes]) -> bool:
     client.send(b"hello")
-    return bool(server.poll(1500))
+    return bool(server.poll(5000))
 
 
 def test_curve_admits_nobody_when_the_key_handler_is_gone(tmp_path: Path) -> None:
