@@ -107,7 +107,6 @@ class FaultProxy:
         self.port: int = self._listener.getsockname()[1]
         self._links: list[_Link] = []
         self._stalled_until = 0.0
-        self._stall_requested = False
         self._lock = threading.Lock()
         self._resets_wanted = 0
         self._resets_done = threading.Condition(self._lock)
@@ -343,7 +342,7 @@ def _serve_in_child(upstream: tuple[str, int], latency: float, port: Connection)
     proxy.start()
     port.send(proxy.port)
     port.close()
-    proxy._thread.join()
+    proxy.wait()
 
 
 @contextlib.contextmanager

@@ -379,8 +379,7 @@ class ServiceLoader:
                 msg = self._next_batch()
                 if isinstance(msg, EpochEnd):
                     self._position = self._batches
-                    self._send_pending()  # credits back now, so the next epoch can be decoded ahead
-                    return
+                    break
                 batch = self._wrap(msg)
                 self._position = msg.seq + 1
                 if batch is not None:

@@ -15,8 +15,9 @@ HELLO_FIELDS = (
     "feed", "credits", "mode", "rank", "world_size", "remainder", "group", "group_size", "batch_size",
     "image_size", "group_secret",
 )  # fmt: skip
-GROUP_SECRET_ENV = "DATAFERRY_GROUP_SECRET"
 """The fields a hello carries to the service; the others only matter in the trainer's process."""
+GROUP_SECRET_ENV = "DATAFERRY_GROUP_SECRET"
+"""Where ``group_secret`` comes from when the code does not give one."""
 
 
 @dataclass(frozen=True)

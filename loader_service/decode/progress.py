@@ -33,6 +33,7 @@ class ProgressBoard:
     """``workers`` pairs of int64 in a file the service creates and every worker maps."""
 
     def __init__(self, path: Path, workers: int, create: bool = False) -> None:
+        self.path = path
         size = max(1, workers) * WORDS * 8
         flags = os.O_RDWR | (os.O_CREAT | os.O_TRUNC if create else 0)
         fd = os.open(path, flags, 0o600)

@@ -237,7 +237,7 @@ class LoaderService:
             log_level=self.config.log_level,
             roi=self.config.roi,
             write_nothing=_write_nothing(),
-            progress=str(self._runtime_dir / "progress") if self._runtime_dir else "",
+            progress=str(self._progress.path) if self._progress else "",
             workers=self.config.workers,
         )
 
