@@ -2,11 +2,12 @@
 
 CPU: nothing moves; the trainer gets zero-copy views of shared memory.
 
-CUDA (chosen at run time, never on a CPU-only machine; this path has not run on this project's CI):
+CUDA (chosen at run time, never on a CPU-only machine; tests/gpu runs it where a GPU is visible):
     * the whole slot segment is pinned once per process with ``cudaHostRegister``, so copies from it
       are true asynchronous DMA; it is unregistered before the segment is unmapped. Both calls are
       checked (``check_cudart``); a failed registration only costs speed (pageable copies), as long
-      as CUDA's last error could be cleared, and is an error otherwise;
+      as CUDA's last error could be cleared (torch's binding, or the runtime torch loaded, through
+      ctypes), and is an error otherwise;
     * every field of each batch is copied with ``non_blocking=True`` on a side stream; the trainer's
       current stream waits on an event, so the copy overlaps the previous step's kernels and the next
       step cannot read a field early (the indices stay on the CPU);
@@ -16,9 +17,11 @@ CUDA (chosen at run time, never on a CPU-only machine; this path has not run on 
 
 from __future__ import annotations
 
+import ctypes
 import logging
+import os
 from collections import deque
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
@@ -43,20 +46,56 @@ def check_cudart(cudart: Any, err: Any, call: str) -> None:
 
     A failed runtime call also leaves the thread's last error set, and torch checks that after its
     next kernel launch: an unrelated operation would fail later with this error. So it is consumed
-    here, where it happened. Only recent torch releases bind cudaGetLastError in
-    ``torch.cuda.cudart()``; with an older one the error stays set, and the exception says so.
+    here, where it happened (``last_error_clearer``); where nothing can clear it the error stays set,
+    and the exception says so.
     """
     code = int(err)
     if code == 0:
         return
-    clear = getattr(cudart, "cudaGetLastError", None)
+    clear = last_error_clearer(cudart)
     if clear is not None:
         clear()
     # The binding takes its own enum type, not an int: name the value the call returned.
     message = f"{call} failed: {cudart.cudaGetErrorString(err)} (cudaError {code})"
     if clear is None:
-        message += "; CUDA's last error is still set (this torch does not bind cudaGetLastError)"
+        message += "; CUDA's last error is still set (this torch binds no cudaGetLastError)"
     raise CudaCallError(message, cleared=clear is not None)
+
+
+def last_error_clearer(cudart: Any) -> Callable[[], object] | None:
+    """What resets this thread's CUDA last error: torch's binding, else the loaded runtime's own symbol.
+
+    Only torch releases from 2.12 on bind cudaGetLastError in ``torch.cuda.cudart()`` (2.11, seen on
+    an H100, does not). Their wheels load the runtime as a shared library, so the same function
+    (and the same per-thread error) is reachable through ctypes.
+    """
+    bound = getattr(cudart, "cudaGetLastError", None)
+    if bound is not None:
+        return bound  # type: ignore[no-any-return]
+    return loaded_library_function("libcudart.so", "cudaGetLastError")
+
+
+def loaded_library_function(prefix: str, name: str) -> Callable[[], int] | None:
+    """``name()`` from a library this process has already mapped whose file name starts with ``prefix``.
+
+    RTLD_NOLOAD: a library that is not loaded yet is never loaded here, so this cannot bring in a
+    second CUDA runtime with an error state of its own.
+    """
+    try:
+        with open("/proc/self/maps") as maps:
+            paths = {fields[5] for fields in (line.split(maxsplit=5) for line in maps) if len(fields) == 6}
+    except OSError:
+        return None
+    for path in sorted(p.strip() for p in paths if os.path.basename(p.strip()).startswith(prefix)):
+        try:
+            library = ctypes.CDLL(path, mode=os.RTLD_NOLOAD)
+        except OSError:
+            continue
+        function = getattr(library, name, None)
+        if function is not None:
+            function.argtypes, function.restype = [], ctypes.c_int
+            return function  # type: ignore[no-any-return]
+    return None
 
 
 def resolve_device(name: str) -> torch.device:

@@ -6,9 +6,12 @@ tests/gpu/test_cuda_path.py runs the same checks against the real runtime where 
 
 from __future__ import annotations
 
+import os
+
 import pytest
 
-from gpu_worker.device import CudaCallError, check_cudart
+from gpu_worker import device
+from gpu_worker.device import CudaCallError, check_cudart, loaded_library_function
 
 ALREADY_REGISTERED = 712
 NAMES = {
@@ -76,10 +79,33 @@ def test_failure_is_named_and_clears_the_last_error() -> None:
     assert cudart.last_error == 0, "a later kernel launch must not report this failure"
 
 
-def test_without_a_binding_to_clear_it_the_error_says_it_is_still_set() -> None:
+def test_without_a_binding_the_loaded_runtime_clears_it(monkeypatch: pytest.MonkeyPatch) -> None:
+    cudart = OldTorchCudart(ALREADY_REGISTERED)
+
+    def runtime_function(prefix: str, name: str) -> object:
+        assert (prefix, name) == ("libcudart.so", "cudaGetLastError")
+        return lambda: setattr(cudart, "last_error", 0)
+
+    monkeypatch.setattr(device, "loaded_library_function", runtime_function)
+    with pytest.raises(CudaCallError) as caught:
+        check_cudart(cudart, cudart.cudaHostRegister(4096, 4096, 1), "cudaHostRegister")
+    assert caught.value.cleared and cudart.last_error == 0
+
+
+def test_with_nothing_to_clear_it_the_error_says_it_is_still_set(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.setattr(device, "loaded_library_function", lambda prefix, name: None)
     cudart = OldTorchCudart(ALREADY_REGISTERED)
     err = cudart.cudaHostRegister(4096, 4096, 1)
     with pytest.raises(CudaCallError, match="last error is still set") as caught:
         check_cudart(cudart, err, "cudaHostRegister")
     assert not caught.value.cleared
     assert cudart.last_error == ALREADY_REGISTERED
+
+
+def test_a_function_is_found_only_in_a_library_already_loaded() -> None:
+    getpid = loaded_library_function("libc.so", "getpid")  # every Python process has libc mapped
+    assert getpid is not None and getpid() == os.getpid()
+    assert loaded_library_function("libc.so", "no_such_function_here") is None
+    assert loaded_library_function("libdataferry-never-loaded.so", "getpid") is None
