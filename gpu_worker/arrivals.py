@@ -79,6 +79,11 @@ class Arrivals(Generic[Payload]):
         self._saw(sent)
         self.ack_due = True
 
+    @property
+    def early(self) -> int:
+        """Announcements that arrived after a gap and wait for it to be filled."""
+        return len(self._early)
+
     def missing(self) -> tuple[int, ...]:
         """Leases announced after ``have`` that have not arrived."""
         return tuple(n for n in range(self.have + 1, self.known_sent + 1) if n not in self._early)

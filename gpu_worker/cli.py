@@ -10,7 +10,7 @@ from collections.abc import Callable, Sequence
 from gpu_worker.client import ServiceLoader
 from gpu_worker.connection import ServiceError
 from gpu_worker.curve import CLIENT_KEY_ENV, SERVER_KEY_ENV
-from gpu_worker.loader_config import TRANSPORT_CHOICES
+from gpu_worker.loader_config import ENDPOINTS_ENV, TRANSPORT_CHOICES
 from gpu_worker.metrics import MetricsUnavailable
 from gpu_worker.runner import RunConfig, run
 
@@ -34,7 +34,12 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def _connection_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--endpoint", required=True, help="the service's endpoint (ipc:// or tcp://)")
+    p.add_argument(
+        "--endpoint",
+        action="append",
+        default=[],
+        help=f"a service's endpoint (ipc:// or tcp://); more than once for a fleet (or ${ENDPOINTS_ENV})",
+    )
     p.add_argument("--feed", default="", help="feed name (default: the service's feed)")
     p.add_argument("--timeout", type=float, default=60.0, help="seconds to wait for a batch or the service")
     p.add_argument("--transport", default="auto", choices=TRANSPORT_CHOICES, help="how batches arrive (auto)")
@@ -47,7 +52,7 @@ def _connection_arguments(p: argparse.ArgumentParser) -> None:
 def print_fields(args: argparse.Namespace) -> None:
     """One line per field, tab-separated: ``image  uint8  [3, 224, 224]``, in the order a batch unpacks."""
     with ServiceLoader(
-        args.endpoint,
+        args.endpoint or None,
         feed=args.feed,
         timeout=args.timeout,
         connect_timeout=args.timeout,
@@ -70,7 +75,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         print("gpu-worker: --epochs must be at least 1", file=sys.stderr)
         return 2
     cfg = RunConfig(
-        args.endpoint,
+        tuple(args.endpoint),
         args.step,
         args.device,
         args.epochs,

@@ -1,8 +1,10 @@
-"""A trainer's session with the service: sockets, hello/welcome, heartbeats, and noticing loss.
+"""A trainer's session with one service: its socket, hello/welcome, and noticing loss. Never blocks.
 
-The iterating thread owns the main socket. A daemon thread owns a second socket and only sends
-heartbeats carrying the session's token, so a long training step never looks like a dead trainer.
-Every ``open`` makes a fresh socket (new routing id), so nothing queued for a previous service
+The loader polls every service's ``sock`` with one poller (``gpu_worker.passes``) and calls ``read``
+when it is readable and ``tick`` at every wake-up; ``events`` says what happened to the session
+(opened, resumed, lost). Heartbeats go from ``gpu_worker.heartbeats``' one thread, on sockets of its
+own, carrying the session's token, so a long training step never looks like a dead trainer.
+Every ``connect`` makes a fresh socket (new routing id), so nothing queued for a previous service
 instance is ever delivered to the next one. Every session message carries the token the welcome
 gave (``send`` adds it). A ``batch`` for a trainer on another host arrives with its bytes as more
 frames, one per field and one for the indices; they wait in ``payloads`` until the loader takes them
@@ -17,7 +19,6 @@ import logging
 import os
 import secrets
 import socket
-import threading
 import time
 from collections import deque
 from dataclasses import replace
@@ -27,6 +28,7 @@ import zmq
 
 from gpu_worker.arrivals import Arrivals
 from gpu_worker.curve import ClientKeys
+from gpu_worker.heartbeats import Heartbeats
 from protocol.layout import MAX_FIELDS
 from protocol.messages import (
     MAX_CREDITS,
@@ -42,6 +44,7 @@ from protocol.messages import (
     ProtocolError,
     Release,
     Start,
+    Want,
     Welcome,
     decode,
     encode,
@@ -49,7 +52,6 @@ from protocol.messages import (
 
 log = logging.getLogger(__name__)
 SERVICE_MESSAGES = (Welcome, BatchReady, EpochEnd, Heartbeat, ErrorReply)
-POLL_SLICE = 0.1
 BYE_LINGER_MS = 500
 SILENCE_HEARTBEATS = 5
 """Missed service heartbeats after which the session counts as lost and is reopened."""
@@ -72,23 +74,22 @@ class ServiceTimeout(ServiceError, TimeoutError):
     """No answer in time; the message says what was awaited and what the trainer still holds."""
 
 
-class SessionLost(Exception):
-    """The service restarted (it no longer knows the session) or has gone silent: reconnect."""
-
-
 class Connection:
-    def __init__(self, endpoint: str, hello: Hello, keys: ClientKeys | None = None) -> None:
+    def __init__(self, endpoint: str, hello: Hello, keys: ClientKeys | None, heartbeats: Heartbeats) -> None:
         self.endpoint = endpoint
         self._hello = hello
         self._keys = keys
+        self._heartbeats = heartbeats
         self.token = ""
         self.payloads: dict[int, list[zmq.Frame]] = {}
         """Lease -> the frames that came with its batch: its fields', then its indices (TCP transport)."""
         self._ctx: zmq.Context[zmq.Socket[bytes]] = zmq.Context()
-        self._sock: zmq.Socket[bytes] | None = None
+        self.sock: zmq.Socket[bytes] | None = None
         self._inbox: deque[Message] = deque()
-        self._stop_heartbeat = threading.Event()
-        self._heartbeat: threading.Thread | None = None
+        self._kept: deque[Message] = deque()
+        """What arrived and was not taken when the connection was lost: kept if the session resumes."""
+        self.events: deque[tuple[str, Any]] = deque()
+        """``("opened", welcome)``, ``("resumed", welcome)`` or ``("lost", why)``, oldest first."""
         self.session = ""
         self.generation = 0
         self.resumed = False
@@ -96,56 +97,80 @@ class Connection:
         self._silence_limit = float("inf")
         self.batch_bytes = 0
         """Bytes one batch brings over the socket (TCP transport), which stretch the silence allowed."""
-        self._lost: str | None = None
         self.arrivals: Arrivals[list[zmq.Frame] | None] = Arrivals(MAX_CREDITS)
         self.service_run = -1
         """The run the service's last heartbeat said it serves this session."""
         self.heard_run_at = 0.0
         self.heartbeat_interval = 1.0
+        self._hello_frame = b""
+        self._hello_at = 0.0
+        self._resuming = ""
 
-    def open(self, deadline: float, give_up: str, held: tuple[int, ...] = ()) -> Welcome:
-        """Start a session, or take the last one back if the service still has it (``resumed``);
-        raise ServiceTimeout with ``give_up`` if none is had by ``deadline``.
+    @property
+    def connecting(self) -> bool:
+        return self.sock is not None and not self.session
+
+    def connect(self, held: tuple[int, ...] = ()) -> None:
+        """Ask for a session, or to take the last one back if the service still has it; the welcome
+        arrives through ``read`` (an ``opened`` or ``resumed`` event).
 
         A resumed session keeps what had arrived and not yet been taken (NOTE [ Acknowledged
         delivery ]): the hello names ``held`` and ``have``, and the service frees and announces
         again accordingly. A new one starts from nothing: the old leases died with the old session.
         """
-        previous = self.token
-        kept = self._inbox
-        self._inbox = deque()
+        self._resuming = self.token
+        self._kept, self._inbox = self._inbox, deque()
         self._close_session()
-        sock = self._sock = self._socket()
+        sock = self.sock = self._socket()
         sock.setsockopt(zmq.SNDHWM, SEND_HWM)
         sock.setsockopt(zmq.ROUTING_ID, secrets.token_bytes(12))
         sock.connect(self.endpoint)
-        have = self.arrivals.have if previous else 0
-        hello = encode(replace(self._hello, resume=previous, held=held if previous else (), have=have))
-        msg = self._await_welcome(sock, hello, deadline, give_up)
-        self.resumed = bool(previous) and msg.token == previous
+        resume = self._resuming
+        have = self.arrivals.have if resume else 0
+        self._hello_frame = encode(
+            replace(self._hello, resume=resume, held=held if resume else (), have=have)
+        )
+        self._send_hello(time.monotonic())
+
+    def _send_hello(self, now: float) -> None:
+        """A hello lost with a connection is sent again (the service welcomes a repeated hello again
+        rather than opening a second session)."""
+        assert self.sock is not None
+        self._hello_at = now
+        try:
+            self.sock.send(self._hello_frame, zmq.NOBLOCK)
+        except zmq.Again:
+            pass  # nothing to send to yet: the next round tries again
+
+    def tick(self, now: float) -> None:
+        """Send the hello again if no welcome came; notice a service gone silent."""
+        if self.connecting and now - self._hello_at >= HELLO_AGAIN:
+            self._send_hello(now)
+        elif self.session and now - self.last_heard > self._allowed_silence():
+            self._lose(f"no word from the service for {now - self.last_heard:.0f} s")
+
+    def _opened(self, msg: Welcome) -> None:
+        self.resumed = bool(self._resuming) and msg.token == self._resuming
         if self.resumed:
-            self._inbox.extendleft(reversed(kept))  # taken before anything after the welcome
+            self._inbox.extendleft(reversed(self._kept))  # taken before anything after the welcome
         else:  # a new session: leases of the old one died with it
             self.generation += 1
+            self.arrivals.dropped_payloads()
+            self.payloads.clear()
+            self.arrivals = Arrivals(msg.credits)
+        self._kept = deque()
         self.session, self.token = msg.session, msg.token
         self.heartbeat_interval = msg.heartbeat_interval
         self._silence_limit = max(SILENCE_HEARTBEATS * msg.heartbeat_interval, 3.0)
-        self._start_heartbeat(msg.heartbeat_interval)
-        return msg
+        self.last_heard = time.monotonic()
+        self._heartbeats.beat(self, self.endpoint, self.token, msg.heartbeat_interval, self._keys)
+        self.events.append(("resumed" if self.resumed else "opened", msg))
 
-    def _await_welcome(self, sock: zmq.Socket[bytes], hello: bytes, deadline: float, give_up: str) -> Welcome:
-        """Send ``hello`` until a welcome comes: a hello lost with a connection is sent again (the
-        service welcomes a repeated hello again rather than opening a second session)."""
-        while True:
-            try:
-                sock.send(hello, zmq.NOBLOCK)
-            except zmq.Again:
-                pass  # nothing to send to yet: the next round tries again
-            msg = self.recv(min(deadline, time.monotonic() + HELLO_AGAIN))
-            if isinstance(msg, Welcome):
-                return msg
-            if time.monotonic() >= deadline:
-                raise ServiceTimeout(give_up)
+    def _lose(self, why: str) -> None:
+        """The session is lost (the service restarted or went silent): the owner reconnects."""
+        self._heartbeats.stop(self)
+        self.session = ""
+        self.events.append(("lost", why))
 
     def ack(self, held: tuple[int, ...]) -> bool:
         """Tell the service what arrived (NOTE [ Acknowledged delivery ]); ``held``: the leases up to
@@ -162,42 +187,32 @@ class Connection:
 
     def send(self, msg: Message) -> bool:
         """Queue ``msg`` without blocking; False when the socket refused it (full, or no session)."""
-        if self._sock is None:
+        if self.sock is None or not self.session:
             return False
-        if isinstance(msg, (Start, Release, Ack, Bye)):
+        if isinstance(msg, (Start, Want, Release, Ack, Bye)):
             msg = replace(msg, token=self.token)
         try:
-            self._sock.send(encode(msg), zmq.NOBLOCK)
+            self.sock.send(encode(msg), zmq.NOBLOCK)
         except zmq.ZMQError as exc:
             log.debug("could not send %s: %s", msg.KIND, exc)
             return False
         return True
 
-    def recv(self, deadline: float) -> Message | None:
-        """The next message, or None at ``deadline``. Raises SessionLost, or ServiceError if fatal.
+    def next_message(self) -> Message | None:
+        """The next message of the open session, in order, or None."""
+        return self._inbox.popleft() if self.session and self._inbox else None
 
-        Whatever else has already arrived is read too, so that a fatal error (eviction, refusal)
-        queued behind batches is raised now, instead of handing out batches the service disowned.
+    def read(self) -> None:
+        """Take in whatever has arrived. Raises ServiceError if the service refused this trainer.
+
+        Everything available is read, so that a fatal error (eviction, refusal) queued behind
+        batches is raised now, instead of handing out batches the service disowned.
         """
-        assert self._sock is not None
-        while True:
-            if self._lost is not None:
-                why, self._lost = self._lost, None
-                raise SessionLost(why)
-            if self._inbox:
-                return self._inbox.popleft()
-            remaining = deadline - time.monotonic()
-            if remaining <= 0:
-                return None
-            if self._sock.poll(int(min(remaining, POLL_SLICE) * 1000) + 1):
-                self._read_available(self._sock)
-            elif self.session and time.monotonic() - self.last_heard > self._allowed_silence():
-                self._lost = f"no word from the service for {time.monotonic() - self.last_heard:.0f} s"
-
-    def _read_available(self, sock: zmq.Socket[bytes]) -> None:
+        if self.sock is None:
+            return
         while True:
             try:
-                parts = sock.recv_multipart(zmq.NOBLOCK, copy=False)
+                parts = self.sock.recv_multipart(zmq.NOBLOCK, copy=False)
             except zmq.Again:
                 return
             try:
@@ -208,15 +223,15 @@ class Connection:
             if not isinstance(msg, ErrorReply):
                 self._arrived(msg, parts[1:])
             elif msg.code == "no-session" and self.session:
-                self._lost = "the service no longer knows this session (it restarted)"
                 self._inbox.clear()
+                self._lose("the service no longer knows this session (it restarted)")
                 return
             elif msg.fatal or not self.session:
                 # The session is over: stop keeping it alive, even if the loader is never closed.
-                self._stop_heartbeat.set()
-                raise ServiceError(f"service refused: {msg.message} ({msg.code})")
+                self._heartbeats.stop(self)
+                raise ServiceError(f"service at {self.endpoint} refused: {msg.message} ({msg.code})")
             else:
-                log.warning("service reported: %s (%s)", msg.message, msg.code)
+                log.warning("service at %s reported: %s (%s)", self.endpoint, msg.message, msg.code)
 
     def _arrived(self, msg: Message, frames: list[zmq.Frame]) -> None:
         """Pass ``msg`` on in the order the service sent it (NOTE [ Acknowledged delivery ])."""
@@ -225,18 +240,14 @@ class Connection:
                 f"malformed message from the service: {msg.KIND} with {len(frames)} extra frames"
             )
         if isinstance(msg, Welcome):
-            if self.session:
-                return  # a repeated hello's second welcome: the session is settled (open() returned)
-            if msg.token != self.token:  # a new session: nothing of the old one's order applies
-                self.arrivals.dropped_payloads()
-                self.payloads.clear()
-                self.arrivals = Arrivals(msg.credits)
-            self._inbox.append(msg)
-            return
+            if self.connecting:
+                self._opened(msg)
+            return  # else a repeated hello's second welcome: the session is settled
+        if not self.session:
+            return  # what a lost session's service still sends: its next session starts afresh
         if isinstance(msg, Heartbeat):
-            if self.session:
-                self.arrivals.heartbeat(msg.sent)
-                self.service_run, self.heard_run_at = msg.run, time.monotonic()
+            self.arrivals.heartbeat(msg.sent)
+            self.service_run, self.heard_run_at = msg.run, time.monotonic()
             return
         try:
             if isinstance(msg, BatchReady):
@@ -260,24 +271,11 @@ class Connection:
             self._keys.apply(sock)
         return sock
 
-    def _start_heartbeat(self, interval: float) -> None:
-        self._stop_heartbeat = threading.Event()
-        self._heartbeat = threading.Thread(
-            target=_heartbeat_loop,
-            args=(self._socket(), self.endpoint, self.token, interval, self._stop_heartbeat),
-            name="dataferry-heartbeat",
-            daemon=True,
-        )
-        self._heartbeat.start()
-
     def _close_session(self, linger_ms: int = 0) -> None:
-        self._stop_heartbeat.set()
-        if self._heartbeat is not None:
-            self._heartbeat.join(2.0)
-            self._heartbeat = None
-        if self._sock is not None:
-            self._sock.close(linger=linger_ms)
-            self._sock = None
+        self._heartbeats.stop(self)
+        if self.sock is not None:
+            self.sock.close(linger=linger_ms)
+            self.sock = None
         self.session = ""
 
     def close(self) -> None:
@@ -292,18 +290,3 @@ class Connection:
 
 def make_hello(**fields: Any) -> Hello:
     return Hello(client=f"{socket.gethostname()}:{os.getpid()}"[:128], pid=os.getpid(), **fields)
-
-
-def _heartbeat_loop(
-    sock: zmq.Socket[Any], endpoint: str, token: str, interval: float, stop: threading.Event
-) -> None:
-    sock.connect(endpoint)
-    frame = encode(Heartbeat(token))
-    try:
-        while not stop.wait(interval):
-            try:
-                sock.send(frame, zmq.NOBLOCK)
-            except zmq.Again:
-                pass
-    finally:
-        sock.close(linger=0)

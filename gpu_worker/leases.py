@@ -95,6 +95,11 @@ class LeaseBook:
         ids.update(lease for gen, lease in self._unsent if gen == generation)
         return tuple(sorted(ids))
 
+    def unreturned(self) -> int:
+        """Leases the service still counts against this trainer's credits, as far as it knows here:
+        referenced, or let go with the release not yet sent."""
+        return len(self._live) + len(self._unsent)
+
     @property
     def pending(self) -> bool:
         """Something is waiting to be sent."""

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -18,13 +19,17 @@ HELLO_FIELDS = (
 """The fields a hello carries to the service; the others only matter in the trainer's process."""
 GROUP_SECRET_ENV = "DATAFERRY_GROUP_SECRET"
 """Where ``group_secret`` comes from when the code does not give one."""
+ENDPOINTS_ENV = "DATAFERRY_ENDPOINTS"
+"""Comma-separated endpoints that take the place of those the code names (a fleet, no code change)."""
+MAX_ENDPOINTS = 64
 
 
 @dataclass(frozen=True)
 class LoaderConfig:
     """Everything a ``ServiceLoader`` is asked for, validated once."""
 
-    endpoint: str
+    endpoints: tuple[str, ...]
+    """One service, or a fleet of them (NOTE [ A fleet ] in gpu_worker/fleet.py)."""
     device: str = "cpu"
     feed: str = ""
     credits: int = 6
@@ -48,9 +53,24 @@ class LoaderConfig:
     group_secret: str = field(default="", repr=False)
     """Broadcast: shared by the group's members; outsiders without it cannot join or hold it up."""
 
+    @property
+    def endpoint(self) -> str:
+        """The first service's endpoint."""
+        return self.endpoints[0]
+
     def validated(self) -> LoaderConfig:
-        if not self.endpoint.startswith(("ipc://", "tcp://")):
-            raise ValueError(f"endpoint must be ipc://PATH or tcp://HOST:PORT, got {self.endpoint!r}")
+        if not 1 <= len(self.endpoints) <= MAX_ENDPOINTS:
+            raise ValueError(f"give 1 to {MAX_ENDPOINTS} endpoints, got {len(self.endpoints)}")
+        for endpoint in self.endpoints:
+            if not endpoint.startswith(("ipc://", "tcp://")):
+                raise ValueError(f"endpoint must be ipc://PATH or tcp://HOST:PORT, got {endpoint!r}")
+        if len(set(self.endpoints)) != len(self.endpoints):
+            raise ValueError(f"an endpoint is named twice: {', '.join(self.endpoints)}")
+        if self.mode == "broadcast" and len(self.endpoints) > 1:
+            raise ValueError(
+                "a broadcast group is fed by one service (its members share each decoded batch there); "
+                f"give one endpoint, not {len(self.endpoints)}"
+            )
         if not 2 <= self.credits <= 1024:
             raise ValueError(
                 "credits must be between 2 and 1024 (a loop holds one batch while fetching the next)"
@@ -75,6 +95,16 @@ class LoaderConfig:
 
     def hello_fields(self) -> dict[str, Any]:
         return {name: getattr(self, name) for name in HELLO_FIELDS}
+
+
+def endpoints_of(given: str | Sequence[str] | None) -> tuple[str, ...]:
+    """The endpoints to use: ``DATAFERRY_ENDPOINTS`` when set, else what the code gave."""
+    from_env = os.environ.get(ENDPOINTS_ENV, "").strip()
+    if from_env:
+        return tuple(part.strip() for part in from_env.split(",") if part.strip())
+    if given is None:
+        raise ValueError(f"no endpoint: name one (or several), or set {ENDPOINTS_ENV}")
+    return (given,) if isinstance(given, str) else tuple(given)
 
 
 def shard_of(mode: str, rank: int | None, world_size: int | None) -> tuple[int, int]:

@@ -1,4 +1,5 @@
-"""The trainer's Prometheus metric: how long each step waited for its batch (the data stall).
+"""The trainer's Prometheus metric: how long each step waited for its batch (the data stall), by the
+endpoint of the service that delivered it (a fleet has several).
 
 ``prometheus_client`` is imported only when metrics are asked for (``gpu-worker run
 --metrics-port``). Kept apart from the service's metrics module: a trainer never imports
@@ -22,7 +23,8 @@ class MetricsUnavailable(RuntimeError):
 
 
 class TrainerMetrics:
-    """``dataferry_batch_wait_seconds``: a histogram of the time each step waited for its batch."""
+    """``dataferry_batch_wait_seconds{endpoint}``: a histogram of the time each step waited for its
+    batch, labelled with the service that delivered it."""
 
     def __init__(self) -> None:
         try:
@@ -35,6 +37,7 @@ class TrainerMetrics:
         self._batch_wait = Histogram(
             "dataferry_batch_wait_seconds",
             "Time each training step waited for its next batch (the data stall).",
+            ["endpoint"],
             buckets=WAIT_BUCKETS,
             registry=self.registry,
         )
@@ -56,5 +59,5 @@ class TrainerMetrics:
             self._server.server_close()
             self._server = None
 
-    def observe(self, seconds: float) -> None:
-        self._batch_wait.observe(seconds)
+    def observe(self, seconds: float, endpoint: str) -> None:
+        self._batch_wait.labels(endpoint=endpoint).observe(seconds)

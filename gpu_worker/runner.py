@@ -25,7 +25,8 @@ StepFn = Callable[..., Any]
 
 @dataclass(frozen=True)
 class RunConfig:
-    endpoint: str
+    endpoints: tuple[str, ...]
+    """One service or a fleet; () takes DATAFERRY_ENDPOINTS."""
     step: str = "gpu_worker.demo_step:step"
     device: str = "auto"
     epochs: int = 1
@@ -100,7 +101,7 @@ class Progress:
 
 
 def run_epoch(
-    loader: ServiceLoader, step: StepFn, epoch: int, on_wait: Callable[[float], None]
+    loader: ServiceLoader, step: StepFn, epoch: int, on_wait: Callable[[float, str], None]
 ) -> EpochReport:
     loader.set_epoch(epoch)
     batches = images = 0
@@ -116,7 +117,7 @@ def run_epoch(
             if batch is None:
                 break
             waited += wait
-            on_wait(wait)
+            on_wait(wait, loader.last_endpoint)
             step(*batch)
             batches += 1
             images += int(batch.indices.shape[0])
@@ -131,7 +132,7 @@ def run(cfg: RunConfig) -> list[EpochReport]:
     step = load_step(cfg.step)
     reports = []
     with ServiceLoader(
-        cfg.endpoint,
+        cfg.endpoints or None,
         device=cfg.device,
         feed=cfg.feed,
         timeout=cfg.timeout,
@@ -152,6 +153,7 @@ def run(cfg: RunConfig) -> list[EpochReport]:
             for epoch in range(cfg.epochs):
                 report = run_epoch(loader, step, epoch, metrics.observe if metrics else _ignore)
                 print(report.line(), flush=True)
+                _print_shares(loader)
                 reports.append(report)
         finally:
             if metrics is not None:
@@ -159,8 +161,25 @@ def run(cfg: RunConfig) -> list[EpochReport]:
     return reports
 
 
-def _ignore(_: float) -> None:
+def _ignore(_: float, __: str) -> None:
     pass
+
+
+def _print_shares(loader: ServiceLoader) -> None:
+    """A fleet: what each service delivered so far, and how many batches moved after a loss."""
+    stats = loader.stats()
+    shares = stats["endpoints"]
+    if len(shares) < 2:
+        return
+    total = sum(share["batches"] for share in shares.values()) or 1
+    for endpoint, share in shares.items():
+        print(
+            f"  {endpoint}: {share['batches']} batches ({share['batches'] / total:.0%}), "
+            f"{share['images_per_s']:.1f} images/s, {share['state']}",
+            flush=True,
+        )
+    if stats["reassigned"]:
+        print(f"  {stats['reassigned']} batches reassigned after a service was lost", flush=True)
 
 
 def _start_metrics(port: int) -> TrainerMetrics | None:

@@ -13,7 +13,8 @@ copy. Either way the trainer releases the batch by its lease. A trainer's sessio
     trainer (DEALER)                         service (ROUTER)
       hello{feed, credits[, resume=token, held, have]} ->
                            <---------------- welcome{session label, token, feed info, credits}
-      start{run, epoch, position, transport, token} ->
+      start{run, epoch, position, transport, picked, want, token} ->
+      want{run, seqs, token} -------------->   (a picked start only: these batches too)
                            <---------------- batch{run, epoch, seq, lease, slot, count}   (<= credits
                            <---------------- batch ... [+ images | labels | indices]       unreleased)
       release{leases, token} -------------->
@@ -101,19 +102,21 @@ __all__ = [
     "StopWorker",
     "Task",
     "TaskDone",
+    "Want",
     "Welcome",
     "WorkerReady",
     "decode",
     "encode",
 ]
 
-PROTOCOL_VERSION: Final = 4
+PROTOCOL_VERSION: Final = 5
 MAX_FRAME_BYTES: Final = 64 * 1024
 _FIELDS: Final = ListOf(Items((Str(64), OneOf(DTYPES), ListOf(Int(1, 1 << 24), MAX_DIMS))), MAX_FIELDS)
 MAX_RELEASES: Final = 4096
 MAX_CREDITS: Final = 1024
 MAX_BAD_REPORTS: Final = 256
 _LEASE = Int(0, 2**62 - 1)
+_SEQ = Int(0, 2**40)
 
 
 @dataclass(frozen=True)
@@ -190,6 +193,24 @@ class Start(Message):
     position: Annotated[int, Int(0, 2**40)] = 0
     transport: Annotated[str, OneOf(TRANSPORTS)] = "shm"
     """``tcp``: this trainer cannot map the segment; send each batch's bytes after its ``batch``."""
+    picked: Annotated[bool, Bool()] = False
+    """Shard mode: decode only the batches this trainer names (``want`` here and in ``want``
+    messages), in the order named, and send no ``end``: a fleet's trainer hands each batch of its
+    share to one of several services (NOTE [ A fleet ] in ``gpu_worker/fleet.py``)."""
+    want: Annotated[tuple[int, ...], ListOf(_SEQ, MAX_CREDITS)] = ()
+    token: Annotated[str, _TOKEN] = ""
+
+
+@dataclass(frozen=True)
+class Want(Message):
+    """A picked run (``Start.picked``): decode and announce batches ``seqs`` of it too. The service
+    ignores a seq past the epoch, or one it was asked for whose batch it has not yet announced or
+    still has leased to the trainer; it keeps at most ``credits`` asked-for batches queued. So a
+    trainer names again what has not arrived, and asks again for a batch it let go unread."""
+
+    KIND: ClassVar[str] = "want"
+    run: Annotated[int, Int(0, 2**31)]
+    seqs: Annotated[tuple[int, ...], ListOf(_SEQ, MAX_CREDITS)]
     token: Annotated[str, _TOKEN] = ""
 
 
@@ -373,6 +394,7 @@ class StopWorker(Message):
 MESSAGE_TYPES: Final[tuple[type[Message], ...]] = (
     Hello,
     Start,
+    Want,
     Release,
     Heartbeat,
     Bye,

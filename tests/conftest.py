@@ -51,14 +51,20 @@ def start_service(tmp_path: Path) -> Iterator[ServiceFactory]:
     started: list[ServiceProcess] = []
 
     def start(
-        data: Path, *, wait_ready: bool = True, name: str = "feed", endpoint: str = "", **flags: object
+        data: Path,
+        *,
+        wait_ready: bool = True,
+        name: str = "feed",
+        endpoint: str = "",
+        private_shm: bool = False,
+        **flags: object,
     ) -> ServiceProcess:
         endpoint = endpoint or f"ipc://{tmp_path}/{name}.sock"
         args = ["serve", "--data", str(data), "--endpoint", endpoint]
         for key, value in {"workers": 2, "batch_size": 8, "image_size": 32, **flags}.items():
             flag = f"--{key.replace('_', '-')}"
             args += [flag] if value is True else [flag, str(value)]
-        service = ServiceProcess(args, endpoint)
+        service = ServiceProcess(args, endpoint, private_shm=private_shm)
         started.append(service)
         if wait_ready:
             service.wait_for(r"ready: ")

@@ -49,11 +49,16 @@ def owner_running(segment: str) -> bool:
 class ServiceProcess:
     """``loader-service serve`` as a child process, with its stderr collected line by line."""
 
-    def __init__(self, args: list[str], endpoint: str, env: dict[str, str] | None = None) -> None:
+    def __init__(
+        self, args: list[str], endpoint: str, env: dict[str, str] | None = None, private_shm: bool = False
+    ) -> None:
+        """``private_shm``: the service gets its own empty /dev/shm, as on another host (the same
+        process: ``unshare`` and ``sh`` exec it, so signals reach it; its segments go with it)."""
         self.args = args
         self.endpoint = endpoint
+        isolate = ["unshare", "--mount", "--propagation", "private", "sh", "-c", PRIVATE_SHM]
         self.proc = subprocess.Popen(
-            [sys.executable, "-m", "loader_service", *args],
+            [*(isolate if private_shm else []), sys.executable, "-m", "loader_service", *args],
             stdout=subprocess.DEVNULL,
             stderr=subprocess.PIPE,
             text=True,

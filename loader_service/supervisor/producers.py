@@ -67,10 +67,15 @@ class Producer:
         """(generation, seq, sample indices) of the next batch to decode."""
         if self._order is None:
             self._order = self.feed.plan(*self.plan_key)
-        seq = self.next_produce
-        self.next_produce += 1
+        seq = self.next_seq()
         self.filling += 1
         return self.gen, seq, self._order.batch(seq, self.feed.config.batch_size)
+
+    def next_seq(self) -> int:
+        """The seq to plan next: the plan's next one in order (a picked stream overrides this)."""
+        seq = self.next_produce
+        self.next_produce += 1
+        return seq
 
     def complete(self, gen: int, seq: int, slot: int, count: int) -> Stream | None:
         """A worker filled ``slot`` for batch (gen, seq): keep it or free it (NOTE [ Slot lifecycle ]).

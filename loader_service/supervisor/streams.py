@@ -21,6 +21,10 @@ NOTE [ Broadcast epochs ]
     its batch overwritten. A dead member is dropped after its heartbeat timeout, and its
     slots with it. Either way the others never stall for longer than those timeouts.
 
+* Picked shard mode (a fleet's trainer, NOTE [ A fleet ] in gpu_worker/fleet.py): the trainer names
+  the batches of the plan this service decodes (``Start.want`` and ``want`` messages); nothing else
+  is decoded for it, what is ready is announced in the order asked, and no ``end`` is sent.
+
 Every batch is keyed by (generation, seq); the generation changes with every (re)start of a plan, so
 slots of an abandoned plan are never delivered, and are freed when their last holder lets go.
 """
@@ -29,6 +33,7 @@ from __future__ import annotations
 
 import logging
 import time
+from collections import deque
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 
@@ -95,6 +100,12 @@ class Stream(Producer):
         """Since when members have been waiting to begin an epoch that others have not started."""
         self.ahead: WarmCache | None = None
         """Shard mode: the next epoch's first batches, decoded early (NOTE [ Warm start ])."""
+        self.picks: deque[int] | None = None
+        """Picked mode: seqs asked for and not yet planned, in the order asked; None otherwise."""
+        self.wanted: set[int] = set()
+        """Picked mode: every seq of this plan the trainer asked for."""
+        self.planned: set[int] = set()
+        """Picked mode: seqs planned in this plan (decoding, decoded or delivered)."""
 
     # --- membership -----------------------------------------------------------------------------
 
@@ -130,23 +141,38 @@ class Stream(Producer):
 
     def wants_ahead(self) -> bool:
         """Shard mode, epoch fully decoded, credit left: decode the next epoch's first batches."""
-        if self.ahead is None or not self.started or self.next_produce < self.end:
+        if self.ahead is None or not self.started or not self._all_planned():
             return False
         return self.in_flight < self.window and self.ahead.wants_batch()
+
+    def _all_planned(self) -> bool:
+        if self.picks is None:
+            return self.next_produce >= self.end
+        return not self.picks and self.end - 1 in self.planned
 
     def batches_per_epoch(self) -> int:
         return self.feed.shard_batches(self.world_size, self.remainder)
 
     # --- starting epochs ------------------------------------------------------------------------
 
-    def on_start(self, session_id: str, epoch: int, position: int, warm: WarmCache | None = None) -> None:
+    def on_start(
+        self,
+        session_id: str,
+        epoch: int,
+        position: int,
+        warm: WarmCache | None = None,
+        picked: tuple[int, ...] | None = None,
+    ) -> None:
         """Apply a member's start, freeing the slots of an abandoned plan. May raise StartRefused.
 
         ``warm``: the feed's warm-start cache, which a shard start may take from (NOTE [ Warm start ]).
+        ``picked``: the seqs a picked start asks for first (None: not picked).
         """
         member = self.members[session_id]
         if not self.broadcast:
-            return self._start_shard(member, epoch, position, warm)
+            return self._start_shard(member, epoch, position, warm, picked)
+        if picked is not None:
+            raise StartRefused("a broadcast group is fed by one service: a picked start is for shard mode")
         if self.started and epoch == self.epoch and not member.active:
             self._join_running(member)
             return
@@ -160,15 +186,27 @@ class Stream(Producer):
         member.active, member.want = False, (epoch, position)
         self._maybe_begin_group_epoch()
 
-    def _start_shard(self, member: Member, epoch: int, position: int, warm: WarmCache | None) -> None:
+    def _start_shard(
+        self,
+        member: Member,
+        epoch: int,
+        position: int,
+        warm: WarmCache | None,
+        picked: tuple[int, ...] | None,
+    ) -> None:
         """(Re)start the plan; take batches decoded early (ahead, or warm) if they are its first ones."""
         plan = (epoch, self.rank, self.world_size, self.remainder)
         cache = next((c for c in (self.ahead, warm) if c is not None and c.serves(*plan, position)), None)
         self._begin(epoch, position)
-        self._activate(member, position)
+        self.picks, self.wanted, self.planned = (None if picked is None else deque()), set(), set()
+        self._activate(member, 0 if picked is not None else position)
+        if picked is not None:
+            member.end_sent = True  # a picked run has no end: the trainer counts its batches
         if cache is not None:
             handover = cache.take(self)
             self.adopt(handover)
+            if picked is not None:
+                self._keep_picked(handover, picked)
             log.debug(
                 "%s took %d batches of epoch %d from the %s cache, %d of them still decoding",
                 self.key[1],
@@ -182,6 +220,38 @@ class Stream(Producer):
             self.ahead = WarmCache(self.feed, self.window, following, lane="ahead")
         else:
             self.ahead.retarget(following)
+        if picked is not None:
+            self.want(picked, member.session.credits)
+
+    def _keep_picked(self, handover: Handover, picked: tuple[int, ...]) -> None:
+        """Picked mode: of what a cache handed over, free the decoded batches the start did not ask
+        for; those still decoding are freed when they complete, unless asked for by then."""
+        first = set(picked)
+        # Only this plan's: batches of earlier plans in ``batches`` are still held by the trainer.
+        unwanted = [key for key in self.batches if key[0] == self.gen and key[1] not in first]
+        self.free(self.batches.pop(key).slot for key in unwanted)
+        self.planned = {key[1] for key in self.batches if key[0] == self.gen} | set(handover.filling)
+
+    def want(self, seqs: tuple[int, ...], limit: int) -> None:
+        """Picked mode: decode ``seqs`` of this plan too, keeping at most ``limit`` queued (the
+        trainer names again what has not arrived); a seq asked for before, or past the epoch, is
+        ignored."""
+        if self.picks is None or not self.started:
+            return
+        for seq in seqs:
+            if not 0 <= seq < self.end or seq in self.wanted:
+                continue
+            if seq in self.planned:  # handed over by a cache, or still decoding there
+                self.wanted.add(seq)
+            elif len(self.picks) < limit:
+                self.picks.append(seq)
+                self.planned.add(seq)
+                self.wanted.add(seq)
+
+    def next_seq(self) -> int:
+        if self.picks is None:
+            return super().next_seq()
+        return self.picks.popleft()
 
     def _check_broadcast_start(self, member: Member, epoch: int, position: int) -> None:
         others = {m.want[0] for m in self.members.values() if m.want is not None and m is not member}
@@ -266,13 +336,18 @@ class Stream(Producer):
     # --- production -----------------------------------------------------------------------------
 
     def wants_batch(self) -> bool:
-        return self.started and self.next_produce < self.end and self.in_flight < self.window
+        more = self.next_produce < self.end if self.picks is None else bool(self.picks)
+        return self.started and more and self.in_flight < self.window
 
     def filled(self, gen: int, seq: int, slot: int, count: int) -> bool:
-        """Record a decoded batch; False if its plan was abandoned meanwhile."""
+        """Record a decoded batch; False if its plan was abandoned meanwhile, or nobody asked for it
+        (picked mode: a cache's batch still decoding when the start passed it over)."""
         if gen != self.gen:
             return False
         self.filling -= 1
+        if self.picks is not None and seq not in self.wanted:
+            self.planned.discard(seq)
+            return False
         active = {sid for sid, m in self.members.items() if m.active and m.next_send <= seq}
         if not active:
             return False
@@ -296,6 +371,9 @@ class Stream(Producer):
     def deliverable(self, member: Member) -> Iterator[tuple[BatchKey, SharedBatch]]:
         """Batches ``member`` may be sent now, in order, within its credits."""
         sid = member.session.session_id
+        if self.picks is not None:
+            yield from self._deliverable_picked(member)
+            return
         while member.active and len(member.session.leases) < member.session.credits:
             key = (self.gen, member.next_send)
             batch = self.batches.get(key)
@@ -306,13 +384,28 @@ class Stream(Producer):
             member.next_send += 1
             yield key, batch
 
+    def _deliverable_picked(self, member: Member) -> Iterator[tuple[BatchKey, SharedBatch]]:
+        """Picked mode: every ready batch the member asked for, lowest seq first, within its credits."""
+        sid = member.session.session_id
+        ready = sorted(
+            key for key, batch in self.batches.items() if key[0] == self.gen and sid in batch.pending
+        )
+        for key in ready:
+            if not member.active or len(member.session.leases) >= member.session.credits:
+                return
+            batch = self.batches[key]
+            batch.pending.discard(sid)
+            batch.holders.add(sid)
+            yield key, batch
+
     def undeliver(self, member: Member, key: BatchKey) -> None:
         """Take back a batch whose announcement could not be sent: it is due to the member again."""
         sid = member.session.session_id
         batch = self.batches[key]
         batch.holders.discard(sid)
         batch.pending.add(sid)
-        member.next_send = key[1]
+        if self.picks is None:
+            member.next_send = key[1]
 
     def release(self, session_id: str, key: BatchKey) -> None:
         """A member let go of a batch; its slot is freed if nobody needs it any more."""
@@ -323,10 +416,20 @@ class Stream(Producer):
         if batch.finished:
             del self.batches[key]
             self.feed.pool.release(batch.slot)
+            self._forget_picked(key)
+
+    def _forget_picked(self, key: BatchKey) -> None:
+        """Picked mode: a batch the trainer has let go may be asked for again (it let a second copy
+        go, or made room for the batch its loop waits for: NOTE [ A fleet ])."""
+        if self.picks is not None and key[0] == self.gen:
+            self.planned.discard(key[1])
+            self.wanted.discard(key[1])
 
     def _collect(self) -> None:
         done = [key for key, batch in self.batches.items() if batch.finished]
         self.free(self.batches.pop(key).slot for key in done)
+        for key in done:
+            self._forget_picked(key)
 
     def never_started(self, now: float, patience: float) -> list[str]:
         """Broadcast members that attached and have not started while others wait to begin an epoch,

@@ -31,12 +31,13 @@ from protocol.messages import (
     Start,
     StatusReply,
     StatusRequest,
+    Want,
     Welcome,
     decode,
 )
 
 log = logging.getLogger(__name__)
-TRAINER_MESSAGES = (Hello, Start, Release, Ack, Heartbeat, Bye, StatusRequest)
+TRAINER_MESSAGES = (Hello, Start, Want, Release, Ack, Heartbeat, Bye, StatusRequest)
 
 
 class TrainerDesk:
@@ -93,7 +94,7 @@ class TrainerDesk:
             why = "send hello first (the service may have restarted)"
             self._outbox.reject(routing_id, "no-session", why, fatal=True)
             return
-        if isinstance(msg, (Start, Release, Ack, Bye)) and not session.presents(msg.token):
+        if isinstance(msg, (Start, Want, Release, Ack, Bye)) and not session.presents(msg.token):
             self._outbox.reject(routing_id, "bad-token", "this message does not carry its session's token")
             return
         session.last_seen = time.monotonic()
@@ -102,6 +103,8 @@ class TrainerDesk:
             self._outbox.reject(routing_id, "evicted", why, fatal=True)
         elif isinstance(msg, Start):
             self._on_start(session, msg)
+        elif isinstance(msg, Want):
+            self._on_want(session, msg)
         elif isinstance(msg, Release):
             self._on_release(session, msg)
         elif isinstance(msg, Ack):
@@ -284,12 +287,21 @@ class TrainerDesk:
         stream = self._attached.stream_of(session)
         session.run, session.epoch = msg.run, msg.epoch
         session.remote = msg.transport == "tcp"
+        warm = self._warm.get(stream.feed.id)
+        picked = msg.want if msg.picked else None
         try:
-            stream.on_start(session.session_id, msg.epoch, msg.position, self._warm.get(stream.feed.id))
+            stream.on_start(session.session_id, msg.epoch, msg.position, warm, picked)
         except StartRefused as exc:
             self._outbox.reject(session.routing_id, "bad-start", str(exc), fatal=True)
             return
         self._outbox.deliver(stream)
+
+    def _on_want(self, session: Session, msg: Want) -> None:
+        """A picked run's trainer asks for more of its batches; one of an older run is ignored."""
+        if msg.run != session.run:
+            return
+        stream = self._attached.stream_of(session)
+        stream.want(msg.seqs, session.credits)
 
     def _on_release(self, session: Session, msg: Release) -> None:
         stream = self._attached.stream_of(session)

@@ -30,6 +30,7 @@ from protocol.messages import (
     ProtocolError,
     Release,
     Start,
+    Want,
     StopWorker,
     Task,
     TaskDone,
@@ -71,6 +72,8 @@ FEED = FeedInfo(
 EXAMPLES: list[Message] = [
     Hello("host:1", 1, "train", 6),
     Start(3, 2, 1),
+    Start(3, 2, 0, picked=True, want=(0, 5, 9)),
+    Want(4, (10, 11)),
     Release((1, 2, 3)),
     Heartbeat("abc"),
     Heartbeat(sent=3, run=1),
@@ -275,41 +278,42 @@ def test_kinds_of_the_wrong_type_are_refused_not_crashed_on(kind: object) -> Non
 
 # --- the declarations: golden frames, and properties derived from every message's field rules -----
 
-# Frames of protocol version 4 (version 3 plus acknowledged delivery: per-session lease numbers,
+# Frames of protocol version 5 (version 4 plus picked starts and ``want``; version 4 was 3 plus
+# acknowledged delivery: per-session lease numbers,
 # ``ack``, a heartbeat's ``sent`` and ``run``, a resuming hello's ``have``; and a hello's
 # ``group_secret``): any change here is a wire change, which needs a new PROTOCOL_VERSION.
 GOLDEN: list[tuple[Message, str]] = [
     (
         BatchReady(1, 2, 3, 4, 5, 64),
-        "88a17604a16ba56261746368a372756e01a565706f636802a373657103a56c6561736504a4736c6f7405a5636f756e7440",
+        "88a17605a16ba56261746368a372756e01a565706f636802a373657103a56c6561736504a4736c6f7405a5636f756e7440",
     ),
-    (Release((1, 2, 3)), "84a17604a16ba772656c65617365a66c656173657393010203a5746f6b656ea0"),
+    (Release((1, 2, 3)), "84a17605a16ba772656c65617365a66c656173657393010203a5746f6b656ea0"),
     (
         TaskDone(1, 2, 3, ((4, "empty file"),)),
-        "86a17604a16ba4646f6e65a47461736b01a6776f726b657202a5636f756e7403a3626164919204aa656d7074792066696c65",
+        "86a17605a16ba4646f6e65a47461736b01a6776f726b657202a5636f756e7403a3626164919204aa656d7074792066696c65",
     ),
     (
         Task(1, 0, 2, 3, bytes(8)),
-        "88a17604a16ba47461736ba47461736b01a46665656400a4736c6f7402a565706f636803a7696e6469636573c408000000"
+        "88a17605a16ba47461736ba47461736b01a46665656400a4736c6f7402a565706f636803a7696e6469636573c408000000"
         "0000000000a3726f7700",
     ),
     (
         ErrorReply("bad", "why", True),
-        "85a17604a16ba56572726f72a4636f6465a3626164a76d657373616765a3776879a5666174616cc3",
+        "85a17605a16ba56572726f72a4636f6465a3626164a76d657373616765a3776879a5666174616cc3",
     ),
-    (Bye(), "83a17604a16ba3627965a5746f6b656ea0"),
+    (Bye(), "83a17605a16ba3627965a5746f6b656ea0"),
     (
         Hello("host:1", 1, "train", 6, held=(7,)),
-        "de0012a17604a16ba568656c6c6fa6636c69656e74a6686f73743a31a370696401a466656564a5747261696ea763726564"
+        "de0012a17605a16ba568656c6c6fa6636c69656e74a6686f73743a31a370696401a466656564a5747261696ea763726564"
         "69747306a46d6f6465a57368617264a472616e6b00aa776f726c645f73697a6501a972656d61696e646572a3706164a567"
         "726f7570a0aa67726f75705f73697a6501aa62617463685f73697a6500aa696d6167655f73697a6500a6726573756d65a0"
         "a468656c649107a46861766500ac67726f75705f736563726574a0",
     ),
-    (Heartbeat(sent=9, run=2), "85a17604a16ba9686561727462656174a5746f6b656ea0a473656e7409a372756e02"),
-    (Ack(5, (7,), (4,)), "86a17604a16ba361636ba46861766505a76d697373696e679107a468656c649104a5746f6b656ea0"),
+    (Heartbeat(sent=9, run=2), "85a17605a16ba9686561727462656174a5746f6b656ea0a473656e7409a372756e02"),
+    (Ack(5, (7,), (4,)), "86a17605a16ba361636ba46861766505a76d697373696e679107a468656c649104a5746f6b656ea0"),
     (
         Welcome("s1", FEED, 1.0, 2, 100),
-        "89a17604a16ba777656c636f6d65a773657373696f6ea27331a4666565648da46e616d65a5747261696ea773616d706c"
+        "89a17605a16ba777656c636f6d65a773657373696f6ea27331a4666565648da46e616d65a5747261696ea773616d706c"
         "657364a7636c61737365730aaa62617463685f73697a6540aa696d6167655f73697a65cce0b1626174636865735f7065"
         "725f65706f636802a47365656400a76175676d656e74a5747261696eab66696e6765727072696e74d920616261626162"
         "6162616261626162616261626162616261626162616261626162a77365676d656e74b46461746166657272792d312d74"
@@ -335,7 +339,7 @@ def test_fields_added_later_may_be_absent_but_no_other_field_may() -> None:
         decode(msgpack.packb(body), (Hello,))
 
 
-START_REST = {"transport": "shm", "token": ""}
+START_REST = {"transport": "shm", "picked": False, "want": [], "token": ""}
 
 
 @pytest.mark.parametrize(

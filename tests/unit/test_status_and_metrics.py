@@ -209,17 +209,21 @@ def test_trainer_batch_wait_histogram_is_served_over_http() -> None:
     pytest.importorskip("prometheus_client")
     metrics = TrainerMetrics()
     for seconds in (0.0002, 0.003, 20.0):
-        metrics.observe(seconds)
+        metrics.observe(seconds, "tcp://a:1")
+    metrics.observe(0.5, "tcp://b:1")
     samples = scrape(metrics.registry)
 
-    def bucket(le: str) -> float:
-        return samples[("dataferry_batch_wait_seconds_bucket", frozenset({("le", le)}))]
+    def bucket(le: str, endpoint: str = "tcp://a:1") -> float:
+        return samples[
+            ("dataferry_batch_wait_seconds_bucket", frozenset({("le", le), ("endpoint", endpoint)}))
+        ]
 
     assert [bucket(le) for le in ("0.0001", "0.00025", "0.005", "10.0", "+Inf")] == [0, 1, 2, 2, 3]
+    assert [bucket(le, "tcp://b:1") for le in ("0.25", "0.5", "+Inf")] == [0, 1, 1]
     metrics.start(0)
     try:
         with urllib.request.urlopen(f"http://127.0.0.1:{metrics.port}/metrics", timeout=5) as response:
-            assert b"dataferry_batch_wait_seconds_count 3.0" in response.read()
+            assert b'dataferry_batch_wait_seconds_count{endpoint="tcp://a:1"} 3.0' in response.read()
     finally:
         metrics.stop()
 

@@ -1,0 +1,235 @@
+"""Which service of a fleet decodes which batch of a pass, and the order the loop gets them in.
+
+Pure bookkeeping, no sockets: ``gpu_worker.passes`` feeds it what arrived and sends what it assigns.
+
+NOTE [ A fleet ]
+    A trainer may be fed by several services with the same data (``ServiceLoader([...])``). The
+    epoch plan is a pure function of (seed, epoch, rank, world_size, remainder), so any of them can
+    decode any batch of the trainer's share, and no dispatcher is needed:
+
+    * Every service must serve the same feed: dataset fingerprint, seed, batch size, image size,
+      transform and fields. One that differs is refused at attach, with every difference named.
+    * Each service runs a *picked* run (``Start.picked``): it decodes only the batches the trainer
+      names, in the order named. The trainer names a batch to a service only while that service has
+      a free credit (its credits minus batches it owes, batches waiting here, and batches the loop
+      holds), so a service never has more out than its credits and a slow one is never sent more
+      than it can do.
+    * Among services with a free credit, the next batch (lowest seq not yet assigned) goes to the
+      one expected to deliver it first, ``(owed + 1) * pace``, where ``pace`` is the service's
+      measured seconds per batch. A service whose expected time exceeds ``horizon`` (the time the
+      fastest service takes to work through its whole credit window) gets nothing now: by the time
+      it would deliver, the faster ones would have delivered that batch and the rest of their
+      window, and the loop would wait for the slow one. So a straggler receives batches only as
+      fast as it can decode them, and never holds the others back.
+    * Batches reach the loop in plan order, each once: what arrives early waits here (bounded by
+      the credits); a second copy of a batch (after a reassignment) is released unread.
+    * A service that misses its heartbeats, or restarted, loses its unfinished batches to the
+      others (``lost``); they go out first, since the loop waits for the lowest. If it comes back
+      having kept its session, what it still delivers of them arrives as second copies.
+    * Progress never waits on credits held by batches waiting here: when the batch the loop needs is
+      unassigned and no service has a free credit, the latest waiting batch is let go unread and
+      assigned again later (``make_room``).
+    A fleet of one service runs the same picked runs. A checkpoint (``state_dict``) names the
+    trainer's position in the plan, not the services, so it resumes on any fleet with the same data.
+"""
+
+from __future__ import annotations
+
+import heapq
+from collections.abc import Hashable
+from dataclasses import dataclass, field
+from typing import Generic, TypeVar
+
+Item = TypeVar("Item")
+Service = TypeVar("Service", bound=Hashable)
+PACE_WEIGHT = 0.3
+"""Weight of the newest sample in a service's pace (an exponential moving average)."""
+
+
+@dataclass
+class Pace:
+    """A service's seconds per batch, measured from its deliveries."""
+
+    seconds: float | None = None
+    last_arrival: float | None = None
+
+    def update(self, now: float, busy_since: float) -> None:
+        """A batch arrived at ``now``; the service has been working on it since ``busy_since``."""
+        start = busy_since if self.last_arrival is None else max(busy_since, self.last_arrival)
+        sample = max(now - start, 1e-6)
+        self.seconds = (
+            sample if self.seconds is None else (1 - PACE_WEIGHT) * self.seconds + PACE_WEIGHT * sample
+        )
+        self.last_arrival = now
+
+
+@dataclass
+class Dispatcher(Generic[Service, Item]):
+    """One pass over batches ``[position, end)`` of a trainer's share, across a fleet."""
+
+    position: int
+    end: int
+    reassigned: int = 0
+    """Batches taken from a lost service and assigned again."""
+    _next_fresh: int = -1
+    _returned: list[int] = field(default_factory=list)
+    """A heap of seqs given back by lost services, assigned before fresh ones."""
+    _owner: dict[int, Service] = field(default_factory=dict)
+    """seq -> the service it is assigned to, until it arrives from anyone."""
+    _assigned_at: dict[tuple[Service, int], float] = field(default_factory=dict)
+    _owed: dict[Service, set[int]] = field(default_factory=dict)
+    """What each service will still deliver (it counts against its credits until it arrives)."""
+    _ready: dict[int, tuple[Service, Item]] = field(default_factory=dict)
+    _paces: dict[Service, Pace] = field(default_factory=dict)
+    _live: set[Service] = field(default_factory=set)
+
+    def __post_init__(self) -> None:
+        self._next_fresh = self.position
+
+    # --- services -------------------------------------------------------------------------------
+
+    def joined(self, service: Service) -> None:
+        """A service can take batches (it attached, or came back)."""
+        self._live.add(service)
+        self._owed.setdefault(service, set())
+        self._paces.setdefault(service, Pace())
+
+    def lost(self, service: Service) -> list[int]:
+        """A service stopped answering: its unfinished batches go to the others. Returns them."""
+        self._live.discard(service)
+        gone = sorted(seq for seq, owner in self._owner.items() if owner == service)
+        for seq in gone:
+            del self._owner[seq]
+            heapq.heappush(self._returned, seq)
+        self.reassigned += len(gone)
+        self._paces[service] = Pace()  # it may come back at another speed
+        return gone
+
+    def forget(self, service: Service) -> None:
+        """The service no longer knows this trainer (a new session): it owes nothing any more."""
+        self.lost(service)
+        self._owed[service] = set()
+        self._assigned_at = {key: t for key, t in self._assigned_at.items() if key[0] != service}
+
+    def drop_waiting(self, service: Service) -> list[Item]:
+        """Forget what arrived from ``service`` and waits for the loop (its session is gone, and its
+        pool with it): those batches are assigned again. The caller lets the items go."""
+        seqs = [seq for seq, (owner, _) in self._ready.items() if owner == service]
+        for seq in seqs:
+            heapq.heappush(self._returned, seq)
+        return [self._ready.pop(seq)[1] for seq in seqs]
+
+    def owed(self, service: Service) -> set[int]:
+        return self._owed.get(service, set())
+
+    def waiting(self, service: Service) -> list[Item]:
+        """Items that arrived from ``service`` and wait for the loop."""
+        return [item for owner, item in self._ready.values() if owner == service]
+
+    # --- assigning ------------------------------------------------------------------------------
+
+    def assign(self, free: dict[Service, int], now: float) -> dict[Service, list[int]]:
+        """Give out batches to services with a free credit (NOTE [ A fleet ]); ``free`` is updated."""
+        out: dict[Service, list[int]] = {}
+        while (seq := self._peek()) is not None:
+            service = self._choose(free, urgent=seq == self.position)
+            if service is None:
+                break
+            self._pop()
+            free[service] -= 1
+            self._owner[seq] = service
+            self._owed[service].add(seq)
+            self._assigned_at[(service, seq)] = now
+            out.setdefault(service, []).append(seq)
+        return out
+
+    def _choose(self, free: dict[Service, int], urgent: bool) -> Service | None:
+        """The service expected to deliver a new batch first, if it is worth giving it one now."""
+        candidates = [s for s in self._live if free.get(s, 0) > 0]
+        if not candidates:
+            return None
+        best = min(candidates, key=self._expected)
+        if urgent or self._expected(best) <= self._horizon(free):
+            return best
+        return None
+
+    def _pace(self, service: Service) -> float:
+        known = [p.seconds for p in self._paces.values() if p.seconds is not None]
+        own = self._paces[service].seconds
+        return own if own is not None else (min(known) if known else 1.0)
+
+    def _expected(self, service: Service) -> float:
+        return (len(self._owed[service]) + 1) * self._pace(service)
+
+    def _horizon(self, free: dict[Service, int]) -> float:
+        """How long the fastest live service takes to work through its whole credit window."""
+        windows = [(len(self._owed[s]) + free.get(s, 0)) * self._pace(s) for s in self._live]
+        return min((w for w in windows if w > 0), default=float("inf"))
+
+    def _peek(self) -> int | None:
+        while self._returned and (self._returned[0] in self._ready or self._returned[0] < self.position):
+            heapq.heappop(self._returned)
+        if self._returned:
+            return self._returned[0]
+        while self._next_fresh < self.end and self._next_fresh in self._ready:
+            self._next_fresh += 1
+        return self._next_fresh if self._next_fresh < self.end else None
+
+    def _pop(self) -> None:
+        if self._returned:
+            heapq.heappop(self._returned)
+        else:
+            self._next_fresh += 1
+
+    # --- arriving -------------------------------------------------------------------------------
+
+    def arrived(self, service: Service, seq: int, item: Item, now: float) -> bool:
+        """Take batch ``seq`` from ``service``; False for one the loop must not see (a second copy,
+        or one outside the pass): the caller lets it go unread."""
+        owed = self._owed.setdefault(service, set())
+        was_owed = seq in owed
+        owed.discard(seq)
+        assigned_at = self._assigned_at.pop((service, seq), None)
+        if was_owed and assigned_at is not None:
+            self._paces.setdefault(service, Pace()).update(now, assigned_at)
+        if not self.position <= seq < self.end or seq in self._ready:
+            return False
+        self._owner.pop(seq, None)
+        self._ready[seq] = (service, item)
+        return True
+
+    def take(self) -> tuple[Service, Item] | None:
+        """The batch the loop needs next, if it is here."""
+        got = self._ready.pop(self.position, None)
+        if got is not None:
+            self.position += 1
+        return got
+
+    def make_room(self, free: dict[Service, int]) -> tuple[Service, Item] | None:
+        """When the batch the loop needs is unassigned and no live service has a free credit, let the
+        latest waiting batch of a live service go, to be assigned again. The caller releases it."""
+        if self._peek() != self.position or any(free.get(s, 0) > 0 for s in self._live):
+            return None
+        waiting = [
+            seq for seq, (owner, _) in self._ready.items() if owner in self._live and seq > self.position
+        ]
+        if not waiting:
+            return None
+        seq = max(waiting)
+        got = self._ready.pop(seq)
+        heapq.heappush(self._returned, seq)
+        return got
+
+    def due_owner(self) -> Service | None:
+        """The service the loop is waiting for, if the batch it needs is assigned."""
+        return self._owner.get(self.position)
+
+    @property
+    def done(self) -> bool:
+        return self.position >= self.end
+
+    def drain(self) -> list[tuple[Service, Item]]:
+        """Everything still waiting (the pass ends early): the caller lets it go."""
+        items = list(self._ready.values())
+        self._ready.clear()
+        return items

@@ -1,0 +1,102 @@
+"""One thread that keeps every session of a loader alive, however long a training step takes.
+
+A ZeroMQ socket belongs to one thread, so this thread owns one heartbeat socket per session: the
+loader's thread only records what should beat (``beat``, ``stop``) and the thread applies it at its
+next wake-up. A heartbeat carries the session's token, so it keeps alive only that session.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from dataclasses import dataclass
+from typing import Any
+
+import zmq
+
+from gpu_worker.curve import ClientKeys
+from protocol.messages import Heartbeat, encode
+
+WAKE = 0.05
+"""Longest the thread sleeps when no heartbeat is due sooner (also how soon a change applies)."""
+
+
+@dataclass(frozen=True)
+class Beat:
+    endpoint: str
+    token: str
+    interval: float
+    keys: ClientKeys | None
+
+
+class Heartbeats:
+    """``beat(key, ...)`` starts (or replaces) the heartbeats of one session; ``stop(key)`` ends them."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._wanted: dict[object, Beat] = {}
+        self._changed = threading.Event()
+        self._closing = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="dataferry-heartbeats", daemon=True)
+        self._thread.start()
+
+    def beat(self, key: object, endpoint: str, token: str, interval: float, keys: ClientKeys | None) -> None:
+        with self._lock:
+            self._wanted[key] = Beat(endpoint, token, interval, keys)
+        self._changed.set()
+
+    def stop(self, key: object) -> None:
+        with self._lock:
+            self._wanted.pop(key, None)
+        self._changed.set()
+
+    def close(self) -> None:
+        self._closing.set()
+        self._changed.set()
+        self._thread.join(2.0)
+
+    def _run(self) -> None:
+        ctx: zmq.Context[zmq.Socket[bytes]] = zmq.Context()
+        live: dict[object, tuple[Beat, zmq.Socket[bytes], float]] = {}
+        try:
+            while not self._closing.is_set():
+                with self._lock:
+                    wanted = dict(self._wanted)
+                self._changed.clear()
+                _apply(ctx, live, wanted)
+                now = time.monotonic()
+                for key, (beat, sock, due) in list(live.items()):
+                    if now >= due:
+                        _send(sock, beat)
+                        live[key] = (beat, sock, now + beat.interval)
+                soonest = min((due for _, _, due in live.values()), default=now + WAKE)
+                self._changed.wait(max(0.0, min(soonest - time.monotonic(), WAKE)))
+        finally:
+            for _, sock, _ in live.values():
+                sock.close(linger=0)
+            ctx.term()
+
+
+def _apply(
+    ctx: zmq.Context[zmq.Socket[bytes]],
+    live: dict[object, tuple[Beat, zmq.Socket[bytes], float]],
+    wanted: dict[object, Beat],
+) -> None:
+    """Open a socket for each new or changed session, close the ones no longer wanted."""
+    for key in [key for key, (beat, _, _) in live.items() if wanted.get(key) != beat]:
+        live.pop(key)[1].close(linger=0)
+    for key, beat in wanted.items():
+        if key not in live:
+            sock = ctx.socket(zmq.DEALER)
+            sock.setsockopt(zmq.LINGER, 0)
+            if beat.keys is not None:
+                beat.keys.apply(sock)
+            sock.connect(beat.endpoint)
+            live[key] = (beat, sock, time.monotonic())
+
+
+def _send(sock: zmq.Socket[Any], beat: Beat) -> None:
+    try:
+        sock.send(encode(Heartbeat(beat.token)), zmq.NOBLOCK)
+    except zmq.Again:
+        pass  # the service is not reading: the next beat tries again

@@ -1,0 +1,229 @@
+"""One pass of the loop over an epoch (or what is left of it): the pass owns its state, the loader
+owns the configuration and the sessions (``gpu_worker.services``).
+
+A shard pass hands its batches out across the fleet and puts them back in plan order (NOTE [ A
+fleet ] in ``gpu_worker/fleet.py``); a broadcast pass takes what its one service plans for the
+group. Either way the loop gets each batch of the pass once, in order.
+"""
+
+from __future__ import annotations
+
+import gc
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
+from typing import Any
+
+from gpu_worker.batch import Batch
+from gpu_worker.connection import ServiceError, ServiceTimeout
+from gpu_worker.fleet import Dispatcher
+from gpu_worker.services import Fleet, Service
+from protocol.messages import BatchReady, EpochEnd, Start
+
+Arrived = tuple[int, BatchReady]
+"""(session generation, announcement): what waits in the dispatcher."""
+
+
+@dataclass
+class PassSettings:
+    epoch: int
+    position: int
+    batches: int
+    timeout: float
+    broadcast: bool
+
+
+class EpochPass:
+    """Iterate once: ``for batch in EpochPass(...)``. ``position`` counts the batches handed out."""
+
+    def __init__(self, fleet: Fleet, settings: PassSettings) -> None:
+        self._fleet = fleet
+        self._settings = settings
+        self.epoch = settings.epoch
+        self.position = settings.position
+        self.finished = False
+        self.active = False
+        self.last_endpoint = ""
+        """Iterating: started and neither finished nor abandoned (``state_dict`` names its position)."""
+        self._dispatcher: Dispatcher[Service, Arrived] = Dispatcher(settings.position, settings.batches)
+        self._started: set[int] = set()
+        """ids of the services this pass has sent a start under their current session."""
+
+    @property
+    def reassigned(self) -> int:
+        return self._dispatcher.reassigned
+
+    def __iter__(self) -> Iterator[Batch]:
+        fleet = self._fleet
+        self.active = True
+        fleet.on_event = self._on_event
+        fleet.waiting_leases = self._waiting_leases
+        try:
+            for service in fleet.live:
+                self._dispatcher.joined(service)
+            self._begin_all()
+            while self.position < self._settings.batches:
+                service, msg = self._next()
+                if msg is None:  # the broadcast epoch's end
+                    break
+                batch = service.wrap(msg)
+                self.position = (msg.seq if self._settings.broadcast else self.position) + 1
+                if batch is not None:
+                    service.share.add(len(batch.indices), time.monotonic())
+                    self.last_endpoint = service.endpoint
+                    yield batch
+                del batch  # the generator must not keep the previous batch's slot while waiting
+            self.position = max(self.position, self._settings.batches)
+            self.finished = True
+            self._send_pending(time.monotonic())  # credits back now, so the next pass starts at once
+        finally:
+            self._leave()
+
+    def _leave(self) -> None:
+        self.active = False
+        if self._fleet.on_event == self._on_event:
+            self._fleet.on_event = None
+        for service, (generation, msg) in self._dispatcher.drain():
+            service.unread(msg, generation)
+
+    def _waiting_leases(self, service: Service) -> tuple[int, ...]:
+        gen = service.conn.generation
+        return tuple(msg.lease for g, msg in self._dispatcher.waiting(service) if g == gen)
+
+    # --- runs -----------------------------------------------------------------------------------
+
+    def _begin_all(self) -> None:
+        for service in self._fleet.live:
+            self._begin(service)
+
+    def _begin(self, service: Service) -> None:
+        """A new run on ``service``: picked in shard mode, with the batches assigned to it."""
+        service.run += 1
+        self._started.add(id(service))
+        settings = self._settings
+        transport = service.delivery.transport
+        if settings.broadcast:
+            service.send_start(Start(service.run, settings.epoch, self.position, transport))
+            return
+        first = self._assign(time.monotonic(), only=service).get(service, [])
+        service.send_start(Start(service.run, settings.epoch, self.position, transport, True, tuple(first)))
+        service.wanted_at = time.monotonic()
+
+    def _on_event(self, service: Service, what: str, detail: Any) -> None:
+        """What happened to a session means for this pass's batches (NOTE [ A fleet ])."""
+        dispatcher = self._dispatcher
+        if what == "lost":
+            dispatcher.lost(service)
+        elif what == "resumed":
+            dispatcher.joined(service)
+        elif what == "opened":  # a new session: it owes nothing, and what came from it is gone
+            for generation, msg in self._dispatcher.drop_waiting(service):
+                service.unread(msg, generation)
+            dispatcher.forget(service)
+            dispatcher.joined(service)
+            self._started.discard(id(service))
+            self._begin(service)
+
+    # --- waiting --------------------------------------------------------------------------------
+
+    def _next(self) -> tuple[Service, BatchReady | None]:
+        """The batch the loop needs next (``None``: a broadcast epoch ended), within the timeout."""
+        deadline = time.monotonic() + self._settings.timeout
+        while True:
+            got = self._take()
+            if got is not None:
+                return got
+            now = time.monotonic()
+            if now >= deadline:
+                raise self._timeout_error()
+            self._send_pending(now)
+            if not self._settings.broadcast:
+                self._assign(now)
+                self._check_not_starved()
+            self._fleet.wait(deadline)
+            self._collect(time.monotonic())
+
+    def _take(self) -> tuple[Service, BatchReady | None] | None:
+        if self._settings.broadcast:
+            return self._broadcast_take()
+        got = self._dispatcher.take()
+        return None if got is None else (got[0], got[1][1])
+
+    def _collect(self, now: float) -> None:
+        """Move what arrived from each session into the dispatcher (shard mode)."""
+        if self._settings.broadcast:
+            return
+        for service in self._fleet.live:
+            while (msg := service.conn.next_message()) is not None:
+                if not isinstance(msg, BatchReady):
+                    continue  # an ``end`` of a run before this one
+                arrived = (service.conn.generation, msg)
+                mine = msg.run == service.run and id(service) in self._started
+                if not mine or not self._dispatcher.arrived(service, msg.seq, arrived, now):
+                    service.unread(msg, service.conn.generation)
+
+    def _broadcast_take(self) -> tuple[Service, BatchReady | None] | None:
+        """A broadcast member takes what its group's service planned, in order, from where the group
+        is (NOTE [ Broadcast epochs ] in loader_service/supervisor/streams.py)."""
+        for service in self._fleet.live:
+            while (msg := service.conn.next_message()) is not None:
+                if isinstance(msg, EpochEnd) and msg.run == service.run:
+                    return service, None
+                if isinstance(msg, BatchReady) and msg.run == service.run:
+                    return service, msg
+                if isinstance(msg, BatchReady):
+                    service.unread(msg, service.conn.generation)
+        return None
+
+    def _assign(self, now: float, only: Service | None = None) -> dict[Service, list[int]]:
+        """Hand out batches to services with a free credit; name them to the ones already started."""
+        dispatcher = self._dispatcher
+        services = [only] if only is not None else [s for s in self._fleet.live if id(s) in self._started]
+        free = {
+            s: s.credits - s.in_use(len(dispatcher.waiting(s))) - len(dispatcher.owed(s)) for s in services
+        }
+        if only is None:
+            room = dispatcher.make_room(free)
+            if room is not None:
+                service, (generation, msg) = room
+                service.unread(msg, generation)
+        out = dispatcher.assign(free, now)
+        if only is None:
+            for service, seqs in out.items():
+                service.want(seqs, now)
+        return out
+
+    def _send_pending(self, now: float) -> None:
+        for service in self._fleet.live:
+            service.send_pending(self._dispatcher.owed(service), self._waiting_leases(service), now)
+
+    def _check_not_starved(self) -> None:
+        """Fail at once, not after the timeout, when batches the loop holds use up every credit of
+        every service (CPU zero-copy: only dropping them gives the credits back)."""
+        live = self._fleet.live
+        if not live or any(s.delivery.stager is not None or s.leases.held() < s.credits for s in live):
+            return
+        gc.collect()  # batches in unreachable cycles still pin their slots until collected
+        if all(s.leases.held() >= s.credits for s in live):
+            credits = sum(s.credits for s in live)
+            raise ServiceError(
+                f"this trainer still references all {credits} batches its credits allow, so no "
+                "service can send another: drop references to old batches (keep .clone() copies if "
+                "needed), or pass a larger credits= to ServiceLoader"
+            )
+
+    def _timeout_error(self) -> ServiceTimeout:
+        now = time.monotonic()
+        states = []
+        for service in self._fleet.services:
+            silent = now - service.conn.last_heard
+            if service.refused:
+                states.append(f"{service.endpoint} left out ({service.refused})")
+            elif silent > self._settings.timeout / 2:
+                states.append(f"{service.endpoint} silent for {silent:.0f} s")
+            else:
+                states.append(
+                    f"{service.endpoint} alive but sent nothing; this trainer holds "
+                    f"{service.leases.held()} of its {service.credits} credits"
+                )
+        return ServiceTimeout(f"no batch within {self._settings.timeout:.0f} s: {'; '.join(states)}")

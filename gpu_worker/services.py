@@ -1,0 +1,302 @@
+"""The services a loader is fed by: one ``Service`` each (session, pool, leases), polled together.
+
+``Fleet`` owns them with one ``zmq.Poller`` and one heartbeat thread (``gpu_worker.heartbeats``).
+It attaches to every endpoint at once, checks that they all serve the same feed (NOTE [ A fleet ] in
+``gpu_worker/fleet.py``), and on every wait reads what arrived, reconnects lost sessions without
+blocking (NOTE [ Reconnecting ] in ``gpu_worker/client.py``) and reports what happened to each
+session to the pass under way, which decides what it means for its batches.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+import zmq
+
+from gpu_worker.batch import Batch
+from gpu_worker.connection import Connection, ServiceError, ServiceTimeout
+from gpu_worker.curve import ClientKeys
+from gpu_worker.delivery import Delivery
+from gpu_worker.heartbeats import Heartbeats
+from gpu_worker.leases import LeaseBook
+from protocol.messages import MAX_RELEASES, BatchReady, Bye, FeedInfo, Hello, Start, Want, Welcome
+
+log = logging.getLogger(__name__)
+POLL_SLICE = 0.1
+"""Longest one wait on the poller: what could not be sent is offered again at least this often
+(NOTE [ Releases that could not be sent ]), and finished device copies are collected."""
+SAME_FEED = ("fingerprint", "seed", "batch_size", "image_size", "augment", "fields", "samples")
+"""What every service of a fleet must agree on: the same data, order, transform and batch layout."""
+Event = Callable[["Service", str, Any], None]
+"""What a pass is told: (service, "opened" | "resumed" | "lost", welcome or why)."""
+
+
+@dataclass
+class Share:
+    """What one service delivered to the loop: ``gpu-worker run`` and ``loader.stats()`` show it."""
+
+    batches: int = 0
+    images: int = 0
+    first: float = 0.0
+    last: float = 0.0
+
+    def add(self, images: int, now: float) -> None:
+        if not self.batches:
+            self.first = now
+        self.batches += 1
+        self.images += images
+        self.last = now
+
+    def rate(self) -> float:
+        span = self.last - self.first
+        return self.images / span if span > 0 else 0.0
+
+
+@dataclass(eq=False)  # one object per service, hashed by identity
+class Service:
+    """One service of the fleet, as this trainer sees it."""
+
+    endpoint: str
+    conn: Connection
+    leases: LeaseBook
+    delivery: Delivery
+    credits_asked: int
+    info: FeedInfo | None = None
+    batches: int = 0
+    """This trainer's batches per epoch, as the service's welcome says."""
+    credits: int = 0
+    run: int = 0
+    unsent_start: Start | None = None
+    last_start: tuple[Start, float] | None = None
+    """The current run's start and when it went out: sent again if the service never shows it."""
+    wanted_at: float = 0.0
+    """When the batches it owes were last named to it (``Want``): named again every heartbeat interval."""
+    refused: str = ""
+    """Why this service is left out (it serves another feed); '' while it is in use."""
+    resume_held: tuple[int, ...] = ()
+    """What the last resuming hello named as held: a resumed session keeps only those."""
+    share: Share = field(default_factory=Share)
+
+    @property
+    def open(self) -> bool:
+        return bool(self.conn.session) and not self.refused
+
+    def adopt(self, welcome: Welcome) -> None:
+        """Use a (new) session's feed and pool."""
+        self.info = welcome.feed
+        self.batches = welcome.batches
+        self.credits = min(self.credits_asked, welcome.credits)
+        self.delivery.adopt(welcome.feed)
+        self.conn.batch_bytes = self.delivery.batch_bytes
+        self.unsent_start = self.last_start = None  # meaningless to a new session
+
+    def in_use(self, waiting: int) -> int:
+        """Credits taken: leases not yet returned, announcements not yet taken, and ``waiting``
+        batches taken from it that wait for the loop."""
+        return self.leases.unreturned() + len(self.conn.waiting_leases()) + self.conn.arrivals.early + waiting
+
+    def held(self, waiting: tuple[int, ...]) -> tuple[int, ...]:
+        """What a resuming hello names: leases still referenced, or arrived and not yet taken."""
+        gen = self.conn.generation
+        return (*self.leases.held_ids(gen), *self.conn.waiting_leases(), *waiting)[:MAX_RELEASES]
+
+    def send_start(self, start: Start) -> None:
+        """Send ``start``, or keep it to send again (it supersedes any start kept before)."""
+        if self.conn.send(start):
+            self.unsent_start, self.last_start = None, (start, time.monotonic())
+        else:
+            self.unsent_start = start
+
+    def want(self, seqs: list[int], now: float) -> None:
+        """Name batches of the current run to decode; one the socket refuses is named again later."""
+        if seqs and self.conn.send(Want(self.run, tuple(seqs))):
+            self.wanted_at = now
+
+    def send_pending(self, owed: set[int], waiting: tuple[int, ...], now: float) -> None:
+        """NOTE [ Releases that could not be sent ]: the kept start first, then every release; the
+        batches it owes named again once a heartbeat interval; an ack when one is due, naming as
+        held the ``waiting`` leases too (taken from it, waiting for the loop)."""
+        self.delivery.collect()  # device copies that have finished let their slots go
+        if not self.conn.session:
+            return
+        self._start_again_if_lost()
+        if self.unsent_start is not None:
+            self.send_start(self.unsent_start)
+        self.leases.flush(self.conn.generation, self.conn.send)
+        if owed and now - self.wanted_at > self.conn.heartbeat_interval:
+            self.want(sorted(owed), now)
+        if self.conn.arrivals.ack_due:
+            self._ack(waiting)
+
+    def _ack(self, waiting: tuple[int, ...]) -> None:
+        """NOTE [ Acknowledged delivery ]: after the releases, on the same socket."""
+        have = self.conn.arrivals.have
+        gen = self.conn.generation
+        unreleased = (*self.leases.unreleased_ids(gen), *self.conn.waiting_leases(), *waiting)
+        self.conn.ack(tuple(lease for lease in unreleased if lease <= have))
+
+    def _start_again_if_lost(self) -> None:
+        """A start the service's heartbeats still do not show a heartbeat interval after it went out
+        was lost with a connection (NOTE [ Acknowledged delivery ]); the service ignores a repeat."""
+        if self.last_start is None or self.unsent_start is not None:
+            return
+        start, sent_at = self.last_start
+        conn = self.conn
+        if conn.service_run != start.run and conn.heard_run_at - sent_at > conn.heartbeat_interval:
+            log.info("%s does not show run %d started; sending its start again", self.endpoint, start.run)
+            self.send_start(start)
+
+    def unread(self, msg: BatchReady, generation: int) -> None:
+        """Give back a batch the loop will not see (an older run's, a second copy, or left over).
+        ``generation``: the session it came in; one of a lost session died with it."""
+        if generation != self.conn.generation:
+            return
+        self.conn.payloads.pop(msg.lease, None)
+        self.leases.let_go((generation, msg.lease))
+
+    def wrap(self, msg: BatchReady) -> Batch | None:
+        """The loop's batch, or None for one whose every sample was bad (let go at once)."""
+        assert self.info is not None
+        lease = (self.conn.generation, msg.lease)
+        frames = self.conn.payloads.pop(msg.lease, None)
+        if msg.count == 0 or msg.count > self.info.batch_size:
+            self.leases.let_go(lease)
+            return None
+        return self.delivery.wrap(msg, lease, frames)
+
+    def close(self, say_bye: bool) -> None:
+        if say_bye and self.conn.session:
+            self.conn.send(Bye())
+        self.conn.close()
+        self.delivery.close()
+
+
+def feed_differences(reference: FeedInfo, other: FeedInfo) -> list[str]:
+    """Every way ``other`` serves something else than ``reference`` (NOTE [ A fleet ])."""
+    return [
+        f"{name} {getattr(other, name)!r}, not {getattr(reference, name)!r}"
+        for name in SAME_FEED
+        if getattr(other, name) != getattr(reference, name)
+    ]
+
+
+class Fleet:
+    """Every service of one loader, their poller and their heartbeat thread."""
+
+    def __init__(
+        self,
+        endpoints: tuple[str, ...],
+        hello: Hello,
+        keys: ClientKeys | None,
+        device: torch.device,
+        transport: str,
+        credits: int,
+    ) -> None:
+        self._heartbeats = Heartbeats()
+        self.services = [
+            Service(
+                endpoint,
+                Connection(endpoint, hello, keys, self._heartbeats),
+                leases := LeaseBook(),
+                Delivery(device, transport, leases),
+                credits,
+            )
+            for endpoint in endpoints
+        ]
+        self.reference: FeedInfo | None = None
+        """The feed every service must serve: the first one's to answer."""
+        self.on_event: Event | None = None
+        """The pass under way, told what happens to each session."""
+        self.waiting_leases: Callable[[Service], tuple[int, ...]] = lambda service: ()
+        """Leases of batches taken from a service that wait for the loop (the pass's)."""
+
+    def attach(self, timeout: float) -> None:
+        """Open a session with every service; wait up to ``timeout`` for all of them, or at least one.
+
+        Raises ServiceError naming every difference if a service serves another feed than the first
+        one to answer, and ServiceTimeout naming every endpoint if none answers.
+        """
+        for service in self.services:
+            service.conn.connect()
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline and not all(s.open or s.refused for s in self.services):
+            self.wait(deadline)
+        refused = [s for s in self.services if s.refused]
+        if refused:
+            raise ServiceError("; ".join(f"{s.endpoint} {s.refused}" for s in refused))
+        missing = [s.endpoint for s in self.services if not s.open]
+        if len(missing) == len(self.services):
+            raise ServiceTimeout(
+                f"no loader service answered at {', '.join(missing)} within {timeout:.0f} s "
+                "(is `loader-service serve` running there?)"
+            )
+        if missing:
+            log.warning("no answer yet from %s; going on with the others", ", ".join(missing))
+
+    @property
+    def live(self) -> list[Service]:
+        return [s for s in self.services if s.open]
+
+    def wait(self, deadline: float) -> None:
+        """Wait until something arrives or ``deadline`` (at most POLL_SLICE), and take it in."""
+        poller = zmq.Poller()
+        for service in self.services:
+            if service.conn.sock is not None and not service.refused:
+                poller.register(service.conn.sock, zmq.POLLIN)
+        remaining = max(0.0, min(deadline - time.monotonic(), POLL_SLICE))
+        readable = dict(poller.poll(int(remaining * 1000) + 1))
+        now = time.monotonic()
+        for service in self.services:
+            if service.refused:
+                continue
+            if service.conn.sock is not None and service.conn.sock in readable:
+                service.conn.read()
+            service.conn.tick(now)
+            self._handle_events(service)
+        if all(s.refused for s in self.services):
+            raise ServiceError("; ".join(f"{s.endpoint} {s.refused}" for s in self.services))
+
+    def _handle_events(self, service: Service) -> None:
+        conn = service.conn
+        while conn.events:
+            what, detail = conn.events.popleft()
+            if what == "opened" and not self._same_feed(service, detail):
+                return
+            if what == "opened":
+                service.adopt(detail)
+            elif what == "resumed":
+                service.leases.resumed(conn.generation, service.resume_held)
+                log.warning("resumed session %s with %s", conn.session, service.endpoint)
+            elif what == "lost":
+                log.warning("lost the loader service at %s (%s); reconnecting", service.endpoint, detail)
+                service.resume_held = service.held(self.waiting_leases(service))
+                conn.connect(service.resume_held)
+            if self.on_event is not None:
+                self.on_event(service, what, detail)
+
+    def _same_feed(self, service: Service, welcome: Welcome) -> bool:
+        """NOTE [ A fleet ]: the first service to answer sets the feed; one serving another is left out."""
+        if self.reference is None:
+            self.reference = welcome.feed
+            return True
+        differences = feed_differences(self.reference, welcome.feed)
+        if not differences:
+            return True
+        service.refused = (
+            f"serves another feed than the rest of the fleet: {'; '.join(differences)} "
+            "(every service of a fleet needs the same data, seed, batch size, transform and fields)"
+        )
+        log.error("leaving %s out: it %s", service.endpoint, service.refused)
+        service.close(say_bye=True)
+        return False
+
+    def close(self) -> None:
+        for service in self.services:
+            if not service.refused:
+                service.close(say_bye=True)
+        self._heartbeats.close()

@@ -1,0 +1,199 @@
+"""One trainer fed by several services at once (NOTE [ A fleet ] in gpu_worker/fleet.py).
+
+As on several hosts: the TCP services each run in their own private /dev/shm and take only CURVE
+clients, so every batch they give comes over the socket; one more service is local, on ipc. Real
+processes and sockets; services are killed (SIGKILL) and frozen (SIGSTOP) for real.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import signal
+import subprocess
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from gpu_worker import ServiceError, ServiceLoader
+from loader_service.tools.keys import make_keys
+from tests.helpers import REPO, ServiceFactory, ServiceProcess, free_port, private_shm_available
+
+pytestmark = [
+    pytest.mark.integration,
+    pytest.mark.skipif(not private_shm_available(), reason="unshare --mount needs root or user namespaces"),
+]
+HEARTBEAT = 0.25
+Seen = list[tuple[int, list[int], str]]
+"""Per batch: (seq in the epoch, sample indices, digest of its pixels)."""
+
+
+class Fleet:
+    """``tcp`` services behind CURVE in private /dev/shm, plus ``ipc`` local ones, same data and seed."""
+
+    def __init__(self, root: Path, start_service: ServiceFactory, photos: Path) -> None:
+        self.service_keys = make_keys(root / "service", "service")
+        self.trainer_keys = make_keys(root / "trainer", "trainer")
+        self.authorized = root / "authorized"
+        self.authorized.mkdir()
+        (self.authorized / "trainer.key").write_bytes(self.trainer_keys.public.read_bytes())
+        self._start = start_service
+        self._photos = photos
+        self.services: list[ServiceProcess] = []
+
+    def add(self, *, local: bool = False, **flags: object) -> str:
+        common: dict[str, Any] = {
+            "workers": 1,
+            "heartbeat_interval": HEARTBEAT,
+            "client_timeout": 3.0,
+            # the same keys for every service of the fleet, the local one too
+            "curve_secret_key": self.service_keys.secret,
+            "curve_authorized": self.authorized,
+        }
+        if local:
+            service = self._start(self._photos, name=f"local{len(self.services)}", **common, **flags)
+        else:
+            endpoint = f"tcp://127.0.0.1:{free_port()}"
+            service = self._start(self._photos, endpoint=endpoint, private_shm=True, **common, **flags)
+        self.services.append(service)
+        return service.endpoint
+
+    def keys(self) -> dict[str, str]:
+        return {"server_key": str(self.service_keys.public), "client_key": str(self.trainer_keys.secret)}
+
+    def loader(self, endpoints: list[str], **kwargs: Any) -> ServiceLoader:
+        return ServiceLoader(endpoints, timeout=60, **self.keys(), **kwargs)
+
+
+@pytest.fixture
+def fleet(tmp_path: Path, start_service: ServiceFactory, photos: Path) -> Iterator[Fleet]:
+    yield Fleet(tmp_path / "keys", start_service, photos)
+
+
+def digest(images: Any) -> str:
+    return hashlib.sha1(images.numpy().tobytes()).hexdigest()
+
+
+def epoch(loader: ServiceLoader, stop_after: int | None = None) -> Seen:
+    seen: Seen = []
+    for batch in loader:
+        seen.append((batch.seq, batch.indices.tolist(), digest(batch.images)))
+        if stop_after is not None and len(seen) == stop_after:
+            break
+    return seen
+
+
+def reference(fleet: Fleet, epochs: int) -> list[Seen]:
+    """What one local service alone delivers for the same seed."""
+    one = fleet.add(local=True)
+    with fleet.loader([one]) as loader:
+        return [epoch(loader) for _ in range(epochs)]
+
+
+def test_three_services_deliver_what_one_would_batch_for_batch(fleet: Fleet) -> None:
+    expected = reference(fleet, 2)
+    endpoints = [fleet.add(), fleet.add(), fleet.services[0].endpoint]
+    with fleet.loader(endpoints) as loader:
+        got = [epoch(loader), epoch(loader)]
+        stats = loader.stats()
+    assert got == expected, "the same batches, in the same order, with the same pixels"
+    for seen in got:
+        indices = [i for _, batch, _ in seen for i in batch]
+        assert sorted(indices) == list(range(90)), "every image exactly once per epoch"
+    shares = {endpoint: share["batches"] for endpoint, share in stats["endpoints"].items()}
+    assert sum(shares.values()) == 2 * len(expected[0])
+    assert all(count > 0 for count in shares.values()), f"every service took a share: {shares}"
+
+
+def test_a_killed_and_a_frozen_service_cost_only_time(fleet: Fleet) -> None:
+    expected = reference(fleet, 2)
+    killed, frozen = fleet.add(), fleet.add()
+    endpoints = [fleet.services[0].endpoint, killed, frozen]
+    with fleet.loader(endpoints, credits=3) as loader:
+        first: Seen = []
+        for batch in loader:
+            first.append((batch.seq, batch.indices.tolist(), digest(batch.images)))
+            if len(first) == 3:
+                fleet.services[1].proc.send_signal(signal.SIGKILL)
+                fleet.services[2].proc.send_signal(signal.SIGSTOP)
+        fleet.services[2].proc.send_signal(signal.SIGCONT)
+        second = epoch(loader)
+        stats = loader.stats()
+    assert [first, second] == expected, "exactly once, in order, the loop saw no error"
+    assert stats["reassigned"] > 0, "the lost services' batches went to the others"
+    assert stats["endpoints"][killed]["state"] == "reconnecting"
+
+
+def test_a_checkpoint_taken_with_three_services_resumes_on_two(fleet: Fleet) -> None:
+    expected = reference(fleet, 1)[0]
+    endpoints = [fleet.services[0].endpoint, fleet.add(), fleet.add()]
+    with fleet.loader(endpoints) as loader:
+        before: Seen = []
+        for batch in loader:
+            before.append((batch.seq, batch.indices.tolist(), digest(batch.images)))
+            if len(before) == 5:
+                state = loader.state_dict()  # taken after the step, as a trainer would
+                break
+    assert state["position"] == 5
+    with fleet.loader(endpoints[1:]) as loader:
+        loader.load_state_dict(json.loads(json.dumps(state)))
+        after = epoch(loader)
+    assert before + after == expected, "exactly once across both runs, the same batches"
+
+
+def test_a_service_with_another_seed_is_refused_naming_the_difference(fleet: Fleet) -> None:
+    same, other = fleet.add(), fleet.add(seed=1)
+    with pytest.raises(ServiceError) as refused:
+        fleet.loader([same, other], connect_timeout=20)
+    message = str(refused.value)
+    assert other in message and "seed 1, not 0" in message
+
+
+RANK_SCRIPT = """
+import json, os, sys
+from gpu_worker import ServiceLoader
+endpoints, server_key, client_key = sys.argv[1].split(","), sys.argv[2], sys.argv[3]
+with ServiceLoader(endpoints, server_key=server_key, client_key=client_key, timeout=60) as loader:
+    out = [[int(i) for batch in loader for i in batch.indices.tolist()] for _ in range(2)]
+    counts = [len(loader)]
+print(json.dumps({"rank": int(os.environ["RANK"]), "epochs": out, "batches": counts}))
+"""
+
+
+def test_torchrun_two_ranks_over_a_fleet_of_two(fleet: Fleet, tmp_path: Path) -> None:
+    endpoints = [fleet.add(), fleet.add()]
+    script = tmp_path / "rank.py"
+    script.write_text(RANK_SCRIPT)
+    keys = fleet.keys()
+    run = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--standalone",
+            "--nproc-per-node",
+            "2",
+            "--tee",
+            "1",
+            str(script),
+            ",".join(endpoints),
+            keys["server_key"],
+            keys["client_key"],
+        ],
+        capture_output=True,
+        text=True,
+        timeout=150,
+        cwd=REPO,
+        env={**os.environ, "PYTHONPATH": str(REPO)},
+    )
+    assert run.returncode == 0, run.stderr[-3000:]
+    ranks = [json.loads(line.split("]:", 1)[-1]) for line in run.stdout.splitlines() if '"rank"' in line]
+    assert sorted(r["rank"] for r in ranks) == [0, 1]
+    assert ranks[0]["batches"] == ranks[1]["batches"], "equal batch counts (DDP never hangs)"
+    for e in range(2):
+        indices = ranks[0]["epochs"][e] + ranks[1]["epochs"][e]
+        assert sorted(indices) == list(range(90)), "each image once across ranks"
