@@ -184,6 +184,7 @@ def test_torchrun_two_ranks_over_a_fleet_of_two(fleet: Fleet, tmp_path: Path) ->
             keys["server_key"],
             keys["client_key"],
         ],
+        check=False,
         capture_output=True,
         text=True,
         timeout=150,
