@@ -15,12 +15,12 @@ from protocol.messages import (
     Ack,
     BatchReady,
     Bye,
-    EpochEnd,
     FeedInfo,
     Heartbeat,
     Hello,
     Release,
     Start,
+    Want,
     Welcome,
     decode,
     encode,
@@ -55,7 +55,8 @@ def fake_service(tmp_path: Path) -> Iterator[Callable[[Script], str]]:
                 while not stop.is_set():
                     if sock.poll(100):
                         routing_id, frame = sock.recv_multipart()
-                        if isinstance(decode(frame, (Hello, Start, Release, Ack, Heartbeat, Bye)), Hello):
+                        kinds = (Hello, Start, Want, Release, Ack, Heartbeat, Bye)
+                        if isinstance(decode(frame, kinds), Hello):
                             script(sock, routing_id)
             finally:
                 sock.close(linger=0)
@@ -122,31 +123,32 @@ def test_a_slot_outside_the_pool_is_refused(
         next(iter(loader))
 
 
-def test_a_missing_batch_makes_the_loader_ask_again_from_there(
+def test_a_batch_the_service_leaves_out_is_asked_for_again(
     fake_service: Callable[[Script], str], small_segment: str
 ) -> None:
-    """A service that skips batch 1 (its leases have no gap: it never announced it); batch 2
-    arrives; the loader restarts at 1."""
-    starts: list[Start] = []
+    """A service that leaves batch 1 out of what a picked start asked for, and announces batch 2:
+    the loader keeps 2 waiting, names 1 again (``want``) and hands out 0, 1, 2 in order."""
+    wants: list[tuple[int, ...]] = []
     leases = iter(range(1, 100))
 
     def serve(sock: zmq.Socket[bytes], rid: bytes) -> None:
-        sock.send_multipart([rid, encode(Welcome("s", feed_info(small_segment, slots=1), 1.0, 3, 12))])
-        while len(starts) < 2:
+        sock.send_multipart([rid, encode(Welcome("s", feed_info(small_segment, slots=1), 0.2, 3, 12))])
+        while not wants or 1 not in wants[-1]:
             if not sock.poll(10_000):
                 return
             _, frame = sock.recv_multipart()
-            msg = decode(frame, (Hello, Start, Release, Ack, Heartbeat, Bye))
-            if not isinstance(msg, Start):
-                continue
-            starts.append(msg)
-            seqs = (0, 2) if len(starts) == 1 else (1, 2)
-            for seq in seqs:
-                sock.send_multipart([rid, encode(BatchReady(msg.run, msg.epoch, seq, next(leases), 0, 4))])
-            if len(starts) == 2:
-                sock.send_multipart([rid, encode(EpochEnd(msg.run, msg.epoch, 3))])
+            msg = decode(frame, (Hello, Start, Want, Release, Ack, Heartbeat, Bye))
+            if isinstance(msg, Start):
+                assert msg.picked and msg.want == (0, 1, 2)
+                for seq in (0, 2):
+                    batch = BatchReady(msg.run, msg.epoch, seq, next(leases), 0, 4)
+                    sock.send_multipart([rid, encode(batch)])
+                run = msg.run
+            elif isinstance(msg, Want):
+                wants.append(msg.seqs)
+        sock.send_multipart([rid, encode(BatchReady(run, 0, 1, next(leases), 0, 4))])
 
     with ServiceLoader(fake_service(serve), connect_timeout=10, timeout=10, credits=4) as loader:
         got = [b.seq for b in loader]
     assert got == [0, 1, 2], "each batch once, in order"
-    assert [(s.epoch, s.position) for s in starts] == [(0, 0), (0, 1)]
+    assert wants and wants[-1] == (1,), "only the batch that did not come is named again"

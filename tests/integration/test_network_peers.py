@@ -47,7 +47,7 @@ class RawPeer:
         self._beat.start()
 
     def start(self, epoch: int = 0, transport: str = "tcp") -> None:
-        self.sock.send(encode(Start(1, epoch, 0, transport, self.token)))
+        self.sock.send(encode(Start(1, epoch, 0, transport, token=self.token)))
 
     def _heartbeat(self, endpoint: str) -> None:
         sock = self._ctx.socket(zmq.DEALER)
