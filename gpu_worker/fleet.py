@@ -42,6 +42,8 @@ from typing import Generic, TypeVar
 
 Item = TypeVar("Item")
 Service = TypeVar("Service", bound=Hashable)
+TRIAL = 2
+"""Batches a service of a fleet is given before its pace is known."""
 PACE_WEIGHT = 0.3
 """Weight of the newest sample in a service's pace (an exponential moving average)."""
 
@@ -81,6 +83,7 @@ class Dispatcher(Generic[Service, Item]):
     """What each service will still deliver (it counts against its credits until it arrives)."""
     _ready: dict[int, tuple[Service, Item]] = field(default_factory=dict)
     _paces: dict[Service, Pace] = field(default_factory=dict)
+    """Shared with the loader's later passes: a service's pace outlives a pass."""
     _live: set[Service] = field(default_factory=set)
 
     def __post_init__(self) -> None:
@@ -102,7 +105,7 @@ class Dispatcher(Generic[Service, Item]):
             del self._owner[seq]
             heapq.heappush(self._returned, seq)
         self.reassigned += len(gone)
-        self._paces[service] = Pace()  # it may come back at another speed
+        self._paces[service].seconds = None  # it may come back at another speed
         return gone
 
     def forget(self, service: Service) -> None:
@@ -144,8 +147,17 @@ class Dispatcher(Generic[Service, Item]):
         return out
 
     def _choose(self, free: dict[Service, int], urgent: bool) -> Service | None:
-        """The service expected to deliver a new batch first, if it is worth giving it one now."""
-        candidates = [s for s in self._live if free.get(s, 0) > 0]
+        """The service expected to deliver a new batch first, if it is worth giving it one now.
+
+        Until a service has delivered once, its pace is a guess: in a fleet it is given at most
+        ``TRIAL`` batches, so a straggler shows itself before it holds a whole window."""
+        alone = len(self._live) == 1
+        candidates = [
+            s
+            for s in self._live
+            if free.get(s, 0) > 0
+            and (alone or self._paces[s].seconds is not None or len(self._owed[s]) < TRIAL)
+        ]
         if not candidates:
             return None
         best = min(candidates, key=self._expected)

@@ -45,7 +45,9 @@ class EpochPass:
         self.active = False
         self.last_endpoint = ""
         """Iterating: started and neither finished nor abandoned (``state_dict`` names its position)."""
-        self._dispatcher: Dispatcher[Service, Arrived] = Dispatcher(settings.position, settings.batches)
+        self._dispatcher: Dispatcher[Service, Arrived] = Dispatcher(
+            settings.position, settings.batches, _paces=fleet.paces
+        )
         self._started: set[int] = set()
         """ids of the services this pass has sent a start under their current session."""
 

@@ -22,6 +22,7 @@ from gpu_worker.batch import Batch
 from gpu_worker.connection import Connection, ServiceError, ServiceTimeout
 from gpu_worker.curve import ClientKeys
 from gpu_worker.delivery import Delivery
+from gpu_worker.fleet import Pace
 from gpu_worker.heartbeats import Heartbeats
 from gpu_worker.leases import LeaseBook
 from protocol.messages import MAX_RELEASES, BatchReady, Bye, FeedInfo, Hello, Start, Want, Welcome
@@ -208,6 +209,8 @@ class Fleet:
             )
             for endpoint in endpoints
         ]
+        self.paces: dict[Service, Pace] = {}
+        """Each service's measured seconds per batch, kept from pass to pass (NOTE [ A fleet ])."""
         self.reference: FeedInfo | None = None
         """The feed every service must serve: the first one's to answer."""
         self.on_event: Event | None = None

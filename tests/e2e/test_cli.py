@@ -57,6 +57,19 @@ def test_serve_and_gpu_worker_run_an_epoch(photos: Path, start_service: ServiceF
     assert service.stop() == 0
 
 
+def test_gpu_worker_run_over_a_fleet_prints_each_service_s_share(
+    photos: Path, start_service: ServiceFactory
+) -> None:
+    one = start_service(photos, name="one", workers=1)
+    two = start_service(photos, name="two", workers=1)
+    endpoints = ["--endpoint", one.endpoint, "--endpoint", two.endpoint]
+    result = run("gpu-worker", "run", *endpoints, "--epochs", "1", "--device", "cpu")
+    assert result.returncode == 0, result.stderr
+    shares = dict(re.findall(r"^  (ipc://\S+): (\d+) batches \(\d+%\)", result.stdout, re.MULTILINE))
+    assert set(shares) == {one.endpoint, two.endpoint}
+    assert sum(int(n) for n in shares.values()) == -(-len(build_index(photos)) // 8)
+
+
 def test_config_file_with_flag_override(photos: Path, tmp_path: Path) -> None:
     cfg = tmp_path / "train.toml"
     endpoint = f"ipc://{tmp_path}/cfg.sock"

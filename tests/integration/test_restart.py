@@ -78,7 +78,9 @@ def test_service_gone_longer_than_timeout_is_a_clear_error(
         next(it)
         service.stop()
         started = time.monotonic()
-        with pytest.raises(ServiceTimeout, match=rf"no batch within 4 s: {service.endpoint} silent for [45] s"):
+        with pytest.raises(
+            ServiceTimeout, match=rf"no batch within 4 s: {service.endpoint} silent for [45] s"
+        ):
             for _ in it:
                 pass
         assert time.monotonic() - started < 15

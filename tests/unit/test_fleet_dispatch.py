@@ -1,0 +1,127 @@
+"""``Dispatcher``: which service of a fleet decodes which batch, and the order the loop gets them in
+(NOTE [ A fleet ] in gpu_worker/fleet.py). Pure: services are names, time is a number."""
+
+from __future__ import annotations
+
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from gpu_worker.fleet import Dispatcher
+
+CREDITS = 4
+
+
+def fleet(*services: str, position: int = 0, end: int = 40) -> Dispatcher[str, str]:
+    dispatcher: Dispatcher[str, str] = Dispatcher(position, end)
+    for service in services:
+        dispatcher.joined(service)
+    return dispatcher
+
+
+def free_of(dispatcher: Dispatcher[str, str], services: tuple[str, ...], waiting: int = 0) -> dict[str, int]:
+    return {s: CREDITS - len(dispatcher.owed(s)) - waiting for s in services}
+
+
+def test_batches_reach_the_loop_in_plan_order_each_once() -> None:
+    d = fleet("a", "b")
+    out = d.assign({"a": 2, "b": 2}, now=0.0)
+    assert sorted(out["a"] + out["b"]) == [0, 1, 2, 3]
+    late = max(out["a"] + out["b"])
+    owner = "a" if late in out["a"] else "b"
+    assert d.arrived(owner, late, "late", now=1.0)
+    assert d.take() is None, "a later batch waits for the ones before it"
+    for service, seqs in out.items():
+        for seq in seqs:
+            if seq != late:
+                assert d.arrived(service, seq, f"{seq}", now=1.0)
+    assert not d.arrived(owner, late, "again", now=1.0), "a second copy is not handed out"
+    taken = [got[1] for got in iter(d.take, None)]
+    assert taken == ["0", "1", "2", "late"] and d.position == 4
+
+
+def test_a_lost_service_s_batches_go_first_to_the_others() -> None:
+    d = fleet("a", "b")
+    out = d.assign({"a": 2, "b": 2}, now=0.0)
+    lost = d.lost("b")
+    assert lost == sorted(out["b"]) and d.reassigned == 2
+    again = d.assign({"a": 2}, now=1.0)
+    assert again["a"] == sorted(out["b"]), "the batches the loop waits for longest are given out first"
+    # b comes back with its session: what it still delivers of them is a second copy
+    d.joined("b")
+    for seq in out["b"]:
+        assert d.arrived("a", seq, "a", now=2.0)
+        assert not d.arrived("b", seq, "b", now=2.0)
+    assert d.owed("b") == set(), "its credits come back as its copies arrive"
+
+
+def test_a_straggler_gets_only_what_it_can_do_in_time() -> None:
+    """Two services deliver a batch a second, one every five: the slow one is never more than one
+    batch behind, so the loop never waits on it for long (static striping would give it a third)."""
+    d = fleet("fast1", "fast2", "slow")
+    pace = {"fast1": 1.0, "fast2": 1.0, "slow": 5.0}
+    busy_until = {s: 0.0 for s in pace}
+    in_flight: dict[str, list[tuple[float, int]]] = {s: [] for s in pace}
+    given: dict[str, int] = dict.fromkeys(pace, 0)
+    now = 0.0
+    most_behind = 0
+    for _ in range(400):
+        free = {s: CREDITS - len(d.owed(s)) for s in pace}
+        for service, seqs in d.assign(free, now).items():
+            for seq in seqs:
+                busy_until[service] = max(busy_until[service], now) + pace[service]
+                in_flight[service].append((busy_until[service], seq))
+                given[service] += 1
+        most_behind = max(most_behind, len(in_flight["slow"]))
+        now += 0.25
+        for service, queue in in_flight.items():
+            while queue and queue[0][0] <= now:
+                _, seq = queue.pop(0)
+                d.arrived(service, seq, service, now)
+        while d.take() is not None:
+            pass
+        if d.done:
+            break
+    assert d.done
+    assert most_behind <= 2, "the slow service is tried with two batches, then given one at a time"
+    assert 0 < given["slow"] < given["fast1"] / 2, given
+
+
+def test_room_is_made_for_the_batch_the_loop_needs() -> None:
+    """Every credit is taken by batches waiting behind the one the loop needs, whose service was
+    lost: the latest waiting batch is let go and asked for again later."""
+    d = fleet("a", "b", end=8)
+    d.assign({"a": 1}, now=0.0)  # a: 0
+    d.assign({"b": 2}, now=0.0)  # b: 1, 2
+    for seq in (1, 2):
+        assert d.arrived("b", seq, f"b{seq}", now=1.0)
+    d.lost("a")
+    assert d.make_room({"b": 0}) == ("b", "b2")
+    assert d.make_room({"b": 1}) is None, "not while a credit is free"
+    out = d.assign({"b": 1}, now=2.0)
+    assert out == {"b": [0]}, "the freed credit goes to the batch the loop needs"
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.lists(st.tuples(st.sampled_from("abc"), st.booleans()), min_size=1, max_size=200))
+def test_whatever_arrives_the_loop_sees_each_batch_once_in_order(events: list[tuple[str, bool]]) -> None:
+    """Services deliver what they owe in any order, sometimes twice, sometimes get lost and come
+    back: the loop still gets 0, 1, 2, ... each once."""
+    d = fleet("a", "b", "c", end=30)
+    taken: list[int] = []
+    now = 0.0
+    for service, lose in events + [(s, False) for _ in range(60) for s in "abc"]:
+        now += 1.0
+        if lose:
+            d.lost(service)
+            d.joined(service)
+        free = {s: CREDITS - len(d.owed(s)) for s in "abc"}
+        d.assign(free, now)
+        owed = sorted(d.owed(service))
+        if owed:
+            seq = owed[len(taken) % len(owed)]
+            d.arrived(service, seq, service, now)
+        while (got := d.take()) is not None:
+            taken.append(d.position - 1)
+            assert got[1] in "abc"
+    assert taken == list(range(len(taken)))
+    assert d.done and taken == list(range(30))
