@@ -11,7 +11,7 @@ the service draws for it:
   (``antialias=True``, torchvision's default) and on a PIL image (PIL's own decode and bilinear
   filter: what ``ImageFolder`` + ``RandomResizedCrop`` does by default);
 - eval: ``Recipe("eval", filter)`` against ``Resize(round(S * 256 / 224))`` + ``CenterCrop(S)``, the
-  same two ways (NOTE [ Eval crops first ] in ``transforms.py`` says why ours crops first).
+  same two ways (NOTE [ Eval regions ] in ``transforms.py`` says why ours crops first).
 
 Reported per pair: mean and maximum absolute difference in levels (0-255) and the share of pixels
 that differ by more than 2 levels.
