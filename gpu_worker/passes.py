@@ -132,15 +132,18 @@ class EpochPass:
         """The batch the loop needs next (``None``: a broadcast epoch ended), within the timeout."""
         deadline = time.monotonic() + self._settings.timeout
         while True:
-            got = self._take()
-            if got is not None:
-                return got
+            # Every step returns what the loop let go and names new batches, whether or not the
+            # next one is already here: the services keep decoding ahead while the loop trains.
             now = time.monotonic()
-            if now >= deadline:
-                raise self._timeout_error()
             self._send_pending(now)
             if not self._settings.broadcast:
                 self._assign(now)
+            got = self._take()
+            if got is not None:
+                return got
+            if now >= deadline:
+                raise self._timeout_error()
+            if not self._settings.broadcast:
                 self._check_not_starved()
             self._fleet.wait(deadline)
             self._collect(time.monotonic())

@@ -216,6 +216,8 @@ class Fleet:
         self.on_event: Event | None = None
         """The pass under way, told what happens to each session."""
         self.waiting_leases: Callable[[Service], tuple[int, ...]] = lambda service: ()
+        self._poll = zmq.Poller()
+        self._polled: tuple[zmq.Socket[bytes], ...] = ()
         """Leases of batches taken from a service that wait for the loop (the pass's)."""
 
     def attach(self, timeout: float) -> None:
@@ -247,12 +249,8 @@ class Fleet:
 
     def wait(self, deadline: float) -> None:
         """Wait until something arrives or ``deadline`` (at most POLL_SLICE), and take it in."""
-        poller = zmq.Poller()
-        for service in self.services:
-            if service.conn.sock is not None and not service.refused:
-                poller.register(service.conn.sock, zmq.POLLIN)
         remaining = max(0.0, min(deadline - time.monotonic(), POLL_SLICE))
-        readable = dict(poller.poll(int(remaining * 1000) + 1))
+        readable = dict(self._poller().poll(int(remaining * 1000) + 1 if remaining > 0 else 0))
         now = time.monotonic()
         for service in self.services:
             if service.refused:
@@ -263,6 +261,15 @@ class Fleet:
             self._handle_events(service)
         if all(s.refused for s in self.services):
             raise ServiceError("; ".join(f"{s.endpoint} {s.refused}" for s in self.services))
+
+    def _poller(self) -> zmq.Poller:
+        """One poller over every session's socket, made again only when a socket changed."""
+        socks = tuple(s.conn.sock for s in self.services if s.conn.sock is not None and not s.refused)
+        if socks != self._polled:
+            self._polled, self._poll = socks, zmq.Poller()
+            for sock in socks:
+                self._poll.register(sock, zmq.POLLIN)
+        return self._poll
 
     def _handle_events(self, service: Service) -> None:
         conn = service.conn
