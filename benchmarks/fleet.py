@@ -65,7 +65,9 @@ def services(
             endpoint = f"ipc://{run_dir}/s{len(os.listdir(run_dir))}-{i}.sock"
             args = ["serve", "--data", str(data), "--endpoint", endpoint, "--workers", str(workers)]
             args += ["--batch-size", str(BATCH), "--log-level", "WARNING"]
-            args += ["--pipeline", "benchmarks.fleet:sleepy"] if pipeline else ["--image-size", str(image_size)]
+            args += (
+                ["--pipeline", "benchmarks.fleet:sleepy"] if pipeline else ["--image-size", str(image_size)]
+            )
             env = dict(os.environ)
             if sample_seconds is not None:
                 env[SAMPLE_SECONDS_ENV] = str(sample_seconds[i])
@@ -120,8 +122,15 @@ def cpu_bound(data: Path, run_dir: Path, plan: Plan) -> dict[str, float]:
             out[f"one_{round_}"] = rate([e for e, _ in one], plan.epochs)
     fleet_rate = sum(out[f"fleet_{r}"] for r in range(2)) / 2
     one_rate = sum(out[f"one_{r}"] for r in range(2)) / 2
-    say(f"(m) CPU-bound: {cores} services x 1 worker {fleet_rate:.1f}, 1 x {cores} workers {one_rate:.1f} images/s")
-    return {"cores": float(cores), "fleet": fleet_rate, "one_service": one_rate, "ratio": fleet_rate / one_rate}
+    say(
+        f"(m) CPU-bound: {cores} services x 1 worker {fleet_rate:.1f}, 1 x {cores} workers {one_rate:.1f} images/s"
+    )
+    return {
+        "cores": float(cores),
+        "fleet": fleet_rate,
+        "one_service": one_rate,
+        "ratio": fleet_rate / one_rate,
+    }
 
 
 def straggler(data: Path, run_dir: Path, plan: Plan) -> dict[str, float]:
@@ -165,8 +174,18 @@ def recovery(data: Path, run_dir: Path, plan: Plan) -> dict[str, float]:
             after = [g for g in gaps[5:]]
             reassigned = float(loader.stats()["reassigned"])
     worst = max(after)
-    say(f"(m) SIGKILL of 1 of 3 services: longest wait after it {worst:.2f} s (typical {before[len(before) // 2]:.3f} s)")
-    return {"longest_wait_s": worst, "typical_wait_s": before[len(before) // 2], "reassigned": reassigned, "killed_at": killed_at}
+    say(
+        f"(m) SIGKILL of 1 of 3 services: longest wait after it {worst:.2f} s (typical {before[len(before) // 2]:.3f} s)"
+    )
+    return {
+        "longest_wait_s": worst,
+        "typical_wait_s": before[len(before) // 2],
+        "reassigned": reassigned,
+        "killed_at": killed_at,
+    }
+
+
+PARTS = {"scaling": scaling, "cpu_bound": cpu_bound, "straggler": straggler, "recovery": recovery}
 
 
 def say(line: str) -> None:
@@ -177,9 +196,14 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m benchmarks.fleet", description=__doc__.split("\n\n")[0])
     parser.add_argument("--out", default="", help="where fleet.json goes (default: a temporary folder)")
     parser.add_argument("--quick", action="store_true", help="a small dataset and one timed epoch")
+    parser.add_argument(
+        "--parts", default=",".join(PARTS), help=f"comma-separated, of {', '.join(PARTS)} (default: all)"
+    )
     args = parser.parse_args(argv)
-    plan = Plan(images=96, epochs=1, sample_seconds=0.02, image_size=96) if args.quick else Plan(
-        images=256, epochs=2, sample_seconds=0.02, image_size=160
+    plan = (
+        Plan(images=96, epochs=1, sample_seconds=0.02, image_size=96)
+        if args.quick
+        else Plan(images=256, epochs=2, sample_seconds=0.02, image_size=160)
     )
     from loader_service.tools.sample_data import make_sample_dataset
 
@@ -189,13 +213,11 @@ def main(argv: list[str] | None = None) -> int:
         make_sample_dataset(data, classes=4, per_class=plan.images // 4, seed=3)
         run_dir = work / "run"
         run_dir.mkdir()
-        results = {
-            "plan": plan.__dict__,
-            "scaling": scaling(data, run_dir, plan),
-            "cpu_bound": cpu_bound(data, run_dir, plan),
-            "straggler": straggler(data, run_dir, plan),
-            "recovery": recovery(data, run_dir, plan),
-        }
+        results: dict[str, Any] = {"plan": plan.__dict__}
+        for part in args.parts.split(","):
+            if part not in PARTS:
+                parser.error(f"unknown part {part!r}: choose from {', '.join(PARTS)}")
+            results[part] = PARTS[part](data, run_dir, plan)
     out = Path(args.out) if args.out else Path(tempfile.mkdtemp(prefix="dataferry-fleet-results-"))
     out.mkdir(parents=True, exist_ok=True)
     (out / "fleet.json").write_text(json.dumps(results, indent=2))

@@ -16,11 +16,12 @@ NOTE [ A fleet ]
       than it can do.
     * Among services with a free credit, the next batch (lowest seq not yet assigned) goes to the
       one expected to deliver it first, ``(owed + 1) * pace``, where ``pace`` is the service's
-      measured seconds per batch. A service whose expected time exceeds ``horizon`` (the time the
-      fastest service takes to work through its whole credit window) gets nothing now: by the time
-      it would deliver, the faster ones would have delivered that batch and the rest of their
-      window, and the loop would wait for the slow one. So a straggler receives batches only as
-      fast as it can decode them, and never holds the others back.
+      measured seconds per batch. It goes nowhere yet if even that one would deliver it after the
+      ``horizon``: the time the loop could need it at the earliest (when the last batch owed now
+      has arrived, plus one batch of the fastest service); a faster service will have a credit
+      free before then. So a straggler receives a batch only when it can deliver it in time, and
+      never holds the others back; until a service has delivered once, its pace is a guess and it
+      is given at most ``TRIAL`` batches.
     * Batches reach the loop in plan order, each once: what arrives early waits here (bounded by
       the credits); a second copy of a batch (after a reassignment) is released unread.
     * A service that misses its heartbeats, or restarted, loses its unfinished batches to the
@@ -161,7 +162,7 @@ class Dispatcher(Generic[Service, Item]):
         if not candidates:
             return None
         best = min(candidates, key=self._expected)
-        if urgent or self._expected(best) <= self._horizon(free):
+        if urgent or self._expected(best) <= self._horizon():
             return best
         return None
 
@@ -173,10 +174,12 @@ class Dispatcher(Generic[Service, Item]):
     def _expected(self, service: Service) -> float:
         return (len(self._owed[service]) + 1) * self._pace(service)
 
-    def _horizon(self, free: dict[Service, int]) -> float:
-        """How long the fastest live service takes to work through its whole credit window."""
-        windows = [(len(self._owed[s]) + free.get(s, 0)) * self._pace(s) for s in self._live]
-        return min((w for w in windows if w > 0), default=float("inf"))
+    def _horizon(self) -> float:
+        """The earliest the loop can need a batch assigned now: once the last of the batches owed
+        (all before it in the plan) has arrived, plus one batch of the fastest service."""
+        live = self._live
+        latest = max((len(self._owed[s]) * self._pace(s) for s in live), default=0.0)
+        return latest + min((self._pace(s) for s in live), default=0.0)
 
     def _peek(self) -> int | None:
         while self._returned and (self._returned[0] in self._ready or self._returned[0] < self.position):

@@ -95,21 +95,26 @@ class EpochPass:
     # --- runs -----------------------------------------------------------------------------------
 
     def _begin_all(self) -> None:
-        for service in self._fleet.live:
-            self._begin(service)
+        """A new run on every service; in shard mode the first batches are shared out across all of
+        them at once (one at a time to the one expected first: never a block each)."""
+        self._begin(self._fleet.live)
 
-    def _begin(self, service: Service) -> None:
-        """A new run on ``service``: picked in shard mode, with the batches assigned to it."""
-        service.run += 1
-        self._started.add(id(service))
+    def _begin(self, services: list[Service]) -> None:
+        """A new run on ``services``: picked in shard mode, with the batches assigned to each."""
         settings = self._settings
-        transport = service.delivery.transport
-        if settings.broadcast:
-            service.send_start(Start(service.run, settings.epoch, self.position, transport))
-            return
-        first = self._assign(time.monotonic(), only=service).get(service, [])
-        service.send_start(Start(service.run, settings.epoch, self.position, transport, True, tuple(first)))
-        service.wanted_at = time.monotonic()
+        for service in services:
+            service.run += 1
+            self._started.add(id(service))
+        now = time.monotonic()
+        first = {} if settings.broadcast else self._assign(now, services)
+        for service in services:
+            transport = service.delivery.transport
+            if settings.broadcast:
+                service.send_start(Start(service.run, settings.epoch, self.position, transport))
+                continue
+            want = tuple(first.get(service, ()))
+            service.send_start(Start(service.run, settings.epoch, self.position, transport, True, want))
+            service.wanted_at = now
 
     def _on_event(self, service: Service, what: str, detail: Any) -> None:
         """What happened to a session means for this pass's batches (NOTE [ A fleet ])."""
@@ -123,8 +128,7 @@ class EpochPass:
                 service.unread(msg, generation)
             dispatcher.forget(service)
             dispatcher.joined(service)
-            self._started.discard(id(service))
-            self._begin(service)
+            self._begin([service])
 
     # --- waiting --------------------------------------------------------------------------------
 
@@ -180,20 +184,23 @@ class EpochPass:
                     service.unread(msg, service.conn.generation)
         return None
 
-    def _assign(self, now: float, only: Service | None = None) -> dict[Service, list[int]]:
-        """Hand out batches to services with a free credit; name them to the ones already started."""
+    def _assign(self, now: float, starting: list[Service] | None = None) -> dict[Service, list[int]]:
+        """Hand out batches to services with a free credit and name them (``want``); or, for
+        ``starting`` services, only hand them out: their start names them."""
         dispatcher = self._dispatcher
-        services = [only] if only is not None else [s for s in self._fleet.live if id(s) in self._started]
+        services = (
+            starting if starting is not None else [s for s in self._fleet.live if id(s) in self._started]
+        )
         free = {
             s: s.credits - s.in_use(len(dispatcher.waiting(s))) - len(dispatcher.owed(s)) for s in services
         }
-        if only is None:
+        if starting is None:
             room = dispatcher.make_room(free)
             if room is not None:
                 service, (generation, msg) = room
                 service.unread(msg, generation)
         out = dispatcher.assign(free, now)
-        if only is None:
+        if starting is None:
             for service, seqs in out.items():
                 service.want(seqs, now)
         return out

@@ -188,10 +188,23 @@ def welcome(segment: str, heartbeat_interval: float) -> Welcome:
     return Welcome("s", feed, heartbeat_interval, len(LEASES), 4 * len(LEASES), token="secret-token")
 
 
-def batches(start: Start, count: int, first_lease: int = LEASES[0]) -> list[Message]:
+def batches(start: Start, count: int) -> list[Message]:
     """What a service sends for a picked start asking for batches ``0 .. count-1``."""
     assert start.picked and start.want == tuple(range(count)), start
-    return [BatchReady(start.run, start.epoch, seq, first_lease + seq, 0, 4) for seq in range(count)]
+    return [BatchReady(start.run, start.epoch, seq, LEASES[seq], 0, 4) for seq in range(count)]
+
+
+def serve_epoch(service: FlakyService, rid: bytes, start: Start, first_lease: int) -> None:
+    """Answer a picked start and the wants after it until every batch of the epoch went out."""
+    sent: set[int] = set()
+    asked = list(start.want)
+    while True:
+        for seq in [seq for seq in asked if seq not in sent]:
+            service.send(rid, BatchReady(start.run, start.epoch, seq, first_lease + len(sent), 0, 4))
+            sent.add(seq)
+        if len(sent) == len(LEASES):
+            return
+        asked = list(service.recv(Want)[1].seqs)
 
 
 def reached(event: threading.Event, fake: Future[None]) -> None:
@@ -276,7 +289,7 @@ def test_a_refused_start_is_sent_when_the_service_is_back(
         service.await_releases(set(LEASES))
         rid, second = service.recv(Start)
         starts.append(second)
-        service.send(rid, *batches(second, len(LEASES), first_lease=LEASES[-1] + 1))
+        serve_epoch(service, rid, second, first_lease=LEASES[-1] + 1)
 
     with (
         running(fake) as outcome,
@@ -322,7 +335,7 @@ def test_a_resumed_session_gets_no_release_it_already_returned(
         service.send(rid, welcome(segment, heartbeat_interval=0.5), last)  # the same run goes on
         rid, following = service.recv(Start)
         service.await_releases(set(LEASES[3:]))
-        service.send(rid, *batches(following, len(LEASES), first_lease=LEASES[-1] + 1))
+        serve_epoch(service, rid, following, first_lease=LEASES[-1] + 1)
 
     with (
         running(fake) as outcome,
