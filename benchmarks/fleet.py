@@ -123,7 +123,8 @@ def cpu_bound(data: Path, run_dir: Path, plan: Plan) -> dict[str, float]:
     fleet_rate = sum(out[f"fleet_{r}"] for r in range(2)) / 2
     one_rate = sum(out[f"one_{r}"] for r in range(2)) / 2
     say(
-        f"(m) CPU-bound: {cores} services x 1 worker {fleet_rate:.1f}, 1 x {cores} workers {one_rate:.1f} images/s"
+        f"(m) CPU-bound: {cores} services x 1 worker {fleet_rate:.1f} images/s, "
+        f"1 x {cores} workers {one_rate:.1f}"
     )
     return {
         "cores": float(cores),
@@ -156,27 +157,26 @@ def recovery(data: Path, run_dir: Path, plan: Plan) -> dict[str, float]:
     from gpu_worker import ServiceLoader
 
     seconds = [plan.sample_seconds] * 3
-    with services(data, run_dir, 3, pipeline=True, sample_seconds=seconds) as fleet:
-        with ServiceLoader([e for e, _ in fleet], connect_timeout=120, timeout=120) as loader:
-            for _ in loader:
-                pass
-            gaps: list[float] = []
-            killed_at = 0.0
-            last = time.perf_counter()
-            for i, _batch in enumerate(loader):
-                now = time.perf_counter()
-                gaps.append(now - last)
-                last = now
-                if i == 4:
-                    fleet[1][1].send_signal(signal.SIGKILL)
-                    killed_at = now
-            before = sorted(gaps[1:5])
-            after = [g for g in gaps[5:]]
-            reassigned = float(loader.stats()["reassigned"])
+    with (
+        services(data, run_dir, 3, pipeline=True, sample_seconds=seconds) as fleet,
+        ServiceLoader([e for e, _ in fleet], connect_timeout=120, timeout=120) as loader,
+    ):
+        for _ in loader:
+            pass
+        gaps: list[float] = []
+        last = time.perf_counter()
+        for i, _batch in enumerate(loader):
+            now = time.perf_counter()
+            gaps.append(now - last)
+            last = now
+            if i == 4:
+                fleet[1][1].send_signal(signal.SIGKILL)
+        before = sorted(gaps[1:5])
+        after = gaps[5:]
+        reassigned = float(loader.stats()["reassigned"])
     worst = max(after)
-    say(
-        f"(m) SIGKILL of 1 of 3 services: longest wait after it {worst:.2f} s (typical {before[len(before) // 2]:.3f} s)"
-    )
+    typical = before[len(before) // 2]
+    say(f"(m) SIGKILL of 1 of 3 services: longest wait after it {worst:.2f} s (typical {typical:.3f} s)")
     return {
         "longest_wait_s": worst,
         "typical_wait_s": before[len(before) // 2],

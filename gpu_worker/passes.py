@@ -43,8 +43,9 @@ class EpochPass:
         self.position = settings.position
         self.finished = False
         self.active = False
-        self.last_endpoint = ""
         """Iterating: started and neither finished nor abandoned (``state_dict`` names its position)."""
+        self.last_endpoint = ""
+        """The endpoint of the service that delivered the batch handed out last."""
         self._dispatcher: Dispatcher[Service, Arrived] = Dispatcher(
             settings.position, settings.batches, _paces=fleet.paces
         )
@@ -123,6 +124,8 @@ class EpochPass:
             dispatcher.lost(service)
         elif what == "resumed":
             dispatcher.joined(service)
+            if id(service) not in self._started:  # it was lost before this pass began
+                self._begin([service])
         elif what == "opened":  # a new session: it owes nothing, and what came from it is gone
             for generation, msg in self._dispatcher.drop_waiting(service):
                 service.unread(msg, generation)

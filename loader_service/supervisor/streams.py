@@ -106,6 +106,9 @@ class Stream(Producer):
         """Picked mode: every seq of this plan the trainer asked for."""
         self.planned: set[int] = set()
         """Picked mode: seqs planned in this plan (decoding, decoded or delivered)."""
+        self.last_asked = False
+        """Picked mode: the trainer asked this service for the plan's last batch (the next epoch's
+        first ones may then be decoded ahead)."""
 
     # --- membership -----------------------------------------------------------------------------
 
@@ -148,7 +151,7 @@ class Stream(Producer):
     def _all_planned(self) -> bool:
         if self.picks is None:
             return self.next_produce >= self.end
-        return not self.picks and self.end - 1 in self.planned
+        return not self.picks and self.last_asked
 
     def batches_per_epoch(self) -> int:
         return self.feed.shard_batches(self.world_size, self.remainder)
@@ -199,6 +202,7 @@ class Stream(Producer):
         cache = next((c for c in (self.ahead, warm) if c is not None and c.serves(*plan, position)), None)
         self._begin(epoch, position)
         self.picks, self.wanted, self.planned = (None if picked is None else deque()), set(), set()
+        self.last_asked = False
         self._activate(member, 0 if picked is not None else position)
         if picked is not None:
             member.end_sent = True  # a picked run has no end: the trainer counts its batches
@@ -241,12 +245,13 @@ class Stream(Producer):
         for seq in seqs:
             if not 0 <= seq < self.end or seq in self.wanted:
                 continue
-            if seq in self.planned:  # handed over by a cache, or still decoding there
-                self.wanted.add(seq)
-            elif len(self.picks) < limit:
+            if seq not in self.planned:  # else handed over by a cache, or still decoding there
+                if len(self.picks) >= limit:
+                    continue
                 self.picks.append(seq)
                 self.planned.add(seq)
-                self.wanted.add(seq)
+            self.wanted.add(seq)
+            self.last_asked = self.last_asked or seq == self.end - 1
 
     def next_seq(self) -> int:
         if self.picks is None:

@@ -228,3 +228,72 @@ def test_members_waiting_for_the_next_epoch_still_begin_it_when_the_laggard_leav
     stream.remove("c")
     stream.on_member_left()
     assert stream.epoch == 1 and stream.wants_batch(), "a and b go on to epoch 1 without c"
+
+
+# --- picked runs (NOTE [ A fleet ] in gpu_worker/fleet.py) ------------------------------------------
+
+
+def picked(samples: int = 40, credits: int = 3) -> Stream:
+    """A shard stream of 10 batches whose trainer has ``credits`` credits."""
+    feed = FeedStub(samples=samples)
+    stream = Stream(("shard", "a"), cast(Feed, feed), session("a", mode="shard", credits=credits))
+    stream.add(session("a", mode="shard", credits=credits))
+    return stream
+
+
+def decode_all(stream: Stream) -> list[int]:
+    """Plan and fill whatever the stream wants now; the seqs, in the order planned."""
+    seqs = []
+    while stream.wants_batch():
+        gen, seq, _ = stream.plan_batch()
+        assert stream.filled(gen, seq, slot=100 + seq, count=4)
+        seqs.append(seq)
+    return seqs
+
+
+def test_a_picked_run_decodes_only_what_it_is_asked_for_in_that_order() -> None:
+    stream = picked()
+    stream.on_start("a", 0, 0, picked=(7, 2))
+    assert decode_all(stream) == [7, 2]
+    assert [key[1] for key, _ in stream.deliverable(stream.members["a"])] == [2, 7], "announced lowest first"
+    stream.want((7, 2, 99, 4), limit=3)
+    assert decode_all(stream) == [4], "a seq asked again or past the epoch is ignored"
+    assert stream.members["a"].end_sent, "a picked run sends no end"
+
+
+def test_a_picked_run_queues_no_more_than_the_trainer_s_credits() -> None:
+    stream = picked()
+    stream.on_start("a", 0, 0, picked=())
+    stream.want(tuple(range(10)), limit=3)
+    assert stream.picks is not None and list(stream.picks) == [0, 1, 2]
+    stream.want((3, 4), limit=3)
+    assert list(stream.picks) == [0, 1, 2], "the queue is full: the trainer names them again later"
+
+
+def test_a_batch_let_go_may_be_asked_for_again() -> None:
+    stream = picked()
+    stream.on_start("a", 0, 0, picked=(0,))
+    decode_all(stream)
+    [(key, _)] = list(stream.deliverable(stream.members["a"]))
+    stream.want((0,), limit=3)
+    assert not stream.wants_batch(), "still leased: a repeat of the want is no new request"
+    stream.release("a", key)
+    stream.want((0,), limit=3)
+    assert decode_all(stream) == [0], "let go unread (room made for another): decoded again"
+
+
+def test_a_picked_start_frees_cached_batches_it_did_not_ask_for() -> None:
+    stream = picked(samples=12)  # 3 batches an epoch
+    stream.on_start("a", 0, 0, picked=(0, 1, 2))
+    decode_all(stream)
+    for key, _batch in list(stream.deliverable(stream.members["a"])):
+        stream.release("a", key)
+    ahead = stream.ahead
+    assert ahead is not None and stream.wants_ahead(), "the whole epoch was asked for: decode ahead"
+    first, second = ahead.plan_batch(), ahead.plan_batch()
+    assert ahead.filled(first[0], first[1], slot=5, count=4)
+    already = list(freed(stream))
+    stream.on_start("a", 1, 0, picked=(1,))  # this service was asked for batch 1 only
+    assert freed(stream) == [*already, 5], "batch 0, decoded ahead and not asked for, is freed"
+    assert ahead.filled(second[0], second[1], slot=6, count=4), "batch 1 reaches the stream"
+    assert [(key[1], b.slot) for key, b in stream.deliverable(stream.members["a"])] == [(1, 6)]
