@@ -141,8 +141,10 @@ def run(cfg: RunConfig) -> list[EpochReport]:
         client_key=cfg.client_key or None,
     ) as loader:
         info = loader.info
+        services = len(loader.config.endpoints)
         print(
-            f"attached to feed {info.name!r}: {info.samples} images, "
+            f"attached to feed {info.name!r}{f' on {services} services' if services > 1 else ''}: "
+            f"{info.samples} images, "
             f"{len(loader)} batches of {info.batch_size} "
             f"per epoch, fields {describe_fields(loader.layout.fields)}, device {loader.device}",
             file=sys.stderr,
