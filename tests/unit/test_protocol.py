@@ -283,6 +283,12 @@ def test_kinds_of_the_wrong_type_are_refused_not_crashed_on(kind: object) -> Non
 # ``ack``, a heartbeat's ``sent`` and ``run``, a resuming hello's ``have``; and a hello's
 # ``group_secret``): any change here is a wire change, which needs a new PROTOCOL_VERSION.
 GOLDEN: list[tuple[Message, str]] = [
+    (Want(4, (10, 11)), "85a17605a16ba477616e74a372756e04a473657173920a0ba5746f6b656ea0"),
+    (
+        Start(3, 2, 0, "tcp", True, (0, 5, 9)),
+        "89a17605a16ba57374617274a372756e03a565706f636802a8706f736974696f6e00a97472616e73706f7274a3746370"
+        "a67069636b6564c3a477616e7493000509a5746f6b656ea0",
+    ),
     (
         BatchReady(1, 2, 3, 4, 5, 64),
         "88a17605a16ba56261746368a372756e01a565706f636802a373657103a56c6561736504a4736c6f7405a5636f756e7440",
