@@ -17,9 +17,6 @@ import zmq
 from gpu_worker.curve import ClientKeys
 from protocol.messages import Heartbeat, encode
 
-WAKE = 0.05
-"""Longest the thread sleeps when no heartbeat is due sooner (also how soon a change applies)."""
-
 
 @dataclass(frozen=True)
 class Beat:
@@ -60,17 +57,18 @@ class Heartbeats:
         live: dict[object, tuple[Beat, zmq.Socket[bytes], float]] = {}
         try:
             while not self._closing.is_set():
+                self._changed.clear()  # before reading: a change made after this wakes the wait below
                 with self._lock:
                     wanted = dict(self._wanted)
-                self._changed.clear()
                 _apply(ctx, live, wanted)
                 now = time.monotonic()
                 for key, (beat, sock, due) in list(live.items()):
                     if now >= due:
                         _send(sock, beat)
                         live[key] = (beat, sock, now + beat.interval)
-                soonest = min((due for _, _, due in live.values()), default=now + WAKE)
-                self._changed.wait(max(0.0, min(soonest - time.monotonic(), WAKE)))
+                soonest = min((due for _, _, due in live.values()), default=None)
+                # Sleeps until the next beat is due; ``beat``, ``stop`` and ``close`` wake it early.
+                self._changed.wait(None if soonest is None else max(0.0, soonest - time.monotonic()))
         finally:
             for _, sock, _ in live.values():
                 sock.close(linger=0)
