@@ -101,12 +101,13 @@ class Dispatcher(Generic[Service, Item]):
     def lost(self, service: Service) -> list[int]:
         """A service stopped answering: its unfinished batches go to the others. Returns them."""
         self._live.discard(service)
+        self._owed.setdefault(service, set())  # it may never have joined this pass
         gone = sorted(seq for seq, owner in self._owner.items() if owner == service)
         for seq in gone:
             del self._owner[seq]
             heapq.heappush(self._returned, seq)
         self.reassigned += len(gone)
-        self._paces[service].seconds = None  # it may come back at another speed
+        self._paces.setdefault(service, Pace()).seconds = None  # it may come back at another speed
         return gone
 
     def forget(self, service: Service) -> None:

@@ -7,6 +7,7 @@ next wake-up. A heartbeat carries the session's token, so it keeps alive only th
 
 from __future__ import annotations
 
+import logging
 import threading
 import time
 from dataclasses import dataclass
@@ -16,6 +17,10 @@ import zmq
 
 from gpu_worker.curve import ClientKeys
 from protocol.messages import Heartbeat, encode
+
+log = logging.getLogger(__name__)
+RETRY = 1.0
+"""Seconds before a heartbeat socket that could not be opened is tried again."""
 
 
 @dataclass(frozen=True)
@@ -67,6 +72,8 @@ class Heartbeats:
                         _send(sock, beat)
                         live[key] = (beat, sock, now + beat.interval)
                 soonest = min((due for _, _, due in live.values()), default=None)
+                if len(live) < len(wanted):  # a socket could not be opened: try again soon
+                    soonest = min(soonest or now + RETRY, now + RETRY)
                 # Sleeps until the next beat is due; ``beat``, ``stop`` and ``close`` wake it early.
                 self._changed.wait(None if soonest is None else max(0.0, soonest - time.monotonic()))
         finally:
@@ -85,7 +92,11 @@ def _apply(
         live.pop(key)[1].close(linger=0)
     for key, beat in wanted.items():
         if key not in live:
-            sock = ctx.socket(zmq.DEALER)
+            try:
+                sock = ctx.socket(zmq.DEALER)
+            except zmq.ZMQError as exc:  # out of descriptors, say: tried again at the next wake-up
+                log.warning("cannot open a heartbeat socket to %s: %s", beat.endpoint, exc)
+                continue
             sock.setsockopt(zmq.LINGER, 0)
             if beat.keys is not None:
                 beat.keys.apply(sock)

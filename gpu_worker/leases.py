@@ -95,10 +95,13 @@ class LeaseBook:
         ids.update(lease for gen, lease in self._unsent if gen == generation)
         return tuple(sorted(ids))
 
-    def unreturned(self) -> int:
-        """Leases the service still counts against this trainer's credits, as far as it knows here:
-        referenced, or let go with the release not yet sent."""
-        return len(self._live) + len(self._unsent)
+    def unreturned(self, generation: int) -> int:
+        """Leases of session ``generation`` the service still counts against this trainer's
+        credits, as far as it knows here: referenced, or let go with the release not yet sent.
+        (Leases of an earlier session count against nothing: that session is gone.)"""
+        return sum(1 for gen, _ in self._live if gen == generation) + sum(
+            1 for gen, _ in self._unsent if gen == generation
+        )
 
     @property
     def pending(self) -> bool:

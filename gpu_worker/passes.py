@@ -126,6 +126,10 @@ class EpochPass:
             dispatcher.joined(service)
             if id(service) not in self._started:  # it was lost before this pass began
                 self._begin([service])
+        elif what == "refused":  # left out for good: what came from it, and what it owes, goes
+            for generation, msg in self._dispatcher.drop_waiting(service):
+                service.unread(msg, generation)
+            dispatcher.forget(service)
         elif what == "opened":  # a new session: it owes nothing, and what came from it is gone
             for generation, msg in self._dispatcher.drop_waiting(service):
                 service.unread(msg, generation)

@@ -34,7 +34,7 @@ POLL_SLICE = 0.1
 SAME_FEED = ("fingerprint", "seed", "batch_size", "image_size", "augment", "fields", "samples")
 """What every service of a fleet must agree on: the same data, order, transform and batch layout."""
 Event = Callable[["Service", str, Any], None]
-"""What a pass is told: (service, "opened" | "resumed" | "lost", welcome or why)."""
+"""What a pass is told: (service, "opened" | "resumed" | "lost" | "refused", welcome or why)."""
 
 
 @dataclass
@@ -99,7 +99,8 @@ class Service:
     def in_use(self, waiting: int) -> int:
         """Credits taken: leases not yet returned, announcements not yet taken, and ``waiting``
         batches taken from it that wait for the loop."""
-        return self.leases.unreturned() + len(self.conn.waiting_leases()) + self.conn.arrivals.early + waiting
+        unreturned = self.leases.unreturned(self.conn.generation)
+        return unreturned + len(self.conn.waiting_leases()) + self.conn.arrivals.early + waiting
 
     def held(self, waiting: tuple[int, ...]) -> tuple[int, ...]:
         """What a resuming hello names: leases still referenced, or arrived and not yet taken."""
@@ -255,8 +256,14 @@ class Fleet:
         for service in self.services:
             if service.refused:
                 continue
-            if service.conn.sock is not None and service.conn.sock in readable:
-                service.conn.read()
+            try:
+                if service.conn.sock is not None and service.conn.sock in readable:
+                    service.conn.read()
+            except ServiceError as exc:
+                if len(self.services) == 1:
+                    raise
+                self._leave_out(service, str(exc))  # one service refusing ends not the fleet
+                continue
             service.conn.tick(now)
             self._handle_events(service)
         if all(s.refused for s in self.services):
@@ -297,13 +304,20 @@ class Fleet:
         differences = feed_differences(self.reference, welcome.feed)
         if not differences:
             return True
-        service.refused = (
+        self._leave_out(
+            service,
             f"serves another feed than the rest of the fleet: {'; '.join(differences)} "
-            "(every service of a fleet needs the same data, seed, batch size, transform and fields)"
+            "(every service of a fleet needs the same data, seed, batch size, transform and fields)",
         )
-        log.error("leaving %s out: it %s", service.endpoint, service.refused)
-        service.close(say_bye=True)
         return False
+
+    def _leave_out(self, service: Service, why: str) -> None:
+        """Stop using ``service`` for good; the pass under way gives its batches to the others."""
+        service.refused = why
+        log.error("leaving %s out: it %s", service.endpoint, why)
+        if self.on_event is not None:
+            self.on_event(service, "refused", why)
+        service.close(say_bye=True)
 
     def close(self) -> None:
         for service in self.services:

@@ -140,13 +140,17 @@ class Stream(Producer):
     def in_flight(self) -> int:
         """Batches counted against the window; those held only by evicted members no longer are."""
         live = sum(1 for b in self.batches.values() if b.pending or b.holders - self.evicted)
-        return self.filling + live + (self.ahead.held if self.ahead is not None else 0)
+        # A picked run's trainer counts only what it asked for: batches decoded ahead must never
+        # keep one it asked for from being decoded (they give way, scheduler.py).
+        ahead = self.ahead.held if self.ahead is not None and self.picks is None else 0
+        return self.filling + live + ahead
 
     def wants_ahead(self) -> bool:
         """Shard mode, epoch fully decoded, credit left: decode the next epoch's first batches."""
         if self.ahead is None or not self.started or not self._all_planned():
             return False
-        return self.in_flight < self.window and self.ahead.wants_batch()
+        held = self.ahead.held if self.picks is not None else 0  # else already in in_flight
+        return self.in_flight + held < self.window and self.ahead.wants_batch()
 
     def _all_planned(self) -> bool:
         if self.picks is None:

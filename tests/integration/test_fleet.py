@@ -57,7 +57,7 @@ class Fleet:
         if local:
             service = self._start(self._photos, name=f"local{len(self.services)}", **common, **flags)
         else:
-            endpoint = f"tcp://127.0.0.1:{free_port()}"
+            endpoint = str(flags.pop("endpoint", "")) or f"tcp://127.0.0.1:{free_port()}"
             service = self._start(self._photos, endpoint=endpoint, private_shm=True, **common, **flags)
         self.services.append(service)
         return service.endpoint
@@ -126,6 +126,23 @@ def test_a_killed_and_a_frozen_service_cost_only_time(fleet: Fleet) -> None:
     assert [first, second] == expected, "exactly once, in order, the loop saw no error"
     assert stats["reassigned"] > 0, "the lost services' batches went to the others"
     assert stats["endpoints"][killed]["state"] == "reconnecting"
+
+
+def test_a_service_that_answers_late_joins_the_pass_under_way(fleet: Fleet, photos: Path) -> None:
+    expected = reference(fleet, 1)[0]
+    port = free_port()
+    late = f"tcp://127.0.0.1:{port}"
+    with fleet.loader([fleet.services[0].endpoint, late], connect_timeout=2, credits=2) as loader:
+        seen: Seen = []
+        for batch in loader:
+            seen.append((batch.seq, batch.indices.tolist(), digest(batch.images)))
+            if len(seen) == 2:
+                fleet.add(endpoint=late)
+                # its hello has waited in the trainer's socket all along: it attaches at once
+                fleet.services[-1].wait_for(r"attached to feed")
+        stats = loader.stats()
+    assert seen == expected, "exactly once, in order"
+    assert stats["endpoints"][late]["batches"] > 0, f"the late service took a share: {stats}"
 
 
 def test_a_checkpoint_taken_with_three_services_resumes_on_two(fleet: Fleet) -> None:

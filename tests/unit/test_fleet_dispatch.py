@@ -125,3 +125,12 @@ def test_whatever_arrives_the_loop_sees_each_batch_once_in_order(events: list[tu
             assert got[1] in "abc"
     assert taken == list(range(len(taken)))
     assert d.done and taken == list(range(30))
+
+
+def test_a_service_that_never_joined_this_pass_can_be_forgotten_and_join() -> None:
+    """A service that first answers mid-pass: its new session is forgotten, then it joins."""
+    d = fleet("a")
+    d.forget("b")
+    d.joined("b")
+    out = d.assign({"a": 0, "b": 2}, now=0.0)
+    assert out == {"b": [0, 1]}

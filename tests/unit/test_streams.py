@@ -297,3 +297,19 @@ def test_a_picked_start_frees_cached_batches_it_did_not_ask_for() -> None:
     assert freed(stream) == [*already, 5], "batch 0, decoded ahead and not asked for, is freed"
     assert ahead.filled(second[0], second[1], slot=6, count=4), "batch 1 reaches the stream"
     assert [(key[1], b.slot) for key, b in stream.deliverable(stream.members["a"])] == [(1, 6)]
+
+
+def test_batches_decoded_ahead_never_keep_a_picked_run_from_what_it_asks_for() -> None:
+    """The trainer cannot see what a service decodes ahead: a batch it asks for later (another
+    service of its fleet was lost) must still be decoded, whatever the ahead cache holds."""
+    stream = picked(samples=12, credits=2)  # 3 batches an epoch, a window of 2
+    stream.on_start("a", 0, 0, picked=(2,))  # the last batch: the next epoch may be decoded ahead
+    decode_all(stream)
+    ahead = stream.ahead
+    assert ahead is not None and stream.wants_ahead()
+    while stream.wants_ahead():
+        gen, seq, _ = ahead.plan_batch()
+        assert ahead.filled(gen, seq, slot=50 + seq, count=4)
+    stream.want((0,), limit=2)
+    assert stream.wants_batch(), "the batch asked for is decoded, not held back by the ahead cache"
+    assert decode_all(stream) == [0]
