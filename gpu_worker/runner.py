@@ -176,7 +176,7 @@ def _print_shares(loader: ServiceLoader) -> None:
     total = sum(share["batches"] for share in shares.values()) or 1
     for endpoint, share in shares.items():
         print(
-            f"  {endpoint}: {share['batches']} batches ({share['batches'] / total:.0%}), "
+            f"  {endpoint}: {share['batches']} batches so far ({share['batches'] / total:.0%}), "
             f"{share['images_per_s']:.1f} images/s, {share['state']}",
             flush=True,
         )

@@ -65,7 +65,7 @@ def test_gpu_worker_run_over_a_fleet_prints_each_service_s_share(
     endpoints = ["--endpoint", one.endpoint, "--endpoint", two.endpoint]
     result = run("gpu-worker", "run", *endpoints, "--epochs", "1", "--device", "cpu")
     assert result.returncode == 0, result.stderr
-    shares = dict(re.findall(r"^  (ipc://\S+): (\d+) batches \(\d+%\)", result.stdout, re.MULTILINE))
+    shares = dict(re.findall(r"^  (ipc://\S+): (\d+) batches so far \(\d+%\)", result.stdout, re.MULTILINE))
     assert set(shares) == {one.endpoint, two.endpoint}
     assert sum(int(n) for n in shares.values()) == -(-len(build_index(photos)) // 8)
 

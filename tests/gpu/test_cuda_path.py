@@ -126,6 +126,26 @@ def test_cuda_batches_equal_cpu_batches(photos: Path, start_service: ServiceFact
         assert torch.equal(images, cpu_images), "the same (seed, epoch) must give the same pixels"
 
 
+@pytest.mark.integration
+def test_a_fleet_on_cuda_gives_the_batches_one_service_gives_on_cpu(
+    photos: Path, start_service: ServiceFactory
+) -> None:
+    """Each service of a fleet has its own pool, pinned and copied on its own side stream."""
+    one = start_service(photos, seed=5, name="one")
+    two = start_service(photos, seed=5, name="two", workers=1)
+    with ServiceLoader(one.endpoint, device="cpu", timeout=30) as loader:
+        loader.set_epoch(2)
+        expected = copied(loader)
+    with ServiceLoader([one.endpoint, two.endpoint], device="cuda", timeout=30) as loader:
+        loader.set_epoch(2)
+        got = copied(loader)
+        shares = [share["batches"] for share in loader.stats()["endpoints"].values()]
+    assert len(got) == len(expected) > 0 and all(shares), shares
+    for (indices, labels, images), (cpu_indices, cpu_labels, cpu_images) in zip(got, expected, strict=True):
+        assert indices == cpu_indices
+        assert torch.equal(labels, cpu_labels) and torch.equal(images, cpu_images)
+
+
 def wait_until_no_slot_is_leased(endpoint: str, timeout: float = 10.0) -> dict[str, Any]:
     """The service's status once every lease has come back (releases travel asynchronously)."""
     deadline = time.monotonic() + timeout
