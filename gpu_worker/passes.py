@@ -115,7 +115,7 @@ class EpochPass:
                 continue
             want = tuple(first.get(service, ()))
             service.send_start(Start(service.run, settings.epoch, self.position, transport, True, want))
-            service.wanted_at = now
+            service.named_at = now
 
     def _on_event(self, service: Service, what: str, detail: Any) -> None:
         """What happened to a session means for this pass's batches (NOTE [ A fleet ])."""
@@ -143,6 +143,9 @@ class EpochPass:
         """The batch the loop needs next (``None``: a broadcast epoch ended), within the timeout."""
         deadline = time.monotonic() + self._settings.timeout
         while True:
+            if self._fleet.on_event != self._on_event:
+                # Its runs are over: reading on would take the newer pass's batches.
+                raise ServiceError("a newer iter() over this loader began; this pass is over")
             # Every step returns what the loop let go and names new batches, whether or not the
             # next one is already here: the services keep decoding ahead while the loop trains.
             now = time.monotonic()
@@ -209,7 +212,7 @@ class EpochPass:
         out = dispatcher.assign(free, now)
         if starting is None:
             for service, seqs in out.items():
-                service.want(seqs, now)
+                service.want(seqs)
         return out
 
     def _send_pending(self, now: float) -> None:

@@ -75,8 +75,9 @@ class Service:
     unsent_start: Start | None = None
     last_start: tuple[Start, float] | None = None
     """The current run's start and when it went out: sent again if the service never shows it."""
-    wanted_at: float = 0.0
-    """When the batches it owes were last named to it (``Want``): named again every heartbeat interval."""
+    named_at: float = 0.0
+    """When every batch it owes was last named to it together: again every heartbeat interval, so a
+    ``want`` lost with a connection (or read before its run's start) costs at most that long."""
     refused: str = ""
     """Why this service is left out (it serves another feed); '' while it is in use."""
     resume_held: tuple[int, ...] = ()
@@ -114,10 +115,9 @@ class Service:
         else:
             self.unsent_start = start
 
-    def want(self, seqs: list[int], now: float) -> None:
+    def want(self, seqs: list[int]) -> bool:
         """Name batches of the current run to decode; one the socket refuses is named again later."""
-        if seqs and self.conn.send(Want(self.run, tuple(seqs))):
-            self.wanted_at = now
+        return bool(seqs) and self.conn.send(Want(self.run, tuple(seqs)))
 
     def send_pending(self, owed: set[int], waiting: tuple[int, ...], now: float) -> None:
         """NOTE [ Releases that could not be sent ]: the kept start first, then every release; the
@@ -130,8 +130,8 @@ class Service:
         if self.unsent_start is not None:
             self.send_start(self.unsent_start)
         self.leases.flush(self.conn.generation, self.conn.send)
-        if owed and now - self.wanted_at > self.conn.heartbeat_interval:
-            self.want(sorted(owed), now)
+        if owed and now - self.named_at > self.conn.heartbeat_interval and self.want(sorted(owed)):
+            self.named_at = now
         if self.conn.arrivals.ack_due:
             self._ack(waiting)
 

@@ -282,3 +282,19 @@ def test_next_epoch_starts_from_batches_decoded_ahead(photos: Path, start_servic
         cold = [(b.indices.tolist(), b.images.clone()) for _, b in zip(range(3), loader, strict=False)]
     for (ai, ap), (ci, cp) in zip(ahead, cold, strict=True):
         assert ai == ci and torch.equal(ap, cp), "a batch decoded ahead is the batch a cold start decodes"
+
+
+def test_an_older_pass_resumed_after_a_newer_one_began_says_so(
+    photos: Path, start_service: ServiceFactory
+) -> None:
+    """Reading on would hand it the newer pass's batches: it ends with an error instead."""
+    service = start_service(photos)
+    with ServiceLoader(service.endpoint, timeout=30) as loader:
+        older = iter(loader)
+        next(older)
+        newer = iter(loader)
+        first = next(newer)
+        assert first.epoch == 1 and first.seq == 0
+        with pytest.raises(ServiceError, match="a newer iter"):
+            next(older)
+        assert next(newer).seq == 1, "the newer pass goes on"
