@@ -23,9 +23,17 @@ def script(name: str) -> list[str]:
     return [found] if found else [sys.executable, "-m", name.replace("-", "_")]
 
 
-def run(*args: str, timeout: float = 120) -> subprocess.CompletedProcess[str]:
+def run(
+    *args: str, timeout: float = 120, env: dict[str, str] | None = None
+) -> subprocess.CompletedProcess[str]:
     return subprocess.run(
-        [*script(args[0]), *args[1:]], capture_output=True, text=True, timeout=timeout, cwd=REPO, check=False
+        [*script(args[0]), *args[1:]],
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        cwd=REPO,
+        check=False,
+        env=None if env is None else {**os.environ, **env},
     )
 
 
@@ -57,13 +65,19 @@ def test_serve_and_gpu_worker_run_an_epoch(photos: Path, start_service: ServiceF
     assert service.stop() == 0
 
 
+@pytest.mark.parametrize("given", ["flags", "environment"])
 def test_gpu_worker_run_over_a_fleet_prints_each_service_s_share(
-    photos: Path, start_service: ServiceFactory
+    photos: Path, start_service: ServiceFactory, given: str
 ) -> None:
     one = start_service(photos, name="one", workers=1)
     two = start_service(photos, name="two", workers=1)
-    endpoints = ["--endpoint", one.endpoint, "--endpoint", two.endpoint]
-    result = run("gpu-worker", "run", *endpoints, "--epochs", "1", "--device", "cpu")
+    if given == "flags":
+        result = run(
+            "gpu-worker", "run", "--endpoint", one.endpoint, "--endpoint", two.endpoint, "--device", "cpu"
+        )
+    else:  # no --endpoint at all: DATAFERRY_ENDPOINTS names the fleet
+        fleet = {"DATAFERRY_ENDPOINTS": f"{one.endpoint},{two.endpoint}"}
+        result = run("gpu-worker", "run", "--device", "cpu", env=fleet)
     assert result.returncode == 0, result.stderr
     shares = dict(re.findall(r"^  (ipc://\S+): (\d+) batches so far \(\d+%\)", result.stdout, re.MULTILINE))
     assert set(shares) == {one.endpoint, two.endpoint}
