@@ -8,7 +8,9 @@ NOTE [ A fleet ]
     decode any batch of the trainer's share, and no dispatcher is needed:
 
     * Every service must serve the same feed: dataset fingerprint, seed, batch size, image size,
-      transform and fields. One that differs is refused at attach, with every difference named.
+      transform and fields, as the first endpoint given that answers does. One that differs is
+      refused at attach, with every difference named; one that comes back different later is
+      left out, and its batches go to the others.
     * Each service runs a *picked* run (``Start.picked``): it decodes only the batches the trainer
       names, in the order named. The trainer names a batch to a service only while that service has
       a free credit (its credits minus batches it owes, batches waiting here, and batches the loop

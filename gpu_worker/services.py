@@ -178,6 +178,13 @@ class Service:
         self.delivery.close()
 
 
+def _another_feed(differences: list[str]) -> str:
+    return (
+        f"serves another feed than the rest of the fleet: {'; '.join(differences)} "
+        "(every service of a fleet needs the same data, seed, batch size, transform and fields)"
+    )
+
+
 def feed_differences(reference: FeedInfo, other: FeedInfo) -> list[str]:
     """Every way ``other`` serves something else than ``reference`` (NOTE [ A fleet ])."""
     return [
@@ -217,6 +224,7 @@ class Fleet:
         self.on_event: Event | None = None
         """The pass under way, told what happens to each session."""
         self.waiting_leases: Callable[[Service], tuple[int, ...]] = lambda service: ()
+        self._attaching = False
         self._poll = zmq.Poller()
         self._polled: tuple[zmq.Socket[bytes], ...] = ()
         """Leases of batches taken from a service that wait for the loop (the pass's)."""
@@ -230,8 +238,13 @@ class Fleet:
         for service in self.services:
             service.conn.connect()
         deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline and not all(s.open or s.refused for s in self.services):
-            self.wait(deadline)
+        self._attaching = True
+        try:
+            while time.monotonic() < deadline and not all(s.open or s.refused for s in self.services):
+                self.wait(deadline)
+        finally:
+            self._attaching = False
+        self._check_same_feed()
         refused = [s for s in self.services if s.refused]
         if refused:
             raise ServiceError("; ".join(f"{s.endpoint} {s.refused}" for s in refused))
@@ -296,19 +309,31 @@ class Fleet:
             if self.on_event is not None:
                 self.on_event(service, what, detail)
 
+    def _check_same_feed(self) -> None:
+        """NOTE [ A fleet ]: after attaching, the first endpoint (in the order given) that answered
+        sets the feed, whichever answered first; every other one serving another feed is left out."""
+        answered = [s for s in self.services if s.info is not None and not s.refused]
+        if not answered:
+            return
+        reference = self.reference = answered[0].info
+        assert reference is not None
+        for service in answered[1:]:
+            assert service.info is not None
+            differences = feed_differences(reference, service.info)
+            if differences:
+                self._leave_out(service, _another_feed(differences))
+
     def _same_feed(self, service: Service, welcome: Welcome) -> bool:
-        """NOTE [ A fleet ]: the first service to answer sets the feed; one serving another is left out."""
+        """NOTE [ A fleet ]: a service that answers after the attach must serve the fleet's feed."""
+        if self._attaching:
+            return True  # compared all together once everyone answered (``_check_same_feed``)
         if self.reference is None:
             self.reference = welcome.feed
             return True
         differences = feed_differences(self.reference, welcome.feed)
         if not differences:
             return True
-        self._leave_out(
-            service,
-            f"serves another feed than the rest of the fleet: {'; '.join(differences)} "
-            "(every service of a fleet needs the same data, seed, batch size, transform and fields)",
-        )
+        self._leave_out(service, _another_feed(differences))
         return False
 
     def _leave_out(self, service: Service, why: str) -> None:

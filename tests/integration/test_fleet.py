@@ -162,12 +162,16 @@ def test_a_checkpoint_taken_with_three_services_resumes_on_two(fleet: Fleet) -> 
     assert before + after == expected, "exactly once across both runs, the same batches"
 
 
-def test_a_service_with_another_seed_is_refused_naming_the_difference(fleet: Fleet) -> None:
+@pytest.mark.parametrize("order", ["same first", "other first"])
+def test_a_service_with_another_seed_is_refused_naming_the_difference(fleet: Fleet, order: str) -> None:
+    """The first endpoint given sets the feed, whichever service answers first."""
     same, other = fleet.add(), fleet.add(seed=1)
+    endpoints = [same, other] if order == "same first" else [other, same]
     with pytest.raises(ServiceError) as refused:
-        fleet.loader([same, other], connect_timeout=20)
+        fleet.loader(endpoints, connect_timeout=20)
     message = str(refused.value)
-    assert other in message and "seed 1, not 0" in message
+    named, expected = (other, "seed 1, not 0") if order == "same first" else (same, "seed 0, not 1")
+    assert message.startswith(named) and expected in message
 
 
 RANK_SCRIPT = """
