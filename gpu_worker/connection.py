@@ -92,7 +92,6 @@ class Connection:
         """``("opened", welcome)``, ``("resumed", welcome)`` or ``("lost", why)``, oldest first."""
         self.session = ""
         self.generation = 0
-        self.resumed = False
         self.last_heard = time.monotonic()
         self._silence_limit = float("inf")
         self.batch_bytes = 0
@@ -150,8 +149,8 @@ class Connection:
             self._lose(f"no word from the service for {now - self.last_heard:.0f} s")
 
     def _opened(self, msg: Welcome) -> None:
-        self.resumed = bool(self._resuming) and msg.token == self._resuming
-        if self.resumed:
+        resumed = bool(self._resuming) and msg.token == self._resuming
+        if resumed:
             self._inbox.extendleft(reversed(self._kept))  # taken before anything after the welcome
         else:  # a new session: leases of the old one died with it
             self.generation += 1
@@ -164,7 +163,7 @@ class Connection:
         self._silence_limit = max(SILENCE_HEARTBEATS * msg.heartbeat_interval, 3.0)
         self.last_heard = time.monotonic()
         self._heartbeats.beat(self, self.endpoint, self.token, msg.heartbeat_interval, self._keys)
-        self.events.append(("resumed" if self.resumed else "opened", msg))
+        self.events.append(("resumed" if resumed else "opened", msg))
 
     def _lose(self, why: str) -> None:
         """The session is lost (the service restarted or went silent): the owner reconnects."""

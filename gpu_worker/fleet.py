@@ -238,10 +238,6 @@ class Dispatcher(Generic[Service, Item]):
         heapq.heappush(self._returned, seq)
         return got
 
-    def due_owner(self) -> Service | None:
-        """The service the loop is waiting for, if the batch it needs is assigned."""
-        return self._owner.get(self.position)
-
     @property
     def done(self) -> bool:
         return self.position >= self.end

@@ -41,7 +41,6 @@ class EpochPass:
         self._settings = settings
         self.epoch = settings.epoch
         self.position = settings.position
-        self.finished = False
         self.active = False
         """Iterating: started and neither finished nor abandoned (``state_dict`` names its position)."""
         self.last_endpoint = ""
@@ -77,7 +76,6 @@ class EpochPass:
                     yield batch
                 del batch  # the generator must not keep the previous batch's slot while waiting
             self.position = max(self.position, self._settings.batches)
-            self.finished = True
             self._send_pending(time.monotonic())  # credits back now, so the next pass starts at once
         finally:
             self._leave()
@@ -126,16 +124,14 @@ class EpochPass:
             dispatcher.joined(service)
             if id(service) not in self._started:  # it was lost before this pass began
                 self._begin([service])
-        elif what == "refused":  # left out for good: what came from it, and what it owes, goes
-            for generation, msg in self._dispatcher.drop_waiting(service):
+        elif what in ("refused", "opened"):
+            # Left out for good, or a new session: it owes nothing, and what came from it is gone.
+            for generation, msg in dispatcher.drop_waiting(service):
                 service.unread(msg, generation)
             dispatcher.forget(service)
-        elif what == "opened":  # a new session: it owes nothing, and what came from it is gone
-            for generation, msg in self._dispatcher.drop_waiting(service):
-                service.unread(msg, generation)
-            dispatcher.forget(service)
-            dispatcher.joined(service)
-            self._begin([service])
+            if what == "opened":
+                dispatcher.joined(service)
+                self._begin([service])
 
     # --- waiting --------------------------------------------------------------------------------
 
@@ -201,9 +197,7 @@ class EpochPass:
         services = (
             starting if starting is not None else [s for s in self._fleet.live if id(s) in self._started]
         )
-        free = {
-            s: s.credits - s.in_use(len(dispatcher.waiting(s))) - len(dispatcher.owed(s)) for s in services
-        }
+        free = {s: s.credits - s.in_use(self._waiting_leases(s)) - len(dispatcher.owed(s)) for s in services}
         if starting is None:
             room = dispatcher.make_room(free)
             if room is not None:

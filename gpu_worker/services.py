@@ -97,11 +97,11 @@ class Service:
         self.conn.batch_bytes = self.delivery.batch_bytes
         self.unsent_start = self.last_start = None  # meaningless to a new session
 
-    def in_use(self, waiting: int) -> int:
-        """Credits taken: leases not yet returned, announcements not yet taken, and ``waiting``
-        batches taken from it that wait for the loop."""
+    def in_use(self, waiting: tuple[int, ...]) -> int:
+        """Credits this session's service counts as taken: leases not yet returned, announcements
+        not yet taken, and the ``waiting`` leases (taken from it, waiting for the loop)."""
         unreturned = self.leases.unreturned(self.conn.generation)
-        return unreturned + len(self.conn.waiting_leases()) + self.conn.arrivals.early + waiting
+        return unreturned + len(self.conn.waiting_leases()) + self.conn.arrivals.early + len(waiting)
 
     def held(self, waiting: tuple[int, ...]) -> tuple[int, ...]:
         """What a resuming hello names: leases still referenced, or arrived and not yet taken."""
@@ -171,8 +171,8 @@ class Service:
             return None
         return self.delivery.wrap(msg, lease, frames)
 
-    def close(self, say_bye: bool) -> None:
-        if say_bye and self.conn.session:
+    def close(self) -> None:
+        if self.conn.session:  # a bye frees this trainer's slots now, not after its timeout
             self.conn.send(Bye())
         self.conn.close()
         self.delivery.close()
@@ -327,9 +327,7 @@ class Fleet:
         """NOTE [ A fleet ]: a service that answers after the attach must serve the fleet's feed."""
         if self._attaching:
             return True  # compared all together once everyone answered (``_check_same_feed``)
-        if self.reference is None:
-            self.reference = welcome.feed
-            return True
+        assert self.reference is not None  # set by ``attach``, which fails if no service answered
         differences = feed_differences(self.reference, welcome.feed)
         if not differences:
             return True
@@ -342,10 +340,10 @@ class Fleet:
         log.error("leaving %s out: it %s", service.endpoint, why)
         if self.on_event is not None:
             self.on_event(service, "refused", why)
-        service.close(say_bye=True)
+        service.close()
 
     def close(self) -> None:
         for service in self.services:
             if not service.refused:
-                service.close(say_bye=True)
+                service.close()
         self._heartbeats.close()

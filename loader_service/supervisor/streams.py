@@ -138,19 +138,23 @@ class Stream(Producer):
 
     @property
     def in_flight(self) -> int:
-        """Batches counted against the window; those held only by evicted members no longer are."""
+        """Batches counted against the window; those held only by evicted members no longer are.
+        A picked run's trainer counts only what it asked for, so batches decoded ahead never keep
+        one it asked for from being decoded (they give way, scheduler.py); other runs count them."""
+        return self._asked_in_flight() + (self._ahead_held() if self.picks is None else 0)
+
+    def _asked_in_flight(self) -> int:
         live = sum(1 for b in self.batches.values() if b.pending or b.holders - self.evicted)
-        # A picked run's trainer counts only what it asked for: batches decoded ahead must never
-        # keep one it asked for from being decoded (they give way, scheduler.py).
-        ahead = self.ahead.held if self.ahead is not None and self.picks is None else 0
-        return self.filling + live + ahead
+        return self.filling + live
+
+    def _ahead_held(self) -> int:
+        return self.ahead.held if self.ahead is not None else 0
 
     def wants_ahead(self) -> bool:
         """Shard mode, epoch fully decoded, credit left: decode the next epoch's first batches."""
         if self.ahead is None or not self.started or not self._all_planned():
             return False
-        held = self.ahead.held if self.picks is not None else 0  # else already in in_flight
-        return self.in_flight + held < self.window and self.ahead.wants_batch()
+        return self._asked_in_flight() + self._ahead_held() < self.window and self.ahead.wants_batch()
 
     def _all_planned(self) -> bool:
         if self.picks is None:
