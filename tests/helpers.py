@@ -21,9 +21,10 @@ import tarfile
 import threading
 import time
 from collections.abc import Callable, Iterable, Iterator
+from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 from types import ModuleType
-from typing import Any
+from typing import Any, TypeVar
 
 import zmq
 
@@ -135,6 +136,25 @@ class ServiceProcess:
 
 
 ServiceFactory = Callable[..., ServiceProcess]
+
+
+T = TypeVar("T")
+
+
+@contextlib.contextmanager
+def in_background(job: Callable[[], T], what: str, timeout: float = 90) -> Iterator[Future[T]]:
+    """``job`` on a thread while the test breaks something: ``.result()`` gives what it returned or
+    raises its failure; a failure of the test itself is noted with the job's (waited for up to
+    ``timeout``). The thread is joined on the way out."""
+    with ThreadPoolExecutor(1) as pool:
+        future = pool.submit(job)
+        try:
+            yield future
+        except BaseException as exc:
+            error = future.exception(timeout)
+            if error is not None:
+                exc.add_note(f"{what} failed too: {error!r}")
+            raise
 
 
 def in_threads(jobs: list[Callable[[], Any]], timeout: float = 120) -> list[Any]:

@@ -14,8 +14,8 @@ import socket
 import threading
 import time
 from collections.abc import Callable, Iterator
-from concurrent.futures import Future, ThreadPoolExecutor
-from contextlib import contextmanager
+from concurrent.futures import Future
+from contextlib import AbstractContextManager
 from pathlib import Path
 from typing import TypeVar
 
@@ -39,7 +39,7 @@ from protocol.messages import (
     decode,
     encode,
 )
-from tests.helpers import fake_segment
+from tests.helpers import fake_segment, in_background
 
 pytestmark = pytest.mark.integration
 FROM_TRAINER = (Hello, Start, Want, Release, Ack, Heartbeat, Bye)
@@ -214,19 +214,9 @@ def reached(event: threading.Event, fake: Future[None]) -> None:
         raise AssertionError(f"the fake service did not get there within {WAIT:.0f} s") from error
 
 
-@contextmanager
-def running(script: Callable[[], None]) -> Iterator[Future[None]]:
-    """``script`` (the fake service's side) on a thread; its failure is raised by ``.result()``,
-    or noted on the trainer's own failure."""
-    with ThreadPoolExecutor(1) as pool:
-        fake = pool.submit(script)
-        try:
-            yield fake
-        except BaseException as exc:
-            error = fake.exception(3 * WAIT)
-            if error is not None:
-                exc.add_note(f"the fake service failed too: {error!r}")
-            raise
+def running(script: Callable[[], None]) -> AbstractContextManager[Future[None]]:
+    """``script`` (the fake service's side) on a thread (``tests.helpers.in_background``)."""
+    return in_background(script, "the fake service", timeout=3 * WAIT)
 
 
 def test_releases_refused_mid_epoch_are_sent_when_the_service_is_back(

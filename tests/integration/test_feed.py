@@ -23,7 +23,7 @@ from loader_service.decode.transforms import (
     roi_decoder_version,
     roi_scale,
 )
-from tests.helpers import ServiceFactory, our_segments, status
+from tests.helpers import ServiceFactory, in_background, our_segments, status
 
 pytestmark = pytest.mark.integration
 
@@ -186,26 +186,18 @@ def test_loader_started_before_service_waits_for_it(
     photos: Path, start_service: ServiceFactory, tmp_path: Path
 ) -> None:
     endpoint = f"ipc://{tmp_path}/late.sock"
-    result: dict[str, object] = {}
     attached = threading.Event()
 
-    def trainer() -> None:
-        try:
-            with ServiceLoader(endpoint, connect_timeout=30, timeout=30) as loader:
-                attached.set()
-                result["batches"] = sum(1 for _ in loader)
-        except Exception as exc:  # reported to the test thread below
-            result["error"] = exc
+    def trainer() -> int:
+        with ServiceLoader(endpoint, connect_timeout=30, timeout=30) as loader:
+            attached.set()
+            return sum(1 for _ in loader)
 
-    thread = threading.Thread(target=trainer)
-    thread.start()
-    try:
+    with in_background(trainer, "the trainer") as outcome:
         assert not attached.wait(0.5), "attached with no service running"
         start_service(photos, name="late")
-    finally:
-        thread.join(60)
-    assert "error" not in result, result.get("error")
-    assert result["batches"] == -(-len(build_index(photos)) // 8)
+        batches = outcome.result(60)
+    assert batches == -(-len(build_index(photos)) // 8)
 
 
 def test_connect_timeout_is_a_clear_error(tmp_path: Path) -> None:

@@ -27,6 +27,7 @@ from tests.helpers import (
     ServiceFactory,
     consume_with_pause,
     free_port,
+    in_background,
     in_threads,
     private_shm_available,
     status,
@@ -174,30 +175,20 @@ def test_a_remote_trainer_continues_its_epoch_across_a_service_restart(
     endpoint = f"tcp://127.0.0.1:{free_port()}"
     first = start_service(photos, endpoint=endpoint, batch_size=8, **keys.flags())
     paused, go = threading.Event(), threading.Event()
-    result: dict[str, Any] = {}
 
-    def trainer() -> None:
+    def trainer() -> list[int]:
+        with ServiceLoader(endpoint, transport="tcp", timeout=30, **keys.of(keys.trainer)) as loader:
+            return consume_with_pause(loader, 4, paused, go)
+
+    with in_background(trainer, "the trainer") as outcome:
         try:
-            with ServiceLoader(endpoint, transport="tcp", timeout=30, **keys.of(keys.trainer)) as loader:
-                result["seen"] = consume_with_pause(loader, 4, paused, go)
-        except BaseException as exc:
-            result["error"] = exc
-
-    thread = threading.Thread(target=trainer)
-    thread.start()
-    try:
-        assert paused.wait(60)
-        assert first.stop() == 0
-        start_service(photos, endpoint=endpoint, batch_size=8, **keys.flags())
-        go.set()
-        thread.join(90)
-    finally:
-        go.set()
-        thread.join(5)
-    assert "error" not in result, result.get("error")
-    assert sorted(result["seen"]) == list(range(len(build_index(photos)))), (
-        "each image once across the restart"
-    )
+            assert paused.wait(60)
+            assert first.stop() == 0
+            start_service(photos, endpoint=endpoint, batch_size=8, **keys.flags())
+        finally:
+            go.set()
+        seen = outcome.result(90)
+    assert sorted(seen) == list(range(len(build_index(photos)))), "each image once across the restart"
 
 
 def test_a_remote_trainer_stays_attached_through_a_long_step(

@@ -6,14 +6,13 @@ import signal
 import threading
 import time
 from pathlib import Path
-from typing import Any
 
 import pytest
 import torch
 
 from gpu_worker import ServiceLoader, ServiceTimeout
 from loader_service.dataset.index import build_index
-from tests.helpers import ServiceFactory, consume_with_pause, our_segments
+from tests.helpers import ServiceFactory, consume_with_pause, in_background, our_segments
 
 pytestmark = pytest.mark.integration
 
@@ -35,37 +34,29 @@ def test_trainer_continues_its_epoch_across_a_service_restart(
     first = start_service(photos, batch_size=8, name="svc")
     segment = first.wait_for(r"\((dataferry-[^)]+)\)").group(1)
     paused, go = threading.Event(), threading.Event()
-    result: dict[str, Any] = {}
 
-    def trainer() -> None:
+    def trainer() -> tuple[list[int], int]:
+        with ServiceLoader(first.endpoint, timeout=30) as loader:
+            seen = consume_with_pause(loader, 4, paused, go)
+            return seen, sum(len(b.indices) for b in loader)
+
+    with in_background(trainer, "the trainer") as outcome:
         try:
-            with ServiceLoader(first.endpoint, timeout=30) as loader:
-                result["seen"] = consume_with_pause(loader, 4, paused, go)
-                result["next"] = sum(len(b.indices) for b in loader)
-        except BaseException as exc:
-            result["error"] = exc
-
-    thread = threading.Thread(target=trainer)
-    thread.start()
-    try:
-        assert paused.wait(60)
-        if how == signal.SIGKILL:
-            first.kill_group()
-            assert segment in our_segments(), "a killed service cannot clean up"
-        else:
-            assert first.stop(how) == 0
-        second = start_service(photos, batch_size=8, name="svc")
-        if how == signal.SIGKILL:
-            second.wait_for(f"removed /dev/shm/{segment}, left behind by a service that was killed")
-            assert segment not in our_segments()
-        go.set()
-        thread.join(90)
-    finally:
-        go.set()
-        thread.join(5)
-    assert "error" not in result, result.get("error")
-    assert sorted(result["seen"]) == list(range(n)), "each image of the epoch exactly once across the restart"
-    assert result["next"] == n, "and the next epoch is whole"
+            assert paused.wait(60)
+            if how == signal.SIGKILL:
+                first.kill_group()
+                assert segment in our_segments(), "a killed service cannot clean up"
+            else:
+                assert first.stop(how) == 0
+            second = start_service(photos, batch_size=8, name="svc")
+            if how == signal.SIGKILL:
+                second.wait_for(f"removed /dev/shm/{segment}, left behind by a service that was killed")
+                assert segment not in our_segments()
+        finally:
+            go.set()
+        seen, following = outcome.result(90)
+    assert sorted(seen) == list(range(n)), "each image of the epoch exactly once across the restart"
+    assert following == n, "and the next epoch is whole"
     second.wait_for(r"attached to feed 'train'")
 
 
@@ -128,30 +119,21 @@ def test_a_trainer_that_waits_out_a_long_restart_gets_one_session_and_its_whole_
     n = len(build_index(photos))
     first = start_service(photos, batch_size=8, name="svc", heartbeat_interval=0.2)
     three = threading.Event()
-    result: dict[str, Any] = {}
 
-    def trainer() -> None:
-        try:
-            with ServiceLoader(first.endpoint, timeout=60) as loader:
-                seen: list[int] = []
-                for batch in loader:
-                    seen += batch.indices.tolist()
-                    if len(seen) >= 3 * 8:
-                        three.set()
-                result["seen"] = seen
-        except BaseException as exc:
-            result["error"] = exc
+    def trainer() -> list[int]:
+        with ServiceLoader(first.endpoint, timeout=60) as loader:
+            seen: list[int] = []
+            for batch in loader:
+                seen += batch.indices.tolist()
+                if len(seen) >= 3 * 8:
+                    three.set()
+            return seen
 
-    thread = threading.Thread(target=trainer)
-    thread.start()
-    try:
+    with in_background(trainer, "the trainer") as outcome:
         assert three.wait(60)
         assert first.stop() == 0
         time.sleep(8)  # the outage itself: the trainer gives the session up after 3 s, then waits
         second = start_service(photos, batch_size=8, name="svc", heartbeat_interval=0.2)
-        thread.join(90)
-    finally:
-        thread.join(5)
-    assert "error" not in result, result.get("error")
-    assert sorted(result["seen"]) == list(range(n)), "each image of the epoch exactly once"
+        seen = outcome.result(90)
+    assert sorted(seen) == list(range(n)), "each image of the epoch exactly once"
     assert second.log.count("attached to feed") == 1, "one session for all the repeated hellos"
