@@ -55,6 +55,13 @@ SHM_DIR = Path("/dev/shm")
 LOCK_NAME = "lock"
 """File in a service's runtime folder that it keeps flocked while it runs."""
 log = logging.getLogger(__name__)
+SLOT_POOL = "the slot pool"
+SAMPLE_CACHE = "the decoded-sample cache"
+REMEDIES = {
+    SLOT_POOL: "Lower --slots, --batch-size or --image-size",
+    SAMPLE_CACHE: "Lower --cache-memory",
+}
+"""What a segment is for, and what the operator can lower when /dev/shm cannot hold it."""
 
 
 class SharedMemoryError(RuntimeError):
@@ -80,13 +87,15 @@ class Segment:
         """The creator keeps the segment open with an exclusive flock: the proof it is alive."""
 
     @classmethod
-    def create(cls, name: str, size: int, group: str = "") -> Segment:
+    def create(cls, name: str, size: int, group: str = "", purpose: str = SLOT_POOL) -> Segment:
+        """A new segment of ``size`` bytes, all reserved now; SharedMemoryError naming ``purpose``
+        (one of ``REMEDIES``) and what to change if /dev/shm cannot hold it."""
         path = SHM_DIR / validate_segment_name(name)
         fd = os.open(path, os.O_CREAT | os.O_EXCL | os.O_RDWR, 0o600)
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
             restrict(fd, group)
-            _reserve(fd, path, size)
+            _reserve(fd, size, purpose)
             mapping = mmap.mmap(fd, size, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
         except BaseException:
             os.unlink(path)
@@ -278,7 +287,7 @@ def _empty_folder(fd: int) -> None:
             os.rmdir(entry.name, dir_fd=fd)
 
 
-def _reserve(fd: int, path: Path, size: int) -> None:
+def _reserve(fd: int, size: int, purpose: str) -> None:
     try:
         os.posix_fallocate(fd, 0, size)
     except OSError as exc:
@@ -286,8 +295,8 @@ def _reserve(fd: int, path: Path, size: int) -> None:
             raise
         free = _free_bytes(SHM_DIR)
         raise SharedMemoryError(
-            f"/dev/shm has {free / 2**20:.0f} MiB free but the slot pool needs {size / 2**20:.0f} MiB. "
-            "Lower --slots, --batch-size or --image-size, or enlarge /dev/shm "
+            f"/dev/shm has {free / 2**20:.0f} MiB free but {purpose} needs {size / 2**20:.0f} MiB. "
+            f"{REMEDIES[purpose]}, or enlarge /dev/shm "
             "(docker: --shm-size; Kubernetes: an emptyDir with medium: Memory; "
             "host: mount -o remount,size=NG /dev/shm)."
         ) from None

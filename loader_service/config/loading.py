@@ -24,7 +24,7 @@ else:  # pragma: no cover
     import tomli as tomllib
 
 
-NOT_INHERITED = ("slots", "format", "pipeline")
+NOT_INHERITED = ("slots", "format", "pipeline", "pipeline_deterministic", "cache_memory")
 """Top-level feed options a ``[feeds.NAME]`` table does not take over (nor ``fields``, not an option)."""
 
 Layer = dict[str, tuple[Any, str]]
@@ -125,7 +125,8 @@ def _extra_feed(name: str, table: Any, top: Mapping[str, Any]) -> FeedConfig:
     }
     if stated is not None:
         own["fields"] = field_specs(stated, f"{where}.fields")
-    # Each feed's pool is sized on its own: inheriting the first feed's slots would multiply memory.
+    # Each feed's pool and cache are sized on their own: inheriting the first feed's would multiply
+    # memory.
     # Its format goes with its own data, which every table names; its pipeline (and so its fields)
     # with what the feed is for: a [feeds.val] table saying augment = "eval" must not silently run
     # the top-level feed's training pipeline.

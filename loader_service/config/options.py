@@ -39,6 +39,32 @@ EXTRA_FEED_SLOTS = 10
 """Pool size of a ``[feeds.NAME]`` feed whose ``slots`` is 0 (auto)."""
 
 
+class ByteSize(int):
+    """A number of bytes, given as an integer or with a binary suffix: ``64G``, ``512M``, ``1.5T``."""
+
+    def __new__(cls, value: int | str = 0) -> ByteSize:
+        if isinstance(value, str):
+            return super().__new__(cls, parse_bytes(value))
+        return super().__new__(cls, value)
+
+
+ByteSize.__name__ = "size"  # what argparse names in "invalid size value: '12Q'"
+_SUFFIXES = {"": 1, "K": 2**10, "M": 2**20, "G": 2**30, "T": 2**40}
+
+
+def parse_bytes(text: str) -> int:
+    """``64G`` -> 68719476736 (K, M, G, T are powers of 1024; a trailing ``B`` or ``iB`` is allowed)."""
+    word = text.strip().upper().removesuffix("IB").removesuffix("B")
+    number, unit = (word[:-1], word[-1]) if word[-1:] in _SUFFIXES else (word, "")
+    try:
+        value = float(number) * _SUFFIXES[unit]
+    except ValueError:
+        raise ValueError(f"{text!r} is not a size such as 64G, 512M or 1000000") from None
+    if not 0 <= value < 2**62:
+        raise ValueError(f"{text!r} is not a size such as 64G, 512M or 1000000")
+    return int(value)
+
+
 class ConfigError(ValueError):
     """A configuration value that the service cannot run with; the message says which and why."""
 
@@ -119,6 +145,22 @@ class FeedOptions:
             "batches in the shared-memory pool; 0 picks 2*workers+8 for the first feed, "
             f"{EXTRA_FEED_SLOTS} for a [feeds.NAME] one",
             check=between(0, 4096, "0 (auto)"),
+        ),
+    )
+    cache_memory: ByteSize = field(
+        default=ByteSize(0),
+        metadata=option(
+            "bytes of shared memory that keep this feed's decoded samples for later epochs (64G, 512M; "
+            "0: off): eval, none and a deterministic pipeline keep finished samples, train and other "
+            "pipelines the decoded images",
+            check=at_least(0),
+        ),
+    )
+    pipeline_deterministic: bool = field(
+        default=False,
+        metadata=option(
+            "the pipeline gives the same output for a sample in every epoch, so its cache keeps "
+            "finished samples (checked on sample 0 at start)"
         ),
     )
     fields: tuple[FieldSpec, ...] = ()
@@ -330,6 +372,11 @@ class Option:
             return Path(value)
         if self.type is float and isinstance(value, int) and not isinstance(value, bool):
             return float(value)
+        if self.type is ByteSize and isinstance(value, (int, str)) and not isinstance(value, bool):
+            try:
+                return ByteSize(value)
+            except ValueError as exc:
+                raise ConfigError(f"{where}: {exc}") from None
         # bool is an int to isinstance, but `workers = true` is a mistake, not 1.
         if isinstance(value, self.type) and (self.type is bool or not isinstance(value, bool)):
             return value
@@ -353,13 +400,21 @@ def _boolean(text: str) -> bool:
     raise ValueError(text)
 
 
-_FROM_TEXT: dict[type, Callable[[str], Any]] = {int: int, float: float, bool: _boolean, str: str, Path: str}
+_FROM_TEXT: dict[type, Callable[[str], Any]] = {
+    int: int,
+    float: float,
+    bool: _boolean,
+    str: str,
+    Path: str,
+    ByteSize: ByteSize,
+}
 _KIND = {
     int: "an integer",
     float: "a number",
     bool: "a boolean (1, true, yes, on or 0, false, no, off)",
     str: "text",
     Path: "a path",
+    ByteSize: "a size such as 64G, 512M or 1000000",
 }
 
 
@@ -399,6 +454,11 @@ def _resolve_pipeline(spec: str) -> str:
 
 
 def _check_fields(config: FeedOptions, where: str) -> None:
+    require(
+        not config.pipeline_deterministic or bool(config.pipeline),
+        where + "pipeline_deterministic describes a pipeline: give pipeline too "
+        "(the built-in transforms' caches already keep what each can)",
+    )
     require(
         not config.fields or bool(config.pipeline),
         where + "a [fields] table states what a pipeline returns: give pipeline too "

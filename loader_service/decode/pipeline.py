@@ -48,6 +48,7 @@ import numpy.typing as npt
 
 from loader_service.dataset.index import DatasetIndex
 from loader_service.dataset.sampler import sample_rng
+from loader_service.decode.cache import SampleCache
 from loader_service.decode.reading import SampleReader
 from loader_service.decode.transforms import DecodeError, decode_bytes
 from protocol.layout import DTYPES, FieldSpec
@@ -200,11 +201,16 @@ class Sample(Mapping[str, Any]):
     ``image`` (RGB HWC uint8, EXIF orientation applied, the pixel limit enforced: ``decode_bytes``),
     ``bytes`` (the raw image file), ``label`` (int, -1 without one), ``index``, ``epoch``, ``path``
     (``DatasetIndex.relpath``), then the sample's metadata by name. ``"image" in sample`` and
-    iterating the keys load nothing; a pipeline that never reads ``image`` never decodes.
+    iterating the keys load nothing; a pipeline that never reads ``image`` never decodes. With a
+    ``cache`` of decoded images (NOTE [ Sample cache ]), ``image`` is a copy of the cached one, or is
+    stored there once decoded.
     """
 
-    def __init__(self, reader: SampleReader, index: DatasetIndex, i: int, epoch: int) -> None:
+    def __init__(
+        self, reader: SampleReader, index: DatasetIndex, i: int, epoch: int, cache: SampleCache | None = None
+    ) -> None:
         self._reader = reader
+        self._cache = cache
         self._index = index
         self._i = i
         self._epoch = epoch
@@ -238,7 +244,7 @@ class Sample(Mapping[str, Any]):
 
     def _load(self, key: str) -> Any:
         if key == "image":
-            return cv2.cvtColor(decode_bytes(self["bytes"]), cv2.COLOR_BGR2RGB)
+            return self._image()
         if key == "bytes":
             return self._reader.image_bytes(self._i)
         if key == "label":
@@ -253,6 +259,15 @@ class Sample(Mapping[str, Any]):
         if loader is None:
             raise KeyError(key)
         return loader()
+
+    def _image(self) -> npt.NDArray[np.uint8]:
+        cache = self._cache
+        if cache is not None and (cached := cache.image(self._i)) is not None:
+            return cached.copy()  # the pipeline's own: it may write into it
+        image = cast(npt.NDArray[np.uint8], cv2.cvtColor(decode_bytes(self["bytes"]), cv2.COLOR_BGR2RGB))
+        if cache is not None and cache.admitting:
+            cache.store(self._i, [image], image.shape[0], image.shape[1])
+        return image
 
     def _listed(self) -> dict[str, Callable[[], object]]:
         if self._metadata is None:

@@ -65,6 +65,7 @@ def probe_fields(
     max_file_bytes: int,
     timeout: float,
     env: Mapping[str, str] | None = None,
+    deterministic: bool = False,
 ) -> tuple[FieldSpec, ...]:
     """The fields ``pipeline`` returns for sample 0 of epoch 0, in its dict's order.
 
@@ -72,12 +73,15 @@ def probe_fields(
     raises or returns something that is not a batch (not a dict, an unsupported dtype, a GPU tensor),
     or takes over ``timeout`` seconds (the import included). ``env``: the child's environment
     (default: this process's; the decode workers get the same, so the probe sees what they will).
+    ``deterministic``: the pipeline is declared to give every epoch the same output, which a cache of
+    finished samples relies on; a PipelineError if sample 0's output differs between epochs 0 and 1.
     """
     request = {
         "pipeline": pipeline,
         "index_dir": str(index_dir),
         "seed": seed,
         "max_file_bytes": max_file_bytes,
+        "deterministic": deterministic,
     }
     stdout, stderr, code = _run_child(json.dumps(request), pipeline, timeout, env)
     result = _parse(stdout)
@@ -168,7 +172,10 @@ def probe(request: Mapping[str, Any]) -> dict[str, Any]:
     index = DatasetIndex.load(Path(request["index_dir"]))
     reader = SampleReader(index, int(request["max_file_bytes"]))
     try:
-        return _probe_samples(spec, fn, index, reader, int(request["seed"]))
+        found = _probe_samples(spec, fn, index, reader, int(request["seed"]))
+        if request.get("deterministic") and "fields" in found:
+            found.update(_same_every_epoch(spec, fn, index, reader, int(request["seed"])))
+        return found
     finally:
         reader.close()
 
@@ -199,6 +206,32 @@ def _probe_samples(
     return {
         "error": "\n".join([f"pipeline {spec}: the first {PROBE_SAMPLES} samples are bad files", *skipped])
     }
+
+
+def _same_every_epoch(
+    spec: str, fn: Pipeline, index: DatasetIndex, reader: SampleReader, seed: int
+) -> dict[str, Any]:
+    """A pipeline declared deterministic whose first good sample differs between epochs 0 and 1:
+    an error, since its cache would freeze one epoch's random augmentation for all."""
+    for i in range(min(len(index), PROBE_SAMPLES)):
+        try:
+            first = _copies(call_pipeline(fn, Sample(reader, index, i, 0), seed))
+        except DecodeError:
+            continue
+        try:
+            second = _copies(call_pipeline(fn, Sample(reader, index, i, 1), seed))
+        except Exception as exc:
+            return {"error": f"pipeline {spec} failed on sample {i} of epoch 1:\n{user_traceback(exc)}"}
+        differ = [name for name, array in first.items() if not _same(array, second.get(name))]
+        if not differ:
+            return {}
+        return {
+            "error": f"pipeline {spec} is declared deterministic (pipeline_deterministic), but field "
+            f"{differ[0]!r} of sample {i} differs between epochs 0 and 1: its cache would keep one "
+            "epoch's random augmentation for every epoch. Drop pipeline_deterministic, or make the "
+            "pipeline draw no randomness"
+        }
+    return {}
 
 
 def _copies(result: object) -> dict[str, npt.NDArray[Any]]:

@@ -79,6 +79,9 @@ class Recipe:
     interpolation: str = INTERPOLATIONS[0]
     roi: bool = False
     """Decode JPEGs with the region decoder where it can (module docstring)."""
+    dct_scaling: bool = True
+    """Let the region decoder scale large crops down (``roi_scale``). Without it, every output is
+    exactly what a full OpenCV decode gives, which a train feed's sample cache must reproduce."""
 
 
 class DecodeError(Exception):
@@ -431,7 +434,7 @@ def _roi_transform(
     data: bytes, size: tuple[int, int], out: U8, recipe: Recipe, rng: np.random.Generator
 ) -> None:
     """The train or eval transform with only what it needs decoded, DCT-scaled where that is large."""
-    headroom = ROI_HEADROOM[recipe.interpolation]
+    headroom = ROI_HEADROOM[recipe.interpolation] if recipe.dct_scaling else math.inf
     if recipe.augment == "eval":
         _roi_eval(data, size, out, recipe.interpolation, headroom)
         return

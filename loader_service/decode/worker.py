@@ -27,10 +27,18 @@ import zmq
 
 from loader_service.dataset.index import DatasetIndex
 from loader_service.dataset.sampler import sample_rng
+from loader_service.decode.cache import CacheKind, CacheSpec, SampleCache
 from loader_service.decode.pipeline import Pipeline, Sample, load_pipeline, run_into
 from loader_service.decode.progress import ProgressBoard
 from loader_service.decode.reading import SampleReader
-from loader_service.decode.transforms import DecodeError, Recipe, load_bytes_into, prepare
+from loader_service.decode.transforms import (
+    DecodeError,
+    Recipe,
+    decode_bytes,
+    load_bytes_into,
+    prepare,
+    transform_into,
+)
 from loader_service.logs import configure_logging
 from loader_service.shm import Segment
 from protocol.layout import SlotLayout, describe_fields, image_fields
@@ -70,6 +78,8 @@ class WorkerFeed:
     """``FILE.py:FUNC`` or ``package.module:FUNC`` (``decode.pipeline``); "" for the built-in transforms."""
     max_file_bytes: int
     """A larger file or tar member is a bad sample (``transforms.read_file``)."""
+    cache: CacheSpec | None = None
+    """The feed's decoded-sample cache (NOTE [ Sample cache ]), if it has one."""
 
 
 @dataclass(frozen=True)
@@ -99,12 +109,23 @@ class OpenFeed:
     """The user's function, or None for the built-in transforms."""
     recipe: Recipe
     """The built-in transform, filter and decoder; unused with a pipeline."""
+    cache: SampleCache | None = None
     hidden_reported: set[str] = field(default_factory=set)
     """Metadata names already reported as hidden by a reserved key (logged once each)."""
 
     def close(self) -> None:
         self.reader.close()
         self.segment.close()
+        if self.cache is not None:
+            self.cache.close()
+
+    def final_cache(self) -> SampleCache | None:
+        """The cache, if it keeps finished samples."""
+        return self.cache if self.cache is not None and self.cache.kind is CacheKind.FINAL else None
+
+    def decoded_cache(self) -> SampleCache | None:
+        """The cache, if it keeps decoded images."""
+        return self.cache if self.cache is not None and self.cache.kind is CacheKind.DECODED else None
 
 
 @dataclass(frozen=True)
@@ -153,12 +174,37 @@ def fill_row(feed: OpenFeed, views: SlotViews, row: int, idx: int, epoch: int) -
     """Write sample ``idx`` into ``row`` of every field: None, or why the sample is bad."""
     if not 0 <= idx < len(feed.index):
         return "index outside dataset"
+    final = feed.final_cache()
+    if final is not None and _copy_cached(final, feed.spec.layout, views, row, idx):
+        return None
     if feed.pipeline is not None:
-        return _pipeline_row(feed, feed.pipeline, views, row, idx, epoch)
+        reason = _pipeline_row(feed, feed.pipeline, views, row, idx, epoch)
+    else:
+        reason = _builtin_row(feed, views, row, idx, epoch)
+    if reason is None and final is not None and final.admitting:
+        final.store(idx, [views.fields[f.name][row, ...] for f in feed.spec.layout.fields])
+    return reason
+
+
+def _copy_cached(cache: SampleCache, layout: SlotLayout, views: SlotViews, row: int, idx: int) -> bool:
+    """Fill the row from a finished sample the cache keeps; whether it had one."""
+    found = cache.fields(idx, [(f.dtype, f.shape) for f in layout.fields])
+    if found is None:
+        return False
+    for f, array in zip(layout.fields, found, strict=True):
+        views.fields[f.name][row, ...] = array
+    return True
+
+
+def _builtin_row(feed: OpenFeed, views: SlotViews, row: int, idx: int, epoch: int) -> str | None:
     try:
         rng = sample_rng(feed.spec.seed, epoch, idx)
-        image = feed.reader.image_bytes(idx)
-        load_bytes_into(image, views.fields["image"][row], feed.recipe, rng)
+        out = views.fields["image"][row]
+        decoded = feed.decoded_cache()
+        if decoded is not None:
+            _through_decoded_cache(feed, decoded, idx, out, rng)
+        else:
+            load_bytes_into(feed.reader.image_bytes(idx), out, feed.recipe, rng)
     except DecodeError as exc:
         return str(exc)
     except Exception as exc:  # an OpenCV failure on one file must not take the worker down
@@ -167,10 +213,26 @@ def fill_row(feed: OpenFeed, views: SlotViews, row: int, idx: int, epoch: int) -
     return None
 
 
+def _through_decoded_cache(
+    feed: OpenFeed, cache: SampleCache, idx: int, out: npt.NDArray[np.uint8], rng: np.random.Generator
+) -> None:
+    """The train transform on the cached image; on a miss, on a full decode that the cache keeps, or,
+    once the cache is full, on a region decode without DCT scaling: all three give the same pixels
+    (NOTE [ Sample cache ], ``Recipe.dct_scaling``)."""
+    image = cache.image(idx)
+    if image is None and cache.admitting:
+        image = decode_bytes(feed.reader.image_bytes(idx))
+        cache.store(idx, [image], image.shape[0], image.shape[1])
+    if image is None:
+        load_bytes_into(feed.reader.image_bytes(idx), out, feed.recipe, rng)
+    else:
+        transform_into(image, out, feed.recipe, rng)
+
+
 def _pipeline_row(
     feed: OpenFeed, pipeline: Pipeline, views: SlotViews, row: int, idx: int, epoch: int
 ) -> str | None:
-    sample = Sample(feed.reader, feed.index, idx, epoch)
+    sample = Sample(feed.reader, feed.index, idx, epoch, feed.decoded_cache())
     # [row, ...]: a view even for a scalar field, where [row] would be a copy (a numpy scalar).
     rows = {name: array[row, ...] for name, array in views.fields.items()}
     reason = run_into(pipeline, sample, feed.spec.seed, feed.spec.layout.fields, rows)
@@ -216,7 +278,7 @@ def _open_feeds(cfg: WorkerConfig) -> list[OpenFeed]:
     opened: list[OpenFeed] = []
     try:
         for f in cfg.feeds:
-            opened.append(open_feed(f, cfg.roi))
+            opened.append(open_feed(f, cfg.roi, cfg.worker))
     except BaseException:
         for feed in opened:
             feed.close()
@@ -224,16 +286,24 @@ def _open_feeds(cfg: WorkerConfig) -> list[OpenFeed]:
     return opened
 
 
-def open_feed(spec: WorkerFeed, roi: bool = False) -> OpenFeed:
-    """Map the feed's index and slot pool, and import its pipeline (PipelineError if that fails)."""
+def open_feed(spec: WorkerFeed, roi: bool = False, worker: int = 0) -> OpenFeed:
+    """Map the feed's index, slot pool and cache, and import its pipeline (PipelineError if that fails)."""
     pipeline = load_pipeline(spec.pipeline) if spec.pipeline else None
-    recipe = Recipe(spec.augment, spec.interpolation, roi)
+    # A cache of decoded images gives full-decode pixels, so every other sample must too.
+    decoded = spec.cache is not None and spec.cache.kind is CacheKind.DECODED
+    recipe = Recipe(spec.augment, spec.interpolation, roi, dct_scaling=not decoded)
     if pipeline is None:
         check_builtin_layout(spec.layout)
         prepare(spec.interpolation)
     index = DatasetIndex.load(spec.index_dir)
     segment = Segment.attach(spec.segment, spec.layout.segment_bytes(spec.slots))
-    return OpenFeed(spec, index, SampleReader(index, spec.max_file_bytes), segment, pipeline, recipe)
+    try:
+        cache = None if spec.cache is None else SampleCache(spec.cache, worker)
+    except BaseException:
+        segment.close()
+        raise
+    reader = SampleReader(index, spec.max_file_bytes)
+    return OpenFeed(spec, index, reader, segment, pipeline, recipe, cache)
 
 
 def check_builtin_layout(layout: SlotLayout) -> None:

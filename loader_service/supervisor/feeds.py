@@ -11,9 +11,10 @@ from pathlib import Path
 import numpy as np
 import numpy.typing as npt
 
-from loader_service.config import FeedConfig
+from loader_service.config import ConfigError, FeedConfig
 from loader_service.dataset.index import DatasetIndex, build_index
 from loader_service.dataset.sampler import ShardOrder, batches_per_epoch, shard_order, shard_size
+from loader_service.decode.cache import LOCK_NAME, CacheSegment, CacheTooSmall, cache_kind
 from loader_service.decode.pipeline import PIPELINE_REASON
 from loader_service.decode.probe import PipelineError, probe_fields
 from loader_service.decode.worker import WorkerFeed
@@ -57,6 +58,8 @@ class Feed:
     """Of the index, computed once at open: hashing a large index costs a noticeable fraction of a second."""
     check: str = ""
     """Hex of the bytes after the pool that prove to a trainer it mapped this pool (protocol.layout)."""
+    cache: CacheSegment | None = None
+    """The decoded-sample cache (NOTE [ Sample cache ]), with ``cache_memory`` set."""
     counters: FeedCounters = field(default_factory=FeedCounters)
     _bad_seen: npt.NDArray[np.bool_] = field(init=False)
     """One flag per sample: bad at least once (logged then). A byte a sample, however many are bad."""
@@ -74,10 +77,11 @@ class Feed:
         runtime_dir: Path,
         group: str = "",
         probe_timeout: float = 120.0,
+        workers: int = 1,
     ) -> Feed:
-        """Index the data, settle the batch layout and create the pool; the caller closes the feed on
-        every exit path. DatasetError (bad source) or PipelineError (a pipeline that cannot run):
-        the service refuses to start."""
+        """Index the data, settle the batch layout and create the pool and cache; the caller closes
+        the feed on every exit path. DatasetError (bad source), PipelineError (a pipeline that cannot
+        run) or ConfigError (a cache too small for its table): the service refuses to start."""
         index = build_index(
             config.data,
             config.format,
@@ -90,11 +94,18 @@ class Feed:
         index = DatasetIndex.load(index_dir)
         layout = _layout(config, index_dir, probe_timeout)
         segment = Segment.create(new_segment_name(config.name), layout.mapped_bytes(config.slots), group)
+        try:
+            cache = _cache(config, len(index), workers, index_dir, group)
+        except BaseException:
+            segment.close()
+            segment.unlink()
+            raise
         check = secrets.token_bytes(CHECK_BYTES)
         pool_end = layout.segment_bytes(config.slots)
         segment.buf[pool_end : pool_end + CHECK_BYTES] = check  # NOTE in protocol.layout
         pool = SlotPool(config.slots)
-        return cls(feed_id, config, index, layout, segment, pool, index_dir, index.fingerprint(), check.hex())
+        fingerprint = index.fingerprint()
+        return cls(feed_id, config, index, layout, segment, pool, index_dir, fingerprint, check.hex(), cache)
 
     @property
     def image_size(self) -> int:
@@ -109,6 +120,9 @@ class Feed:
     def close(self) -> None:
         self.segment.close()
         self.segment.unlink()
+        if self.cache is not None:
+            self.cache.close()
+            self.cache = None
 
     @property
     def name(self) -> str:
@@ -150,6 +164,7 @@ class Feed:
             interpolation=self.config.interpolation,
             pipeline=self.config.pipeline,
             max_file_bytes=self.config.max_file_bytes,
+            cache=None if self.cache is None else self.cache.spec,
         )
 
     def slot_frames(self, slot: int, count: int) -> list[memoryview]:
@@ -198,7 +213,28 @@ class Feed:
             "augment": self.augment,
             "interpolation": "" if self.config.pipeline else self.config.interpolation,
             "fields": [f.describe() for f in self.layout.fields],
+            "cache": None if self.cache is None else self.cache.stats().status(self.cache.kind),
         }
+
+
+def _cache(config: FeedConfig, samples: int, workers: int, folder: Path, group: str) -> CacheSegment | None:
+    if not config.cache_memory:
+        return None
+    kind = cache_kind(config.augment, config.pipeline, config.pipeline_deterministic)
+    name = new_segment_name(f"{config.name}-cache")
+    lock = folder / LOCK_NAME
+    try:
+        cache = CacheSegment.create(name, config.cache_memory, samples, workers, kind, lock, group)
+    except CacheTooSmall as exc:
+        raise ConfigError(f"feed {config.name}: {exc}") from None
+    log.info(
+        "feed %s: sample cache of %.1f MiB keeps %s samples (%s)",
+        config.name,
+        config.cache_memory / 2**20,
+        kind.value,
+        cache.spec.segment,
+    )
+    return cache
 
 
 def _layout(config: FeedConfig, index_dir: Path, probe_timeout: float) -> SlotLayout:
@@ -211,7 +247,14 @@ def _layout(config: FeedConfig, index_dir: Path, probe_timeout: float) -> SlotLa
         return SlotLayout.images(config.batch_size, config.image_size)
     log.info("feed %s: running pipeline %s on sample 0 to learn its fields", config.name, config.pipeline)
     timeout = probe_timeout + PROBE_START_ALLOWANCE
-    found = probe_fields(config.pipeline, index_dir, config.seed, config.max_file_bytes, timeout)
+    found = probe_fields(
+        config.pipeline,
+        index_dir,
+        config.seed,
+        config.max_file_bytes,
+        timeout,
+        deterministic=config.pipeline_deterministic,
+    )
     if config.fields and config.fields != found:
         raise PipelineError(
             f"feed {config.name}: pipeline {config.pipeline} returns "

@@ -141,7 +141,9 @@ class LoaderService:
         for name in THREAD_ENV:
             os.environ[name] = "1"
         for feed_id, feed_config in enumerate(cfg.feeds()):
-            self.feeds.append(Feed.open(feed_id, feed_config, self._runtime_dir, cfg.group, cfg.task_timeout))
+            self.feeds.append(
+                Feed.open(feed_id, feed_config, self._runtime_dir, cfg.group, cfg.task_timeout, cfg.workers)
+            )
         self._ctx = zmq.Context()
         self._frontend = self._bind_frontend(self._ctx)
         backend_endpoint = f"ipc://{self._runtime_dir}/workers.sock"

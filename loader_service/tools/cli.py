@@ -69,7 +69,7 @@ def _cmd_serve(args: argparse.Namespace) -> int:
     except MetricsUnavailable as exc:
         log.error("configuration error: %s", exc)
         return 2
-    except (DatasetError, PipelineError) as exc:
+    except (DatasetError, PipelineError, ConfigError) as exc:
         # The operator's data or code, not a crash of ours: what is wrong, already in its own words.
         log.error("cannot start: %s", exc)
         return 2
