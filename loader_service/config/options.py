@@ -55,7 +55,7 @@ _SUFFIXES = {"": 1, "K": 2**10, "M": 2**20, "G": 2**30, "T": 2**40}
 def parse_bytes(text: str) -> int:
     """``64G`` -> 68719476736 (K, M, G, T are powers of 1024; a trailing ``B`` or ``iB`` is allowed)."""
     word = text.strip().upper().removesuffix("IB").removesuffix("B")
-    number, unit = (word[:-1], word[-1]) if word[-1:] in _SUFFIXES else (word, "")
+    number, unit = (word[:-1], word[-1]) if word and word[-1] in "KMGT" else (word, "")
     try:
         value = float(number) * _SUFFIXES[unit]
     except ValueError:

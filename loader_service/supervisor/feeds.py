@@ -92,7 +92,7 @@ class Feed:
         index.save(index_dir)
         # Keep the saved copy, mapped: its pages are the ones every worker maps, held once.
         index = DatasetIndex.load(index_dir)
-        layout = _layout(config, index_dir, probe_timeout)
+        layout = batch_layout(config, index_dir, probe_timeout)
         segment = Segment.create(new_segment_name(config.name), layout.mapped_bytes(config.slots), group)
         try:
             cache = _cache(config, len(index), workers, index_dir, group)
@@ -237,7 +237,7 @@ def _cache(config: FeedConfig, samples: int, workers: int, folder: Path, group: 
     return cache
 
 
-def _layout(config: FeedConfig, index_dir: Path, probe_timeout: float) -> SlotLayout:
+def batch_layout(config: FeedConfig, index_dir: Path, probe_timeout: float) -> SlotLayout:
     """The built-in transforms' image and label, or what the pipeline returns for sample 0.
 
     A stated ``[fields]`` table is checked against that return, so a pipeline edited to give other

@@ -19,6 +19,11 @@ which Prometheus's ``rate()`` handles as a counter reset.
     dataferry_batches_total{feed}                              counter
     dataferry_slots{feed, state}                               gauge   (free, filling, ready, leased)
     dataferry_bad_files_total{feed}                            counter
+    dataferry_cache_bytes{feed}                                gauge   (the cache's size, --cache-memory)
+    dataferry_cache_used_bytes{feed}                           gauge
+    dataferry_cache_entries{feed}                              gauge
+    dataferry_cache_hits_total{feed}                           counter
+    dataferry_cache_misses_total{feed}                         counter
     dataferry_worker_decode_images_per_second{worker}          gauge
     dataferry_trainer_lag_batches{session, client, feed}       gauge   (decoded, not yet taken)
     dataferry_trainer_credits{session, client, feed}           gauge
@@ -200,6 +205,34 @@ def _feed_families(feeds: list[Mapping[str, Any]]) -> Iterator[Metric]:
         for state in SLOT_STATES:
             _add(slots, [name, state], counts.get(state) if isinstance(counts, Mapping) else None)
     yield from (decoded, rate, batches, bad, slots)
+    yield from _cache_families(feeds)
+
+
+def _cache_families(feeds: list[Mapping[str, Any]]) -> Iterator[Metric]:
+    """The sample cache of each feed that has one (NOTE [ Sample cache ])."""
+    from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+
+    families: dict[str, CounterMetricFamily | GaugeMetricFamily] = {
+        "bytes": GaugeMetricFamily("dataferry_cache_bytes", "Sample cache size, per feed.", labels=["feed"]),
+        "bytes_used": GaugeMetricFamily(
+            "dataferry_cache_used_bytes", "Sample cache bytes taken, per feed.", labels=["feed"]
+        ),
+        "entries": GaugeMetricFamily(
+            "dataferry_cache_entries", "Samples the cache keeps, per feed.", labels=["feed"]
+        ),
+        "hits": CounterMetricFamily(
+            "dataferry_cache_hits", "Samples made from the cache, per feed.", labels=["feed"]
+        ),
+        "misses": CounterMetricFamily(
+            "dataferry_cache_misses", "Samples looked up and not in the cache, per feed.", labels=["feed"]
+        ),
+    }
+    for feed in feeds:
+        cache = feed.get("cache")
+        if isinstance(cache, Mapping):
+            for key, family in families.items():
+                _add(family, [str(feed.get("name", ""))], cache.get(key))
+    yield from families.values()
 
 
 def _worker_families(workers: list[Mapping[str, Any]]) -> Iterator[Metric]:

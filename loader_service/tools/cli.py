@@ -27,6 +27,12 @@ _LAYERS = (
 def _add_serve(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     p = sub.add_parser("serve", help="run the loader service in the foreground", epilog=_LAYERS)
     p.add_argument("--config", type=Path, help="TOML file; keys are the flag names with underscores")
+    p.add_argument(
+        "--dry-run",
+        action="store_true",
+        help="index every feed, print the decoded size of its data and what --cache-memory would hold "
+        "all of it, and exit without serving",
+    )
     for opt in OPTIONS.values():
         p.add_argument(opt.flag, **_flag_spec(opt))
     p.set_defaults(func=_cmd_serve)
@@ -65,6 +71,10 @@ def _cmd_serve(args: argparse.Namespace) -> int:
         return 2
     configure_logging(config.log_level, "service")
     try:
+        if args.dry_run:
+            from loader_service.tools.cache_size import dry_run
+
+            return dry_run(config)
         return LoaderService(config).run()
     except MetricsUnavailable as exc:
         log.error("configuration error: %s", exc)

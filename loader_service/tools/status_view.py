@@ -138,11 +138,31 @@ def _feeds(feeds: list[Mapping[str, Any]]) -> str:
         if f.get("fields"):
             what = f"{_cell(f.get('format'))} data, {_cell(f.get('augment'))}"
             lines.append(f"  {_cell(f.get('name'))}: {what}; fields {', '.join(map(str, f['fields']))}")
+        cache = f.get("cache")
+        if isinstance(cache, Mapping):
+            lines.append(f"  {_cell(f.get('name'))}: {_cache_line(cache)}")
         recent = f.get("recent_bad_files")
         if isinstance(recent, list) and recent:
             shown = ", ".join(str(p) for p in recent[-RECENT_BAD_FILES:])
             lines.append(f"  last bad files in {_cell(f.get('name'))}: {shown}")
     return "\n".join(lines)
+
+
+def _cache_line(cache: Mapping[str, Any]) -> str:
+    """``sample cache (decoded): 812 entries, 3.1 of 4.0 GiB, full; 2436 hits, 812 misses (75%)``."""
+    hits, misses = cache.get("hits"), cache.get("misses")
+    looked = hits + misses if isinstance(hits, int) and isinstance(misses, int) else 0
+    share = f" ({100 * hits / looked:.0f}% hits)" if looked and isinstance(hits, int) else ""
+    full = ", full" if cache.get("full") else ""
+    return (
+        f"sample cache ({_cell(cache.get('kind'))}): {_cell(cache.get('entries'))} entries, "
+        f"{_gib(cache.get('bytes_used'))} of {_gib(cache.get('bytes'))} GiB{full}; "
+        f"{_cell(hits)} hits, {_cell(misses)} misses{share}"
+    )
+
+
+def _gib(value: object) -> str:
+    return f"{value / 2**30:.2f}" if isinstance(value, int) and not isinstance(value, bool) else "-"
 
 
 def _slot_counts(feed: Mapping[str, Any]) -> list[object]:

@@ -14,6 +14,7 @@ from loader_service.config import (
     ServiceConfig,
     load_config,
 )
+from loader_service.config.options import ByteSize, parse_bytes
 from loader_service.tools.cli import build_parser
 
 
@@ -188,6 +189,7 @@ def sample_flag(opt: Option) -> tuple[list[str], object]:
         str: ([text], text),
         Path: (["some/dir"], Path("some/dir")),
         bool: ([], True),
+        ByteSize: (["3G"], 3 * 2**30),
     }
     return samples[opt.type]
 
@@ -223,7 +225,7 @@ def test_readme_lists_every_flag() -> None:
 def test_feed_tables_accept_exactly_the_feed_options(tmp_path: Path) -> None:
     assert set(FEED_OPTIONS) == {
         "data", "format", "pipeline", "batch_size", "image_size", "augment", "interpolation", "seed",
-        "slots"
+        "slots", "cache_memory", "pipeline_deterministic"
     }  # fmt: skip
     table = f'data = "{tmp_path}"\nbatch_size = 8\nimage_size = 32\naugment = "none"\nseed = 3\nslots = 4\n'
     cfg_file = tmp_path / "svc.toml"
@@ -340,3 +342,52 @@ def test_feed_tables_do_not_take_over_the_top_level_pipeline_or_format(tmp_path:
     main, val = cfg.feeds()
     assert (main.pipeline, main.format) == ("mypackage.aug:train", "imagefolder")
     assert (val.pipeline, val.format, val.augment, val.fields) == ("", "auto", "eval", ())
+
+
+@pytest.mark.parametrize(
+    ("text", "size"),
+    [("0", 0), ("1000000", 1000000), ("64G", 64 * 2**30), ("512m", 512 * 2**20), ("1.5T", 3 * 2**39),
+     ("2GiB", 2 * 2**30), ("4 KB", 4096)],
+)  # fmt: skip
+def test_cache_sizes_take_binary_suffixes(text: str, size: int) -> None:
+    assert parse_bytes(text) == size
+
+
+@pytest.mark.parametrize("text", ["", "G", "12Q", "-1G", "lots", "1e30"])
+def test_bad_cache_sizes_are_refused(text: str) -> None:
+    with pytest.raises(ValueError, match="is not a size such as 64G"):
+        parse_bytes(text)
+
+
+def test_the_cache_size_comes_from_every_layer(tmp_path: Path) -> None:
+    base = {"data": tmp_path, "endpoint": "ipc:///tmp/feed.sock"}
+    assert load_config(None, {**base, "cache_memory": ByteSize("2G")}, environ={}).cache_memory == 2 * 2**30
+    environ = {"DATAFERRY_CACHE_MEMORY": "3M"}
+    assert load_config(None, base, environ=environ).cache_memory == 3 * 2**20
+    assert _config(tmp_path, "cache_memory = 4096\n").cache_memory == 4096
+    assert _config(tmp_path, 'cache_memory = "1K"\n').cache_memory == 1024
+    with pytest.raises(ConfigError, match="DATAFERRY_CACHE_MEMORY='big' is not a size such as 64G"):
+        load_config(None, base, environ={"DATAFERRY_CACHE_MEMORY": "big"})
+    with pytest.raises(ConfigError, match=r"'cache_memory'.*is not a size"):
+        _config(tmp_path, 'cache_memory = "big"\n')
+    with pytest.raises(ConfigError, match="'cache_memory' has the wrong type"):
+        _config(tmp_path, "cache_memory = true\n")
+
+
+def test_a_feeds_cache_and_determinism_are_its_own(tmp_path: Path) -> None:
+    """Inheriting the first feed's cache would multiply memory; its determinism goes with its pipeline."""
+    cfg = _config(
+        tmp_path,
+        'cache_memory = "1G"\npipeline = "mypackage.aug:evaluate"\npipeline_deterministic = true\n'
+        f'[feeds.val]\ndata = "{tmp_path}"\naugment = "eval"\n'
+        f'[feeds.more]\ndata = "{tmp_path}"\ncache_memory = "2M"\n',
+    )
+    main, val, more = cfg.feeds()
+    assert (main.cache_memory, main.pipeline_deterministic) == (2**30, True)
+    assert (val.cache_memory, val.pipeline_deterministic) == (0, False)
+    assert more.cache_memory == 2 * 2**20
+
+
+def test_determinism_is_declared_of_a_pipeline_only(tmp_path: Path) -> None:
+    with pytest.raises(ConfigError, match="pipeline_deterministic describes a pipeline"):
+        _config(tmp_path, "pipeline_deterministic = true\n")

@@ -44,6 +44,15 @@ SAMPLE_BODY: dict[str, Any] = {
             "batches": 80,
             "bad_files": 3,
             "recent_bad_files": ["a/1.jpg", "a/2.jpg", "a/3.jpg", "b/x.jpg"],
+            "cache": {
+                "kind": "decoded",
+                "bytes": 4 * 2**30,
+                "bytes_used": 3 * 2**30,
+                "entries": 812,
+                "hits": 2436,
+                "misses": 812,
+                "full": True,
+            },
         }
     ],
     "sessions": [
@@ -87,6 +96,10 @@ def test_render_shows_what_an_operator_looks_for() -> None:
     assert header[5:9] == ["FREE", "FILLING", "READY", "LEASED"]
     assert table_row(text, "train") == cells("train 90 400.1 640 80 8 2 0 2 3")
     assert "a/2.jpg, a/3.jpg, b/x.jpg" in text and "a/1.jpg" not in text  # the last few bad files
+    assert (
+        "train: sample cache (decoded): 812 entries, 3.00 of 4.00 GiB, full; 2436 hits, 812 misses (75% hits)"
+        in text
+    )
     assert table_row(text, "WORKER") == ["WORKER", "PID", "READY", "TASK", "DECODED", "IMAGES/S"]
     assert table_row(text, "0") == cells("0 123 yes 5 640 210.5")
     assert table_row(text, "1") == cells("1 124 no - 0 0.0")
@@ -178,6 +191,11 @@ def test_service_metrics_follow_the_status_body() -> None:
     assert samples[("dataferry_decode_images_per_second", train)] == 400.1
     assert samples[("dataferry_bad_files_total", train)] == 3
     assert samples[("dataferry_batches_total", train)] == 80
+    assert samples[("dataferry_cache_bytes", train)] == 4 * 2**30
+    assert samples[("dataferry_cache_used_bytes", train)] == 3 * 2**30
+    assert samples[("dataferry_cache_entries", train)] == 812
+    assert samples[("dataferry_cache_hits_total", train)] == 2436
+    assert samples[("dataferry_cache_misses_total", train)] == 812
     for state, count in {"free": 8, "filling": 2, "ready": 0, "leased": 2}.items():
         assert samples[("dataferry_slots", train | {("state", state)})] == count
     assert samples[("dataferry_worker_restarts_total", frozenset())] == 0
