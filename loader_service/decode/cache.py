@@ -68,6 +68,10 @@ class CacheKind(enum.Enum):
     FINAL = "final"
     DECODED = "decoded"
 
+    @property
+    def keeps(self) -> str:
+        return "finished samples" if self is CacheKind.FINAL else "decoded images"
+
 
 def cache_kind(augment: str, pipeline: str, deterministic: bool) -> CacheKind:
     """What a feed's cache keeps (module docstring)."""

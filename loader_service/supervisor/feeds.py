@@ -14,7 +14,7 @@ import numpy.typing as npt
 from loader_service.config import ConfigError, FeedConfig
 from loader_service.dataset.index import DatasetIndex, build_index
 from loader_service.dataset.sampler import ShardOrder, batches_per_epoch, shard_order, shard_size
-from loader_service.decode.cache import LOCK_NAME, CacheSegment, CacheTooSmall, cache_kind
+from loader_service.decode.cache import LOCK_NAME, CacheKind, CacheSegment, CacheTooSmall, cache_kind
 from loader_service.decode.pipeline import PIPELINE_REASON
 from loader_service.decode.probe import PipelineError, probe_fields
 from loader_service.decode.worker import WorkerFeed
@@ -228,11 +228,14 @@ def _cache(config: FeedConfig, samples: int, workers: int, folder: Path, group: 
     except CacheTooSmall as exc:
         raise ConfigError(f"feed {config.name}: {exc}") from None
     log.info(
-        "feed %s: sample cache of %.1f MiB keeps %s samples (%s)",
+        "feed %s: sample cache of %.1f MiB keeps %s (%s)%s",
         config.name,
         config.cache_memory / 2**20,
-        kind.value,
+        kind.keeps,
         cache.spec.segment,
+        "; train crops decode without DCT scaling, so every epoch has a full decode's pixels"
+        if kind is CacheKind.DECODED and not config.pipeline
+        else "",
     )
     return cache
 

@@ -9,6 +9,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import cv2
+import numpy as np
 import pytest
 
 from loader_service.dataset.index import build_index
@@ -150,3 +152,27 @@ def test_demo_trains_and_cleans_up(tmp_path: Path) -> None:
     assert re.search(r"images/s, data stall [\d.]+%", result.stdout)
     assert "shared memory left behind: 0 segments" in result.stdout
     assert our_segments() == before
+
+
+def test_dry_run_prints_what_each_feeds_cache_needs_and_serves_nothing(photos: Path, tmp_path: Path) -> None:
+    before = our_segments()
+    config = tmp_path / "svc.toml"
+    config.write_text(
+        f'data = "{photos}"\nendpoint = "ipc://{tmp_path}/dry.sock"\nimage_size = 32\ncache_memory = "20M"\n'
+        f'[feeds.val]\ndata = "{photos}"\naugment = "eval"\n'
+    )
+    result = run("loader-service", "serve", "--config", str(config), "--dry-run")
+    assert result.returncode == 0, result.stderr
+    out = result.stdout
+    # The decoded size, from every header of the 90 photos, is what the cache would really take.
+    index = build_index(photos)
+    pixels = sum(int(np.prod(cv2.imread(str(index.path(i))).shape[:2])) for i in range(len(index)))
+    decoded = re.search(r"feed train: 90 samples; decoded, about ([\d.]+) MiB", out)
+    assert decoded is not None and abs(float(decoded[1]) - 3 * pixels / 2**20) < 0.1, out
+    need = re.search(r"keeps decoded images: --cache-memory (\d+)M holds them all", out)
+    assert need is not None and 3 * pixels < int(need[1]) * 2**20 < 3 * pixels * 1.1, out
+    assert re.search(r"configured: --cache-memory 20.0 MiB, about \d+% of the samples", out), out
+    row = 3 * 32 * 32 + 8
+    assert "feed val: 90 samples" in out and f"keeps finished samples, {row} bytes each" in out, out
+    assert "read 90/90 image headers" in result.stderr
+    assert our_segments() == before and not (tmp_path / "dry.sock").exists()
