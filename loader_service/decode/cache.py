@@ -35,6 +35,7 @@ import enum
 import errno
 import fcntl
 import logging
+import math
 import os
 import time
 from collections.abc import Sequence
@@ -226,6 +227,7 @@ class SampleCache:
             raise
         self.kind = spec.kind
         self._buf = segment.buf
+        self._end = spec.size
         self._slot = worker % len(self._m.counters)
 
     @property
@@ -233,12 +235,14 @@ class SampleCache:
         """Whether a miss may still be stored: false once an entry did not fit."""
         return not self._m.header[_FULL]
 
-    def find(self, index: int) -> tuple[int, int, int] | None:
-        """(data offset, height, width) of sample ``index``'s entry, counted as a hit; or None, a miss."""
+    def find(self, index: int, data_bytes: int | None = None) -> tuple[int, int, int] | None:
+        """(data offset, height, width) of sample ``index``'s entry, counted as a hit; or None, a miss.
+        ``data_bytes``: what the entry must hold, if the caller knows (a finished sample's fields)."""
         at = int(self._m.table[index]) if 0 <= index < len(self._m.table) else 0
-        if at > 0:
-            idx, _, height, width = np.ndarray((4,), np.int64, self._buf, at).tolist()
-            if idx == index:
+        if 0 < at <= self._end - ENTRY_HEADER:
+            idx, data, height, width = np.ndarray((4,), np.int64, self._buf, at).tolist()
+            expected = height * width * 3 if data_bytes is None else data_bytes
+            if idx == index and data == expected and 0 <= data <= self._end - at - ENTRY_HEADER:
                 self._m.counters[self._slot, 0] += 1
                 return at + ENTRY_HEADER, height, width
         self._m.counters[self._slot, 1] += 1
@@ -258,7 +262,7 @@ class SampleCache:
         self, index: int, shapes: Sequence[tuple[str, tuple[int, ...]]]
     ) -> list[npt.NDArray[Any]] | None:
         """A final-kind entry split into arrays of the given (dtype, shape)s, or None."""
-        found = self.find(index)
+        found = self.find(index, sum(np.dtype(d).itemsize * math.prod(shape) for d, shape in shapes))
         if found is None:
             return None
         at, out = found[0], []

@@ -111,6 +111,19 @@ def test_an_entry_naming_another_sample_is_a_miss(make_cache: MakeCache) -> None
         cache.close()
 
 
+def test_an_entry_whose_sizes_disagree_or_run_past_the_end_is_a_miss(make_cache: MakeCache) -> None:
+    seg = make_cache(kind=CacheKind.FINAL)
+    cache = SampleCache(seg.spec, worker=0)
+    try:
+        assert cache.store(5, [np.zeros(10, np.int64)])
+        assert cache.fields(5, [("int64", (11,))]) is None  # 88 bytes asked of an 80-byte entry
+        assert cache.fields(5, [("int64", (10,))]) is not None
+        cache._m.table[5] = seg.spec.size - 8  # damage: an entry that would run off the segment
+        assert cache.fields(5, [("int64", (10,))]) is None
+    finally:
+        cache.close()
+
+
 def test_the_cache_fills_to_its_size_and_then_admits_nothing(make_cache: MakeCache) -> None:
     one = entry_bytes(image(0).nbytes)
     size = overhead_bytes(SAMPLES, WORKERS) + 5 * one + one // 2
