@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 
 from loader_service.dataset.index import build_index
-from tests.helpers import REPO, ServiceFactory, ServiceProcess, our_segments
+from tests.helpers import REPO, ServiceFactory, ServiceProcess, our_segments, owner_running
 
 pytestmark = pytest.mark.e2e
 
@@ -175,4 +175,6 @@ def test_dry_run_prints_what_each_feeds_cache_needs_and_serves_nothing(photos: P
     row = 3 * 32 * 32 + 8
     assert "feed val: 90 samples" in out and f"keeps finished samples, {row} bytes each" in out, out
     assert "read 90/90 image headers" in result.stderr
-    assert our_segments() == before and not (tmp_path / "dry.sock").exists()
+    # Segments of other processes may come and go meanwhile; none of the dry run's may be left.
+    assert not {n for n in our_segments() - before if not owner_running(n)}
+    assert not (tmp_path / "dry.sock").exists()
