@@ -41,6 +41,12 @@ def our_segments() -> set[str]:
     return {n for n in os.listdir(SHM) if n.startswith("dataferry-")}
 
 
+def left_behind(before: set[str]) -> set[str]:
+    """Segments that appeared since ``before`` and whose service is gone: a leak. (Other processes'
+    segments, a benchmark's or another test run's, may appear and vanish meanwhile.)"""
+    return {name for name in our_segments() - before if not owner_running(name)}
+
+
 def owner_running(segment: str) -> bool:
     """Is the service whose pid is in ``segment``'s name still running (another run's, say)?"""
     head = segment[len("dataferry-") :].split("-", 1)[0]

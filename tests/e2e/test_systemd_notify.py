@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.helpers import ServiceProcess, our_segments
+from tests.helpers import ServiceProcess, left_behind, our_segments
 
 pytestmark = pytest.mark.e2e
 
@@ -54,5 +54,5 @@ def test_ready_status_watchdog_stopping_and_clean_exit(photos: Path, tmp_path: P
     finally:
         service.kill_group()
         listener.close()
-    assert our_segments() == before
+    assert not left_behind(before)  # other processes' segments may come and go meanwhile
     assert not os.path.exists(endpoint[len("ipc://") :])

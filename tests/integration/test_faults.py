@@ -20,6 +20,7 @@ from tests.helpers import (
     SHM,
     ServiceFactory,
     ServiceProcess,
+    left_behind,
     our_segments,
     status,
     trainer_process,
@@ -127,7 +128,7 @@ def test_too_little_shared_memory_fails_at_start_with_the_size_needed(photos: Pa
         assert "--shm-size" in service.log
     finally:
         service.kill_group()
-    assert our_segments() == before
+    assert not left_behind(before)  # other processes' segments may come and go meanwhile
     assert not os.path.exists(endpoint[len("ipc://") :])
 
 
