@@ -21,6 +21,7 @@ values it does not set (except ``slots``: each feed's pool is sized on its own).
 from __future__ import annotations
 
 import os
+import re
 import typing
 from collections.abc import Callable, Mapping
 from dataclasses import MISSING, asdict, dataclass, field, fields, replace
@@ -50,18 +51,17 @@ class ByteSize(int):
 
 ByteSize.__name__ = "size"  # what argparse names in "invalid size value: '12Q'"
 _SUFFIXES = {"": 1, "K": 2**10, "M": 2**20, "G": 2**30, "T": 2**40}
+_SIZE = re.compile(r"([0-9]+(?:\.[0-9]+)?)\s*(?:([KMGT])(?:I?B)?|B)?")
+MAX_BYTES = 2**62
 
 
 def parse_bytes(text: str) -> int:
-    """``64G`` -> 68719476736 (K, M, G, T are powers of 1024; a trailing ``B`` or ``iB`` is allowed)."""
-    word = text.strip().upper().removesuffix("IB").removesuffix("B")
-    number, unit = (word[:-1], word[-1]) if word and word[-1] in "KMGT" else (word, "")
-    try:
-        value = float(number) * _SUFFIXES[unit]
-    except ValueError:
-        raise ValueError(f"{text!r} is not a size such as 64G, 512M or 1000000") from None
-    if not 0 <= value < 2**62:
-        raise ValueError(f"{text!r} is not a size such as 64G, 512M or 1000000")
+    """``64G`` -> 68719476736: K, M, G, T are powers of 1024, optionally followed by ``B`` or ``iB``;
+    a fraction must come to whole bytes (``1.5G`` does, ``0.5`` does not). ValueError otherwise."""
+    match = _SIZE.fullmatch(text.strip().upper())
+    value = float(match[1]) * _SUFFIXES[match[2] or ""] if match else -1.0
+    if not (0 <= value < MAX_BYTES and value.is_integer()):
+        raise ValueError(f"{text!r} is not a size such as 64G, 512M or 1000000 (bytes)")
     return int(value)
 
 
@@ -372,11 +372,8 @@ class Option:
             return Path(value)
         if self.type is float and isinstance(value, int) and not isinstance(value, bool):
             return float(value)
-        if self.type is ByteSize and isinstance(value, (int, str)) and not isinstance(value, bool):
-            try:
-                return ByteSize(value)
-            except ValueError as exc:
-                raise ConfigError(f"{where}: {exc}") from None
+        if self.type is ByteSize:
+            return _byte_size(value, where)
         # bool is an int to isinstance, but `workers = true` is a mistake, not 1.
         if isinstance(value, self.type) and (self.type is bool or not isinstance(value, bool)):
             return value
@@ -389,6 +386,18 @@ class Option:
         except ValueError:
             raise ConfigError(f"{variable}={text!r} is not {_KIND[self.type]}") from None
         return self.typed(value, variable)
+
+
+def _byte_size(value: Any, where: str) -> ByteSize:
+    """A TOML or flag value of a size option: an integer of bytes, or text such as ``"64G"``."""
+    if isinstance(value, bool) or not isinstance(value, (int, str)):
+        raise ConfigError(f'{where} must be a whole number of bytes or text such as "64G"')
+    if isinstance(value, int) and not 0 <= value < MAX_BYTES:
+        raise ConfigError(f"{where} must be between 0 and 2**62 bytes")
+    try:
+        return ByteSize(value)
+    except ValueError as exc:
+        raise ConfigError(f"{where}: {exc}") from None
 
 
 def _boolean(text: str) -> bool:

@@ -55,6 +55,9 @@ ENTRY_ALIGN = 64
 ENTRY_HEADER = 32
 """Bytes before an entry's data: its sample index, data bytes, height and width (int64 each)."""
 WRITING = -1
+FULL_SHARE = 64
+"""The cache is full once an entry does not fit and less than 1/64 of its entry space, or less than
+its mean entry, is left."""
 LOCK_TIMEOUT = 1.0
 LOCK_NAME = "cache.lock"
 U8 = npt.NDArray[np.uint8]
@@ -135,6 +138,7 @@ class CacheStats:
             "hits": self.hits,
             "misses": self.misses,
             "full": self.full,
+            "lock_timeouts": self.skipped,
         }
 
 
@@ -162,6 +166,13 @@ class _Mapped:
         )
 
 
+def _no_room_left(header: npt.NDArray[np.int64]) -> bool:
+    left = int(header[_SIZE] - header[_NEXT])
+    taken, entries = int(header[_NEXT] - header[_ARENA]), int(header[_ENTRIES])
+    mean = taken // entries if entries else 0
+    return left < (header[_SIZE] - header[_ARENA]) // FULL_SHARE or left < mean
+
+
 class CacheSegment:
     """The service's side: creates the segment and its lock file, reads the counters, removes both."""
 
@@ -181,20 +192,19 @@ class CacheSegment:
                 f"cache_memory of {size} bytes is below the {start} its table for {samples} samples takes"
             )
         segment = Segment.create(name, size, group, purpose=SAMPLE_CACHE)
-        header = np.ndarray((_COUNTERS,), np.int64, segment.buf, 0)
-        table_at = header_bytes(workers)
-        # The segment is fresh from posix_fallocate: every byte, and so every table word, is 0.
-        header[[_SAMPLES, _TABLE, _ARENA, _SIZE, _NEXT, _WORKERS]] = (
-            samples,
-            table_at,
-            start,
-            size,
-            start,
-            workers,
-        )
-        header[_MAGIC] = MAGIC
-        lock.touch(mode=0o600)
-        return cls(segment, kind, lock)
+        try:
+            header = np.ndarray((_COUNTERS,), np.int64, segment.buf, 0)
+            # The segment is fresh from posix_fallocate: every byte, and so every table word, is 0.
+            fields = [_SAMPLES, _TABLE, _ARENA, _SIZE, _NEXT, _WORKERS]
+            header[fields] = (samples, header_bytes(workers), start, size, start, workers)
+            header[_MAGIC] = MAGIC
+            del header
+            lock.touch(mode=0o600)
+            return cls(segment, kind, lock)
+        except BaseException:
+            segment.close()
+            segment.unlink()
+            raise
 
     @property
     def spec(self) -> CacheSpec:
@@ -229,11 +239,14 @@ class SampleCache:
         self._buf = segment.buf
         self._end = spec.size
         self._slot = worker % len(self._m.counters)
+        self._lock_lost = False
 
     @property
     def admitting(self) -> bool:
-        """Whether a miss may still be stored: false once an entry did not fit."""
-        return not self._m.header[_FULL]
+        """Whether a miss may still be stored: false once the cache is full, or once this worker
+        could not take the lock in time (then something holds it, and waiting again would cost
+        ``LOCK_TIMEOUT`` a sample)."""
+        return not self._m.header[_FULL] and not self._lock_lost
 
     def find(self, index: int, data_bytes: int | None = None) -> tuple[int, int, int] | None:
         """(data offset, height, width) of sample ``index``'s entry, counted as a hit; or None, a miss.
@@ -298,7 +311,9 @@ class SampleCache:
             if self._m.table[index] != 0:
                 return None
             if at + need > header[_SIZE]:
-                header[_FULL] = 1
+                # One image too large for what is left must not close a cache with room for others.
+                if _no_room_left(header):
+                    header[_FULL] = 1
                 return None
             header[_NEXT] = at + need
             self._m.table[index] = WRITING
@@ -327,7 +342,12 @@ class SampleCache:
                     raise
             if time.monotonic() >= deadline:
                 self._m.header[_SKIPPED] += 1  # racy, and only a statistic
-                log.debug("sample cache lock busy for %.1f s; not storing", LOCK_TIMEOUT)
+                self._lock_lost = True
+                log.warning(
+                    "sample cache: its lock was held for over %.1f s (by a process the service did not "
+                    "start?); this worker stores nothing more in it",
+                    LOCK_TIMEOUT,
+                )
                 return False
             time.sleep(0.0002)
 

@@ -276,7 +276,8 @@ def _torch_antialias(image: U8, width: int, height: int) -> U8:
     from torch.nn.functional import interpolate
 
     # An HWC array viewed as a channels-last NCHW tensor takes torch's uint8 SIMD path.
-    tensor = torch.from_numpy(np.ascontiguousarray(image)).permute(2, 0, 1).unsqueeze(0)
+    # Writable too: a cached image is a read-only view, which torch.from_numpy warns about.
+    tensor = torch.from_numpy(np.require(image, requirements=["C", "W"])).permute(2, 0, 1).unsqueeze(0)
     resized = interpolate(tensor, size=(height, width), mode="bilinear", antialias=True, align_corners=False)
     return cast(U8, resized[0].permute(1, 2, 0).numpy())
 

@@ -24,6 +24,7 @@ which Prometheus's ``rate()`` handles as a counter reset.
     dataferry_cache_entries{feed}                              gauge
     dataferry_cache_hits_total{feed}                           counter
     dataferry_cache_misses_total{feed}                         counter
+    dataferry_cache_lock_timeouts_total{feed}                  counter (stores given up: lock held)
     dataferry_worker_decode_images_per_second{worker}          gauge
     dataferry_trainer_lag_batches{session, client, feed}       gauge   (decoded, not yet taken)
     dataferry_trainer_credits{session, client, feed}           gauge
@@ -225,6 +226,9 @@ def _cache_families(feeds: list[Mapping[str, Any]]) -> Iterator[Metric]:
         ),
         "misses": CounterMetricFamily(
             "dataferry_cache_misses", "Samples looked up and not in the cache, per feed.", labels=["feed"]
+        ),
+        "lock_timeouts": CounterMetricFamily(
+            "dataferry_cache_lock_timeouts", "Stores given up, the lock held too long.", labels=["feed"]
         ),
     }
     for feed in feeds:

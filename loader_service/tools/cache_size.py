@@ -10,6 +10,7 @@ with a 95% margin. Nothing is written to shared memory and no worker starts.
 from __future__ import annotations
 
 import math
+import os
 import struct
 import sys
 import tempfile
@@ -199,6 +200,8 @@ def print_progress(name: str) -> Callable[[int, int], None]:
 
 def dry_run(config: ServiceConfig) -> int:
     """Index every feed and print what its cache would need; nothing is served. The exit code."""
+    # As the service does for its workers: the pixel limit holds for the files decoded here too.
+    os.environ["OPENCV_IO_MAX_IMAGE_PIXELS"] = str(config.max_pixels)
     for feed in config.feeds():
         index = build_index(feed.data, feed.format, progress=_indexing)
         kind = cache_kind(feed.augment, feed.pipeline, feed.pipeline_deterministic)

@@ -60,6 +60,7 @@ def _flag_help(opt: Option) -> str:
 
 def _cmd_serve(args: argparse.Namespace) -> int:
     from loader_service.decode.probe import PipelineError
+    from loader_service.shm import SharedMemoryError
     from loader_service.supervisor.metrics import MetricsUnavailable
     from loader_service.supervisor.service import LoaderService  # keeps `index` and `--help` fast
 
@@ -79,7 +80,7 @@ def _cmd_serve(args: argparse.Namespace) -> int:
     except MetricsUnavailable as exc:
         log.error("configuration error: %s", exc)
         return 2
-    except (DatasetError, PipelineError, ConfigError) as exc:
+    except (DatasetError, PipelineError, ConfigError, SharedMemoryError) as exc:
         # The operator's data or code, not a crash of ours: what is wrong, already in its own words.
         log.error("cannot start: %s", exc)
         return 2

@@ -149,15 +149,17 @@ def _feeds(feeds: list[Mapping[str, Any]]) -> str:
 
 
 def _cache_line(cache: Mapping[str, Any]) -> str:
-    """``sample cache (decoded): 812 entries, 3.1 of 4.0 GiB, full; 2436 hits, 812 misses (75%)``."""
+    """``sample cache (decoded): 812 entries, 3.00 of 4.00 GiB, full; 2436 hits, 812 misses (75% hits)``."""
     hits, misses = cache.get("hits"), cache.get("misses")
     looked = hits + misses if isinstance(hits, int) and isinstance(misses, int) else 0
     share = f" ({100 * hits / looked:.0f}% hits)" if looked and isinstance(hits, int) else ""
     full = ", full" if cache.get("full") else ""
+    timeouts = cache.get("lock_timeouts")
+    stuck = f"; {timeouts} stores given up: its lock was held too long" if timeouts else ""
     return (
         f"sample cache ({_cell(cache.get('kind'))}): {_cell(cache.get('entries'))} entries, "
         f"{_gib(cache.get('bytes_used'))} of {_gib(cache.get('bytes'))} GiB{full}; "
-        f"{_cell(hits)} hits, {_cell(misses)} misses{share}"
+        f"{_cell(hits)} hits, {_cell(misses)} misses{share}{stuck}"
     )
 
 

@@ -111,7 +111,7 @@ def test_the_cache_segment_goes_at_shutdown_and_after_a_sigkill(
     first.kill_group()
     assert segment in our_segments(), "a killed service cannot clean up"
     second = start_service(photos, name="svc", cache_memory="64M")
-    second.wait_for(f"removed /dev/shm/{segment}, left behind by a service that was killed")
+    # This start removes it, unless another service sharing /dev/shm started first and did.
     assert segment not in our_segments()
     own = second.wait_for(r"sample cache of 64.0 MiB keeps [\w ]+ \((dataferry-[^)]+)\)").group(1)
     assert second.stop() == 0
@@ -126,7 +126,7 @@ def test_a_dev_shm_too_small_for_the_cache_fails_at_start_with_the_size_needed(
     args = ["serve", "--data", str(photos), "--endpoint", endpoint, "--image-size", "32"]
     service = ServiceProcess([*args, "--cache-memory", "64M"], endpoint, private_shm=True)
     try:
-        assert service.proc.wait(60) == 1
+        assert service.proc.wait(60) == 2
         service.wait_for(r"/dev/shm has \d+ MiB free but the decoded-sample cache needs 64 MiB")
         assert "Lower --cache-memory" in service.log
     finally:

@@ -9,8 +9,10 @@ import fcntl
 import multiprocessing
 import os
 import signal
+import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pytest
@@ -145,35 +147,53 @@ def test_a_cache_too_small_for_its_table_is_refused(make_cache: MakeCache) -> No
         make_cache(size=1 << 20, samples=1_000_000)
 
 
-def _store_all(spec: CacheSpec, worker: int, indices: list[int]) -> None:
+def _store_all(spec: CacheSpec, worker: int, indices: list[int], go: Any) -> None:
     cache = SampleCache(spec, worker)
+    assert go.wait(60)
     for i in indices:
         cache.store(i, [image(i, 20 + i % 7, 30)], 20 + i % 7, 30)
     cache.close()
 
 
-def test_writers_in_several_processes_never_tear_an_entry(make_cache: MakeCache) -> None:
+def _read_while_written(spec: CacheSpec, go: Any) -> None:
+    """Read every sample again and again while the writers write, until all are there: whatever is
+    found must be whole."""
+    cache = SampleCache(spec, WORKERS - 1)
+    deadline = time.monotonic() + 60
+    seen: set[int] = set()
+    go.set()  # the writers start once the reader is reading
+    while len(seen) < 400 and time.monotonic() < deadline:
+        for i in range(400):
+            got = cache.image(i)
+            if got is not None:
+                assert np.array_equal(got, image(i, 20 + i % 7, 30)), f"sample {i} torn"
+                seen.add(i)
+    cache.close()
+    assert len(seen) == 400
+
+
+def test_writers_and_a_reader_in_several_processes_see_only_whole_entries(make_cache: MakeCache) -> None:
     seg = make_cache(samples=400)
     order = list(range(400))
     ctx = multiprocessing.get_context("spawn")
-    # Every writer tries every sample, in its own order: each sample is raced for by all four.
+    go = ctx.Event()
+    # Every writer tries every sample, in its own order: each sample is raced for by all three.
     writers = [
-        ctx.Process(target=_store_all, args=(seg.spec, w, order[w * 100 :] + order[: w * 100]))
-        for w in range(WORKERS)
+        ctx.Process(target=_store_all, args=(seg.spec, w, order[w * 100 :] + order[: w * 100], go))
+        for w in range(WORKERS - 1)
     ]
-    for p in writers:
+    reader = ctx.Process(target=_read_while_written, args=(seg.spec, go))
+    for p in [*writers, reader]:
         p.start()
-    for p in writers:
-        p.join(60)
+    for p in [*writers, reader]:
+        p.join(120)
         assert p.exitcode == 0
     cache = SampleCache(seg.spec, worker=0)
     try:
-        for i in order:
-            got = cache.image(i)
-            assert got is not None and np.array_equal(got, image(i, 20 + i % 7, 30)), i
         stats = seg.stats()
         assert stats.entries == 400  # one winner a sample
         assert stats.used <= seg.spec.size
+        assert stats.hits > 0  # the reader found entries while they were being written
     finally:
         cache.close()
 
@@ -204,23 +224,50 @@ def test_a_writer_killed_mid_copy_leaves_a_miss_not_a_half_entry(make_cache: Mak
         cache.close()
 
 
-def test_a_lock_held_by_a_stopped_process_costs_a_store_not_a_hang(
+def test_a_lock_held_by_a_stopped_process_costs_one_wait_then_stores_stop(
     make_cache: MakeCache, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     seg = make_cache()
     monkeypatch.setattr(cache_module, "LOCK_TIMEOUT", 0.2)
     holder = os.open(seg.lock, os.O_RDWR)
     cache = SampleCache(seg.spec, worker=0)
+    other = SampleCache(seg.spec, worker=1)
     try:
         fcntl.flock(holder, fcntl.LOCK_EX)
         assert not cache.store(1, [image(1)], 20, 30)
         assert cache._m.table[1] == 0  # nothing reserved
-        assert seg.stats().skipped == 1
+        assert seg.stats().skipped == 1 and seg.stats().status(seg.kind)["lock_timeouts"] == 1
+        assert not cache.admitting  # it does not wait a second time, sample after sample
+        assert other.admitting  # another worker still tries
         fcntl.flock(holder, fcntl.LOCK_UN)
-        assert cache.store(1, [image(1)], 20, 30)
+        assert other.store(2, [image(2)], 20, 30)
+        assert cache.image(2) is not None  # and the one that gave up still reads
     finally:
         cache.close()
+        other.close()
         os.close(holder)
+
+
+def test_one_image_too_large_for_the_space_left_does_not_close_the_cache(make_cache: MakeCache) -> None:
+    one = entry_bytes(image(0).nbytes)
+    seg = make_cache(size=overhead_bytes(SAMPLES, WORKERS) + 4 * one)
+    cache = SampleCache(seg.spec, worker=0)
+    try:
+        huge = image(1, 60, 90)  # nine ordinary entries' worth
+        assert not cache.store(1, [huge], 60, 90)
+        assert cache.admitting  # skipped, not full
+        assert [i for i in range(2, 8) if cache.store(i, [image(i)], 20, 30)] == [2, 3, 4, 5]
+        assert not cache.admitting and seg.stats().full  # under 1/64 left once an entry did not fit
+    finally:
+        cache.close()
+
+
+def test_a_failed_creation_leaves_no_segment(tmp_path: Path) -> None:
+    before = set(os.listdir("/dev/shm"))
+    lock = tmp_path / "no-such-folder" / "cache.lock"  # touching it fails after the segment exists
+    with pytest.raises(FileNotFoundError):
+        CacheSegment.create(new_segment_name("cache-test"), 1 << 20, 10, 1, CacheKind.FINAL, lock)
+    assert not {n for n in set(os.listdir("/dev/shm")) - before if n.startswith(f"dataferry-{os.getpid()}-")}
 
 
 def test_closing_removes_the_segment_and_the_lock(tmp_path: Path) -> None:

@@ -353,7 +353,7 @@ def test_cache_sizes_take_binary_suffixes(text: str, size: int) -> None:
     assert parse_bytes(text) == size
 
 
-@pytest.mark.parametrize("text", ["", "G", "12Q", "-1G", "lots", "1e30"])
+@pytest.mark.parametrize("text", ["", "G", "12Q", "-1G", "lots", "1e30", "0.5", "1.9", "5IB", "99999999T"])
 def test_bad_cache_sizes_are_refused(text: str) -> None:
     with pytest.raises(ValueError, match="is not a size such as 64G"):
         parse_bytes(text)
@@ -370,8 +370,12 @@ def test_the_cache_size_comes_from_every_layer(tmp_path: Path) -> None:
         load_config(None, base, environ={"DATAFERRY_CACHE_MEMORY": "big"})
     with pytest.raises(ConfigError, match=r"'cache_memory'.*is not a size"):
         _config(tmp_path, 'cache_memory = "big"\n')
-    with pytest.raises(ConfigError, match="'cache_memory' has the wrong type"):
-        _config(tmp_path, "cache_memory = true\n")
+    whole = r'cache_memory.* must be a whole number of bytes or text such as "64G"'
+    for wrong in ("true", "1.5"):
+        with pytest.raises(ConfigError, match=whole):
+            _config(tmp_path, f"cache_memory = {wrong}\n")
+    with pytest.raises(ConfigError, match=r"must be between 0 and 2\*\*62 bytes"):
+        _config(tmp_path, f"cache_memory = {2**63 - 1}\n")
 
 
 def test_a_feeds_cache_and_determinism_are_its_own(tmp_path: Path) -> None:
