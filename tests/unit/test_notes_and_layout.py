@@ -1,6 +1,6 @@
 """The map a reader follows stays true: every cited ``NOTE [ ... ]`` is defined somewhere, and every
-module the README's layout section names exists where it says (and every module of the trainer's
-package and of ``protocol/`` is named there)."""
+module the README's layout section names exists where it says, and every module of the service,
+the trainer's package and ``protocol/`` is named there."""
 
 from __future__ import annotations
 
@@ -65,10 +65,11 @@ def test_every_module_the_layout_names_exists() -> None:
     assert not missing, f"the README's layout section names modules that do not exist: {missing}"
 
 
-def test_the_layout_names_every_module_of_the_trainer_side_and_the_protocol() -> None:
+def test_the_layout_names_every_module_of_the_three_packages() -> None:
     named = set(named_modules())
-    for package in ("gpu_worker", "protocol"):
-        modules = {p.relative_to(REPO) for p in (REPO / package).glob("*.py") if not p.name.startswith("__")}
+    for package in ("gpu_worker", "protocol", "loader_service"):
+        found = (REPO / package).rglob("*.py")
+        modules = {p.relative_to(REPO) for p in found if not p.name.startswith("__")}
         assert modules <= named, (
             f"{package}/ modules the layout does not name: {sorted(map(str, modules - named))}"
         )
