@@ -15,12 +15,15 @@ from __future__ import annotations
 import csv
 import json
 from array import array
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Mapping
+from functools import partial
 from pathlib import Path
-from typing import Any, NamedTuple
+from typing import TYPE_CHECKING, Any, NamedTuple
 
 import numpy as np
 
+from loader_service.dataset.source import IndexPart, Mapped, Metadata, Progress, Scanned, Source
+from loader_service.dataset.storage import DecodeError, SampleFiles
 from loader_service.dataset.tables import (
     I64,
     DatasetError,
@@ -30,6 +33,9 @@ from loader_service.dataset.tables import (
     encode_name,
     packed,
 )
+
+if TYPE_CHECKING:
+    from loader_service.dataset.index import DatasetIndex
 
 LIST_SUFFIXES = {".csv": "csv", ".jsonl": "jsonl"}
 NO_LABEL = -1
@@ -194,3 +200,66 @@ def _json_label(line: str, value: object) -> int:
 
 def _kind(value: object) -> str:
     return "nothing" if value is None else type(value).__name__
+
+
+class ListSource:
+    """``--format list`` (``dataset.source.Source``)."""
+
+    name = "list"
+    what = "a .csv or .jsonl list"
+    holds = ".csv or .jsonl files (a list?)"
+
+    def claims_folder(self, root: Path) -> bool:
+        return False
+
+    def claims_file(self, name: str) -> bool:
+        return name.endswith(tuple(LIST_SUFFIXES))
+
+    def claims_pattern(self, text: str) -> bool:
+        return False
+
+    def scan(self, data: str | Path, progress: Progress | None) -> Scanned:
+        path = Path(data)
+        found = scan_list(path, progress)
+        return Scanned(path.parent, (), found.labels, found.paths, found.metadata)
+
+    def load_part(self, described: Mapping[str, Any], mapped: Mapped) -> IndexPart | None:
+        facts = described.get("metadata")
+        if facts is None:
+            return None
+        values = StringTable(mapped("metadata_offsets"), mapped("metadata_blob"))
+        return ListMetadata(facts["style"], tuple(facts["columns"]), values)
+
+    def relpath(self, index: DatasetIndex, i: int) -> str:
+        return index.names.text(i)
+
+    def path(self, index: DatasetIndex, i: int) -> Path:
+        return index.root / index.names.text(i)
+
+    def reader(self, index: DatasetIndex, max_bytes: int) -> ListReader:
+        metadata = index.part if isinstance(index.part, ListMetadata) else None
+        return ListReader(index.root, index.names, max_bytes, metadata)
+
+
+class ListReader(SampleFiles):
+    """The listed files, and each row's other columns (csv: strings) or keys (jsonl: JSON values)."""
+
+    def __init__(self, root: Path, names: StringTable, max_bytes: int, listed: ListMetadata | None) -> None:
+        super().__init__(root, names, max_bytes)
+        self.listed = listed
+
+    def metadata(self, i: int) -> Metadata:
+        if self.listed is None:
+            return {}
+        try:
+            items = self.listed.items(i)
+        except (ValueError, TypeError) as exc:  # the index was written by us: only damage gets here
+            raise DecodeError(f"metadata: {exc}") from None
+        return {name: partial(_value, value) for name, value in items.items()}
+
+
+def _value(value: object) -> object:
+    return value
+
+
+SOURCE: Source = ListSource()

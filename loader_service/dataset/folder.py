@@ -9,12 +9,14 @@ from __future__ import annotations
 
 import os
 from array import array
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Mapping
 from pathlib import Path
-from typing import NamedTuple
+from typing import TYPE_CHECKING, Any, NamedTuple
 
 import numpy as np
 
+from loader_service.dataset.source import IndexPart, Mapped, Progress, Scanned, Source
+from loader_service.dataset.storage import SampleFiles
 from loader_service.dataset.tables import (
     I64,
     DatasetError,
@@ -23,6 +25,9 @@ from loader_service.dataset.tables import (
     encode_name,
     packed,
 )
+
+if TYPE_CHECKING:
+    from loader_service.dataset.index import DatasetIndex
 
 EXTENSIONS = (".jpg", ".jpeg", ".png", ".bmp", ".webp", ".tif", ".tiff")
 
@@ -93,3 +98,40 @@ def scan_folder(root: Path, progress: Callable[[int], None] | None = None) -> Fo
 
 def holds_class_folders(root: Path) -> bool:
     return bool(find_classes(root))
+
+
+class FolderSource:
+    """``--format imagefolder`` (``dataset.source.Source``)."""
+
+    name = "imagefolder"
+    what = "a folder of class sub-folders"
+    holds = "sub-folders (an ImageFolder?)"
+
+    def claims_folder(self, root: Path) -> bool:
+        return holds_class_folders(root)
+
+    def claims_file(self, name: str) -> bool:
+        return False
+
+    def claims_pattern(self, text: str) -> bool:
+        return False
+
+    def scan(self, data: str | Path, progress: Progress | None) -> Scanned:
+        root = Path(data)
+        found = scan_folder(root, progress)
+        return Scanned(root, found.classes, found.labels, found.paths)
+
+    def load_part(self, described: Mapping[str, Any], mapped: Mapped) -> IndexPart | None:
+        return None
+
+    def relpath(self, index: DatasetIndex, i: int) -> str:
+        return index.names.text(i)
+
+    def path(self, index: DatasetIndex, i: int) -> Path:
+        return index.root / index.names.text(i)
+
+    def reader(self, index: DatasetIndex, max_bytes: int) -> SampleFiles:
+        return SampleFiles(index.root, index.names, max_bytes)
+
+
+SOURCE: Source = FolderSource()

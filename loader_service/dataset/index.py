@@ -1,13 +1,13 @@
 """The dataset index: which bytes are sample ``i``, and its label, held in a few compact numpy arrays.
 
-Three sources (``--format``): ``imagefolder`` (dataset.folder), ``list``, a csv or jsonl file
-(dataset.filelist), and ``tar``, WebDataset-style shards (dataset.tarshards). Whatever the source, a
-sample has an index (its position: the order is fixed by the source), a label (-1 when the source has
-none), a name for logs and ``loader-service index`` (``relpath``), and where its image lies.
+Every source format (``--format``: ``dataset.formats``) gives a sample an index (its position: the
+order is fixed by the source), a label (-1 when the source has none), a name, and whatever the
+format itself needs to find the sample's bytes (its ``IndexPart``: a list's other columns, a tar
+shard's member offsets). Adding a format adds a part, not a field here.
 
 The service builds the index once at start and saves it (``save``); every decode worker maps the arrays
 read-only (``load``), so the page cache holds one copy for all of them. Reading a sample's bytes is
-``loader_service.decode.reading.SampleReader``'s job.
+``loader_service.decode.reading.SampleReader``'s job, through the format's reader.
 """
 
 from __future__ import annotations
@@ -15,7 +15,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
-from collections.abc import Callable, Mapping
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -23,23 +23,10 @@ from typing import Any
 import numpy as np
 import numpy.typing as npt
 
-from loader_service.dataset.filelist import LIST_SUFFIXES, scan_list
-from loader_service.dataset.folder import EXTENSIONS, holds_class_folders, scan_folder
-from loader_service.dataset.shards import (
-    COMPRESSED_SUFFIXES,
-    TAR_SUFFIX,
-    holds_shards,
-    is_brace_pattern,
-    list_shards,
-)
-from loader_service.dataset.tables import (
-    I64,
-    DatasetError,
-    ListMetadata,
-    StringTable,
-    TarMembers,
-)
-from loader_service.dataset.tarshards import scan_shards
+from loader_service.dataset.folder import EXTENSIONS
+from loader_service.dataset.formats import FORMATS, detect_format, source
+from loader_service.dataset.source import IndexPart, Progress
+from loader_service.dataset.tables import I64, DatasetError, StringTable
 
 __all__ = [
     "EXTENSIONS",
@@ -50,14 +37,17 @@ __all__ = [
     "detect_format",
 ]
 
-FORMATS = ("auto", "imagefolder", "list", "tar")
 _SAVED_VERSION = 1
+PART_KEYS = ("metadata", "tar")
+"""The keys the parts of the first formats describe themselves under. Every index's description
+holds them (None where absent), as it did before formats had parts: the fingerprints of saved
+trainer states stay valid."""
 
 
 @dataclass(frozen=True)
 class DatasetIndex:
     kind: str
-    """``imagefolder``, ``list`` or ``tar``."""
+    """The format's name (``formats.SOURCES``)."""
     root: Path
     """The ImageFolder, the list file's folder, or the folder the shards are named relative to."""
     classes: tuple[str, ...]
@@ -65,9 +55,8 @@ class DatasetIndex:
     labels: I64
     names: StringTable
     """Per sample: the path relative to ``root`` (imagefolder, list), or the key in its shard (tar)."""
-    metadata: ListMetadata | None = None
-    """A list source's other columns or keys, if it has any."""
-    tar: TarMembers | None = None
+    part: IndexPart | None = None
+    """What the format keeps of its own (``dataset.source.IndexPart``), if anything."""
     flaws: Mapping[int, str] = field(default_factory=dict)
     """Samples found unreadable while indexing (tar: a damaged header, a bad ``.cls``), and why."""
 
@@ -76,15 +65,11 @@ class DatasetIndex:
 
     def relpath(self, i: int) -> str:
         """How sample ``i`` is named in logs, status and ``loader-service index``; ``shard:key`` for tar."""
-        if self.tar is not None:
-            return f"{self.tar.shards[int(self.tar.sample_shard[i])]}:{self.names.text(i)}"
-        return self.names.text(i)
+        return source(self.kind).relpath(self, i)
 
     def path(self, i: int) -> Path:
         """The image file (imagefolder, list), or the shard file that holds the sample (tar)."""
-        if self.tar is not None:
-            return self.root / self.tar.shards[int(self.tar.sample_shard[i])]
-        return self.root / self.names.text(i)
+        return source(self.kind).path(self, i)
 
     @property
     def num_classes(self) -> int:
@@ -130,31 +115,13 @@ class DatasetIndex:
             arr: npt.NDArray[Any] = np.load(directory / f"{name}.npy", mmap_mode="r")
             return arr
 
-        metadata = tar = None
-        if desc["metadata"] is not None:
-            metadata = ListMetadata(
-                desc["metadata"]["style"],
-                tuple(desc["metadata"]["columns"]),
-                StringTable(mapped("metadata_offsets"), mapped("metadata_blob")),
-            )
-        if desc["tar"] is not None:
-            tar = TarMembers(
-                shards=tuple(desc["tar"]["shards"]),
-                extensions=tuple(desc["tar"]["extensions"]),
-                sample_shard=mapped("sample_shard"),
-                first_member=mapped("first_member"),
-                member_offset=mapped("member_offset"),
-                member_size=mapped("member_size"),
-                member_extension=mapped("member_extension"),
-            )
         return cls(
             kind=desc["kind"],
             root=Path(desc["root"]),
             classes=tuple(desc["classes"]),
             labels=mapped("labels"),
             names=StringTable(mapped("name_offsets"), mapped("name_blob")),
-            metadata=metadata,
-            tar=tar,
+            part=source(desc["kind"]).load_part(desc, mapped),
             flaws={int(k): v for k, v in desc["flaws"].items()},
         )
 
@@ -164,27 +131,19 @@ class DatasetIndex:
             "name_offsets": self.names.offsets,
             "name_blob": self.names.blob,
         }
-        if self.metadata is not None:
-            arrays["metadata_offsets"] = self.metadata.values.offsets
-            arrays["metadata_blob"] = self.metadata.values.blob
-        if self.tar is not None:
-            arrays.update(self.tar.arrays)
+        if self.part is not None:
+            arrays.update(self.part.arrays)
         return arrays
 
     def _description(self) -> dict[str, Any]:
         """Everything but the arrays, as JSON."""
-        metadata = tar = None
-        if self.metadata is not None:
-            metadata = {"style": self.metadata.style, "columns": list(self.metadata.columns)}
-        if self.tar is not None:
-            tar = {"shards": list(self.tar.shards), "extensions": list(self.tar.extensions)}
         return {
             "version": _SAVED_VERSION,
             "kind": self.kind,
             "root": os.path.abspath(self.root),  # workers need not share the service's working folder
             "classes": list(self.classes),
-            "metadata": metadata,
-            "tar": tar,
+            **dict.fromkeys(PART_KEYS),
+            **(self.part.describe() if self.part is not None else {}),
             "flaws": {str(k): v for k, v in sorted(self.flaws.items())},
         }
 
@@ -194,62 +153,14 @@ def _raw(arr: npt.NDArray[Any]) -> memoryview:
     return np.ascontiguousarray(arr).data.cast("B")
 
 
-def detect_format(data: str | Path) -> str:
-    """``imagefolder``, ``list`` or ``tar``, from what ``data`` is; DatasetError if that is unclear.
-
-    A folder of class sub-folders is an ImageFolder, a folder of ``.tar`` files holds shards (both at
-    once is unclear); a ``.csv`` or ``.jsonl`` file is a list; a ``.tar`` file or a brace pattern that
-    is not an existing path names shards.
-    """
-    text = str(data)
-    if os.path.isdir(text):
-        return _folder_format(Path(text))
-    if os.path.exists(text):
-        lower = text.lower()
-        if lower.endswith((TAR_SUFFIX, *COMPRESSED_SUFFIXES)):
-            return "tar"
-        if lower.endswith(tuple(LIST_SUFFIXES)):
-            return "list"
-        raise DatasetError(
-            f"cannot tell the format of {text}: expected a folder, a .csv, .jsonl or .tar file, or a "
-            "brace pattern of shards; say which with --format"
-        )
-    if is_brace_pattern(text):
-        return "tar"
-    raise DatasetError(f"data {text} does not exist")
-
-
-def _folder_format(root: Path) -> str:
-    classes, shards = holds_class_folders(root), holds_shards(root)
-    if classes and shards:
-        raise DatasetError(
-            f"{root} holds both sub-folders (an ImageFolder?) and .tar files (shards?); "
-            "say which with --format imagefolder or --format tar"
-        )
-    return "tar" if shards else "imagefolder"
-
-
-def build_index(
-    data: str | Path, format: str = "auto", progress: Callable[[int], None] | None = None
-) -> DatasetIndex:
+def build_index(data: str | Path, format: str = "auto", progress: Progress | None = None) -> DatasetIndex:
     """Index ``data`` once. ``progress(found_so_far)`` is called every 10,000 samples.
 
     ``data``: an ImageFolder, a folder of ``*.tar`` shards, a ``.csv`` or ``.jsonl`` file, a ``.tar``
-    file, or a brace pattern such as ``dir/train-{000000..000127}.tar``.
+    file, or a brace pattern such as ``dir/train-{000000..000127}.tar`` (``formats.SOURCES``).
     """
     if format not in FORMATS:
         raise DatasetError(f"format must be one of {', '.join(FORMATS)}, not {format!r}")
     kind = detect_format(data) if format == "auto" else format
-    if kind == "imagefolder":
-        root = Path(data)
-        folder = scan_folder(root, progress)
-        return DatasetIndex("imagefolder", root, folder.classes, folder.labels, folder.paths)
-    if kind == "list":
-        path = Path(data)
-        listed = scan_list(path, progress)
-        return DatasetIndex("list", path.parent, (), listed.labels, listed.paths, metadata=listed.metadata)
-    root, shards = list_shards(data)
-    scanned = scan_shards(root, shards, progress)
-    return DatasetIndex(
-        "tar", root, (), scanned.labels, scanned.keys, tar=scanned.members, flaws=scanned.flaws
-    )
+    found = source(kind).scan(data, progress)
+    return DatasetIndex(kind, found.root, found.classes, found.labels, found.names, found.part, found.flaws)

@@ -100,6 +100,13 @@ class ListMetadata:
             return dict(zip(self.columns, value, strict=True))
         return dict(value)
 
+    @property
+    def arrays(self) -> dict[str, npt.NDArray[Any]]:
+        return {"metadata_offsets": self.values.offsets, "metadata_blob": self.values.blob}
+
+    def describe(self) -> dict[str, Any]:
+        return {"metadata": {"style": self.style, "columns": list(self.columns)}}
+
 
 SIZE_UNKNOWN = 2**32 - 1
 """``member_size`` of a member of 4 GiB or more: far over any ``--max-file-bytes``, so never read."""
@@ -148,3 +155,6 @@ class TarMembers:
             "member_size": self.member_size,
             "member_extension": self.member_extension,
         }
+
+    def describe(self) -> dict[str, Any]:
+        return {"tar": {"shards": list(self.shards), "extensions": list(self.extensions)}}

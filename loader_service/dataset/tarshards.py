@@ -28,10 +28,29 @@ from __future__ import annotations
 import logging
 import os
 import stat
-from collections.abc import Callable, Sequence
+from collections import OrderedDict
+from collections.abc import Callable, Mapping, Sequence
+from functools import partial
 from pathlib import Path
+from typing import TYPE_CHECKING, Any
 
-from loader_service.dataset.tables import DatasetError, decode_name
+from loader_service.dataset.shards import (
+    COMPRESSED_SUFFIXES,
+    TAR_SUFFIX,
+    holds_shards,
+    is_brace_pattern,
+    list_shards,
+)
+from loader_service.dataset.source import IndexPart, Mapped, Metadata, Progress, Scanned, Source
+from loader_service.dataset.storage import DecodeError, open_regular, pread_fully
+from loader_service.dataset.tables import (
+    IMAGE_EXTENSIONS,
+    SIZE_UNKNOWN,
+    DatasetError,
+    StringTable,
+    TarMembers,
+    decode_name,
+)
 from loader_service.dataset.tarfast import READ_AHEAD, NotPlain, scan_plain
 from loader_service.dataset.tarformat import (
     BLOCK,
@@ -65,7 +84,14 @@ MAX_HEADER_DATA = 1 << 20
 """A GNU long name or pax record set larger than this is a damaged header, not a name."""
 MAX_WARNINGS_PER_SHARD = 10
 
-__all__ = ["TarScan", "scan_shards"]
+__all__ = ["SOURCE", "TarReader", "TarScan", "TarSource", "scan_shards"]
+
+if TYPE_CHECKING:
+    from loader_service.dataset.index import DatasetIndex
+
+OPEN_SHARDS = 16
+"""Shard descriptors a reader keeps open: enough for the shards one batch touches, few enough for
+any file-descriptor limit."""
 
 
 def scan_shards(
@@ -297,3 +323,126 @@ def _fields(block: bytes) -> tuple[bytes, int, int]:
     if prefix[0] and magic == USTAR:  # POSIX ustar splits long names; GNU uses the field for times
         name = prefix.split(b"\0", 1)[0] + b"/" + name
     return name, number(size_field), kind
+
+
+# --- the source -----------------------------------------------------------------------------------
+
+
+class TarSource:
+    """``--format tar`` (``dataset.source.Source``)."""
+
+    name = "tar"
+    what = "a folder of .tar shards, one .tar file or a brace pattern of them"
+    holds = ".tar files (shards?)"
+
+    def claims_folder(self, root: Path) -> bool:
+        return holds_shards(root)
+
+    def claims_file(self, name: str) -> bool:
+        return name.endswith((TAR_SUFFIX, *COMPRESSED_SUFFIXES))
+
+    def claims_pattern(self, text: str) -> bool:
+        return is_brace_pattern(text)
+
+    def scan(self, data: str | Path, progress: Progress | None) -> Scanned:
+        root, shards = list_shards(data)
+        found = scan_shards(root, shards, progress)
+        return Scanned(root, (), found.labels, found.keys, found.members, found.flaws)
+
+    def load_part(self, described: Mapping[str, Any], mapped: Mapped) -> IndexPart | None:
+        facts = described["tar"]
+        return TarMembers(
+            shards=tuple(facts["shards"]),
+            extensions=tuple(facts["extensions"]),
+            sample_shard=mapped("sample_shard"),
+            first_member=mapped("first_member"),
+            member_offset=mapped("member_offset"),
+            member_size=mapped("member_size"),
+            member_extension=mapped("member_extension"),
+        )
+
+    def relpath(self, index: DatasetIndex, i: int) -> str:
+        return f"{_members(index).shards[int(_members(index).sample_shard[i])]}:{index.names.text(i)}"
+
+    def path(self, index: DatasetIndex, i: int) -> Path:
+        return index.root / _members(index).shards[int(_members(index).sample_shard[i])]
+
+    def reader(self, index: DatasetIndex, max_bytes: int) -> TarReader:
+        return TarReader(index.root, index.names, _members(index), max_bytes)
+
+
+def _members(index: DatasetIndex) -> TarMembers:
+    assert isinstance(index.part, TarMembers), "a tar index holds its members"
+    return index.part
+
+
+class TarReader:
+    """Members read in place. A shard must be a regular file, opened non-blocking; a member over
+    ``--max-file-bytes`` is refused before it is read; one whose data runs past the end of its shard
+    is a bad sample. Shards stay open in a small LRU of descriptors, so a batch drawn from a few
+    shards opens each once."""
+
+    def __init__(self, root: Path, names: StringTable, tar: TarMembers, max_bytes: int) -> None:
+        self.root = root
+        self.names = names
+        self.tar = tar
+        self.max_bytes = max_bytes
+        self._shards: OrderedDict[int, int] = OrderedDict()
+
+    def image_bytes(self, i: int) -> bytes:
+        """The sample's image member: the first jpg, jpeg, png, webp or bmp."""
+        member = self.tar.image_member(i)
+        if member is None:
+            found = ", ".join(self.tar.extension(m) for m in self.tar.members(i)) or "none"
+            raise DecodeError(f"no image member ({', '.join(IMAGE_EXTENSIONS)}; members: {found})")
+        return self._member_bytes(i, member, image=True)
+
+    def metadata(self, i: int) -> Metadata:
+        """The members other than the image, as bytes by extension (``json``, ``txt``, ``cls``...);
+        an empty member is ``b""``."""
+        image = self.tar.image_member(i)
+        members = (m for m in self.tar.members(i) if m != image)
+        return {self.tar.extension(m): partial(self._member_bytes, i, m) for m in members}
+
+    def close(self) -> None:
+        while self._shards:
+            os.close(self._shards.popitem()[1])
+
+    def _member_bytes(self, i: int, member: int, image: bool = False) -> bytes:
+        """A member's bytes; an empty one is a bad sample only as its ``image``."""
+        tar = self.tar
+        name = f"member {self.names.text(i)}.{tar.extension(member)}"
+        size = int(tar.member_size[member])
+        if size == SIZE_UNKNOWN:
+            raise DecodeError(f"{name} of 4 GiB or more is over --max-file-bytes {self.max_bytes}")
+        if size > self.max_bytes:
+            raise DecodeError(f"{name} of {size} bytes is over --max-file-bytes {self.max_bytes}")
+        if size == 0:
+            if image:
+                raise DecodeError(f"{name} is empty")
+            return b""
+        shard = int(tar.sample_shard[i])
+        fd = self._shard_fd(shard)
+        try:
+            data = pread_fully(fd, size, int(tar.member_offset[member]))
+        except OSError as exc:
+            raise DecodeError(f"cannot read {name}: {exc.strerror or exc}") from None
+        if len(data) < size:
+            raise DecodeError(
+                f"{name} runs past the end of shard {tar.shards[shard]} ({len(data)} of {size} bytes)"
+            )
+        return data
+
+    def _shard_fd(self, shard: int) -> int:
+        fd = self._shards.get(shard)
+        if fd is not None:
+            self._shards.move_to_end(shard)
+            return fd
+        fd = open_regular(str(self.root / self.tar.shards[shard]))
+        self._shards[shard] = fd
+        if len(self._shards) > OPEN_SHARDS:
+            os.close(self._shards.popitem(last=False)[1])
+        return fd
+
+
+SOURCE: Source = TarSource()

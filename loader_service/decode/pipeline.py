@@ -48,9 +48,10 @@ import numpy.typing as npt
 
 from loader_service.dataset.index import DatasetIndex
 from loader_service.dataset.sampler import sample_rng
+from loader_service.dataset.storage import DecodeError
 from loader_service.decode.cache import SampleCache
 from loader_service.decode.reading import SampleReader
-from loader_service.decode.transforms import DecodeError, decode_bytes
+from loader_service.decode.transforms import decode_bytes
 from protocol.layout import DTYPES, FieldSpec
 
 Pipeline = Callable[["Sample", np.random.Generator], object]

@@ -33,6 +33,7 @@ import numpy as np
 import numpy.typing as npt
 
 from loader_service.dataset.index import DatasetIndex
+from loader_service.dataset.storage import DecodeError
 from loader_service.decode.pipeline import (
     OutputError,
     Pipeline,
@@ -46,7 +47,6 @@ from loader_service.decode.pipeline import (
     user_traceback,
 )
 from loader_service.decode.reading import SampleReader
-from loader_service.decode.transforms import DecodeError
 from protocol.layout import FieldSpec, SlotLayout
 
 __all__ = ["PROBE_SAMPLES", "PipelineError", "probe_fields"]

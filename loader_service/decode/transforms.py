@@ -27,7 +27,6 @@ from __future__ import annotations
 
 import math
 import os
-import stat
 from dataclasses import dataclass
 from types import ModuleType
 from typing import cast
@@ -35,6 +34,9 @@ from typing import cast
 import cv2
 import numpy as np
 import numpy.typing as npt
+
+# Reading files is the storage layer's job (dataset.storage).
+from loader_service.dataset.storage import DEFAULT_MAX_FILE_BYTES, DecodeError, read_file
 
 U8 = npt.NDArray[np.uint8]
 
@@ -56,9 +58,6 @@ _JPEG_START = b"\xff\xd8\xff"  # what OpenCV requires; libjpeg alone would skip 
 # OpenCV refuses a JPEG that ends before its EOI marker, while the region decoder may never read that
 # far; such files (and files with bytes after EOI) go to OpenCV, so both paths reject the same files.
 _JPEG_END = b"\xff\xd9"
-
-DEFAULT_MAX_FILE_BYTES = 256 * 2**20
-"""``--max-file-bytes``: a larger file is a bad sample, refused before it is read."""
 
 SCALE = (0.08, 1.0)
 RATIO = (3 / 4, 4 / 3)
@@ -82,10 +81,6 @@ class Recipe:
     dct_scaling: bool = True
     """Let the region decoder scale large crops down (``roi_scale``). Without it, every output is
     exactly what a full OpenCV decode gives, which a train feed's sample cache must reproduce."""
-
-
-class DecodeError(Exception):
-    """A file that is not a decodable image; ``str()`` is the reason logged and reported."""
 
 
 @dataclass(frozen=True)
@@ -130,69 +125,6 @@ def describe_decoder(choice: str) -> str:
     if choice == "opencv":
         return "opencv (full decode; --decoder opencv)"
     return "opencv (full decode; the region decoder is not built: see README)"
-
-
-def read_file(path: str, max_bytes: int = DEFAULT_MAX_FILE_BYTES) -> bytes:
-    """The bytes of the regular file ``path``, at most ``max_bytes`` of them, or DecodeError.
-
-    Anything else in a dataset is a bad sample found without waiting: a FIFO would block the read
-    until ``--task-timeout`` kills the worker, a link to /dev/zero would read until memory runs out.
-    """
-    try:
-        # stat first: opening a device can act on it (a tape rewinds), so only files get opened.
-        _check_file(os.stat(path), max_bytes)
-        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)  # a FIFO swapped in: no wait
-        try:
-            info = os.fstat(fd)
-            _check_file(info, max_bytes)  # it may have been replaced since the stat
-            data = _read_at_most(fd, info.st_size, max_bytes + 1)
-        finally:
-            os.close(fd)
-    except OSError as exc:
-        raise DecodeError(f"cannot read: {exc.strerror or exc}") from None
-    if not data:
-        raise DecodeError("empty file")
-    if len(data) > max_bytes:
-        raise DecodeError(f"file grew over --max-file-bytes {max_bytes} while it was read")
-    return data
-
-
-_NOT_REGULAR = {
-    stat.S_IFIFO: "a FIFO",
-    stat.S_IFCHR: "a character device",
-    stat.S_IFBLK: "a block device",
-    stat.S_IFSOCK: "a socket",
-    stat.S_IFDIR: "a directory",
-}
-
-
-def _check_file(info: os.stat_result, max_bytes: int) -> None:
-    if not stat.S_ISREG(info.st_mode):
-        kind = _NOT_REGULAR.get(stat.S_IFMT(info.st_mode), "of an unknown type")
-        raise DecodeError(f"not a regular file: {kind}")
-    if info.st_size > max_bytes:
-        raise DecodeError(f"file of {info.st_size} bytes is over --max-file-bytes {max_bytes}")
-
-
-READ_CHUNK = 1 << 16
-"""Bytes asked for by each read after the first, should a file be longer than fstat said."""
-
-
-def _read_at_most(fd: int, expected: int, cap: int) -> bytes:
-    """Read to the end of the file or ``cap`` bytes, whichever comes first. The first read asks for
-    the size fstat gave plus one, so a file that did not change needs just that read and the empty
-    one that ends it; a file that grew is read on in chunks, never past ``cap``."""
-    parts = []
-    total = 0
-    want = expected + 1
-    while total < cap:
-        part = os.read(fd, min(want, cap - total))
-        if not part:
-            break
-        parts.append(part)
-        total += len(part)
-        want = READ_CHUNK
-    return b"".join(parts)
 
 
 def decode_file(path: str, max_bytes: int = DEFAULT_MAX_FILE_BYTES) -> U8:

@@ -27,12 +27,12 @@ import zmq
 
 from loader_service.dataset.index import DatasetIndex
 from loader_service.dataset.sampler import sample_rng
+from loader_service.dataset.storage import DecodeError
 from loader_service.decode.cache import CacheKind, CacheSpec, SampleCache
 from loader_service.decode.pipeline import Pipeline, Sample, load_pipeline, run_into
 from loader_service.decode.progress import ProgressBoard
 from loader_service.decode.reading import SampleReader
 from loader_service.decode.transforms import (
-    DecodeError,
     Recipe,
     decode_bytes,
     load_bytes_into,

@@ -22,9 +22,10 @@ import numpy as np
 
 from loader_service.config import FeedConfig, ServiceConfig
 from loader_service.dataset.index import DatasetIndex, build_index
+from loader_service.dataset.storage import DecodeError
 from loader_service.decode.cache import CacheKind, cache_kind, entry_bytes, overhead_bytes
 from loader_service.decode.reading import SampleReader
-from loader_service.decode.transforms import DecodeError, decode_bytes
+from loader_service.decode.transforms import decode_bytes
 
 SAMPLED = 1000
 """Images whose headers are read per feed; all of them for a smaller dataset."""

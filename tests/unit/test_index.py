@@ -19,6 +19,7 @@ from loader_service.dataset.index import (
     build_index,
     detect_format,
 )
+from loader_service.dataset.tables import ListMetadata
 
 
 def touch(root: Path, *paths: str) -> None:
@@ -200,10 +201,10 @@ def test_every_source_saves_and_loads_mapped_read_only(
     assert loaded.flaws == index.flaws
     assert loaded.fingerprint() == index.fingerprint()
     assert isinstance(loaded.labels, np.memmap) and not loaded.labels.flags.writeable
-    if index.metadata is not None:
-        assert loaded.metadata is not None
-        assert [loaded.metadata.items(i) for i in range(len(index))] == [
-            index.metadata.items(i) for i in range(len(index))
+    if isinstance(index.part, ListMetadata):
+        assert isinstance(loaded.part, ListMetadata)
+        assert [loaded.part.items(i) for i in range(len(index))] == [
+            index.part.items(i) for i in range(len(index))
         ]
 
 

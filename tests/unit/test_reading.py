@@ -9,8 +9,8 @@ from pathlib import Path
 
 import pytest
 
+from loader_service.dataset import tarshards
 from loader_service.dataset.index import DatasetIndex, build_index
-from loader_service.decode import reading
 from loader_service.decode.reading import SampleReader
 from loader_service.decode.transforms import DecodeError
 from tests.helpers import write_tar
@@ -160,7 +160,7 @@ def test_a_shard_replaced_by_a_fifo_is_refused_without_blocking(
 def test_open_shards_are_bounded_and_closed(
     tmp_path: Path, reader_of: ReaderFactory, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    monkeypatch.setattr(reading, "OPEN_SHARDS", 3)
+    monkeypatch.setattr(tarshards, "OPEN_SHARDS", 3)
     for s in range(6):
         write_tar(tmp_path / f"{s}.tar", [(f"k{s}.jpg", f"image {s}".encode())])
     reader = reader_of(build_index(tmp_path))

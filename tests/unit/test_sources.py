@@ -20,6 +20,7 @@ import pytest
 from loader_service.dataset import tarfast, tarformat
 from loader_service.dataset.index import DatasetError, DatasetIndex, build_index
 from loader_service.dataset.shards import expand_braces, list_shards
+from loader_service.dataset.tables import ListMetadata, TarMembers
 from loader_service.dataset.tarformat import (
     BadHeader,
     number,
@@ -70,8 +71,8 @@ def webdataset_reference(shards: Sequence[Path]) -> list[tuple[str, dict[str, by
 
 
 def members_of(index: DatasetIndex, i: int) -> dict[str, tuple[int, int]]:
-    tar = index.tar
-    assert tar is not None
+    tar = index.part
+    assert isinstance(tar, TarMembers)
     return {tar.extension(m): (int(tar.member_offset[m]), int(tar.member_size[m])) for m in tar.members(i)}
 
 
@@ -115,9 +116,9 @@ def test_csv_rows_in_order_with_labels_metadata_and_paths_from_the_list_folder(t
     assert [index.relpath(i) for i in range(3)] == ["img/a.jpg", f"{tmp_path}/abs.png", "img/ü.jpg"]
     assert index.path(0) == tmp_path / "lists" / "img" / "a.jpg"
     assert index.path(1) == tmp_path / "abs.png"
-    assert index.metadata is not None
-    assert index.metadata.items(0) == {"caption": "a cat, sitting", "source": "web"}
-    assert index.metadata.items(1) == {"caption": "two\nlines", "source": "scan"}
+    assert isinstance(index.part, ListMetadata)
+    assert index.part.items(0) == {"caption": "a cat, sitting", "source": "web"}
+    assert index.part.items(1) == {"caption": "two\nlines", "source": "scan"}
     assert index.num_classes == 4
 
 
@@ -125,7 +126,7 @@ def test_a_csv_without_metadata_columns_keeps_no_metadata(tmp_path: Path) -> Non
     listed = tmp_path / "l.csv"
     listed.write_text("label,path\n1,a.jpg\n0,b.jpg\n")
     index = build_index(listed)
-    assert index.metadata is None
+    assert index.part is None
     assert index.labels.tolist() == [1, 0]
     assert index.nbytes == index.labels.nbytes + index.names.nbytes
 
@@ -167,9 +168,9 @@ def test_jsonl_rows_with_json_metadata(tmp_path: Path) -> None:
     index = build_index(listed)
     assert index.labels.tolist() == [2, -1, -1]
     assert [index.relpath(i) for i in range(3)] == ["a.jpg", "b.jpg", "c.jpg"]
-    assert index.metadata is not None
-    assert index.metadata.items(0) == {"boxes": [[1, 2, 3, 4]], "meta": {"w": 3}}
-    assert index.metadata.items(1) == {}
+    assert isinstance(index.part, ListMetadata)
+    assert index.part.items(0) == {"boxes": [[1, 2, 3, 4]], "meta": {"w": 3}}
+    assert index.part.items(1) == {}
 
 
 @pytest.mark.parametrize(

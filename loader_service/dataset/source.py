@@ -1,0 +1,105 @@
+"""What a source format is: the small protocol each format module implements (``dataset.formats``
+registers them).
+
+A format recognises a ``--data`` value, scans it into the parts of an index every format shares
+(labels, names, flaws) plus a part of its own (``IndexPart``: arrays the decode workers map, and what
+JSON says of them), and opens a reader that returns a sample's image bytes and metadata. Adding a
+format is one module defining a ``Source`` and one entry in ``formats.SOURCES``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, NamedTuple, Protocol
+
+import numpy.typing as npt
+
+from loader_service.dataset.tables import I64, StringTable
+
+if TYPE_CHECKING:  # the index is built from these types; importing it here would be a cycle
+    from loader_service.dataset.index import DatasetIndex
+
+Progress = Callable[[int], None]
+"""Called with the number of samples found so far, every 10,000 or so."""
+Mapped = Callable[[str], npt.NDArray[Any]]
+"""A saved array of the index, by name, mapped read-only (``DatasetIndex.load``)."""
+Metadata = dict[str, Callable[[], object]]
+"""A sample's metadata items by name, each read when called."""
+
+
+class IndexPart(Protocol):
+    """A format's own part of the index."""
+
+    @property
+    def arrays(self) -> dict[str, npt.NDArray[Any]]:
+        """What the index saves as ``NAME.npy`` and workers map; names unique across formats."""
+        ...
+
+    def describe(self) -> dict[str, Any]:
+        """JSON-able facts about the arrays, under a key of the format's own (the index's
+        fingerprint covers it)."""
+        ...
+
+
+class Scanned(NamedTuple):
+    """What a scan found, in the source's order."""
+
+    root: Path
+    """What the names are relative to."""
+    classes: tuple[str, ...]
+    labels: I64
+    names: StringTable
+    part: IndexPart | None = None
+    flaws: Mapping[int, str] = {}
+
+
+class Reader(Protocol):
+    """Reads samples' bytes in a decode worker; ``DecodeError`` (its text the reason) for a bad one."""
+
+    def image_bytes(self, i: int) -> bytes: ...
+
+    def metadata(self, i: int) -> Metadata: ...
+
+    def close(self) -> None: ...
+
+
+class Source(Protocol):
+    name: str
+    """The ``--format`` value."""
+    what: str
+    """What ``--data`` is for this format, for messages: "a folder of class sub-folders"."""
+    holds: str
+    """What a folder of this format holds, for the message when several formats claim one."""
+
+    def claims_folder(self, root: Path) -> bool:
+        """Is the existing folder ``root`` data of this format?"""
+        ...
+
+    def claims_file(self, name: str) -> bool:
+        """Is an existing file of this (lower-case) name data of this format?"""
+        ...
+
+    def claims_pattern(self, text: str) -> bool:
+        """Is ``text``, no existing path, a pattern naming data of this format?"""
+        ...
+
+    def scan(self, data: str | Path, progress: Progress | None) -> Scanned:
+        """Index the data once; ``DatasetError`` naming what is wrong."""
+        ...
+
+    def load_part(self, described: Mapping[str, Any], mapped: Mapped) -> IndexPart | None:
+        """The part ``IndexPart.describe`` and ``arrays`` saved, back from the index's description."""
+        ...
+
+    def relpath(self, index: DatasetIndex, i: int) -> str:
+        """How sample ``i`` is named in logs, status and ``loader-service index``."""
+        ...
+
+    def path(self, index: DatasetIndex, i: int) -> Path:
+        """The file that holds sample ``i``."""
+        ...
+
+    def reader(self, index: DatasetIndex, max_bytes: int) -> Reader:
+        """A reader of ``index``'s samples, refusing any over ``max_bytes``."""
+        ...

@@ -1,0 +1,135 @@
+"""Local storage: the bytes of a file, or of a range of one, read without trusting what is there.
+
+The layer below the source formats (``dataset.formats``): a format says which file and which bytes
+hold a sample, this module reads them. Only regular files are read: a FIFO would block a read until
+``--task-timeout`` kills the worker, a link to /dev/zero would read until memory runs out, and
+opening a device can act on it (a tape rewinds). Every failure is a ``DecodeError`` whose text is
+the reason, so one unreadable file costs that sample only.
+"""
+
+from __future__ import annotations
+
+import os
+import stat
+from pathlib import Path
+
+from loader_service.dataset.source import Metadata
+from loader_service.dataset.tables import StringTable
+
+DEFAULT_MAX_FILE_BYTES = 256 * 2**20
+"""``--max-file-bytes``: a larger file is a bad sample, refused before it is read."""
+
+
+class DecodeError(Exception):
+    """A sample that cannot be read or decoded; ``str()`` is the reason logged and reported."""
+
+
+def read_file(path: str, max_bytes: int = DEFAULT_MAX_FILE_BYTES) -> bytes:
+    """The bytes of the regular file ``path``, at most ``max_bytes`` of them, or DecodeError.
+
+    Anything else in a dataset is a bad sample found without waiting: a FIFO would block the read
+    until ``--task-timeout`` kills the worker, a link to /dev/zero would read until memory runs out.
+    """
+    try:
+        # stat first: opening a device can act on it (a tape rewinds), so only files get opened.
+        _check_file(os.stat(path), max_bytes)
+        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)  # a FIFO swapped in: no wait
+        try:
+            info = os.fstat(fd)
+            _check_file(info, max_bytes)  # it may have been replaced since the stat
+            data = _read_at_most(fd, info.st_size, max_bytes + 1)
+        finally:
+            os.close(fd)
+    except OSError as exc:
+        raise DecodeError(f"cannot read: {exc.strerror or exc}") from None
+    if not data:
+        raise DecodeError("empty file")
+    if len(data) > max_bytes:
+        raise DecodeError(f"file grew over --max-file-bytes {max_bytes} while it was read")
+    return data
+
+
+_NOT_REGULAR = {
+    stat.S_IFIFO: "a FIFO",
+    stat.S_IFCHR: "a character device",
+    stat.S_IFBLK: "a block device",
+    stat.S_IFSOCK: "a socket",
+    stat.S_IFDIR: "a directory",
+}
+
+
+def _check_file(info: os.stat_result, max_bytes: int) -> None:
+    if not stat.S_ISREG(info.st_mode):
+        kind = _NOT_REGULAR.get(stat.S_IFMT(info.st_mode), "of an unknown type")
+        raise DecodeError(f"not a regular file: {kind}")
+    if info.st_size > max_bytes:
+        raise DecodeError(f"file of {info.st_size} bytes is over --max-file-bytes {max_bytes}")
+
+
+READ_CHUNK = 1 << 16
+"""Bytes asked for by each read after the first, should a file be longer than fstat said."""
+
+
+def _read_at_most(fd: int, expected: int, cap: int) -> bytes:
+    """Read to the end of the file or ``cap`` bytes, whichever comes first. The first read asks for
+    the size fstat gave plus one, so a file that did not change needs just that read and the empty
+    one that ends it; a file that grew is read on in chunks, never past ``cap``."""
+    parts = []
+    total = 0
+    want = expected + 1
+    while total < cap:
+        part = os.read(fd, min(want, cap - total))
+        if not part:
+            break
+        parts.append(part)
+        total += len(part)
+        want = READ_CHUNK
+    return b"".join(parts)
+
+
+def open_regular(path: str) -> int:
+    """A descriptor of the regular file ``path`` (a tar shard), or DecodeError; checked as ``read_file``
+    checks files."""
+    try:
+        if not stat.S_ISREG(os.stat(path).st_mode):  # opening a device can act on it
+            raise DecodeError(f"shard {path} is not a regular file")
+        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)  # a FIFO swapped in: no wait
+    except OSError as exc:
+        raise DecodeError(f"cannot open shard {path}: {exc.strerror or exc}") from None
+    try:
+        if not stat.S_ISREG(os.fstat(fd).st_mode):  # it may have been replaced since the stat
+            raise DecodeError(f"shard {path} is not a regular file")
+    except BaseException:
+        os.close(fd)
+        raise
+    return fd
+
+
+def pread_fully(fd: int, size: int, offset: int) -> bytes:
+    """``size`` bytes at ``offset``, fewer only at the end of the file (a read may return less)."""
+    parts, got = [], 0
+    while got < size:
+        part = os.pread(fd, size - got, offset + got)
+        if not part:
+            break
+        parts.append(part)
+        got += len(part)
+    return parts[0] if len(parts) == 1 else b"".join(parts)
+
+
+class SampleFiles:
+    """A reader of samples that are one file each, named relative to ``root`` (ImageFolder, lists)."""
+
+    def __init__(self, root: Path, names: StringTable, max_bytes: int) -> None:
+        self.root = root
+        self.names = names
+        self.max_bytes = max_bytes
+
+    def image_bytes(self, i: int) -> bytes:
+        return read_file(str(self.root / self.names.text(i)), self.max_bytes)
+
+    def metadata(self, i: int) -> Metadata:
+        return {}
+
+    def close(self) -> None:
+        pass
