@@ -34,14 +34,9 @@ from torch.utils.data import DataLoader, Dataset, Sampler
 from benchmarks.config import CLASSES, BenchConfig
 from loader_service.dataset.index import DatasetIndex, build_index
 from loader_service.dataset.sampler import epoch_permutation, sample_rng
+from loader_service.decode.geometry import random_resized_crop_params
 from loader_service.decode.pipeline import load_pipeline, seed_globals
-from loader_service.decode.transforms import (
-    Recipe,
-    decode_bytes,
-    decode_file,
-    random_resized_crop_params,
-    transform_into,
-)
+from loader_service.decode.transforms import Recipe, decode_bytes, decode_file, transform_into
 
 Sample = tuple[torch.Tensor, int]
 Fields = dict[str, Any]

@@ -4,12 +4,12 @@
     python -m benchmarks.dct_scaling --sizes 2250x3000 --headrooms 2,3,4 --count 12
     python -m benchmarks.dct_scaling --images DIR --json dct.json   # add your own JPEGs/PNGs
 
-For each filter (``transforms.INTERPOLATIONS``), transform (train crops, eval centre crops) and
-headroom (how many times the output size a scaled region must stay, ``transforms.roi_scale``), every
+For each filter (``geometry.INTERPOLATIONS``), transform (train crops, eval centre crops) and
+headroom (how many times the output size a scaled region must stay, ``regions.roi_scale``), every
 image goes through the region path with that headroom and through a full OpenCV decode with the same
 crop, flip and filter. Reported per setting: the share of crops that were scaled, the sharpness of
 the outputs (mean absolute horizontal gradient) relative to the full decode's, the mean absolute
-pixel difference, and the per-image time of both paths. ``transforms.ROI_HEADROOM`` holds, per
+pixel difference, and the per-image time of both paths. ``regions.ROI_HEADROOM`` holds, per
 filter, the smallest headroom whose sharpness stays within ``SHARPNESS_TOLERANCE`` on every set.
 
 The region decoder must be built (``decoder_problem("jpeg-roi")``). Timings are one process, one
@@ -29,16 +29,10 @@ from pathlib import Path
 import cv2
 import numpy as np
 
-from loader_service.decode import transforms
-from loader_service.decode.transforms import (
-    INTERPOLATIONS,
-    ROI_HEADROOM,
-    SHARPNESS_TOLERANCE,
-    Recipe,
-    decode_bytes,
-    load_bytes_into,
-    transform_into,
-)
+from loader_service.decode import decoders, geometry, regions
+from loader_service.decode.geometry import INTERPOLATIONS
+from loader_service.decode.regions import ROI_HEADROOM, SHARPNESS_TOLERANCE
+from loader_service.decode.transforms import Recipe, decode_bytes, load_bytes_into, transform_into
 from loader_service.tools.synthetic_photos import render_photo
 
 HEADROOMS = (1.0, 1.5, 2.0, 3.0, 4.0)
@@ -104,10 +98,10 @@ def sharpness(chw: np.ndarray) -> float:
 def _scaled(data: bytes, recipe: Recipe, seed: int, size: int) -> bool:
     height, width = decode_bytes(data).shape[:2]
     if recipe.augment == "train":
-        crop = transforms.random_resized_crop_params(np.random.default_rng(seed), height, width)
+        crop = geometry.random_resized_crop_params(np.random.default_rng(seed), height, width)
     else:
-        crop = transforms.eval_region(height, width, size)
-    return transforms.roi_scale(crop, size, ROI_HEADROOM[recipe.interpolation]) < 8
+        crop = regions.eval_region(height, width, size)
+    return regions.roi_scale(crop, size, ROI_HEADROOM[recipe.interpolation]) < 8
 
 
 def measure(label: str, images: Sequence[bytes], recipe: Recipe, value: float, size: int) -> Row:
@@ -145,7 +139,7 @@ def measure(label: str, images: Sequence[bytes], recipe: Recipe, value: float, s
 def run(sets: dict[str, list[bytes]], size: int, headrooms: Sequence[float] = HEADROOMS) -> list[Row]:
     cv2.setNumThreads(1)
     for interpolation in INTERPOLATIONS:
-        transforms.prepare(interpolation)
+        geometry.prepare(interpolation)
     rows = []
     for label, images in sets.items():
         measure(label, images[:8], Recipe("train", INTERPOLATIONS[0], roi=True), 3.0, size)  # warm-up
@@ -178,7 +172,7 @@ def main(argv: Sequence[str] | None = None) -> None:
     parser.add_argument("--images", type=Path, help="a folder of your own images, added as one more set")
     parser.add_argument("--json", type=Path, help="write the rows here")
     args = parser.parse_args(argv)
-    problem = transforms.decoder_problem("jpeg-roi")
+    problem = decoders.decoder_problem("jpeg-roi")
     if problem:
         raise SystemExit(problem)
     sizes = [tuple(int(v) for v in item.split("x")) for item in args.sizes.split(",") if item]

@@ -113,7 +113,8 @@ from benchmarks.trainers import TrainerConfig, measure_trainers
 from benchmarks.wire import RawPair, loopback_endpoint
 from gpu_worker import ServiceLoader
 from loader_service.dataset.index import DatasetIndex, build_index
-from loader_service.decode.transforms import Recipe, describe_decoder
+from loader_service.decode.decoders import describe_decoder
+from loader_service.decode.transforms import Recipe
 
 SERVICE_CREDITS = 6
 """ServiceLoader's default: also how many batches may wait for it after it idled."""

@@ -34,13 +34,8 @@ import torch
 from PIL import Image
 
 from benchmarks.dct_scaling import folder_set, synthetic_set
-from loader_service.decode.transforms import (
-    INTERPOLATIONS,
-    Recipe,
-    decode_bytes,
-    random_resized_crop_params,
-    transform_into,
-)
+from loader_service.decode.geometry import INTERPOLATIONS, random_resized_crop_params
+from loader_service.decode.transforms import Recipe, decode_bytes, transform_into
 
 Reference = Callable[[bytes, np.random.Generator, int, str], np.ndarray]
 

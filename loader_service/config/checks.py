@@ -11,8 +11,8 @@ from typing import Any
 
 import zmq.auth
 
+from loader_service.decode.decoders import decoder_problem
 from loader_service.decode.pipeline import parse_spec
-from loader_service.decode.transforms import decoder_problem
 
 LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR")
 

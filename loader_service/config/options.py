@@ -32,7 +32,8 @@ from loader_service.config import checks
 from loader_service.config.checks import Check, at_least, between, positive
 from loader_service.dataset.index import FORMATS
 from loader_service.dataset.storage import DEFAULT_MAX_FILE_BYTES
-from loader_service.decode.transforms import DECODERS, INTERPOLATIONS, uses_roi
+from loader_service.decode.decoders import DECODERS, uses_roi
+from loader_service.decode.geometry import INTERPOLATIONS
 from protocol.layout import FieldSpec
 
 AUGMENTS = ("train", "eval", "none")

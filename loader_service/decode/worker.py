@@ -29,16 +29,11 @@ from loader_service.dataset.index import DatasetIndex
 from loader_service.dataset.sampler import sample_rng
 from loader_service.dataset.storage import DecodeError
 from loader_service.decode.cache import CacheKind, CacheSpec, SampleCache
+from loader_service.decode.geometry import prepare
 from loader_service.decode.pipeline import Pipeline, Sample, load_pipeline, run_into
 from loader_service.decode.progress import ProgressBoard
 from loader_service.decode.reading import SampleReader
-from loader_service.decode.transforms import (
-    Recipe,
-    decode_bytes,
-    load_bytes_into,
-    prepare,
-    transform_into,
-)
+from loader_service.decode.transforms import Recipe, decode_bytes, load_bytes_into, transform_into
 from loader_service.logs import configure_logging
 from loader_service.shm import Segment
 from protocol.layout import SlotLayout, describe_fields, image_fields
@@ -73,11 +68,11 @@ class WorkerFeed:
     augment: str
     """The built-in transform (train, eval, none); unused with a pipeline."""
     interpolation: str
-    """The built-in transforms' resize filter (``transforms.INTERPOLATIONS``)."""
+    """The built-in transforms' resize filter (``geometry.INTERPOLATIONS``)."""
     pipeline: str
     """``FILE.py:FUNC`` or ``package.module:FUNC`` (``decode.pipeline``); "" for the built-in transforms."""
     max_file_bytes: int
-    """A larger file or tar member is a bad sample (``transforms.read_file``)."""
+    """A larger file or tar member is a bad sample (``dataset.storage.read_file``)."""
     cache: CacheSpec | None = None
     """The feed's decoded-sample cache (NOTE [ Sample cache ]), if it has one."""
 

@@ -42,9 +42,9 @@ import zmq
 
 from loader_service.config import ServiceConfig
 from loader_service.config.checks import is_loopback_tcp
+from loader_service.decode.decoders import describe_decoder
 from loader_service.decode.pipeline import THREAD_ENV
 from loader_service.decode.progress import ProgressBoard
-from loader_service.decode.transforms import describe_decoder
 from loader_service.decode.worker import BENCH_WRITE_NOTHING_ENV, FAULT_ENV, WorkerConfig
 from loader_service.shm import LOCK_NAME, SHM_DIR, hold_lock, remove_stale, restrict
 from loader_service.supervisor import status, systemd

@@ -15,14 +15,8 @@ import torch
 from gpu_worker import ServiceError, ServiceLoader, ServiceTimeout
 from loader_service.dataset.index import build_index
 from loader_service.dataset.sampler import sample_rng
-from loader_service.decode.transforms import (
-    INTERPOLATIONS,
-    ROI_HEADROOM,
-    eval_geometry,
-    random_resized_crop_params,
-    roi_decoder_version,
-    roi_scale,
-)
+from loader_service.decode.geometry import INTERPOLATIONS, eval_geometry, random_resized_crop_params
+from loader_service.decode.regions import ROI_HEADROOM, roi_decoder_version, roi_scale
 from tests.helpers import ServiceFactory, in_background, our_segments, status
 
 pytestmark = pytest.mark.integration

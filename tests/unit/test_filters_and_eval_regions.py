@@ -17,24 +17,15 @@ import pytest
 import torch
 from torch.nn.functional import interpolate
 
-from loader_service.decode import transforms
-from loader_service.decode.transforms import (
-    INTERPOLATIONS,
-    ROI_HEADROOM,
-    SHARPNESS_TOLERANCE,
-    Crop,
-    Recipe,
-    eval_geometry,
-    eval_region,
-    load_bytes_into,
-    resize,
-    roi_scale,
-)
+from loader_service.decode import geometry, regions
+from loader_service.decode.geometry import INTERPOLATIONS, Crop, eval_geometry, resize
+from loader_service.decode.regions import ROI_HEADROOM, SHARPNESS_TOLERANCE, eval_region, roi_scale
+from loader_service.decode.transforms import Recipe, load_bytes_into
 from loader_service.tools.sample_data import render_photo
 from tests.helpers import CountingDecoder
 
-jc = transforms._jpegcrop
-resample = transforms._resample
+jc = regions._jpegcrop
+resample = geometry._resample
 needs_roi = pytest.mark.skipif(jc is None, reason="the region decoder is not built here")
 SHAPES = [(375, 500), (500, 375), (97, 130), (240, 320), (231, 1000), (1000, 230), (64, 64), (300, 301)]
 
@@ -61,7 +52,7 @@ def run(data: bytes, recipe: Recipe, size: int, seed: int = 0) -> np.ndarray:
 @pytest.mark.parametrize(("height", "width"), [(375, 500), (50, 40), (224, 224)])
 def test_each_filter_is_the_library_call_it_names(height: int, width: int) -> None:
     image = photo(height, width)
-    transforms.prepare("bilinear-antialias")
+    geometry.prepare("bilinear-antialias")
     tensor = torch.from_numpy(image).permute(2, 0, 1).unsqueeze(0).contiguous()
     torch_aa = interpolate(tensor, size=(96, 128), mode="bilinear", antialias=True, align_corners=False)
     expected = {
@@ -142,8 +133,8 @@ def test_the_c_resize_refuses_buffers_that_do_not_match() -> None:
 def test_without_the_c_resize_torch_does_it(monkeypatch: pytest.MonkeyPatch) -> None:
     image = photo(120, 90)
     expected = torch_antialias(image, 40, 50)
-    monkeypatch.setattr(transforms, "_resample", None)
-    transforms.prepare("bilinear-antialias")
+    monkeypatch.setattr(geometry, "_resample", None)
+    geometry.prepare("bilinear-antialias")
     assert np.array_equal(resize(image, 50, 40, "bilinear-antialias"), expected)
 
 
@@ -184,8 +175,8 @@ def test_unscaled_eval_regions_equal_the_full_decode(
 ) -> None:
     assert jc is not None
     counting = CountingDecoder(jc)
-    monkeypatch.setattr(transforms, "_jpegcrop", counting)
-    transforms.prepare(interpolation)
+    monkeypatch.setattr(regions, "_jpegcrop", counting)
+    geometry.prepare(interpolation)
     compared = 0
     for seed, (height, width) in enumerate(SHAPES):
         data = jpeg(height, width, seed)
@@ -204,7 +195,7 @@ def test_unscaled_eval_regions_equal_the_full_decode(
 @needs_roi
 @pytest.mark.parametrize("interpolation", [i for i in INTERPOLATIONS if math.isfinite(ROI_HEADROOM[i])])
 def test_scaled_eval_regions_keep_the_full_decodes_sharpness(interpolation: str) -> None:
-    transforms.prepare(interpolation)
+    geometry.prepare(interpolation)
     sharp_region, sharp_full, diffs = [], [], []
     for seed in range(6):
         data = jpeg(1200, 1600, seed)
@@ -233,5 +224,5 @@ def test_a_refused_region_falls_back_to_the_full_decode(monkeypatch: pytest.Monk
     def refuse(*args: Any) -> Any:
         raise ValueError("refused")
 
-    monkeypatch.setattr(transforms._jpegcrop, "decode", refuse)
+    monkeypatch.setattr(regions._jpegcrop, "decode", refuse)
     assert np.array_equal(run(data, Recipe("eval", roi=True), 64), expected)

@@ -17,20 +17,15 @@ import pytest
 from PIL import Image
 
 from loader_service.config import ConfigError, load_config
-from loader_service.decode import transforms
-from loader_service.decode.transforms import (
-    Crop,
-    DecodeError,
-    Recipe,
-    load_into,
-    random_resized_crop_params,
-    roi_decoder_version,
-    roi_scale,
-)
+from loader_service.dataset.storage import DecodeError
+from loader_service.decode import regions
+from loader_service.decode.geometry import Crop, random_resized_crop_params
+from loader_service.decode.regions import roi_decoder_version, roi_scale
+from loader_service.decode.transforms import Recipe, load_into
 from loader_service.tools.sample_data import render_photo
 from tests.helpers import CountingDecoder
 
-jc = transforms._jpegcrop
+jc = regions._jpegcrop
 needs_roi = pytest.mark.skipif(jc is None, reason="the region decoder is not built here")
 
 
@@ -255,7 +250,7 @@ def test_unscaled_train_crops_equal_the_full_path(tmp_path: Path, monkeypatch: p
     # 320x240 at output 224: no crop is ever 3x224 on both sides, so no scaling: exact equality.
     assert jc is not None
     counting = CountingDecoder(jc)
-    monkeypatch.setattr(transforms, "_jpegcrop", counting)
+    monkeypatch.setattr(regions, "_jpegcrop", counting)
     data = photo_jpeg(240, 320, seed=6)
     for seed in range(30):
         a = load(tmp_path, data, ".jpg", seed, roi=True, size=224)
@@ -309,9 +304,9 @@ def test_bad_jpegs_are_decode_errors_on_either_path(tmp_path: Path, data: bytes)
 @needs_roi
 def test_pixel_limit_leaves_the_refusal_to_opencv(monkeypatch: pytest.MonkeyPatch) -> None:
     data = photo_jpeg(100, 100)
-    assert transforms._roi_header(data) == (100, 100)
+    assert regions.roi_header(data) == (100, 100)
     monkeypatch.setenv("OPENCV_IO_MAX_IMAGE_PIXELS", "9999")
-    assert transforms._roi_header(data) is None
+    assert regions.roi_header(data) is None
 
 
 def test_roi_scale_keeps_headroom_over_the_output_size() -> None:
@@ -334,7 +329,7 @@ def test_decoder_choice(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None
     assert load_config(None, base).roi == (jc is not None)
     with pytest.raises(ConfigError, match="decoder must be one of"):
         load_config(None, {**base, "decoder": "turbo"})
-    monkeypatch.setattr(transforms, "_jpegcrop", None)
+    monkeypatch.setattr(regions, "_jpegcrop", None)
     with pytest.raises(ConfigError, match=r"region decoder .* is not built"):
         load_config(None, {**base, "decoder": "jpeg-roi"})
     assert not load_config(None, base).roi

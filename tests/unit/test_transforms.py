@@ -11,15 +11,9 @@ import numpy as np
 import pytest
 from PIL import Image
 
-from loader_service.decode.transforms import (
-    RATIO,
-    DecodeError,
-    Recipe,
-    decode_file,
-    eval_geometry,
-    random_resized_crop_params,
-    transform_into,
-)
+from loader_service.dataset.storage import DecodeError
+from loader_service.decode.geometry import RATIO, eval_geometry, random_resized_crop_params
+from loader_service.decode.transforms import Recipe, decode_file, transform_into
 
 
 def write(path: Path, bgr: np.ndarray) -> str:

@@ -1,0 +1,36 @@
+"""Which decoder the train and eval transforms use (``--decoder``), and what to say about it."""
+
+from __future__ import annotations
+
+from loader_service.decode.regions import roi_decoder_version
+
+DECODERS = ("auto", "opencv", "jpeg-roi")
+"""``auto``: the region decoder when it is built, else OpenCV; ``jpeg-roi`` insists on it."""
+
+
+def decoder_problem(choice: str) -> str | None:
+    """Why the ``--decoder`` choice cannot be honoured on this install, or None."""
+    if choice not in DECODERS:
+        return f"decoder must be one of {', '.join(DECODERS)}"
+    if choice == "jpeg-roi" and roi_decoder_version() is None:
+        return (
+            "decoder jpeg-roi: the region decoder (loader_service.decode._jpegcrop) is not built; install "
+            "libjpeg-turbo's headers (Debian: libjpeg-dev) and reinstall dataferry, or use auto"
+        )
+    return None
+
+
+def uses_roi(choice: str) -> bool:
+    """Whether a (valid) ``--decoder`` choice makes train and eval crops go through the region decoder."""
+    return choice != "opencv" and roi_decoder_version() is not None
+
+
+def describe_decoder(choice: str) -> str:
+    """One line for the service log: how the train transform decodes JPEGs, and why."""
+    if uses_roi(choice):
+        return (
+            f"jpeg-roi (libjpeg-turbo {roi_decoder_version()}; train and eval crops decode only their region)"
+        )
+    if choice == "opencv":
+        return "opencv (full decode; --decoder opencv)"
+    return "opencv (full decode; the region decoder is not built: see README)"
