@@ -50,20 +50,20 @@ import contextlib
 import json
 import math
 import os
-import signal
 import sys
 import tempfile
 import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import asdict, dataclass, field, replace
+from functools import partial
 from pathlib import Path
-from types import FrameType
 from typing import Any
 
 import cv2
 import numpy as np
 
-from benchmarks.config import BenchConfig, ConfigError, make_config
+from benchmarks.cli import run_benchmark
+from benchmarks.config import BenchConfig, make_config
 from benchmarks.contenders import Contender, loader_stream
 from benchmarks.datasets import (
     DataSpec,
@@ -640,11 +640,6 @@ def run(args: argparse.Namespace, parts: Sequence[str]) -> dict[str, Any]:
     }
 
 
-def _exit_on_sigterm(signum: int, frame: FrameType | None) -> None:
-    """SIGTERM becomes SystemExit, so every ``finally`` runs and no service is left behind."""
-    raise SystemExit(128 + signum)
-
-
 def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m benchmarks.cache", description=__doc__.split("\n\n")[0])
     parser.add_argument("--out", type=Path, default=Path("bench-results"), help="where cache.json goes")
@@ -657,23 +652,18 @@ def main(argv: Sequence[str] | None = None) -> int:
     parts = [p.strip() for p in args.parts.split(",") if p.strip()]
     if unknown := [p for p in parts if p not in PARTS]:
         parser.error(f"unknown part(s) {', '.join(unknown)}: choose from {', '.join(PARTS)}")
-    signal.signal(signal.SIGTERM, _exit_on_sigterm)
-    try:
-        results = run(args, [p for p in PARTS if p in parts])
-    except ConfigError as exc:
-        print(f"python -m benchmarks.cache: {exc}", file=sys.stderr)
-        return 2
-    except BenchError as exc:
-        print(f"python -m benchmarks.cache: {exc}", file=sys.stderr)
-        return 1
-    except KeyboardInterrupt:
-        print("python -m benchmarks.cache: interrupted; services and workers stopped", file=sys.stderr)
-        return 130
-    args.out.mkdir(parents=True, exist_ok=True)
-    path = args.out / "cache.json"
+    return run_benchmark(
+        "python -m benchmarks.cache",
+        lambda: run(args, [p for p in PARTS if p in parts]),
+        partial(_write, args.out),
+    )
+
+
+def _write(out: Path, results: dict[str, Any]) -> None:
+    out.mkdir(parents=True, exist_ok=True)
+    path = out / "cache.json"
     path.write_text(json.dumps(results, indent=2))
     say(f"wrote {path} ({results['seconds'] / 60:.1f} minutes)")
-    return 0
 
 
 if __name__ == "__main__":

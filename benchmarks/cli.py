@@ -11,10 +11,11 @@ import importlib.util
 import json
 import signal
 import sys
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import replace
 from pathlib import Path
 from types import FrameType
+from typing import TypeVar
 
 from benchmarks.config import (
     SCENARIO_TITLES,
@@ -31,6 +32,8 @@ from benchmarks.results import BenchResults, evaluate_targets
 from benchmarks.service_process import BenchError
 from loader_service.decode.decoders import DECODERS
 from loader_service.decode.geometry import INTERPOLATIONS
+
+T = TypeVar("T")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -147,6 +150,26 @@ def _exit_on_sigterm(signum: int, frame: FrameType | None) -> None:
     raise SystemExit(128 + signum)
 
 
+def run_benchmark(prog: str, job: Callable[[], T], finish: Callable[[T], None]) -> int:
+    """Run ``job`` with SIGTERM turned into SystemExit, then hand its results to ``finish``. The exit
+    code: 0; 1 when a process failed or timed out (``BenchError``); 2 for a bad setting; 130 when
+    interrupted. Each failure is one line on stderr, prefixed with ``prog``."""
+    signal.signal(signal.SIGTERM, _exit_on_sigterm)
+    try:
+        results = job()
+    except ConfigError as exc:
+        print(f"{prog}: {exc}", file=sys.stderr)
+        return 2
+    except BenchError as exc:
+        print(f"{prog}: {exc}", file=sys.stderr)
+        return 1
+    except KeyboardInterrupt:
+        print(f"{prog}: interrupted; services and workers stopped", file=sys.stderr)
+        return 130
+    finish(results)
+    return 0
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
@@ -155,16 +178,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     except ConfigError as exc:
         print(f"python -m benchmarks: {exc}", file=sys.stderr)
         return 2
-    signal.signal(signal.SIGTERM, _exit_on_sigterm)
     from benchmarks.run import run  # torch, cv2 and the service client load only for a real run
 
-    try:
-        results = run(cfg)
-    except BenchError as exc:
-        print(f"python -m benchmarks: {exc}", file=sys.stderr)
-        return 1
-    except KeyboardInterrupt:
-        print("python -m benchmarks: interrupted; services and workers stopped", file=sys.stderr)
-        return 130
-    write_outputs(cfg, results)
-    return 0
+    return run_benchmark(
+        "python -m benchmarks", lambda: run(cfg), lambda results: write_outputs(cfg, results)
+    )

@@ -23,7 +23,7 @@ from typing import TYPE_CHECKING, Any, NamedTuple
 import numpy as np
 
 from loader_service.dataset.source import IndexPart, Mapped, Metadata, Progress, Scanned, Source
-from loader_service.dataset.storage import DecodeError, SampleFiles
+from loader_service.dataset.storage import DecodeError, FilePerSample, SampleFiles
 from loader_service.dataset.tables import (
     I64,
     DatasetError,
@@ -202,7 +202,7 @@ def _kind(value: object) -> str:
     return "nothing" if value is None else type(value).__name__
 
 
-class ListSource:
+class ListSource(FilePerSample):
     """``--format list`` (``dataset.source.Source``)."""
 
     name = "list"
@@ -229,12 +229,6 @@ class ListSource:
             return None
         values = StringTable(mapped("metadata_offsets"), mapped("metadata_blob"))
         return ListMetadata(facts["style"], tuple(facts["columns"]), values)
-
-    def relpath(self, index: DatasetIndex, i: int) -> str:
-        return index.names.text(i)
-
-    def path(self, index: DatasetIndex, i: int) -> Path:
-        return index.root / index.names.text(i)
 
     def reader(self, index: DatasetIndex, max_bytes: int) -> ListReader:
         metadata = index.part if isinstance(index.part, ListMetadata) else None

@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING, Any, NamedTuple
 import numpy as np
 
 from loader_service.dataset.source import IndexPart, Mapped, Progress, Scanned, Source
-from loader_service.dataset.storage import SampleFiles
+from loader_service.dataset.storage import FilePerSample
 from loader_service.dataset.tables import (
     I64,
     DatasetError,
@@ -27,7 +27,7 @@ from loader_service.dataset.tables import (
 )
 
 if TYPE_CHECKING:
-    from loader_service.dataset.index import DatasetIndex
+    pass
 
 EXTENSIONS = (".jpg", ".jpeg", ".png", ".bmp", ".webp", ".tif", ".tiff")
 
@@ -100,7 +100,7 @@ def holds_class_folders(root: Path) -> bool:
     return bool(find_classes(root))
 
 
-class FolderSource:
+class FolderSource(FilePerSample):
     """``--format imagefolder`` (``dataset.source.Source``)."""
 
     name = "imagefolder"
@@ -123,15 +123,6 @@ class FolderSource:
 
     def load_part(self, described: Mapping[str, Any], mapped: Mapped) -> IndexPart | None:
         return None
-
-    def relpath(self, index: DatasetIndex, i: int) -> str:
-        return index.names.text(i)
-
-    def path(self, index: DatasetIndex, i: int) -> Path:
-        return index.root / index.names.text(i)
-
-    def reader(self, index: DatasetIndex, max_bytes: int) -> SampleFiles:
-        return SampleFiles(index.root, index.names, max_bytes)
 
 
 SOURCE: Source = FolderSource()

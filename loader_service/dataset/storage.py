@@ -12,9 +12,13 @@ from __future__ import annotations
 import os
 import stat
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from loader_service.dataset.source import Metadata
 from loader_service.dataset.tables import StringTable
+
+if TYPE_CHECKING:
+    from loader_service.dataset.index import DatasetIndex
 
 DEFAULT_MAX_FILE_BYTES = 256 * 2**20
 """``--max-file-bytes``: a larger file is a bad sample, refused before it is read."""
@@ -133,3 +137,17 @@ class SampleFiles:
 
     def close(self) -> None:
         pass
+
+
+class FilePerSample:
+    """What the formats whose samples are one file each, named relative to the index's root, share:
+    how a sample is named and found, and its reader (a ``dataset.source.Source`` mixin)."""
+
+    def relpath(self, index: DatasetIndex, i: int) -> str:
+        return index.names.text(i)
+
+    def path(self, index: DatasetIndex, i: int) -> Path:
+        return index.root / index.names.text(i)
+
+    def reader(self, index: DatasetIndex, max_bytes: int) -> SampleFiles:
+        return SampleFiles(index.root, index.names, max_bytes)
