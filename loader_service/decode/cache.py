@@ -35,7 +35,6 @@ import enum
 import errno
 import fcntl
 import logging
-import math
 import os
 import time
 from collections.abc import Sequence
@@ -47,6 +46,7 @@ import numpy as np
 import numpy.typing as npt
 
 from loader_service.shm import SAMPLE_CACHE, Segment
+from protocol.layout import FieldSpec
 
 log = logging.getLogger(__name__)
 
@@ -271,19 +271,17 @@ class SampleCache:
         view.flags.writeable = False
         return view
 
-    def fields(
-        self, index: int, shapes: Sequence[tuple[str, tuple[int, ...]]]
-    ) -> list[npt.NDArray[Any]] | None:
-        """A final-kind entry split into arrays of the given (dtype, shape)s, or None."""
-        found = self.find(index, sum(np.dtype(d).itemsize * math.prod(shape) for d, shape in shapes))
+    def fields(self, index: int, specs: Sequence[FieldSpec]) -> list[npt.NDArray[Any]] | None:
+        """A final-kind entry split into read-only arrays of the given fields, or None."""
+        found = self.find(index, sum(f.row_bytes for f in specs))
         if found is None:
             return None
         at, out = found[0], []
-        for dtype, shape in shapes:
-            array: npt.NDArray[Any] = np.ndarray(shape, np.dtype(dtype), self._buf, at)
+        for f in specs:
+            array: npt.NDArray[Any] = np.ndarray(f.shape, np.dtype(f.dtype), self._buf, at)
             array.flags.writeable = False
             out.append(array)
-            at += array.nbytes
+            at += f.row_bytes
         return out
 
     def store(self, index: int, parts: Sequence[npt.NDArray[Any]], height: int = 0, width: int = 0) -> bool:
@@ -359,10 +357,6 @@ class SampleCache:
 
     def close(self) -> None:
         os.close(self._lock_fd)
-        del self._m
-        segment_buf = self._buf
-        del self._buf
-        try:
-            segment_buf.close()
-        except BufferError:
-            pass  # a view handed out still exports it; the mapping goes with the last view
+        segment = self._m.segment
+        del self._m, self._buf  # the views and the reference the mapping would otherwise outlive
+        segment.close()

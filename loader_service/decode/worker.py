@@ -183,7 +183,7 @@ def fill_row(feed: OpenFeed, views: SlotViews, row: int, idx: int, epoch: int) -
 
 def _copy_cached(cache: SampleCache, layout: SlotLayout, views: SlotViews, row: int, idx: int) -> bool:
     """Fill the row from a finished sample the cache keeps; whether it had one."""
-    found = cache.fields(idx, [(f.dtype, f.shape) for f in layout.fields])
+    found = cache.fields(idx, layout.fields)
     if found is None:
         return False
     for f, array in zip(layout.fields, found, strict=True):
