@@ -146,6 +146,11 @@ class EpochPass:
             # next one is already here: the services keep decoding ahead while the loop trains.
             now = time.monotonic()
             self._send_pending(now)
+            # Take in what has arrived first, without waiting: a fatal error (an eviction, a
+            # refusal) queued behind batches already read must stop the loop before they are handed
+            # out (``Connection.read``).
+            self._fleet.wait(now)
+            self._collect(now)
             if not self._settings.broadcast:
                 self._assign(now)
             got = self._take()
