@@ -375,13 +375,15 @@ class Task(Message):
 @dataclass(frozen=True)
 class TaskDone(Message):
     """Rows ``[row, row + count)`` of the task's slot are written (``Task.row``); ``bad`` lists (index,
-    reason) of skipped files."""
+    reason) of skipped files. ``retry``, when set, says why nothing was done and the task must be done
+    again later (the data's store did not answer: NOTE [ Object store reads ])."""
 
     KIND: ClassVar[str] = "done"
     task: Annotated[int, Int()]
     worker: Annotated[int, Int(0, 4096)]
     count: Annotated[int, Int(0, 65536)]
     bad: Annotated[tuple[tuple[int, str], ...], ListOf(Pair(Int(), Str()), MAX_BAD_REPORTS)] = ()
+    retry: Annotated[str, Str(), OMITTABLE] = ""
 
 
 @dataclass(frozen=True)

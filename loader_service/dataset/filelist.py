@@ -14,6 +14,9 @@ from __future__ import annotations
 
 import csv
 import json
+import os
+import posixpath
+import tempfile
 from array import array
 from collections.abc import Callable, Iterator, Mapping
 from functools import partial
@@ -22,8 +25,9 @@ from typing import TYPE_CHECKING, Any, NamedTuple
 
 import numpy as np
 
+from loader_service.dataset.remote import SCAN_DEADLINE, Bucket, StorageConfig, is_remote, split_url
 from loader_service.dataset.source import IndexPart, Mapped, Metadata, Progress, Scanned, Source
-from loader_service.dataset.storage import DecodeError, FilePerSample, SampleFiles
+from loader_service.dataset.storage import DecodeError, FilePerSample, Files, SampleFiles, open_files
 from loader_service.dataset.tables import (
     I64,
     DatasetError,
@@ -38,6 +42,8 @@ if TYPE_CHECKING:
     from loader_service.dataset.index import DatasetIndex
 
 LIST_SUFFIXES = {".csv": "csv", ".jsonl": "jsonl"}
+MAX_REMOTE_LIST_BYTES = 16 << 30
+"""A list file in a store is read whole at start: one larger than this is a mistake."""
 NO_LABEL = -1
 _INT64 = (-(2**63), 2**63 - 1)
 
@@ -66,7 +72,7 @@ class _Rows:
         if self.progress is not None and len(self.labels) % 10_000 == 0:
             self.progress(len(self.labels))
 
-    def build(self, where: Path, style: str, columns: tuple[str, ...]) -> ListScan:
+    def build(self, where: str, style: str, columns: tuple[str, ...]) -> ListScan:
         if not self.labels:
             raise DatasetError(f"{where} lists no samples")
         metadata = ListMetadata(style, columns, self.metadata.build()) if self.has_metadata else None
@@ -82,48 +88,50 @@ def list_style(path: Path) -> str:
         return "jsonl" if f.read(4096).lstrip().startswith(b"{") else "csv"
 
 
-def scan_list(path: Path, progress: Callable[[int], None] | None = None) -> ListScan:
+def scan_list(path: Path, progress: Callable[[int], None] | None = None, shown: str = "") -> ListScan:
+    """The list file ``path``, named ``shown`` in messages (default: its path)."""
+    shown = shown or str(path)
     if not path.is_file():
         raise DatasetError(f"list file {path} does not exist or is not a file")
     if list_style(path) == "jsonl":
-        return _scan_jsonl(path, progress)
-    return _scan_csv(path, progress)
+        return _scan_jsonl(path, progress, shown)
+    return _scan_csv(path, progress, shown)
 
 
-def _scan_csv(path: Path, progress: Callable[[int], None] | None) -> ListScan:
+def _scan_csv(path: Path, progress: Callable[[int], None] | None, shown: str) -> ListScan:
     rows = _Rows(progress)
     # utf-8-sig drops the byte-order mark spreadsheets write; surrogateescape keeps any file name.
     with open(path, encoding="utf-8-sig", errors="surrogateescape", newline="") as f:
         reader = csv.reader(f)
         header = next(reader, None)
         if header is None:
-            raise DatasetError(f"{path} is empty: expected a header row naming a 'path' column")
-        path_col, label_col, meta_cols = _header(path, header)
+            raise DatasetError(f"{shown} is empty: expected a header row naming a 'path' column")
+        path_col, label_col, meta_cols = _header(shown, header)
         width = len(header)
         try:
             for row in reader:
                 if not row:
                     continue
-                line = f"{path}:{reader.line_num}"
+                line = f"{shown}:{reader.line_num}"
                 if len(row) != width:
                     raise DatasetError(f"{line}: {len(row)} cells, the header has {width}")
                 label = NO_LABEL if label_col is None else _csv_label(line, row[label_col])
                 cells = [row[c] for c in meta_cols]
                 rows.add(_path(line, row[path_col]), label, json.dumps(cells).encode() if cells else b"")
         except csv.Error as exc:
-            raise DatasetError(f"{path}:{reader.line_num}: {exc}") from None
-    return rows.build(path, "csv", tuple(header[c] for c in meta_cols))
+            raise DatasetError(f"{shown}:{reader.line_num}: {exc}") from None
+    return rows.build(shown, "csv", tuple(header[c] for c in meta_cols))
 
 
-def _header(path: Path, header: list[str]) -> tuple[int, int | None, list[int]]:
+def _header(shown: str, header: list[str]) -> tuple[int, int | None, list[int]]:
     names = [name.strip() for name in header]
     for k, name in enumerate(names):
         if not name:
-            raise DatasetError(f"{path}:1: column {k + 1} of the header has no name")
+            raise DatasetError(f"{shown}:1: column {k + 1} of the header has no name")
         if names.index(name) != k:
-            raise DatasetError(f"{path}:1: column {name!r} appears twice in the header")
+            raise DatasetError(f"{shown}:1: column {name!r} appears twice in the header")
     if "path" not in names:
-        raise DatasetError(f"{path}:1: the header has no 'path' column (columns: {', '.join(names)})")
+        raise DatasetError(f"{shown}:1: the header has no 'path' column (columns: {', '.join(names)})")
     header[:] = names
     label = names.index("label") if "label" in names else None
     return names.index("path"), label, [k for k, n in enumerate(names) if n not in ("path", "label")]
@@ -157,11 +165,11 @@ def _in_range(line: str, label: int) -> int:
     return label
 
 
-def _scan_jsonl(path: Path, progress: Callable[[int], None] | None) -> ListScan:
+def _scan_jsonl(path: Path, progress: Callable[[int], None] | None, shown: str) -> ListScan:
     rows = _Rows(progress)
     with open(path, "rb") as f:
         for number, text in _numbered_lines(f):
-            line = f"{path}:{number}"
+            line = f"{shown}:{number}"
             obj = _json_object(line, text)
             raw_path = obj.pop("path", None)
             if not isinstance(raw_path, str):
@@ -169,7 +177,7 @@ def _scan_jsonl(path: Path, progress: Callable[[int], None] | None) -> ListScan:
             label = _json_label(line, obj.pop("label", None))
             metadata = json.dumps(obj).encode() if obj else b""
             rows.add(_path(line, raw_path), label, metadata)
-    return rows.build(path, "jsonl", ())
+    return rows.build(shown, "jsonl", ())
 
 
 def _numbered_lines(f: Any) -> Iterator[tuple[int, bytes]]:
@@ -208,6 +216,7 @@ class ListSource(FilePerSample):
     name = "list"
     what = "a .csv or .jsonl list"
     holds = ".csv or .jsonl files (a list?)"
+    remote = "files"
 
     def claims_folder(self, root: Path) -> bool:
         return False
@@ -218,10 +227,21 @@ class ListSource(FilePerSample):
     def claims_pattern(self, text: str) -> bool:
         return False
 
-    def scan(self, data: str | Path, progress: Progress | None) -> Scanned:
+    def scan(self, data: str | Path, progress: Progress | None, storage: StorageConfig) -> Scanned:
+        if is_remote(data):
+            return _scan_remote_list(str(data), progress, storage)
         path = Path(data)
         found = scan_list(path, progress)
         return Scanned(path.parent, (), found.labels, found.paths, found.metadata)
+
+    def inputs(self, data: str | Path, storage: StorageConfig) -> Any:
+        """The list file's size and ETag (object store) or mtime; the listed files are not looked at,
+        as the scan does not look at them."""
+        if is_remote(data):
+            obj = Bucket(str(data), storage, SCAN_DEADLINE).head(split_url(str(data))[1])
+            return [obj.size, obj.etag]
+        info = os.stat(data)
+        return [info.st_size, info.st_mtime_ns]
 
     def load_part(self, described: Mapping[str, Any], mapped: Mapped) -> IndexPart | None:
         facts = described.get("metadata")
@@ -230,16 +250,30 @@ class ListSource(FilePerSample):
         values = StringTable(mapped("metadata_offsets"), mapped("metadata_blob"))
         return ListMetadata(facts["style"], tuple(facts["columns"]), values)
 
-    def reader(self, index: DatasetIndex, max_bytes: int) -> ListReader:
+    def reader(self, index: DatasetIndex, max_bytes: int, storage: StorageConfig) -> ListReader:
         metadata = index.part if isinstance(index.part, ListMetadata) else None
-        return ListReader(index.root, index.names, max_bytes, metadata)
+        return ListReader(open_files(index, storage), index.names, max_bytes, metadata)
+
+
+def _scan_remote_list(url: str, progress: Progress | None, storage: StorageConfig) -> Scanned:
+    """A list in an object store: its rows name objects relative to its folder, or by full URL."""
+    bucket = Bucket(url, storage, SCAN_DEADLINE)
+    key = split_url(url)[1]
+    data, _ = bucket.get(key, MAX_REMOTE_LIST_BYTES)
+    with tempfile.TemporaryDirectory(prefix="dataferry-list-") as scratch:
+        copy = Path(scratch) / posixpath.basename(key)
+        copy.write_bytes(data)
+        found = scan_list(copy, progress, shown=url)
+    folder = posixpath.dirname(key)
+    root = f"{bucket.url}/{folder}" if folder else bucket.url
+    return Scanned(Path("."), (), found.labels, found.paths, found.metadata, url=root)
 
 
 class ListReader(SampleFiles):
     """The listed files, and each row's other columns (csv: strings) or keys (jsonl: JSON values)."""
 
-    def __init__(self, root: Path, names: StringTable, max_bytes: int, listed: ListMetadata | None) -> None:
-        super().__init__(root, names, max_bytes)
+    def __init__(self, files: Files, names: StringTable, max_bytes: int, listed: ListMetadata | None) -> None:
+        super().__init__(files, names, max_bytes)
         self.listed = listed
 
     def metadata(self, i: int) -> Metadata:

@@ -27,7 +27,7 @@ from loader_service.dataset.tables import (
 )
 
 if TYPE_CHECKING:
-    pass
+    from loader_service.dataset.remote import StorageConfig
 
 EXTENSIONS = (".jpg", ".jpeg", ".png", ".bmp", ".webp", ".tif", ".tiff")
 
@@ -106,6 +106,7 @@ class FolderSource(FilePerSample):
     name = "imagefolder"
     what = "a folder of class sub-folders"
     holds = "sub-folders (an ImageFolder?)"
+    remote = ""  # a store has no folders to list cheaply: shards or a list there
 
     def claims_folder(self, root: Path) -> bool:
         return holds_class_folders(root)
@@ -116,10 +117,17 @@ class FolderSource(FilePerSample):
     def claims_pattern(self, text: str) -> bool:
         return False
 
-    def scan(self, data: str | Path, progress: Progress | None) -> Scanned:
+    def scan(self, data: str | Path, progress: Progress | None, storage: StorageConfig) -> Scanned:
         root = Path(data)
         found = scan_folder(root, progress)
         return Scanned(root, found.classes, found.labels, found.paths)
+
+    def inputs(self, data: str | Path, storage: StorageConfig) -> Any:
+        """Every folder's mtime: adding, removing or renaming a file changes its folder's."""
+        return [
+            [os.path.relpath(folder, data), os.stat(folder).st_mtime_ns]
+            for folder, _, _ in os.walk(data, followlinks=True)
+        ]
 
     def load_part(self, described: Mapping[str, Any], mapped: Mapped) -> IndexPart | None:
         return None

@@ -7,6 +7,7 @@ import os
 from pathlib import Path
 
 from loader_service.dataset import filelist, folder, tarshards
+from loader_service.dataset.remote import is_remote
 from loader_service.dataset.source import Source
 from loader_service.dataset.tables import DatasetError
 
@@ -31,6 +32,8 @@ def detect_format(data: str | Path) -> str:
     an ImageFolder); an existing file by its name; a path that does not exist by a pattern it is.
     """
     text = str(data)
+    if is_remote(text):
+        return _remote_format(text)
     if os.path.isdir(text):
         return _one_of([s for s in SOURCES.values() if s.claims_folder(Path(text))], text)
     if os.path.exists(text):
@@ -43,6 +46,20 @@ def detect_format(data: str | Path) -> str:
     if patterns:
         return patterns[0]
     raise DatasetError(f"data {text} does not exist")
+
+
+def _remote_format(url: str) -> str:
+    """An object store URL's format: by the name or pattern it gives, else (a prefix) the format that
+    reads a folder of objects."""
+    readable = [s for s in SOURCES.values() if s.remote]
+    for s in readable:
+        if s.claims_file(url.lower()) or s.claims_pattern(url):
+            return s.name
+    folders = [s for s in readable if s.remote == "folder"]
+    if len(folders) == 1:
+        return folders[0].name
+    flags = " or ".join(f"--format {s.name}" for s in folders)
+    raise DatasetError(f"cannot tell the format of {url}: say which with {flags}")
 
 
 def _one_of(claimed: list[Source], root: str) -> str:

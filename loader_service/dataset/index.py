@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import logging
 import os
 from collections.abc import Mapping
 from dataclasses import dataclass, field
@@ -23,8 +24,10 @@ from typing import Any
 import numpy as np
 import numpy.typing as npt
 
+from loader_service.dataset.cachedir import FetchCache, index_key
 from loader_service.dataset.folder import EXTENSIONS
 from loader_service.dataset.formats import FORMATS, detect_format, source
+from loader_service.dataset.remote import StorageConfig
 from loader_service.dataset.source import IndexPart, Progress
 from loader_service.dataset.tables import I64, DatasetError, StringTable
 
@@ -37,6 +40,10 @@ __all__ = [
     "detect_format",
 ]
 
+log = logging.getLogger(__name__)
+
+LOCAL = StorageConfig()
+"""Local data, no cache folder."""
 _SAVED_VERSION = 1
 PART_KEYS = ("metadata", "tar")
 """The keys the parts of the first formats describe themselves under. Every index's description
@@ -59,6 +66,10 @@ class DatasetIndex:
     """What the format keeps of its own (``dataset.source.IndexPart``), if anything."""
     flaws: Mapping[int, str] = field(default_factory=dict)
     """Samples found unreadable while indexing (tar: a damaged header, a bad ``.cls``), and why."""
+    url: str = ""
+    """The object store folder names are relative to, for remote data (``root`` is then unused)."""
+    versions: Mapping[str, tuple[int, str]] = field(default_factory=dict)
+    """Remote objects read by range (tar shards), by name: their (size, ETag) when indexed."""
 
     def __len__(self) -> int:
         return len(self.labels)
@@ -90,8 +101,9 @@ class DatasetIndex:
                 h.update(_raw(arr))
             h.update("\0".join(self.classes).encode("utf-8", "surrogateescape"))
             return h.hexdigest()[:32]
-        # Not the root (data may move) nor the saved-format version: the same data, the same print.
-        described = {k: v for k, v in self._description().items() if k not in ("root", "version")}
+        # Not where the data is (it may move, to or from a store) nor the saved-format version: the
+        # same data, the same print.
+        described = {k: v for k, v in self._description().items() if k not in ("root", "version", "storage")}
         h.update(json.dumps(described, sort_keys=True).encode())
         for name, arr in sorted(self._arrays().items()):
             h.update(name.encode())
@@ -123,6 +135,10 @@ class DatasetIndex:
             names=StringTable(mapped("name_offsets"), mapped("name_blob")),
             part=source(desc["kind"]).load_part(desc, mapped),
             flaws={int(k): v for k, v in desc["flaws"].items()},
+            url=desc.get("storage", {}).get("url", ""),
+            versions={
+                k: (int(v[0]), str(v[1])) for k, v in desc.get("storage", {}).get("versions", {}).items()
+            },
         )
 
     def _arrays(self) -> dict[str, npt.NDArray[Any]]:
@@ -145,6 +161,8 @@ class DatasetIndex:
             **dict.fromkeys(PART_KEYS),
             **(self.part.describe() if self.part is not None else {}),
             "flaws": {str(k): v for k, v in sorted(self.flaws.items())},
+            # Only for remote data: the descriptions (and fingerprints) of local indexes stay as they were.
+            **({"storage": {"url": self.url, "versions": self.versions}} if self.url else {}),
         }
 
 
@@ -153,14 +171,61 @@ def _raw(arr: npt.NDArray[Any]) -> memoryview:
     return np.ascontiguousarray(arr).data.cast("B")
 
 
-def build_index(data: str | Path, format: str = "auto", progress: Progress | None = None) -> DatasetIndex:
+def build_index(
+    data: str | Path,
+    format: str = "auto",
+    progress: Progress | None = None,
+    storage: StorageConfig = LOCAL,
+) -> DatasetIndex:
     """Index ``data`` once. ``progress(found_so_far)`` is called every 10,000 samples.
 
     ``data``: an ImageFolder, a folder of ``*.tar`` shards, a ``.csv`` or ``.jsonl`` file, a ``.tar``
-    file, or a brace pattern such as ``dir/train-{000000..000127}.tar`` (``formats.SOURCES``).
+    file, or a brace pattern such as ``dir/train-{000000..000127}.tar`` (``formats.SOURCES``); the
+    same in an object store (``s3://bucket/shards/``), but an ImageFolder.
     """
+    kind = resolve_format(data, format)
+    found = source(kind).scan(data, progress, storage)
+    return DatasetIndex(
+        kind,
+        found.root,
+        found.classes,
+        found.labels,
+        found.names,
+        found.part,
+        found.flaws,
+        found.url,
+        dict(found.versions),
+    )
+
+
+def resolve_format(data: str | Path, format: str) -> str:
+    """The format ``--format`` names, or the one ``data`` is (``auto``)."""
     if format not in FORMATS:
         raise DatasetError(f"format must be one of {', '.join(FORMATS)}, not {format!r}")
-    kind = detect_format(data) if format == "auto" else format
-    found = source(kind).scan(data, progress)
-    return DatasetIndex(kind, found.root, found.classes, found.labels, found.names, found.part, found.flaws)
+    return detect_format(data) if format == "auto" else format
+
+
+def load_or_build(
+    data: str | Path, format: str, progress: Progress | None, storage: StorageConfig
+) -> DatasetIndex:
+    """The index saved in the cache folder for ``data`` as it is now, else ``build_index``'s, saved
+    there for the next start (NOTE [ Saved indexes ]). No cache folder: ``build_index``."""
+    if not storage.cache_dir:
+        return build_index(data, format, progress, storage)
+    kind = resolve_format(data, format)
+    inputs = source(kind).inputs(data, storage)
+    cache = FetchCache(storage.cache_dir, storage.cache_size)
+    key = index_key(kind, str(data))
+    folder = cache.saved_index(key, inputs)
+    if folder is not None:
+        try:
+            index = DatasetIndex.load(folder)
+        except (OSError, ValueError, KeyError, DatasetError) as exc:  # damaged: index anew
+            log.warning("the saved index of %s cannot be read (%s); indexing again", data, exc)
+        else:
+            log.info("%s: the saved index of %d samples is current; not indexing again", data, len(index))
+            return index
+    index = build_index(data, kind, progress, storage)
+    if not cache.save_index(key, inputs, index.save):
+        log.warning("%s: no room in --cache-size for its index; it will be indexed again next start", data)
+    return index

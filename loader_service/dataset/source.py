@@ -9,7 +9,7 @@ format is one module defining a ``Source`` and one entry in ``formats.SOURCES``.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, NamedTuple, Protocol
 
@@ -19,6 +19,7 @@ from loader_service.dataset.tables import I64, StringTable
 
 if TYPE_CHECKING:  # the index is built from these types; importing it here would be a cycle
     from loader_service.dataset.index import DatasetIndex
+    from loader_service.dataset.remote import StorageConfig
 
 Progress = Callable[[int], None]
 """Called with the number of samples found so far, every 10,000 or so."""
@@ -52,6 +53,10 @@ class Scanned(NamedTuple):
     names: StringTable
     part: IndexPart | None = None
     flaws: Mapping[int, str] = {}
+    url: str = ""
+    """The object store folder the names are relative to (``root`` is then unused); "" for local data."""
+    versions: Mapping[str, tuple[int, str]] = {}
+    """Remote objects the reader reads by range, by name: (size, ETag) as indexed."""
 
 
 class Reader(Protocol):
@@ -60,6 +65,10 @@ class Reader(Protocol):
     def image_bytes(self, i: int) -> bytes: ...
 
     def metadata(self, i: int) -> Metadata: ...
+
+    def prefetch(self, indices: Sequence[int]) -> None:
+        """The samples whose images are about to be read (NOTE [ Object store reads ])."""
+        ...
 
     def close(self) -> None: ...
 
@@ -84,8 +93,19 @@ class Source(Protocol):
         """Is ``text``, no existing path, a pattern naming data of this format?"""
         ...
 
-    def scan(self, data: str | Path, progress: Progress | None) -> Scanned:
+    @property
+    def remote(self) -> str:
+        """What of an object store ``--data`` may name: "" nothing, "files" objects by name or
+        pattern, "folder" a prefix holding them too."""
+        ...
+
+    def scan(self, data: str | Path, progress: Progress | None, storage: StorageConfig) -> Scanned:
         """Index the data once; ``DatasetError`` naming what is wrong."""
+        ...
+
+    def inputs(self, data: str | Path, storage: StorageConfig) -> Any:
+        """What identifies the data's present state, cheaply taken (sizes and mtimes, ETags), as JSON:
+        an equal value lets a saved index be used instead of a scan (NOTE [ Saved indexes ])."""
         ...
 
     def load_part(self, described: Mapping[str, Any], mapped: Mapped) -> IndexPart | None:
@@ -100,6 +120,6 @@ class Source(Protocol):
         """The file that holds sample ``i``."""
         ...
 
-    def reader(self, index: DatasetIndex, max_bytes: int) -> Reader:
+    def reader(self, index: DatasetIndex, max_bytes: int, storage: StorageConfig) -> Reader:
         """A reader of ``index``'s samples, refusing any over ``max_bytes``."""
         ...

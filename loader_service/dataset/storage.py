@@ -11,9 +11,12 @@ from __future__ import annotations
 
 import os
 import stat
+from collections import OrderedDict
+from collections.abc import Sequence
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Protocol
 
+from loader_service.dataset.remote import StorageConfig
 from loader_service.dataset.source import Metadata
 from loader_service.dataset.tables import StringTable
 
@@ -121,22 +124,98 @@ def pread_fully(fd: int, size: int, offset: int) -> bytes:
     return parts[0] if len(parts) == 1 else b"".join(parts)
 
 
-class SampleFiles:
-    """A reader of samples that are one file each, named relative to ``root`` (ImageFolder, lists)."""
+Want = tuple[str, int, int]
+"""A read a reader will make: (name, offset, size), size -1 for the whole file."""
 
-    def __init__(self, root: Path, names: StringTable, max_bytes: int) -> None:
+
+class Files(Protocol):
+    """Where a format's files are: the local disk (``LocalFiles``) or an object store
+    (``remote.RemoteFiles``). Names are relative to the data's root; failures are ``DecodeError``s
+    (or OSErrors, from ``read_range``) that cost the sample only."""
+
+    def read(self, name: str, max_bytes: int) -> bytes:
+        """The whole file, refused over ``max_bytes``."""
+        ...
+
+    def read_range(self, name: str, offset: int, size: int) -> bytes:
+        """``size`` bytes at ``offset``; fewer only where the file ends first."""
+        ...
+
+    def prefetch(self, wanted: Sequence[Want]) -> None:
+        """Reads about to be made, all issued at once where that saves waiting (NOTE [ Object store
+        reads ]); the data is held until the next call."""
+        ...
+
+    def close(self) -> None: ...
+
+
+class LocalFiles:
+    """Files under ``root`` on this host. A file read by ranges (a tar shard) stays open in a small
+    LRU of descriptors, so a batch drawn from a few shards opens each once."""
+
+    def __init__(self, root: Path) -> None:
         self.root = root
+        self._open: OrderedDict[str, int] = OrderedDict()
+
+    def read(self, name: str, max_bytes: int) -> bytes:
+        return read_file(str(self.root / name), max_bytes)
+
+    def read_range(self, name: str, offset: int, size: int) -> bytes:
+        return pread_fully(self._fd(name), size, offset)
+
+    def prefetch(self, wanted: Sequence[Want]) -> None:
+        pass  # the page cache and the kernel's read-ahead do this better for a local disk
+
+    def close(self) -> None:
+        while self._open:
+            os.close(self._open.popitem()[1])
+
+    def _fd(self, name: str) -> int:
+        fd = self._open.get(name)
+        if fd is not None:
+            self._open.move_to_end(name)
+            return fd
+        fd = open_regular(str(self.root / name))
+        self._open[name] = fd
+        if len(self._open) > OPEN_FILES:
+            os.close(self._open.popitem(last=False)[1])
+        return fd
+
+
+OPEN_FILES = 16
+"""Descriptors a reader keeps open: enough for the shards one batch touches, few enough for any
+file-descriptor limit."""
+
+
+def open_files(index: DatasetIndex, storage: StorageConfig) -> Files:
+    """The files of ``index``'s data, wherever they are."""
+    if index.url:
+        from loader_service.dataset.remotefiles import RemoteFiles  # it imports this module
+
+        return RemoteFiles(index.url, storage, index.versions)
+    return LocalFiles(index.root)
+
+
+class SampleFiles:
+    """A reader of samples that are one file each, named relative to the data's root (ImageFolder,
+    lists)."""
+
+    def __init__(self, files: Files, names: StringTable, max_bytes: int) -> None:
+        self.files = files
         self.names = names
         self.max_bytes = max_bytes
 
     def image_bytes(self, i: int) -> bytes:
-        return read_file(str(self.root / self.names.text(i)), self.max_bytes)
+        return self.files.read(self.names.text(i), self.max_bytes)
 
     def metadata(self, i: int) -> Metadata:
         return {}
 
+    def prefetch(self, indices: Sequence[int]) -> None:
+        self.files.prefetch([(self.names.text(i), 0, -1) for i in indices])
+
     def close(self) -> None:
-        pass
+        self.files.close()
 
 
 class FilePerSample:
@@ -149,5 +228,5 @@ class FilePerSample:
     def path(self, index: DatasetIndex, i: int) -> Path:
         return index.root / index.names.text(i)
 
-    def reader(self, index: DatasetIndex, max_bytes: int) -> SampleFiles:
-        return SampleFiles(index.root, index.names, max_bytes)
+    def reader(self, index: DatasetIndex, max_bytes: int, storage: StorageConfig) -> SampleFiles:
+        return SampleFiles(open_files(index, storage), index.names, max_bytes)

@@ -28,12 +28,13 @@ from __future__ import annotations
 import logging
 import os
 import stat
-from collections import OrderedDict
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from functools import partial
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from loader_service.dataset.remote import StorageConfig, is_remote
+from loader_service.dataset.remoteshards import remote_shards
 from loader_service.dataset.shards import (
     COMPRESSED_SUFFIXES,
     TAR_SUFFIX,
@@ -42,7 +43,7 @@ from loader_service.dataset.shards import (
     list_shards,
 )
 from loader_service.dataset.source import IndexPart, Mapped, Metadata, Progress, Scanned, Source
-from loader_service.dataset.storage import DecodeError, open_regular, pread_fully
+from loader_service.dataset.storage import DecodeError, Files, open_files
 from loader_service.dataset.tables import (
     IMAGE_EXTENSIONS,
     SIZE_UNKNOWN,
@@ -84,14 +85,10 @@ MAX_HEADER_DATA = 1 << 20
 """A GNU long name or pax record set larger than this is a damaged header, not a name."""
 MAX_WARNINGS_PER_SHARD = 10
 
-__all__ = ["SOURCE", "TarReader", "TarScan", "TarSource", "scan_shards"]
+__all__ = ["SOURCE", "TarReader", "TarScan", "TarSource", "scan_files", "scan_shards"]
 
 if TYPE_CHECKING:
     from loader_service.dataset.index import DatasetIndex
-
-OPEN_SHARDS = 16
-"""Shard descriptors a reader keeps open: enough for the shards one batch touches, few enough for
-any file-descriptor limit."""
 
 
 def scan_shards(
@@ -101,11 +98,23 @@ def scan_shards(
 
     ``fast=False`` scans every shard header by header (the tests compare the two scans).
     """
+    return scan_files(((name, root / name) for name in shards), tuple(shards), str(root), progress, fast)
+
+
+def scan_files(
+    files: Iterable[tuple[str, Path]],
+    shards: tuple[str, ...],
+    where: str,
+    progress: Callable[[int], None] | None = None,
+    fast: bool = True,
+) -> TarScan:
+    """Index the shards ``files`` gives, as (name, local file) in the order of ``shards``; ``where``
+    names them all in messages."""
     if not shards:
-        raise DatasetError(f"no tar shards at {root}")
+        raise DatasetError(f"no tar shards at {where}")
     table = SampleTable(progress)
-    for shard, name in enumerate(shards):
-        fd = _open_shard(root / name, name)
+    for shard, (name, path) in enumerate(files):
+        fd = _open_shard(path, name)
         try:
             _scan_shard(fd, shard, name, table, fast)
         except OSError as exc:
@@ -113,8 +122,8 @@ def scan_shards(
         finally:
             os.close(fd)
     if not len(table):
-        raise DatasetError(f"the shards at {root} hold no samples (members named KEY.EXTENSION)")
-    return table.build(tuple(shards))
+        raise DatasetError(f"the shards at {where} hold no samples (members named KEY.EXTENSION)")
+    return table.build(shards)
 
 
 def _open_shard(path: Path, name: str) -> int:
@@ -334,6 +343,7 @@ class TarSource:
     name = "tar"
     what = "a folder of .tar shards, one .tar file or a brace pattern of them"
     holds = ".tar files (shards?)"
+    remote = "folder"
 
     def claims_folder(self, root: Path) -> bool:
         return holds_shards(root)
@@ -344,10 +354,19 @@ class TarSource:
     def claims_pattern(self, text: str) -> bool:
         return is_brace_pattern(text)
 
-    def scan(self, data: str | Path, progress: Progress | None) -> Scanned:
+    def scan(self, data: str | Path, progress: Progress | None, storage: StorageConfig) -> Scanned:
+        if is_remote(data):
+            return remote_shards(str(data), storage).scan(progress)
         root, shards = list_shards(data)
         found = scan_shards(root, shards, progress)
         return Scanned(root, (), found.labels, found.keys, found.members, found.flaws)
+
+    def inputs(self, data: str | Path, storage: StorageConfig) -> Any:
+        """Each shard's name, size and ETag (object store) or mtime (local disk)."""
+        if is_remote(data):
+            return remote_shards(str(data), storage).inputs()
+        root, shards = list_shards(data)
+        return [[name, *_size_and_mtime(root / name)] for name in shards]
 
     def load_part(self, described: Mapping[str, Any], mapped: Mapped) -> IndexPart | None:
         facts = described["tar"]
@@ -367,8 +386,16 @@ class TarSource:
     def path(self, index: DatasetIndex, i: int) -> Path:
         return index.root / _members(index).shards[int(_members(index).sample_shard[i])]
 
-    def reader(self, index: DatasetIndex, max_bytes: int) -> TarReader:
-        return TarReader(index.root, index.names, _members(index), max_bytes)
+    def reader(self, index: DatasetIndex, max_bytes: int, storage: StorageConfig) -> TarReader:
+        return TarReader(open_files(index, storage), index.names, _members(index), max_bytes)
+
+
+def _size_and_mtime(path: Path) -> tuple[int, int] | tuple[None, None]:
+    try:
+        info = os.stat(path)
+    except OSError:
+        return None, None
+    return info.st_size, info.st_mtime_ns
 
 
 def _members(index: DatasetIndex) -> TarMembers:
@@ -377,17 +404,15 @@ def _members(index: DatasetIndex) -> TarMembers:
 
 
 class TarReader:
-    """Members read in place. A shard must be a regular file, opened non-blocking; a member over
-    ``--max-file-bytes`` is refused before it is read; one whose data runs past the end of its shard
-    is a bad sample. Shards stay open in a small LRU of descriptors, so a batch drawn from a few
-    shards opens each once."""
+    """Members read in place, from the local disk or an object store (``storage.Files``): a member
+    over ``--max-file-bytes`` is refused before it is read; one whose data runs past the end of its
+    shard is a bad sample."""
 
-    def __init__(self, root: Path, names: StringTable, tar: TarMembers, max_bytes: int) -> None:
-        self.root = root
+    def __init__(self, files: Files, names: StringTable, tar: TarMembers, max_bytes: int) -> None:
+        self.files = files
         self.names = names
         self.tar = tar
         self.max_bytes = max_bytes
-        self._shards: OrderedDict[int, int] = OrderedDict()
 
     def image_bytes(self, i: int) -> bytes:
         """The sample's image member: the first jpg, jpeg, png, webp or bmp."""
@@ -404,9 +429,21 @@ class TarReader:
         members = (m for m in self.tar.members(i) if m != image)
         return {self.tar.extension(m): partial(self._member_bytes, i, m) for m in members}
 
+    def prefetch(self, indices: Sequence[int]) -> None:
+        """Ask for the image members of ``indices`` at once (NOTE [ Object store reads ])."""
+        wanted = []
+        for i in indices:
+            member = self.tar.image_member(i)
+            if member is not None and 0 < int(self.tar.member_size[member]) <= self.max_bytes:
+                wanted.append(self._where(i, member))
+        self.files.prefetch(wanted)
+
     def close(self) -> None:
-        while self._shards:
-            os.close(self._shards.popitem()[1])
+        self.files.close()
+
+    def _where(self, i: int, member: int) -> tuple[str, int, int]:
+        shard = self.tar.shards[int(self.tar.sample_shard[i])]
+        return shard, int(self.tar.member_offset[member]), int(self.tar.member_size[member])
 
     def _member_bytes(self, i: int, member: int, image: bool = False) -> bytes:
         """A member's bytes; an empty one is a bad sample only as its ``image``."""
@@ -421,28 +458,14 @@ class TarReader:
             if image:
                 raise DecodeError(f"{name} is empty")
             return b""
-        shard = int(tar.sample_shard[i])
-        fd = self._shard_fd(shard)
+        shard, offset, _ = self._where(i, member)
         try:
-            data = pread_fully(fd, size, int(tar.member_offset[member]))
+            data = self.files.read_range(shard, offset, size)
         except OSError as exc:
             raise DecodeError(f"cannot read {name}: {exc.strerror or exc}") from None
         if len(data) < size:
-            raise DecodeError(
-                f"{name} runs past the end of shard {tar.shards[shard]} ({len(data)} of {size} bytes)"
-            )
+            raise DecodeError(f"{name} runs past the end of shard {shard} ({len(data)} of {size} bytes)")
         return data
-
-    def _shard_fd(self, shard: int) -> int:
-        fd = self._shards.get(shard)
-        if fd is not None:
-            self._shards.move_to_end(shard)
-            return fd
-        fd = open_regular(str(self.root / self.tar.shards[shard]))
-        self._shards[shard] = fd
-        if len(self._shards) > OPEN_SHARDS:
-            os.close(self._shards.popitem(last=False)[1])
-        return fd
 
 
 SOURCE: Source = TarSource()

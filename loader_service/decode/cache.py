@@ -261,6 +261,10 @@ class SampleCache:
         self._m.counters[self._slot, 1] += 1
         return None
 
+    def holds(self, index: int) -> bool:
+        """Whether sample ``index`` has an entry (not counted as a hit or a miss)."""
+        return 0 <= index < len(self._m.table) and int(self._m.table[index]) > 0
+
     def image(self, index: int) -> U8 | None:
         """A decoded-kind entry as a read-only ``height x width x 3`` view, or None."""
         found = self.find(index)

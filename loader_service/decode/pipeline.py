@@ -47,6 +47,7 @@ import numpy as np
 import numpy.typing as npt
 
 from loader_service.dataset.index import DatasetIndex
+from loader_service.dataset.remote import StoreUnavailable
 from loader_service.dataset.sampler import sample_rng
 from loader_service.dataset.storage import DecodeError
 from loader_service.decode.cache import SampleCache
@@ -396,6 +397,8 @@ def run_into(
         store_output(call_pipeline(fn, sample, seed), fields, rows)
     except DecodeError as exc:  # the sample's own file, read through the mapping
         return one_line(str(exc))
+    except StoreUnavailable:
+        raise  # the data's store, not the sample: its task is done again (NOTE [ Object store reads ])
     except OutputError as exc:
         return one_line(f"{PIPELINE_REASON}{exc}")
     except (Exception, SystemExit) as exc:

@@ -32,7 +32,8 @@ from typing import Any
 import numpy as np
 import numpy.typing as npt
 
-from loader_service.dataset.index import DatasetIndex
+from loader_service.dataset.index import LOCAL, DatasetIndex
+from loader_service.dataset.remote import StorageConfig
 from loader_service.dataset.storage import DecodeError
 from loader_service.decode.pipeline import (
     OutputError,
@@ -66,6 +67,7 @@ def probe_fields(
     timeout: float,
     env: Mapping[str, str] | None = None,
     deterministic: bool = False,
+    storage: StorageConfig = LOCAL,
 ) -> tuple[FieldSpec, ...]:
     """The fields ``pipeline`` returns for sample 0 of epoch 0, in its dict's order.
 
@@ -82,6 +84,12 @@ def probe_fields(
         "seed": seed,
         "max_file_bytes": max_file_bytes,
         "deterministic": deterministic,
+        "storage": [
+            list(map(list, storage.options)),
+            storage.cache_dir,
+            storage.cache_size,
+            storage.read_deadline,
+        ],
     }
     stdout, stderr, code = _run_child(json.dumps(request), pipeline, timeout, env)
     result = _parse(stdout)
@@ -170,7 +178,9 @@ def probe(request: Mapping[str, Any]) -> dict[str, Any]:
     except PipelineError as exc:
         return {"error": str(exc)}
     index = DatasetIndex.load(Path(request["index_dir"]))
-    reader = SampleReader(index, int(request["max_file_bytes"]))
+    options, cache_dir, cache_size, deadline = request.get("storage") or [[], "", 0, 10.0]
+    storage = StorageConfig(tuple((str(k), str(v)) for k, v in options), cache_dir, cache_size, deadline)
+    reader = SampleReader(index, int(request["max_file_bytes"]), storage)
     try:
         found = _probe_samples(spec, fn, index, reader, int(request["seed"]))
         if request.get("deterministic") and "fields" in found:

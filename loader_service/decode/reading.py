@@ -6,17 +6,28 @@ Every failure is a ``DecodeError`` whose text is the reason: one bad sample cost
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 from loader_service.dataset.formats import source
-from loader_service.dataset.index import DatasetIndex
+from loader_service.dataset.index import LOCAL, DatasetIndex
+from loader_service.dataset.remote import StorageConfig
 from loader_service.dataset.source import Metadata
 from loader_service.dataset.storage import DecodeError
 
 
 class SampleReader:
-    def __init__(self, index: DatasetIndex, max_bytes: int) -> None:
+    def __init__(self, index: DatasetIndex, max_bytes: int, storage: StorageConfig = LOCAL) -> None:
         self.index = index
         self.max_bytes = max_bytes
-        self._reader = source(index.kind).reader(index, max_bytes)
+        self._reader = source(index.kind).reader(index, max_bytes, storage)
+
+    def prefetch(self, indices: Sequence[int]) -> None:
+        """Fetch the images of ``indices`` from an object store at once (NOTE [ Object store reads ]);
+        StoreUnavailable if it does not answer. Nothing for local data."""
+        if self.index.url:
+            self._reader.prefetch(
+                [i for i in indices if 0 <= i < len(self.index) and i not in self.index.flaws]
+            )
 
     def image_bytes(self, i: int) -> bytes:
         """The sample's image file, or the bytes its format holds the image in."""

@@ -25,7 +25,8 @@ import numpy as np
 import numpy.typing as npt
 import zmq
 
-from loader_service.dataset.index import DatasetIndex
+from loader_service.dataset.index import LOCAL, DatasetIndex
+from loader_service.dataset.remote import StorageConfig, StoreUnavailable
 from loader_service.dataset.sampler import sample_rng
 from loader_service.dataset.storage import DecodeError
 from loader_service.decode.cache import CacheKind, CacheSpec, SampleCache
@@ -73,6 +74,8 @@ class WorkerFeed:
     """``FILE.py:FUNC`` or ``package.module:FUNC`` (``decode.pipeline``); "" for the built-in transforms."""
     max_file_bytes: int
     """A larger file or tar member is a bad sample (``dataset.storage.read_file``)."""
+    storage: StorageConfig = LOCAL
+    """How to reach the data's object store, if it is in one."""
     cache: CacheSpec | None = None
     """The feed's decoded-sample cache (NOTE [ Sample cache ]), if it has one."""
 
@@ -152,17 +155,28 @@ def fill_slot(worker: int, feed: OpenFeed, task: Task, progress: Progress | None
     views = slot_views(feed.segment, feed.spec.layout, task.slot, feed.spec.slots)
     row = task.row
     bad: list[tuple[int, str]] = []
-    for done, idx in enumerate(np.frombuffer(task.indices, dtype="<i8").tolist(), start=1):
-        _injected_hang(feed, idx)
-        reason = fill_row(feed, views, row, idx, task.epoch)
-        if reason is not None:
-            bad.append((idx, reason))
-        else:
-            views.indices[row] = idx
-            row += 1
-        if progress is not None:
-            progress(done)
+    indices = np.frombuffer(task.indices, dtype="<i8").tolist()
+    try:
+        _prefetch(feed, indices)
+        for done, idx in enumerate(indices, start=1):
+            _injected_hang(feed, idx)
+            reason = fill_row(feed, views, row, idx, task.epoch)
+            if reason is not None:
+                bad.append((idx, reason))
+            else:
+                views.indices[row] = idx
+                row += 1
+            if progress is not None:
+                progress(done)
+    except StoreUnavailable as exc:  # NOTE [ Object store reads ]: the task again later, whole
+        return TaskDone(task.task, worker, 0, (), retry=str(exc)[:300])
     return TaskDone(task.task, worker, row - task.row, tuple(bad[:MAX_BAD_REPORTS]))
+
+
+def _prefetch(feed: OpenFeed, indices: list[int]) -> None:
+    """Ask the store for what the task will read, but what the sample cache holds."""
+    cache = feed.cache
+    feed.reader.prefetch(indices if cache is None else [i for i in indices if not cache.holds(i)])
 
 
 def fill_row(feed: OpenFeed, views: SlotViews, row: int, idx: int, epoch: int) -> str | None:
@@ -202,6 +216,8 @@ def _builtin_row(feed: OpenFeed, views: SlotViews, row: int, idx: int, epoch: in
             load_bytes_into(feed.reader.image_bytes(idx), out, feed.recipe, rng)
     except DecodeError as exc:
         return str(exc)
+    except StoreUnavailable:
+        raise  # not the sample's fault: its task is done again (fill_slot)
     except Exception as exc:  # an OpenCV failure on one file must not take the worker down
         return f"{type(exc).__name__}: {exc}"[:200]
     views.fields["label"][row] = feed.index.labels[idx]
@@ -297,7 +313,7 @@ def open_feed(spec: WorkerFeed, roi: bool = False, worker: int = 0) -> OpenFeed:
     except BaseException:
         segment.close()
         raise
-    reader = SampleReader(index, spec.max_file_bytes)
+    reader = SampleReader(index, spec.max_file_bytes, spec.storage)
     return OpenFeed(spec, index, reader, segment, pipeline, recipe, cache)
 
 

@@ -12,7 +12,7 @@ import numpy as np
 import numpy.typing as npt
 
 from loader_service.config import ConfigError, FeedConfig
-from loader_service.dataset.index import DatasetIndex, build_index
+from loader_service.dataset.index import DatasetIndex, load_or_build
 from loader_service.dataset.sampler import ShardOrder, batches_per_epoch, shard_order, shard_size
 from loader_service.decode.cache import LOCK_NAME, CacheKind, CacheSegment, CacheTooSmall, cache_kind
 from loader_service.decode.pipeline import PIPELINE_REASON
@@ -82,10 +82,11 @@ class Feed:
         """Index the data, settle the batch layout and create the pool and cache; the caller closes
         the feed on every exit path. DatasetError (bad source), PipelineError (a pipeline that cannot
         run) or ConfigError (a cache too small for its table): the service refuses to start."""
-        index = build_index(
+        index = load_or_build(
             config.data,
             config.format,
-            progress=lambda n: log.info("feed %s: indexing, %d samples", config.name, n),
+            lambda n: log.info("feed %s: indexing, %d samples", config.name, n),
+            config.storage,
         )
         index_dir = runtime_dir / f"feed{feed_id}"
         index_dir.mkdir()
@@ -164,6 +165,7 @@ class Feed:
             interpolation=self.config.interpolation,
             pipeline=self.config.pipeline,
             max_file_bytes=self.config.max_file_bytes,
+            storage=self.config.storage,
             cache=None if self.cache is None else self.cache.spec,
         )
 
@@ -257,6 +259,7 @@ def batch_layout(config: FeedConfig, index_dir: Path, probe_timeout: float) -> S
         config.max_file_bytes,
         timeout,
         deterministic=config.pipeline_deterministic,
+        storage=config.storage,
     )
     if config.fields and config.fields != found:
         raise PipelineError(

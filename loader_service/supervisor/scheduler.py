@@ -35,6 +35,9 @@ MAX_TASK_ATTEMPTS = 3
 CRASHES_PER_SAMPLE = 2
 """Deaths of a worker on one sample after which that sample is bad: the first may be the machine's."""
 MAX_SUSPECTS = 10_000
+MAX_STORE_WAITS = 90
+"""Tries of a task whose reads the data's store kept failing, before its samples are given up."""
+STORE_WARNING_INTERVAL = 10.0
 WORKER_MESSAGES = (WorkerReady, TaskDone)
 
 
@@ -53,6 +56,8 @@ class TaskRecord:
     """The first row this task writes: 0, or where its part starts (NOTE [ Split batches ])."""
     split: SplitBatch | None = None
     """The batch this task is one part of, if split."""
+    waits: int = 0
+    """Times a worker handed it back because the data's store did not answer (``TaskDone.retry``)."""
 
     @property
     def feed(self) -> Feed:
@@ -78,6 +83,8 @@ class Scheduler:
         self._deliver = deliver
         self._tasks: dict[int, TaskRecord] = {}
         self._redo: deque[TaskRecord] = deque()
+        self._store_quiet_until = 0.0
+        """Until when the store's silence is not logged again."""
         self._parts: deque[TaskRecord] = deque()
         """Parts of split batches no worker has taken yet (NOTE [ Split batches ])."""
         self._next_task = 0
@@ -110,6 +117,9 @@ class Scheduler:
         record = self._tasks.pop(msg.task, None)
         if record is None:
             return  # a report from before a redo (NOTE [ Worker restarts ])
+        if msg.retry:
+            self._retry_later(record, msg.retry)
+            return
         if record.split is not None:
             log.debug(
                 "feed %s: batch %d of epoch %d (%s): part from row %d, %d rows by worker %d",
@@ -138,6 +148,24 @@ class Scheduler:
         receiver = record.producer.complete(record.gen, record.seq, record.slot, count)
         if receiver is not None:
             self._deliver(receiver)
+
+    def _retry_later(self, record: TaskRecord, reason: str) -> None:
+        """NOTE [ Object store reads ]: the worker waited out its read deadline on the store; the task
+        goes back in line whole, under a fresh id. Only a store silent for ``MAX_STORE_WAITS`` tries
+        in a row (a quarter of an hour at the default deadline) costs the batch's samples."""
+        waits = record.waits + 1
+        if waits >= MAX_STORE_WAITS:
+            why = f"the data's store did not answer {waits} times in a row: {reason}"
+            self._complete(record, 0, tuple((i, why) for i in np.frombuffer(record.indices, "<i8").tolist()))
+            return
+        now = time.monotonic()
+        if now >= self._store_quiet_until:
+            self._store_quiet_until = now + STORE_WARNING_INTERVAL
+            log.warning(
+                "feed %s: the data's store does not answer (%s); batches wait", record.feed.name, reason
+            )
+        self._next_task += 1
+        self._redo.append(replace(record, task=self._next_task, waits=waits))
 
     def _report_bad(self, feed: Feed, idx: int, reason: str) -> None:
         feed.note_bad(idx, reason)

@@ -42,6 +42,7 @@ import zmq
 
 from loader_service.config import ServiceConfig
 from loader_service.config.checks import is_loopback_tcp
+from loader_service.dataset.cachedir import FetchCache
 from loader_service.decode.decoders import describe_decoder
 from loader_service.decode.pipeline import THREAD_ENV
 from loader_service.decode.progress import ProgressBoard
@@ -140,6 +141,11 @@ class LoaderService:
         # first imports numpy, which is before any worker code can set them.
         for name in THREAD_ENV:
             os.environ[name] = "1"
+        if cfg.cache_dir:  # NOTE [ Fetch cache ]: what killed writers left, and the true usage
+            used = FetchCache(cfg.cache_dir, cfg.cache_size).recount()
+            log.info(
+                "cache folder %s: %.1f of %.1f GiB used", cfg.cache_dir, used / 2**30, cfg.cache_size / 2**30
+            )
         for feed_id, feed_config in enumerate(cfg.feeds()):
             self.feeds.append(
                 Feed.open(feed_id, feed_config, self._runtime_dir, cfg.group, cfg.task_timeout, cfg.workers)

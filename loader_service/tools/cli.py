@@ -35,6 +35,14 @@ def _add_serve(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
     )
     for opt in OPTIONS.values():
         p.add_argument(opt.flag, **_flag_spec(opt))
+    p.add_argument(
+        "--storage-option",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="an object store setting the environment does not give (endpoint=..., region=...), given "
+        "to obstore; repeatable, and a [storage] table in the config file. Values are never logged",
+    )
     p.set_defaults(func=_cmd_serve)
 
 
@@ -65,7 +73,9 @@ def _cmd_serve(args: argparse.Namespace) -> int:
     from loader_service.supervisor.service import LoaderService  # keeps `index` and `--help` fast
 
     try:
-        config = load_config(args.config, {name: getattr(args, name) for name in OPTIONS})
+        config = load_config(
+            args.config, {name: getattr(args, name) for name in OPTIONS}, storage_flags=args.storage_option
+        )
     except ConfigError as exc:
         configure_logging("INFO", "service")
         log.error("configuration error: %s", exc)
@@ -140,6 +150,7 @@ def _add_index(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
         "pattern such as 'shards/train-{000000..000127}.tar'",
     )
     p.add_argument("--format", choices=FORMATS, default="auto", help="the source's kind (default auto)")
+    p.add_argument("--storage-option", action="append", default=[], metavar="KEY=VALUE", help="as for serve")
     p.set_defaults(func=_cmd_index)
 
 

@@ -24,7 +24,7 @@ def test_file_then_flags_precedence(tmp_path: Path) -> None:
         f'data = "{tmp_path}"\nendpoint = "ipc:///tmp/feed.sock"\nbatch_size = 32\nworkers = 3\n'
     )
     cfg = load_config(cfg_file, {"batch_size": 16, "workers": None})
-    assert cfg.batch_size == 16 and cfg.workers == 3 and cfg.data == tmp_path.resolve()
+    assert cfg.batch_size == 16 and cfg.workers == 3 and cfg.data == str(tmp_path.resolve())
     assert cfg.pool_slots == 2 * 3 + 8
 
 
@@ -121,7 +121,7 @@ def test_environment_values_are_read_as_the_option_type(
 ) -> None:
     cfg = load_config(None, {}, environ={**base_env(tmp_path), variable: text})
     assert getattr(cfg, field) == value and type(getattr(cfg, field)) is type(value)
-    assert cfg.data == tmp_path.resolve() and cfg.endpoint == "ipc:///tmp/feed.sock"
+    assert cfg.data == str(tmp_path.resolve()) and cfg.endpoint == "ipc:///tmp/feed.sock"
 
 
 @pytest.mark.parametrize(
@@ -195,8 +195,11 @@ def sample_flag(opt: Option) -> tuple[list[str], object]:
 
 
 def test_every_field_is_an_option_with_a_flag_an_env_name_and_help() -> None:
-    # Not options: further feeds, and the fields a pipeline returns (config-file tables only).
-    assert {f.name for f in fields(ServiceConfig)} - {"extra_feeds", "fields"} == set(OPTIONS)
+    # Not options: further feeds, the fields a pipeline returns (config-file tables only), and the
+    # storage settings (a repeatable flag and a table of their own).
+    assert {f.name for f in fields(ServiceConfig)} - {"extra_feeds", "fields", "storage_options"} == set(
+        OPTIONS
+    )
     argv = ["serve"]
     expected: dict[str, object] = {}
     for opt in OPTIONS.values():
@@ -325,7 +328,7 @@ def test_bad_pipelines_formats_and_fields_are_refused(tmp_path: Path, text: str,
 def test_a_shard_pattern_needs_only_its_folder(tmp_path: Path) -> None:
     pattern = tmp_path / "train-{000000..000009}.tar"
     cfg = load_config(None, {"data": pattern, "endpoint": "ipc:///tmp/feed.sock"})
-    assert cfg.data == pattern.resolve()
+    assert cfg.data == str(pattern.resolve())
     with pytest.raises(ConfigError, match="does not exist"):
         load_config(None, {"data": tmp_path / "nope" / "x-{0..1}.tar", "endpoint": "ipc:///tmp/feed.sock"})
 

@@ -86,6 +86,7 @@ EXAMPLES: list[Message] = [
     WorkerReady(1, 99),
     Task(1, 0, 2, 3, b"\x00" * 16),
     TaskDone(1, 2, 3, ((4, "empty file"),)),
+    TaskDone(1, 2, 0, (), retry="s3://bucket/a.tar: connection refused"),
     StopWorker(),
 ]
 ALL = tuple({type(m) for m in EXAMPLES})
@@ -296,7 +297,9 @@ GOLDEN: list[tuple[Message, str]] = [
     (Release((1, 2, 3)), "84a17605a16ba772656c65617365a66c656173657393010203a5746f6b656ea0"),
     (
         TaskDone(1, 2, 3, ((4, "empty file"),)),
-        "86a17605a16ba4646f6e65a47461736b01a6776f726b657202a5636f756e7403a3626164919204aa656d7074792066696c65",
+        # ``retry`` (empty) was added with object stores: a worker is always its service's version
+        "87a17605a16ba4646f6e65a47461736b01a6776f726b657202a5636f756e7403a3626164919204aa656d7074792066696c65"
+        "a57265747279a0",
     ),
     (
         Task(1, 0, 2, 3, bytes(8)),

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from loader_service.dataset import tarshards
+from loader_service.dataset import storage
 from loader_service.dataset.index import DatasetIndex, build_index
 from loader_service.dataset.storage import DecodeError
 from loader_service.decode.reading import SampleReader
@@ -160,7 +160,7 @@ def test_a_shard_replaced_by_a_fifo_is_refused_without_blocking(
 def test_open_shards_are_bounded_and_closed(
     tmp_path: Path, reader_of: ReaderFactory, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    monkeypatch.setattr(tarshards, "OPEN_SHARDS", 3)
+    monkeypatch.setattr(storage, "OPEN_FILES", 3)
     for s in range(6):
         write_tar(tmp_path / f"{s}.tar", [(f"k{s}.jpg", f"image {s}".encode())])
     reader = reader_of(build_index(tmp_path))

@@ -1,0 +1,219 @@
+"""The cache folder (``--cache-dir``, ``--cache-size``): objects fetched from a store, and saved indexes,
+kept across restarts and shared by the service and its workers.
+
+NOTE [ Fetch cache ]
+    ``objects/AB/HASH`` is one whole object, HASH that of its URL, ETag and size: an object replaced
+    in the store has another name, so it is fetched again and never read stale. An entry is written
+    under ``tmp/PID/`` and renamed into place, so a reader sees all of it or nothing, whoever wrote
+    it. The folder never holds more than ``--cache-size`` bytes: a writer reserves the entry's size
+    in ``usage`` (a counter changed under an flock on ``lock``) before it writes, and an entry that
+    does not fit is not kept. Nothing is evicted: under a new permutation every epoch no entry is
+    likelier to be read next than another, so the first ones in stay (as in NOTE [ Sample cache ]).
+    Every start of the service recounts ``usage`` from the files and removes what killed writers
+    left. Saved indexes (``indexes/KEY/``) count against the size too.
+
+NOTE [ Saved indexes ]
+    Indexing a million tar samples reads two million headers (seconds, or minutes from a cold disk
+    or a store). The index of a ``--data`` value is saved under a key of its format and value, with
+    what its source says identifies the data's state (``Source.inputs``: each shard's size and
+    mtime, or each object's ETag). At the next start the inputs are taken again, a cheap listing, and
+    an equal record loads the saved index instead of scanning; any difference scans anew.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import fcntl
+import hashlib
+import json
+import logging
+import os
+import shutil
+import struct
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+from loader_service.dataset.tables import DatasetError
+
+log = logging.getLogger(__name__)
+
+LOCK_TIMEOUT = 10.0
+"""Seconds to wait for the usage lock before giving up on keeping an entry."""
+_USAGE = struct.Struct("<q")
+
+
+class FetchCache:
+    """The cache folder of NOTE [ Fetch cache ] and NOTE [ Saved indexes ]."""
+
+    def __init__(self, directory: str | Path, size: int) -> None:
+        self.dir = Path(directory)
+        self.size = size
+        self.objects = self.dir / "objects"
+        self.indexes = self.dir / "indexes"
+        self.tmp = self.dir / "tmp" / str(os.getpid())
+        try:
+            for folder in (self.objects, self.indexes, self.tmp):
+                folder.mkdir(parents=True, exist_ok=True)
+        except OSError as exc:
+            raise DatasetError(f"cache folder {self.dir}: {exc.strerror or exc}") from None
+
+    # --- objects ----------------------------------------------------------------------------------
+
+    def entry(self, url: str, etag: str, size: int) -> Path:
+        digest = hashlib.sha256(f"{url}\0{etag}\0{size}".encode("utf-8", "surrogateescape")).hexdigest()
+        return self.objects / digest[:2] / digest
+
+    def holds(self, url: str, etag: str, size: int) -> Path | None:
+        """The entry of this object, if it is kept (an object without an ETag never is)."""
+        if not etag:
+            return None
+        path = self.entry(url, etag, size)
+        return path if path.is_file() else None
+
+    def temp_file(self) -> Path:
+        """A fresh name under this process's temporary folder."""
+        self.tmp.mkdir(parents=True, exist_ok=True)
+        return self.tmp / f"{time.monotonic_ns()}-{os.urandom(4).hex()}"
+
+    def adopt(self, written: Path, url: str, etag: str, size: int) -> bool:
+        """Keep the file ``written`` (``size`` bytes of the object) as its entry, if there is room;
+        False (and ``written`` left for the caller) if not."""
+        if not etag or not self.reserve(size):
+            return False
+        path = self.entry(url, etag, size)
+        try:
+            path.parent.mkdir(exist_ok=True)
+            if path.exists():  # another process kept it meanwhile
+                self.reserve(-size)
+                return False
+            os.rename(written, path)
+        except OSError:
+            self.reserve(-size)
+            return False
+        return True
+
+    def put(self, url: str, etag: str, data: bytes) -> None:
+        """Keep the fetched object ``data`` if there is room (a worker's read; failures only skip)."""
+        if not etag or (self.entry(url, etag, len(data))).exists():
+            return
+        written = self.temp_file()
+        try:
+            written.write_bytes(data)
+            if self.adopt(written, url, etag, len(data)):
+                return
+        except OSError:
+            pass
+        with contextlib.suppress(OSError):
+            written.unlink()
+
+    # --- the size ---------------------------------------------------------------------------------
+
+    def reserve(self, nbytes: int) -> bool:
+        """Add ``nbytes`` to the usage if the total stays within the size (a negative amount frees)."""
+        with self._locked() as fd:
+            if fd is None:
+                return False
+            used = _read_usage(fd)
+            if nbytes > 0 and used + nbytes > self.size:
+                return False
+            _write_usage(fd, max(0, used + nbytes))
+            return True
+
+    def used(self) -> int:
+        with self._locked() as fd:
+            return 0 if fd is None else _read_usage(fd)
+
+    def recount(self) -> int:
+        """Set the usage from the files there are, and remove dead writers' temporary files (at start)."""
+        self._remove_dead_writers()
+        total = sum(_tree_bytes(folder) for folder in (self.objects, self.indexes))
+        with self._locked() as fd:
+            if fd is not None:
+                _write_usage(fd, total)
+        return total
+
+    def _remove_dead_writers(self) -> None:
+        with os.scandir(self.tmp.parent) as it:
+            for entry in it:
+                if entry.name.isdigit() and not Path(f"/proc/{entry.name}").exists():
+                    shutil.rmtree(entry.path, ignore_errors=True)
+
+    @contextlib.contextmanager
+    def _locked(self) -> Iterator[int | None]:
+        fd = os.open(self.dir / "usage", os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
+        try:
+            deadline = time.monotonic() + LOCK_TIMEOUT
+            while True:
+                try:
+                    fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                    break
+                except BlockingIOError:
+                    if time.monotonic() > deadline:
+                        log.warning("cache folder %s: its lock is held too long; not keeping", self.dir)
+                        yield None
+                        return
+                    time.sleep(0.005)
+            yield fd
+        finally:
+            os.close(fd)  # closing drops the lock
+
+    # --- saved indexes (NOTE [ Saved indexes ]) ---------------------------------------------------
+
+    def saved_index(self, key: str, inputs: Any) -> Path | None:
+        """The folder of the index saved under ``key`` from these very ``inputs``, if there is one."""
+        folder = self.indexes / key
+        try:
+            saved = json.loads((folder / "inputs.json").read_text(encoding="utf-8"))
+        except (OSError, ValueError):
+            return None
+        return folder if saved == _jsonable(inputs) else None
+
+    def save_index(self, key: str, inputs: Any, save: Any) -> bool:
+        """Save an index under ``key`` (``save(folder)`` writes it) with the inputs it was built from;
+        False if it does not fit."""
+        staging = self.temp_file()
+        staging.mkdir()
+        try:
+            save(staging)
+            (staging / "inputs.json").write_text(json.dumps(_jsonable(inputs)), encoding="utf-8")
+            nbytes = _tree_bytes(staging)
+            folder = self.indexes / key
+            old = _tree_bytes(folder) if folder.exists() else 0
+            if not self.reserve(nbytes - old):
+                return False
+            if folder.exists():
+                shutil.rmtree(folder)
+            os.rename(staging, folder)
+            return True
+        finally:
+            shutil.rmtree(staging, ignore_errors=True)
+
+
+def index_key(kind: str, data: str, extra: Any = None) -> str:
+    """The name an index is saved under: its format, its ``--data`` value, and options that change it."""
+    text = json.dumps([kind, data, extra], sort_keys=True)
+    return hashlib.sha256(text.encode("utf-8", "surrogateescape")).hexdigest()[:32]
+
+
+def _jsonable(inputs: Any) -> Any:
+    return json.loads(json.dumps(inputs))
+
+
+def _read_usage(fd: int) -> int:
+    raw = os.pread(fd, _USAGE.size, 0)
+    return int(_USAGE.unpack(raw)[0]) if len(raw) == _USAGE.size else 0
+
+
+def _write_usage(fd: int, used: int) -> None:
+    os.pwrite(fd, _USAGE.pack(used), 0)
+
+
+def _tree_bytes(folder: Path) -> int:
+    total = 0
+    for base, _, files in os.walk(folder):
+        for name in files:
+            with contextlib.suppress(OSError):
+                total += os.stat(os.path.join(base, name)).st_size
+    return total

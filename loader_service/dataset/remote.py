@@ -1,0 +1,299 @@
+"""Object stores: ``s3://``, ``gs://`` and ``az://`` data, read through obstore (the Rust
+``object_store`` crate's binding), an optional extra: ``pip install 'dataferry[cloud]'``.
+
+Credentials and endpoints come the standard way of each store (``AWS_ACCESS_KEY_ID``,
+``AWS_ENDPOINT_URL``, instance roles; ``GOOGLE_APPLICATION_CREDENTIALS``; ``AZURE_STORAGE_*``), and
+``--storage-option KEY=VALUE`` (a ``[storage]`` table in the config file) says what the environment
+cannot. Option values are never logged: they may hold secrets.
+
+NOTE [ Object store reads ]
+    A worker asks for every byte range its task needs at once (``RemoteFiles.prefetch``), so the
+    store's latency is paid about once a batch, not once a sample. Each read names the ETag the index
+    saw (``If-Match``): an object replaced since is a bad sample named by its URL, as is one that is
+    gone (404) or shorter than the index says. Everything else that fails (a timeout, a reset, a 5xx,
+    a store that is down) is retried with backoff by obstore, within ``StorageConfig.read_deadline``,
+    kept under the task timeout so that a worker waiting on the store is never taken for a hung
+    decoder. Past it, ``StoreUnavailable`` makes the worker hand its task back undone, and the service
+    does it again later (``TaskDone.retry``): a store that is down for a while delays batches and
+    loses no sample.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+from collections.abc import Awaitable, Callable, Iterator, Mapping, Sequence
+from dataclasses import dataclass
+from datetime import timedelta
+from pathlib import Path
+from typing import Any, TypeVar
+
+from loader_service.dataset.tables import DatasetError
+
+REMOTE_SCHEMES = ("s3", "gs", "az")
+CLIENT_KEYS = frozenset(
+    {
+        "allow_http",
+        "allow_invalid_certificates",
+        "connect_timeout",
+        "default_content_type",
+        "http1_only",
+        "http2_only",
+        "pool_idle_timeout",
+        "pool_max_idle_per_host",
+        "proxy_url",
+        "proxy_ca_certificate",
+        "proxy_excludes",
+        "randomize_addresses",
+        "read_timeout",
+        "timeout",
+        "user_agent",
+    }
+)
+"""Storage options that configure obstore's HTTP client rather than the store."""
+ENV_PREFIXES = {"s3": "AWS_", "gs": "GOOGLE_", "az": "AZURE_"}
+"""How each store's environment variables begin (``AWS_ALLOW_HTTP``)."""
+SCAN_DEADLINE = 120.0
+"""Seconds the service's own requests (listing, fetching shards to index them) retry for."""
+MAX_CONCURRENT_READS = 64
+"""Requests one worker has in flight at once."""
+DOWNLOAD_CHUNK = 8 << 20
+
+T = TypeVar("T")
+
+
+class StorageError(DatasetError):
+    """The data cannot be reached at start (no access, no such bucket): the service exits 2."""
+
+
+class StoreUnavailable(Exception):
+    """The store did not answer within the read deadline: the task is done again later, nothing lost."""
+
+
+@dataclass(frozen=True)
+class StorageConfig:
+    """How the service and its workers reach the data's store, and where fetched data is kept."""
+
+    options: tuple[tuple[str, str], ...] = ()
+    """``--storage-option`` pairs, given to obstore (``CLIENT_KEYS`` to its HTTP client)."""
+    cache_dir: str = ""
+    """``--cache-dir``: fetched objects and saved indexes (``dataset.cachedir``); "" keeps nothing."""
+    cache_size: int = 0
+    """``--cache-size``: the most bytes of fetched objects ``cache_dir`` holds."""
+    read_deadline: float = 10.0
+    """Seconds a worker's reads for one task may take, retries included (half the task timeout)."""
+
+    def __repr__(self) -> str:  # the values may be secrets
+        keys = ", ".join(k for k, _ in self.options)
+        return f"StorageConfig(options=[{keys}], cache_dir={self.cache_dir!r}, cache_size={self.cache_size})"
+
+
+def is_remote(data: str | Path) -> bool:
+    """Does ``data`` name an object store (``s3://``, ``gs://``, ``az://``)?"""
+    scheme, sep, _ = str(data).partition("://")
+    return bool(sep) and scheme.lower() in REMOTE_SCHEMES
+
+
+def split_url(url: str) -> tuple[str, str]:
+    """``s3://bucket/a/b.tar`` -> (``s3://bucket``, ``a/b.tar``)."""
+    scheme, _, rest = url.partition("://")
+    bucket, _, key = rest.partition("/")
+    if not bucket:
+        raise DatasetError(f"{url}: no bucket named (expected {scheme}://BUCKET/KEY)")
+    return f"{scheme.lower()}://{bucket}", key
+
+
+def join_url(root: str, name: str) -> str:
+    """``name`` under the folder URL ``root``; a full URL stays itself."""
+    if is_remote(name):
+        return name
+    return root.rstrip("/") + "/" + name.lstrip("/")
+
+
+@dataclass(frozen=True)
+class ObjectInfo:
+    key: str
+    """The object's key in its bucket."""
+    size: int
+    etag: str
+
+
+def _obstore() -> Any:
+    try:
+        import obstore
+    except ImportError:
+        raise DatasetError(
+            "reading from an object store needs obstore: pip install 'dataferry[cloud]'"
+        ) from None
+    return obstore
+
+
+class Bucket:
+    """One bucket (container) of an object store, with retries bounded by ``deadline`` seconds."""
+
+    def __init__(self, url: str, storage: StorageConfig, deadline: float) -> None:
+        self.url, _ = split_url(url)
+        self._obs = _obstore()
+        self.store = _open_store(self._obs, self.url, storage, deadline)
+
+    def list(self, prefix: str) -> list[ObjectInfo]:
+        """Every object whose key starts with ``prefix``, by key."""
+        found: list[ObjectInfo] = []
+        try:
+            for chunk in self._obs.list(self.store, prefix or None, chunk_size=1000):
+                found.extend(_info(meta) for meta in chunk)
+        except Exception as exc:
+            raise self.start_error(exc, prefix) from None
+        return sorted(found, key=lambda o: o.key)
+
+    def head(self, key: str) -> ObjectInfo:
+        try:
+            return _info(self._obs.head(self.store, key))
+        except Exception as exc:
+            raise self.start_error(exc, key) from None
+
+    def get(self, key: str, max_bytes: int) -> tuple[bytes, ObjectInfo]:
+        """A whole object read at start (a list file), refused over ``max_bytes``."""
+        info = self.head(key)
+        if info.size > max_bytes:
+            raise DatasetError(f"{self.url}/{key} has {info.size} bytes: over {max_bytes}")
+        try:
+            got = self._obs.get(self.store, key, options=_if_match(info.etag))
+            return bytes(got.bytes()), info
+        except Exception as exc:
+            raise self.start_error(exc, key) from None
+
+    def download(self, obj: ObjectInfo, dest: Path) -> None:
+        """Stream ``obj`` into the new file ``dest``; StorageError if it fails or comes out short."""
+        try:
+            got = self._obs.get(self.store, obj.key, options=_if_match(obj.etag))
+            with open(dest, "xb") as out:
+                for chunk in got.stream(min_chunk_size=DOWNLOAD_CHUNK):
+                    out.write(chunk)
+                written = out.tell()
+        except StorageError:
+            raise
+        except Exception as exc:
+            raise self.start_error(exc, obj.key) from None
+        if written != obj.size:
+            raise StorageError(f"{self.url}/{obj.key}: read {written} bytes of {obj.size}")
+
+    async def read(self, key: str, start: int, size: int, etag: str) -> bytes:
+        """``size`` bytes from ``start`` (the whole object for ``size`` -1); errors as obstore's."""
+        options: dict[str, Any] = _if_match(etag)
+        if size >= 0:
+            options["range"] = (start, start + size)
+        got = await self._obs.get_async(self.store, key, options=options)
+        return bytes(await got.bytes_async())
+
+    def start_error(self, exc: Exception, key: str) -> DatasetError:
+        """What an error met at start says: StorageError (exit 2) naming the bucket and the cause."""
+        where = f"{self.url}/{key}" if key else self.url
+        kind = type(exc).__name__
+        if kind in ("PermissionDeniedError", "UnauthenticatedError") or _denied(exc):
+            return StorageError(
+                f"{self.url}: access denied: check the credentials (AWS_ACCESS_KEY_ID and "
+                "AWS_SECRET_ACCESS_KEY, a role, or --storage-option) and the bucket's policy"
+            )
+        if _not_found(exc):
+            return StorageError(f"{where} does not exist")
+        return StorageError(f"{where}: {first_line(exc)}")
+
+
+def _open_store(obs: Any, url: str, storage: StorageConfig, deadline: float) -> Any:
+    config = {k: v for k, v in storage.options if k not in CLIENT_KEYS}
+    client: dict[str, Any] = {"connect_timeout": "5s", "timeout": f"{max(1, int(deadline))}s"}
+    # Client options given here replace those obstore would read from the environment (such as
+    # AWS_ALLOW_HTTP), so the environment's are read here too; --storage-option wins over both.
+    prefix = ENV_PREFIXES[url.partition("://")[0]]
+    client.update((k, v) for k in CLIENT_KEYS if (v := os.environ.get(f"{prefix}{k.upper()}")) is not None)
+    client.update((k, v) for k, v in storage.options if k in CLIENT_KEYS)
+    retry = {
+        "max_retries": 1000,  # the deadline bounds them
+        "retry_timeout": timedelta(seconds=deadline),
+        "backoff": {
+            "init_backoff": timedelta(milliseconds=100),
+            "max_backoff": timedelta(seconds=2),
+            "base": 2,
+        },
+    }
+    try:
+        return obs.store.from_url(url, config=config, client_options=client, retry_config=retry)
+    except Exception as exc:
+        raise StorageError(f"{url}: {first_line(exc)} (check --storage-option)") from None
+
+
+def _info(meta: Mapping[str, Any]) -> ObjectInfo:
+    return ObjectInfo(str(meta["path"]), int(meta["size"]), str(meta.get("e_tag") or ""))
+
+
+def _if_match(etag: str) -> dict[str, Any]:
+    return {"if_match": etag} if etag else {}
+
+
+_DENIED = ("403 Forbidden", "401 Unauthorized", "AccessDenied", "InvalidAccessKeyId", "SignatureDoesNotMatch")
+
+
+def _denied(exc: Exception) -> bool:
+    """A refusal obstore reports as a generic error (a listing's 403 is one)."""
+    return any(word in str(exc) for word in _DENIED)
+
+
+def _not_found(exc: Exception) -> bool:
+    # obstore raises the builtin FileNotFoundError for a 404 (its NotFoundError class exists too).
+    return isinstance(exc, FileNotFoundError) or type(exc).__name__ == "NotFoundError"
+
+
+def first_line(exc: BaseException) -> str:
+    """An obstore error's first line: the rest is a debug dump that may quote request headers."""
+    text = str(exc).strip().splitlines()
+    return text[0][:300] if text else type(exc).__name__
+
+
+def sample_error(exc: Exception, url: str) -> Exception:
+    """What a failed read of ``url`` in a worker is: a bad sample (DecodeError) or StoreUnavailable."""
+    from loader_service.dataset.storage import DecodeError
+
+    kind = type(exc).__name__
+    if _not_found(exc):
+        return DecodeError(f"{url}: not found (deleted since it was indexed?)")
+    if kind == "PreconditionError":
+        return DecodeError(f"{url}: changed since it was indexed (its ETag differs)")
+    return StoreUnavailable(f"{url}: {first_line(exc)}")
+
+
+class Requests:
+    """Runs a worker's reads concurrently on an event loop of its own, all within one deadline."""
+
+    def __init__(self, deadline: float) -> None:
+        self.deadline = deadline
+        self._loop = asyncio.new_event_loop()
+
+    def run(self, jobs: Sequence[Callable[[], Awaitable[T]]]) -> list[T | BaseException]:
+        """Each job's result or exception, in order; StoreUnavailable if the deadline passes."""
+        try:
+            return self._loop.run_until_complete(asyncio.wait_for(self._all(jobs), self.deadline))
+        except TimeoutError:
+            raise StoreUnavailable(f"reads not done within {self.deadline:.0f} s") from None
+
+    async def _all(self, jobs: Sequence[Callable[[], Awaitable[T]]]) -> list[T | BaseException]:
+        gate = asyncio.Semaphore(MAX_CONCURRENT_READS)
+
+        async def one(job: Callable[[], Awaitable[T]]) -> T:
+            async with gate:
+                return await job()
+
+        return list(await asyncio.gather(*(one(j) for j in jobs), return_exceptions=True))
+
+    def close(self) -> None:
+        self._loop.close()
+
+
+def chunks(items: Sequence[T], size: int) -> Iterator[Sequence[T]]:
+    for start in range(0, len(items), size):
+        yield items[start : start + size]
+
+
+def scratch_dir(storage: StorageConfig) -> str:
+    """Where the service puts a shard it fetched only to index it: the cache folder, else the temp one."""
+    return storage.cache_dir or os.environ.get("TMPDIR", "/tmp")

@@ -1,0 +1,112 @@
+"""A decode worker's reads from an object store (``storage.Files`` for remote data; NOTE [ Object
+store reads ]), through the cache folder when it holds the object (NOTE [ Fetch cache ])."""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+
+from loader_service.dataset.cachedir import FetchCache
+from loader_service.dataset.remote import (
+    Bucket,
+    Requests,
+    StorageConfig,
+    StoreUnavailable,
+    join_url,
+    sample_error,
+    split_url,
+)
+from loader_service.dataset.storage import DecodeError, LocalFiles, Want
+
+
+class RemoteFiles:
+    """Objects under the folder URL ``root``. ``versions`` gives the (size, ETag) the index saw of
+    the objects read by range; each read names that ETag, and only those objects are read from the
+    cache folder."""
+
+    def __init__(self, root: str, storage: StorageConfig, versions: Mapping[str, tuple[int, str]]) -> None:
+        self.root = root
+        self.storage = storage
+        self.versions = versions
+        self._buckets: dict[str, Bucket] = {}
+        self._requests = Requests(storage.read_deadline)
+        self._cache = FetchCache(storage.cache_dir, storage.cache_size) if storage.cache_dir else None
+        self._entries = LocalFiles(Path("/"))
+        self._got: dict[Want, bytes | Exception] = {}
+
+    def read(self, name: str, max_bytes: int) -> bytes:
+        data = self._take((name, 0, -1))
+        if len(data) > max_bytes:
+            raise DecodeError(f"object of {len(data)} bytes is over --max-file-bytes {max_bytes}")
+        if not data:
+            raise DecodeError(f"{join_url(self.root, name)}: empty object")
+        return data
+
+    def read_range(self, name: str, offset: int, size: int) -> bytes:
+        entry = self._entry(name)
+        if entry is not None:
+            return self._entries.read_range(str(entry), offset, size)
+        return self._take((name, offset, size))
+
+    def prefetch(self, wanted: Sequence[Want]) -> None:
+        """Fetch every range of ``wanted`` the cache does not hold, at once; StoreUnavailable if the
+        store does not answer within the deadline (nothing is kept then)."""
+        self._got.clear()
+        todo = [w for w in dict.fromkeys(wanted) if self._entry(w[0]) is None]
+        if not todo:
+            return
+        results = self._requests.run([functools.partial(self._fetch, w) for w in todo])
+        for want, result in zip(todo, results, strict=True):
+            got = (
+                result
+                if not isinstance(result, BaseException)
+                else _as_error(result, join_url(self.root, want[0]))
+            )
+            if isinstance(got, StoreUnavailable):
+                self._got.clear()
+                raise got
+            self._got[want] = got
+
+    def close(self) -> None:
+        self._entries.close()
+        self._requests.close()
+        self._got.clear()
+
+    def _take(self, want: Want) -> bytes:
+        if want not in self._got:
+            self.prefetch([want])
+        got = self._got.pop(want, b"")
+        if isinstance(got, Exception):
+            raise got
+        return got
+
+    async def _fetch(self, want: Want) -> bytes:
+        name, offset, size = want
+        url = join_url(self.root, name)
+        version = self.versions.get(name)
+        data = await self._bucket(url).read(split_url(url)[1], offset, size, version[1] if version else "")
+        if size < 0 and self._cache is not None and version is not None:
+            self._cache.put(url, version[1], data)
+        return data
+
+    def _entry(self, name: str) -> Path | None:
+        version = self.versions.get(name)
+        if self._cache is None or version is None:
+            return None
+        return self._cache.holds(join_url(self.root, name), version[1], version[0])
+
+    def _bucket(self, url: str) -> Bucket:
+        base, _ = split_url(url)
+        bucket = self._buckets.get(base)
+        if bucket is None:
+            bucket = self._buckets[base] = Bucket(base, self.storage, self.storage.read_deadline)
+        return bucket
+
+
+def _as_error(exc: BaseException, url: str) -> Exception:
+    if isinstance(exc, (DecodeError, StoreUnavailable)):
+        return exc
+    if isinstance(exc, Exception):
+        return sample_error(exc, url)
+    raise exc  # KeyboardInterrupt and the like are not a sample's
