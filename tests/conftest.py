@@ -7,6 +7,7 @@ test and is still there afterwards fails that test and is removed, so one leak c
 
 from __future__ import annotations
 
+import csv
 from collections.abc import Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -18,6 +19,7 @@ from tests.helpers import (
     SHM,
     ServiceFactory,
     ServiceProcess,
+    folder_samples,
     our_segments,
     owner_running,
     write_csv_list,
@@ -68,7 +70,8 @@ def start_service(tmp_path: Path) -> Iterator[ServiceFactory]:
         args = ["serve", "--data", str(data), "--endpoint", endpoint]
         for key, value in {"workers": 2, "batch_size": 8, "image_size": 32, **flags}.items():
             flag = f"--{key.replace('_', '-')}"
-            args += [flag] if value is True else [flag, str(value)]
+            for one in value if isinstance(value, list) else [value]:  # a list: a repeated flag
+                args += [flag] if one is True else [flag, str(one)]
         service = ServiceProcess(args, endpoint, env=env, private_shm=private_shm)
         started.append(service)
         if wait_ready:
@@ -159,3 +162,31 @@ def _running_s3_server(data: Path) -> Iterator[S3Server]:
     finally:
         print(f"--- s3 server log tail ({server.log_path}):\n{server.log_tail(3000)}")
         server.stop()
+
+
+@pytest.fixture(scope="session")
+def s3_sources(
+    s3_server: S3Server,
+    photos: Path,
+    photo_sources: dict[str, Path],
+    tmp_path_factory: pytest.TempPathFactory,
+) -> dict[str, str]:
+    """``photo_sources`` in the session's S3 server, by kind: ``tar`` (a prefix of shards), ``brace``
+    (a pattern of them), ``csv`` (a list naming image objects relative to its own key's folder)."""
+    s3_server.upload_tree(photo_sources["tar"], "sources/shards")
+    s3_server.upload_tree(photos, "sources/photos")
+    listed = tmp_path_factory.mktemp("s3list") / "train.csv"
+    with open(listed, "w", newline="", encoding="utf-8") as fh:
+        rows = csv.writer(fh)
+        rows.writerow(["path", "label", "caption"])
+        rows.writerows(
+            [f"photos/{rel}", label, f"photo {i}"] for i, (rel, label) in enumerate(folder_samples(photos))
+        )
+    s3_server.upload(listed, "sources/train.csv")
+    shards = sorted(p.name for p in photo_sources["tar"].iterdir())
+    bucket = f"s3://{s3_server.bucket}/sources"
+    return {
+        "tar": f"{bucket}/shards/",
+        "brace": f"{bucket}/shards/train-{{000000..{len(shards) - 1:06d}}}.tar",
+        "csv": f"{bucket}/train.csv",
+    }

@@ -7,6 +7,7 @@ another.
 from __future__ import annotations
 
 import contextlib
+import hashlib
 import io
 import json
 import mmap
@@ -395,3 +396,38 @@ def wait_until(condition: Callable[[], bool], what: str, timeout: float = 30) ->
         if time.monotonic() > deadline:
             raise AssertionError(f"timed out waiting for: {what}")
         time.sleep(0.05)
+
+
+Received = dict[int, tuple[int, str]]
+"""Sample index -> (label, sha1 of its pixels) over one epoch."""
+
+
+def receive_epoch(loader: ServiceLoader) -> Received:
+    got: Received = {}
+    for batch in loader:
+        for row, idx in enumerate(batch.indices.tolist()):
+            assert idx not in got, f"sample {idx} delivered twice in one epoch"
+            pixels = hashlib.sha1(batch.images[row].numpy().tobytes()).hexdigest()
+            got[idx] = (int(batch.labels[row]), pixels)
+    return got
+
+
+def write_config(path: Path, top: dict[str, Any], feeds: dict[str, dict[str, Any]]) -> Path:
+    """A TOML config file; values are str, int or a nested table of fields."""
+
+    def value(v: Any) -> str:
+        return json.dumps(str(v)) if isinstance(v, (str, Path)) else json.dumps(v)
+
+    lines = [f"{k} = {value(v)}" for k, v in top.items()]
+    for name, table in feeds.items():
+        lines.append(f"[feeds.{name}]")
+        lines += [f"{k} = {value(v)}" for k, v in table.items()]
+    path.write_text("\n".join(lines) + "\n")
+    return path
+
+
+def busy_worker(endpoint: str) -> int | None:
+    for worker in status(endpoint)["worker_list"]:
+        if worker["task"] is not None:
+            return int(worker["pid"])
+    return None

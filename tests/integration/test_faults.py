@@ -20,6 +20,7 @@ from tests.helpers import (
     SHM,
     ServiceFactory,
     ServiceProcess,
+    busy_worker,
     left_behind,
     our_segments,
     status,
@@ -27,13 +28,6 @@ from tests.helpers import (
 )
 
 pytestmark = pytest.mark.integration
-
-
-def busy_worker(endpoint: str) -> int | None:
-    for worker in status(endpoint)["worker_list"]:
-        if worker["task"] is not None:
-            return int(worker["pid"])
-    return None
 
 
 @pytest.mark.parametrize("source", ["imagefolder", "tar", "csv"])

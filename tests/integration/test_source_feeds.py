@@ -2,49 +2,28 @@
 
 from __future__ import annotations
 
-import hashlib
-import json
 import re
 import subprocess
 import sys
 import textwrap
 from pathlib import Path
-from typing import Any
 
 import pytest
 import torch
 
 from gpu_worker import ServiceLoader
-from tests.helpers import REPO, ServiceFactory, ServiceProcess, folder_samples, status, write_shards
+from tests.helpers import (
+    REPO,
+    ServiceFactory,
+    ServiceProcess,
+    folder_samples,
+    receive_epoch,
+    status,
+    write_config,
+    write_shards,
+)
 
 pytestmark = pytest.mark.integration
-
-Received = dict[int, tuple[int, str]]
-"""Sample index -> (label, sha1 of its pixels) over one epoch."""
-
-
-def receive_epoch(loader: ServiceLoader) -> Received:
-    got: Received = {}
-    for batch in loader:
-        for row, idx in enumerate(batch.indices.tolist()):
-            assert idx not in got, f"sample {idx} delivered twice in one epoch"
-            pixels = hashlib.sha1(batch.images[row].numpy().tobytes()).hexdigest()
-            got[idx] = (int(batch.labels[row]), pixels)
-    return got
-
-
-def write_config(path: Path, top: dict[str, Any], feeds: dict[str, dict[str, Any]]) -> Path:
-    """A TOML config file; values are str, int or a nested table of fields."""
-
-    def value(v: Any) -> str:
-        return json.dumps(str(v)) if isinstance(v, (str, Path)) else json.dumps(v)
-
-    lines = [f"{k} = {value(v)}" for k, v in top.items()]
-    for name, table in feeds.items():
-        lines.append(f"[feeds.{name}]")
-        lines += [f"{k} = {value(v)}" for k, v in table.items()]
-    path.write_text("\n".join(lines) + "\n")
-    return path
 
 
 def test_every_source_delivers_what_the_image_folder_feed_delivers(

@@ -1,0 +1,227 @@
+"""Data in an object store, through a real S3 server (SeaweedFS on loopback, tests/s3server.py):
+the same feed as from a local copy, and what happens when the store fails for real."""
+
+from __future__ import annotations
+
+import os
+import signal
+from concurrent.futures import Future
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+import pytest
+
+from gpu_worker import ServiceLoader
+from loader_service.dataset.index import build_index
+from tests.helpers import (
+    ServiceFactory,
+    ServiceProcess,
+    busy_worker,
+    folder_samples,
+    in_background,
+    receive_epoch,
+    status,
+    write_config,
+)
+
+if TYPE_CHECKING:
+    from tests.s3server import S3Server
+
+pytestmark = pytest.mark.integration
+
+
+def test_shards_and_lists_in_a_store_deliver_what_the_local_copies_deliver(
+    s3_server: S3Server,
+    s3_sources: dict[str, str],
+    photo_sources: dict[str, Path],
+    start_service: ServiceFactory,
+    tmp_path: Path,
+) -> None:
+    """Tar shards by prefix and by pattern, and a csv list of image objects, each a feed beside the
+    local shards: every epoch gives each sample once, with the local feed's label and pixels."""
+    common = {"batch_size": 8, "image_size": 32, "seed": 5}
+    feeds = {f"s3{kind}": {"data": url, **common} for kind, url in s3_sources.items()}
+    config = write_config(tmp_path / "s3.toml", {}, feeds)
+    service = start_service(photo_sources["tar"], config=config, env=s3_server.env(), **common)
+    n = len(folder_samples(photo_sources["imagefolder"]))
+    with ServiceLoader(service.endpoint, timeout=30) as loader:
+        local = [receive_epoch(loader) for _ in range(2)]
+    assert all(sorted(epoch) == list(range(n)) for epoch in local)
+    for name in feeds:
+        with ServiceLoader(service.endpoint, feed=name, timeout=30) as loader:
+            for epoch in range(2):
+                assert receive_epoch(loader) == local[epoch], f"{name}: epoch {epoch} differs"
+    body = status(service.endpoint)
+    assert {f["name"]: f["format"] for f in body["feeds"]} == {
+        "train": "tar",
+        "s3tar": "tar",
+        "s3brace": "tar",
+        "s3csv": "list",
+    }
+    assert all(f["bad_files"] == 0 for f in body["feeds"])
+
+
+def test_the_fingerprint_does_not_depend_on_where_the_shards_are(
+    s3_server: S3Server,
+    s3_sources: dict[str, str],
+    photo_sources: dict[str, Path],
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A checkpoint taken on the local copy resumes on the store's, and back."""
+    for name, value in s3_server.env().items():
+        monkeypatch.setenv(name, value)
+    local = build_index(photo_sources["tar"]).fingerprint()
+    assert (
+        build_index(s3_sources["tar"]).fingerprint()
+        == build_index(s3_sources["brace"]).fingerprint()
+        == local
+    )
+
+
+def test_a_wrong_secret_stops_the_start_with_exit_2_naming_the_bucket(
+    s3_server: S3Server, s3_sources: dict[str, str], tmp_path: Path
+) -> None:
+    endpoint = f"ipc://{tmp_path}/denied.sock"
+    wrong = "not-the-secret-0123456789"
+    env = {**s3_server.env(), "AWS_SECRET_ACCESS_KEY": wrong}
+    service = ServiceProcess(
+        ["serve", "--data", s3_sources["tar"], "--endpoint", endpoint], endpoint, env=env
+    )
+    try:
+        assert service.proc.wait(60) == 2
+    finally:
+        service.kill_group()
+    assert f"cannot start: s3://{s3_server.bucket}: access denied" in service.log
+    assert "Traceback" not in service.log and wrong not in service.log
+
+
+def test_storage_options_reach_the_store_and_are_never_logged(
+    s3_server: S3Server, s3_sources: dict[str, str], photos: Path, start_service: ServiceFactory
+) -> None:
+    """The endpoint, the credentials and plain http given as --storage-option, none in the
+    environment: the store (and the client, for allow_http) get them, the log names only keys."""
+    service = start_service(
+        s3_sources["tar"],
+        storage_option=[
+            f"endpoint={s3_server.endpoint}",
+            f"access_key_id={s3_server.access_key}",
+            f"secret_access_key={s3_server.secret_key}",
+            f"region={s3_server.env()['AWS_REGION']}",
+            "allow_http=true",
+        ],
+    )
+    with ServiceLoader(service.endpoint, timeout=30) as loader:
+        assert sorted(receive_epoch(loader)) == list(range(len(folder_samples(photos))))
+    assert s3_server.secret_key not in service.log
+    assert "secret_access_key=***" in service.log
+
+
+def test_the_store_killed_and_restarted_mid_epoch_loses_no_sample(
+    fresh_s3_server: S3Server, photo_sources: dict[str, Path], start_service: ServiceFactory
+) -> None:
+    """The store is down longer than the workers' read deadline (half of --task-timeout 4): their
+    tasks come back undone and wait, and once the store is back the epoch ends with every sample
+    exactly once and none reported bad."""
+    fresh_s3_server.upload_tree(photo_sources["tar"], "shards")
+    n = len(folder_samples(photo_sources["imagefolder"]))
+    service = start_service(
+        f"s3://{fresh_s3_server.bucket}/shards/",
+        env=fresh_s3_server.env(),
+        batch_size=4,
+        slots=3,
+        task_timeout=4,
+    )
+
+    outage: Future[None] = Future()
+
+    def one_epoch() -> list[int]:
+        seen: list[int] = []
+        with ServiceLoader(service.endpoint, timeout=60) as loader:
+            for k, batch in enumerate(loader):
+                if k == 2:
+                    fresh_s3_server.kill()
+                    outage.set_result(None)
+                seen += batch.indices.tolist()
+        return seen
+
+    with in_background(one_epoch, "an epoch across the outage") as epoch:
+        outage.result(60)
+        # Logged when a worker hands its task back: the store was down longer than its deadline.
+        service.wait_for(r"the data's store does not answer", 30)
+        fresh_s3_server.restart()
+        got = epoch.result(90)
+    assert sorted(got) == list(range(n)), "every sample exactly once across the outage"
+    assert status(service.endpoint)["feeds"][0]["bad_files"] == 0
+
+
+def test_an_object_deleted_mid_epoch_is_one_bad_sample_named_by_its_url(
+    fresh_s3_server: S3Server, photos: Path, start_service: ServiceFactory, tmp_path: Path
+) -> None:
+    fresh_s3_server.upload_tree(photos, "set/photos")
+    samples = folder_samples(photos)
+    listed = tmp_path / "train.csv"
+    listed.write_text("path,label\n" + "".join(f"photos/{rel},{label}\n" for rel, label in samples))
+    fresh_s3_server.upload(listed, "set/train.csv")
+    service = start_service(
+        f"s3://{fresh_s3_server.bucket}/set/train.csv", env=fresh_s3_server.env(), batch_size=4, slots=3
+    )
+    gone = len(samples) - 1  # the last sample: the epoch is well under way before any worker reads it
+    with ServiceLoader(service.endpoint, timeout=30) as loader:
+        seen: list[int] = []
+        for k, batch in enumerate(loader):
+            if k == 0:
+                fresh_s3_server.delete(f"set/photos/{samples[gone][0]}")
+            seen += batch.indices.tolist()
+    assert sorted(seen) == [i for i in range(len(samples)) if i != gone]
+    feed = status(service.endpoint)["feeds"][0]
+    assert feed["bad_files"] == 1
+    url = f"s3://{fresh_s3_server.bucket}/set/photos/{samples[gone][0]}"
+    service.wait_for(rf"{url}: not found", 10)
+
+
+def test_a_cache_folder_serves_an_epoch_with_the_store_down_and_a_restart_without_indexing(
+    fresh_s3_server: S3Server, photo_sources: dict[str, Path], start_service: ServiceFactory, tmp_path: Path
+) -> None:
+    """The start fetches each shard once to index it and keeps it (NOTE [ Fetch cache ]): a whole epoch
+    then needs no store at all. The next start finds the saved index current and scans nothing; a shard
+    replaced in the store makes the one after index again (NOTE [ Saved indexes ])."""
+    fresh_s3_server.upload_tree(photo_sources["tar"], "shards")
+    data = f"s3://{fresh_s3_server.bucket}/shards/"
+    n = len(folder_samples(photo_sources["imagefolder"]))
+    cache = {"cache_dir": tmp_path / "cache", "cache_size": "1G"}
+    first = start_service(data, name="first", env=fresh_s3_server.env(), **cache)
+    kept = list((tmp_path / "cache" / "objects").rglob("*"))
+    assert sum(p.is_file() for p in kept) == len(list(photo_sources["tar"].iterdir())), "every shard kept"
+    fresh_s3_server.stop()
+    with ServiceLoader(first.endpoint, timeout=30) as loader:
+        assert sorted(receive_epoch(loader)) == list(range(n)), "an epoch read from the cache folder alone"
+    assert status(first.endpoint)["feeds"][0]["bad_files"] == 0
+    assert first.stop() == 0
+    fresh_s3_server.restart()
+    second = start_service(data, name="second", env=fresh_s3_server.env(), **cache)
+    second.wait_for(r"the saved index of \d+ samples is current", 1)
+    assert second.stop() == 0
+    shards = sorted(photo_sources["tar"].iterdir())
+    fresh_s3_server.upload(shards[1], f"shards/{shards[0].name}")  # another object under that name
+    third = start_service(data, name="third", env=fresh_s3_server.env(), **cache)
+    assert "is current" not in third.log
+    with ServiceLoader(third.endpoint, timeout=30) as loader:
+        assert len(receive_epoch(loader)) == n, "indexed anew: the replaced shard's samples are read"
+
+
+def test_a_decode_worker_killed_mid_task_on_store_data_costs_nothing(
+    s3_server: S3Server, s3_sources: dict[str, str], photos: Path, start_service: ServiceFactory
+) -> None:
+    n = len(folder_samples(photos))
+    service = start_service(s3_sources["tar"], env=s3_server.env(), batch_size=4, workers=2)
+    hit = False
+    seen: list[int] = []
+    with ServiceLoader(service.endpoint, timeout=30) as loader:
+        for batch in loader:
+            seen += batch.indices.tolist()
+            if not hit and (pid := busy_worker(service.endpoint)) is not None:
+                os.kill(pid, signal.SIGKILL)
+                died = service.wait_for(rf"decode worker \d \(pid {pid}\) died with exit code -9.*", 10)
+                hit = "holding task" in died[0]
+    assert hit, "never caught a worker in the middle of a task"
+    assert sorted(seen) == list(range(n))
