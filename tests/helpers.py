@@ -431,3 +431,24 @@ def busy_worker(endpoint: str) -> int | None:
         if worker["task"] is not None:
             return int(worker["pid"])
     return None
+
+
+def assert_feeds_match(endpoint: str, names: Iterable[str], n: int, batch_size: int) -> list[Received]:
+    """Two epochs of the service's first feed, each giving every one of the ``n`` samples once, and
+    every feed of ``names`` giving exactly those epochs (labels and pixels); the first feed's epochs."""
+    with ServiceLoader(endpoint, timeout=30) as loader:
+        reference = [receive_epoch(loader) for _ in range(2)]
+    assert all(sorted(epoch) == list(range(n)) for epoch in reference)
+    for name in names:
+        with ServiceLoader(endpoint, feed=name, timeout=30) as loader:
+            assert len(loader) == -(-n // batch_size)
+            for epoch in range(2):
+                assert receive_epoch(loader) == reference[epoch], f"{name}: epoch {epoch} differs"
+    return reference
+
+
+def feed_formats_without_bad_files(endpoint: str) -> dict[str, str]:
+    """Each feed's format, by name, once checked that no feed has met a bad file."""
+    feeds = status(endpoint)["feeds"]
+    assert all(f["bad_files"] == 0 for f in feeds), feeds
+    return {f["name"]: f["format"] for f in feeds}

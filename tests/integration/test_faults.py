@@ -30,12 +30,20 @@ from tests.helpers import (
 pytestmark = pytest.mark.integration
 
 
-@pytest.mark.parametrize("source", ["imagefolder", "tar", "csv"])
+@pytest.mark.parametrize("source", ["imagefolder", "tar", "csv", "s3-tar", "s3-csv"])
 def test_killed_worker_is_replaced_and_no_image_is_lost_or_repeated(
-    photo_sources: dict[str, Path], start_service: ServiceFactory, source: str
+    photo_sources: dict[str, Path], start_service: ServiceFactory, source: str, request: pytest.FixtureRequest
 ) -> None:
+    """``s3-*``: the same data in a real S3 server (tests/s3server.py)."""
     n = len(build_index(photo_sources["imagefolder"]))
-    service = start_service(photo_sources[source], batch_size=4, workers=2)
+    if source.startswith("s3-"):
+        data, env = (
+            request.getfixturevalue("s3_sources")[source[3:]],
+            request.getfixturevalue("s3_server").env(),
+        )
+    else:
+        data, env = str(photo_sources[source]), None
+    service = start_service(data, batch_size=4, workers=2, env=env)
     killed: list[int] = []
     hit = False
     seen: list[int] = []

@@ -3,8 +3,6 @@ the same feed as from a local copy, and what happens when the store fails for re
 
 from __future__ import annotations
 
-import os
-import signal
 from concurrent.futures import Future
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -16,7 +14,8 @@ from loader_service.dataset.index import build_index
 from tests.helpers import (
     ServiceFactory,
     ServiceProcess,
-    busy_worker,
+    assert_feeds_match,
+    feed_formats_without_bad_files,
     folder_samples,
     in_background,
     receive_epoch,
@@ -43,22 +42,13 @@ def test_shards_and_lists_in_a_store_deliver_what_the_local_copies_deliver(
     feeds = {f"s3{kind}": {"data": url, **common} for kind, url in s3_sources.items()}
     config = write_config(tmp_path / "s3.toml", {}, feeds)
     service = start_service(photo_sources["tar"], config=config, env=s3_server.env(), **common)
-    n = len(folder_samples(photo_sources["imagefolder"]))
-    with ServiceLoader(service.endpoint, timeout=30) as loader:
-        local = [receive_epoch(loader) for _ in range(2)]
-    assert all(sorted(epoch) == list(range(n)) for epoch in local)
-    for name in feeds:
-        with ServiceLoader(service.endpoint, feed=name, timeout=30) as loader:
-            for epoch in range(2):
-                assert receive_epoch(loader) == local[epoch], f"{name}: epoch {epoch} differs"
-    body = status(service.endpoint)
-    assert {f["name"]: f["format"] for f in body["feeds"]} == {
+    assert_feeds_match(service.endpoint, feeds, len(folder_samples(photo_sources["imagefolder"])), 8)
+    assert feed_formats_without_bad_files(service.endpoint) == {
         "train": "tar",
         "s3tar": "tar",
         "s3brace": "tar",
         "s3csv": "list",
     }
-    assert all(f["bad_files"] == 0 for f in body["feeds"])
 
 
 def test_the_fingerprint_does_not_depend_on_where_the_shards_are(
@@ -207,21 +197,3 @@ def test_a_cache_folder_serves_an_epoch_with_the_store_down_and_a_restart_withou
     assert "is current" not in third.log
     with ServiceLoader(third.endpoint, timeout=30) as loader:
         assert len(receive_epoch(loader)) == n, "indexed anew: the replaced shard's samples are read"
-
-
-def test_a_decode_worker_killed_mid_task_on_store_data_costs_nothing(
-    s3_server: S3Server, s3_sources: dict[str, str], photos: Path, start_service: ServiceFactory
-) -> None:
-    n = len(folder_samples(photos))
-    service = start_service(s3_sources["tar"], env=s3_server.env(), batch_size=4, workers=2)
-    hit = False
-    seen: list[int] = []
-    with ServiceLoader(service.endpoint, timeout=30) as loader:
-        for batch in loader:
-            seen += batch.indices.tolist()
-            if not hit and (pid := busy_worker(service.endpoint)) is not None:
-                os.kill(pid, signal.SIGKILL)
-                died = service.wait_for(rf"decode worker \d \(pid {pid}\) died with exit code -9.*", 10)
-                hit = "holding task" in died[0]
-    assert hit, "never caught a worker in the middle of a task"
-    assert sorted(seen) == list(range(n))

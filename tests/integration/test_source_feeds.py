@@ -16,8 +16,9 @@ from tests.helpers import (
     REPO,
     ServiceFactory,
     ServiceProcess,
+    assert_feeds_match,
+    feed_formats_without_bad_files,
     folder_samples,
-    receive_epoch,
     status,
     write_config,
     write_shards,
@@ -37,24 +38,15 @@ def test_every_source_delivers_what_the_image_folder_feed_delivers(
     config = write_config(tmp_path / "sources.toml", {}, feeds)
     service = start_service(photo_sources["imagefolder"], config=config, **common)
     n = len(folder_samples(photo_sources["imagefolder"]))
-    with ServiceLoader(service.endpoint, timeout=30) as loader:
-        reference = [receive_epoch(loader) for _ in range(2)]
-    assert all(sorted(epoch) == list(range(n)) for epoch in reference)
+    reference = assert_feeds_match(service.endpoint, feeds, n, 8)
     assert reference[0] != reference[1], "epochs draw different crops"
-    for kind in feeds:
-        with ServiceLoader(service.endpoint, feed=kind, timeout=30) as loader:
-            assert len(loader) == n // 8 + (n % 8 > 0)
-            for epoch in range(2):
-                assert receive_epoch(loader) == reference[epoch], f"{kind}: epoch {epoch} differs"
-    body = status(service.endpoint)
-    assert {f["name"]: f["format"] for f in body["feeds"]} == {
+    assert feed_formats_without_bad_files(service.endpoint) == {
         "train": "imagefolder",
         "csv": "list",
         "jsonl": "list",
         "tar": "tar",
         "brace": "tar",
     }
-    assert all(f["bad_files"] == 0 for f in body["feeds"])
 
 
 # A pipeline that uses every kind of randomness a user's code might: the rng it is given, numpy's
