@@ -34,7 +34,7 @@ pytestmark = pytest.mark.integration
 def test_killed_worker_is_replaced_and_no_image_is_lost_or_repeated(
     photo_sources: dict[str, Path], start_service: ServiceFactory, source: str, request: pytest.FixtureRequest
 ) -> None:
-    """``s3-*``: the same data in a real S3 server (tests/s3server.py)."""
+    """``s3-*``: the same data in a real S3 server (benchmarks/s3server.py)."""
     n = len(build_index(photo_sources["imagefolder"]))
     if source.startswith("s3-"):
         data, env = (

@@ -1,4 +1,4 @@
-"""Data in an object store, through a real S3 server (SeaweedFS on loopback, tests/s3server.py):
+"""Data in an object store, through a real S3 server (SeaweedFS on loopback, benchmarks/s3server.py):
 the same feed as from a local copy, and what happens when the store fails for real."""
 
 from __future__ import annotations
@@ -24,7 +24,7 @@ from tests.helpers import (
 )
 
 if TYPE_CHECKING:
-    from tests.s3server import S3Server
+    from benchmarks.s3server import S3Server
 
 pytestmark = pytest.mark.integration
 

