@@ -335,20 +335,9 @@ def write_tar(path: Path, members: Iterable[tuple[str, bytes]], fmt: int = tarfi
 
 def write_shards(root: Path, out: Path, per_shard: int = 16) -> list[Path]:
     """WebDataset-style shards of ``root``'s photos: KEY.jpg, KEY.cls and KEY.json per sample."""
-    out.mkdir(parents=True, exist_ok=True)
-    samples = folder_samples(root)
-    shards = []
-    for s, start in enumerate(range(0, len(samples), per_shard)):
-        members = []
-        for i, (rel, label) in enumerate(samples[start : start + per_shard], start):
-            key = f"sample{i:06d}"
-            members += [
-                (f"{key}.jpg", (root / rel).read_bytes()),
-                (f"{key}.cls", str(label).encode()),
-                (f"{key}.json", json.dumps({"source": rel}).encode()),
-            ]
-        shards.append(write_tar(out / f"train-{s:06d}.tar", members, tarfile.USTAR_FORMAT))
-    return shards
+    from loader_service.tools.sample_data import write_shards as write
+
+    return write(root, out, per_shard)
 
 
 class CountingDecoder:

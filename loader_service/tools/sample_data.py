@@ -262,3 +262,32 @@ def _sample_size(rng: np.random.Generator) -> tuple[int, int]:
         long_side = rng.uniform(800.0, 1200.0)
     scale = long_side / max(aspect_w, aspect_h)
     return max(8, round(aspect_w * scale)), max(8, round(aspect_h * scale))
+
+
+def write_shards(root: Path, out: Path, per_shard: int = 16) -> list[Path]:
+    """The ImageFolder ``root`` as WebDataset-style tar shards in ``out``, ``per_shard`` samples each, in
+    its index order: ``sampleNNNNNN.jpg``, ``.cls`` (the label) and ``.json`` (the source path)."""
+    import io
+    import tarfile
+
+    from loader_service.dataset.index import build_index
+
+    index = build_index(root, "imagefolder")
+    out.mkdir(parents=True, exist_ok=True)
+    shards = []
+    for s, start in enumerate(range(0, len(index), per_shard)):
+        path = out / f"train-{s:06d}.tar"
+        with tarfile.open(path, "w", format=tarfile.USTAR_FORMAT) as tar:
+            for i in range(start, min(start + per_shard, len(index))):
+                rel = index.relpath(i)
+                members = [
+                    ("jpg", (root / rel).read_bytes()),
+                    ("cls", str(int(index.labels[i])).encode()),
+                    ("json", json.dumps({"source": rel}).encode()),
+                ]
+                for ext, data in members:
+                    info = tarfile.TarInfo(f"sample{i:06d}.{ext}")
+                    info.size = len(data)
+                    tar.addfile(info, io.BytesIO(data))
+        shards.append(path)
+    return shards

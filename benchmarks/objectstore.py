@@ -1,0 +1,300 @@
+"""Scenario (n): the benchmark photos as tar shards in an object store, against the same shards on
+local disk, in one run (NOTE [ Object store reads ], NOTE [ Fetch cache ]).
+
+    python -m benchmarks.objectstore [--out DIR] [--quick] [--parts shards,reads,index]
+
+The store is a real S3 server on this machine (SeaweedFS, ``benchmarks/s3server.py``): its latency
+is loopback's, so the "20 ms" rows put the fault proxy (``benchmarks/netfaults.py``) in front of it,
+holding every chunk 20 ms each way, as a store in another zone would. Each service has 2 decode
+workers, batch 64, the built-in train transform at 224 px; one trainer (``ServiceLoader``) times
+whole epochs. The parts:
+
+* ``shards``: images/s of epochs 1 and 2 for: the local shards; the store with no cache folder (every
+  image a ranged read); the store with an empty cache folder (``cold``: the start fetches each shard
+  once to index it and keeps it, so its start time is reported too) and the same service's epoch 2
+  (``warm``); the store through the 20 ms proxy, no cache folder. Ratios against the local shards'
+  same epoch. Targets: cold >= 0.8x (epoch 1), warm >= 0.97x (epoch 2), 20 ms >= 0.7x (epoch 1).
+* ``reads``: requests per batch and bytes read per image byte, counted on the reader the workers run
+  (``RemoteFiles`` through ``SampleReader.prefetch``, in this process) over one epoch's batches.
+* ``index``: a saved index of ``--samples`` (default 1,000,000) tar samples: how long
+  ``load_or_build`` takes to find it current and map it (target < 1 s), against indexing anew.
+
+Every line printed is one measurement; all go to ``objectstore.json`` in ``--out``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Callable, Iterator, Mapping
+from contextlib import ExitStack, contextmanager
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+REPO = Path(__file__).resolve().parent.parent
+BATCH = 64
+WORKERS = 2
+PER_SHARD = 128
+LATENCY = 0.02
+TARGETS = {"cold": 0.8, "warm": 0.97, "proxy_20ms": 0.7, "proxy_20ms_cold": 0.7}
+
+
+@dataclass(frozen=True)
+class Plan:
+    images: int
+    image_size: int
+    samples: int
+    """Of the saved-index part."""
+    rounds: int
+
+
+@dataclass
+class Run:
+    start_seconds: float
+    epochs: list[float]
+    """Images/s of each epoch."""
+    service_cpu_ms: float = 0.0
+    """CPU of the service's process tree per image, over both epochs: what the trainer's host pays."""
+    store_cpu_ms: float = 0.0
+    """CPU of the S3 server per image over both epochs: on this machine it shares the same cores."""
+
+
+def say(line: str) -> None:
+    print(line, flush=True)
+
+
+@contextmanager
+def service(
+    data: str, run_dir: Path, env: Mapping[str, str], plan: Plan, *flags: str
+) -> Iterator[tuple[str, int]]:
+    """A service over ``data`` (its endpoint and pid), stopped on the way out."""
+    endpoint = f"ipc://{run_dir}/s{len(os.listdir(run_dir))}.sock"
+    args = ["serve", "--data", data, "--endpoint", endpoint, "--workers", str(WORKERS)]
+    args += [
+        "--batch-size",
+        str(BATCH),
+        "--image-size",
+        str(plan.image_size),
+        "--log-level",
+        "WARNING",
+        *flags,
+    ]
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "loader_service", *args], cwd=REPO, env={**os.environ, **env}
+    )
+    try:
+        yield endpoint, proc.pid
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        try:
+            proc.wait(30)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+
+
+def timed_epochs(endpoint: str, epochs: int, started: float, cpu: Callable[[], tuple[float, float]]) -> Run:
+    """Seconds from ``started`` until the service answers, then each epoch's images/s, and the CPU
+    ``cpu()`` says (service, store) was spent per image meanwhile."""
+    from gpu_worker import ServiceLoader
+
+    with ServiceLoader(endpoint, connect_timeout=600, timeout=120) as loader:
+        ready = time.perf_counter() - started
+        rates, before, total = [], cpu(), 0
+        for _ in range(epochs):
+            images, start = 0, time.perf_counter()
+            for batch in loader:
+                images += len(batch.indices)
+            rates.append(images / (time.perf_counter() - start))
+            total += images
+        after = cpu()
+    return Run(ready, rates, 1000 * (after[0] - before[0]) / total, 1000 * (after[1] - before[1]) / total)
+
+
+def measure(data: str, run_dir: Path, env: Mapping[str, str], plan: Plan, store_pid: int, *flags: str) -> Run:
+    from benchmarks.proctree import cpu_seconds, tree
+
+    started = time.perf_counter()
+    with service(data, run_dir, env, plan, *flags) as (endpoint, pid):
+        return timed_epochs(endpoint, 2, started, lambda: (cpu_seconds(tree(pid)), cpu_seconds([store_pid])))
+
+
+def shards_part(work: Path, server: Any, plan: Plan) -> dict[str, Any]:
+    """Every configuration once a round, the local shards first; ratios are medians of the rounds'."""
+    rounds = [one_round(work, server, plan, r) for r in range(plan.rounds)]
+    out: dict[str, Any] = {"rounds": [{name: run.__dict__ for name, run in runs.items()} for runs in rounds]}
+    for name in rounds[0]:
+        epoch = 1 if name == "warm" else 0
+        ratio = float(np.median([runs[name].epochs[epoch] / runs["local"].epochs[epoch] for runs in rounds]))
+        target = TARGETS.get(name)
+        verdict = "-" if target is None else ("PASS" if ratio >= target else "FAIL")
+        out[f"{name}_ratio"] = ratio
+        last = rounds[-1][name]
+        say(
+            f"(n) {name}: epoch {epoch + 1} {ratio:.2f}x local (median of {plan.rounds}; target "
+            f"{target or '-'}) {verdict}; last round: start {last.start_seconds:.1f} s, "
+            f"{last.epochs[epoch]:.0f} images/s, CPU per image: service {last.service_cpu_ms:.2f} ms, "
+            f"S3 server {last.store_cpu_ms:.2f} ms"
+        )
+    return out
+
+
+def one_round(work: Path, server: Any, plan: Plan, r: int) -> dict[str, Run]:
+    from benchmarks.netfaults import proxy_process
+
+    shards, run_dir = work / "shards", work / "run"
+    url = f"s3://{server.bucket}/shards/"
+    env, store = server.env(), server.pid
+    cache = ["--cache-size", "64G", "--cache-dir"]
+    runs: dict[str, Run] = {"local": measure(str(shards), run_dir, {}, plan, store)}
+    runs["store_no_cache"] = measure(url, run_dir, env, plan, store)
+    runs["cold"] = runs["warm"] = measure(url, run_dir, env, plan, store, *cache, str(work / f"cache{r}"))
+    with proxy_process(("127.0.0.1", server.port), LATENCY) as proxied:
+        far = {**env, "AWS_ENDPOINT_URL": proxied.replace("tcp://", "http://")}
+        runs["proxy_20ms"] = measure(url, run_dir, far, plan, store)
+        runs["proxy_20ms_cold"] = measure(url, run_dir, far, plan, store, *cache, str(work / f"far{r}"))
+    return runs
+
+
+def reads_part(work: Path, server: Any, plan: Plan) -> dict[str, Any]:
+    """Requests and bytes of one epoch's reads, counted on the reader the workers run."""
+    from loader_service.dataset import remote
+    from loader_service.dataset.index import build_index
+    from loader_service.dataset.remote import StorageConfig
+    from loader_service.dataset.sampler import shard_order
+    from loader_service.decode.reading import SampleReader
+
+    counted = {"requests": 0, "bytes": 0}
+    real_read = remote.Bucket.read
+
+    async def counting(self: Any, key: str, start: int, size: int, etag: str) -> bytes:
+        data = await real_read(self, key, start, size, etag)
+        counted["requests"] += 1
+        counted["bytes"] += len(data)
+        return data
+
+    with _environ(server.env()):
+        storage = StorageConfig()
+        index = build_index(f"s3://{server.bucket}/shards/", storage=storage)
+        reader = SampleReader(index, 1 << 28, storage)
+        remote.Bucket.read = counting  # type: ignore[method-assign]
+        try:
+            order, image_bytes = shard_order(0, 0, len(index), 0, 1, "pad"), 0
+            batches = -(-len(index) // BATCH)
+            for b in range(batches):
+                batch = [int(i) for i in order.batch(b, BATCH)]
+                reader.prefetch(batch)
+                image_bytes += sum(len(reader.image_bytes(i)) for i in batch)
+        finally:
+            remote.Bucket.read = real_read  # type: ignore[method-assign]
+            reader.close()
+    out = {
+        "requests_per_batch": counted["requests"] / batches,
+        "bytes_read_per_image_byte": counted["bytes"] / image_bytes,
+    }
+    say(f"(n) reads: {out['requests_per_batch']:.1f} requests a batch of {BATCH}, "
+        f"{out['bytes_read_per_image_byte']:.3f} bytes read per image byte")  # fmt: skip
+    return out
+
+
+def index_part(work: Path, server: Any, plan: Plan) -> dict[str, Any]:
+    """A saved index of ``plan.samples`` tar samples found current and mapped, against a scan."""
+    from benchmarks.index_scale import write_tar
+    from loader_service.dataset.index import load_or_build
+    from loader_service.dataset.remote import StorageConfig
+
+    folder = write_tar(work / "big", plan.samples, max(1, plan.samples // 10_000), seed=1)
+    storage = StorageConfig(cache_dir=str(work / "index-cache"), cache_size=64 << 30)
+    first = _seconds(lambda: load_or_build(folder, "tar", None, storage))
+    again = min(_seconds(lambda: load_or_build(folder, "tar", None, storage)) for _ in range(3))
+    verdict = "PASS" if again < 1.0 else "FAIL"
+    say(f"(n) index: {plan.samples} samples indexed in {first:.1f} s; the saved index ready in {again:.2f} s "
+        f"(target < 1 s) {verdict}")  # fmt: skip
+    return {"samples": plan.samples, "scan_seconds": first, "saved_seconds": again}
+
+
+def _seconds(job: Callable[[], object]) -> float:
+    start = time.perf_counter()
+    job()
+    return time.perf_counter() - start
+
+
+@contextmanager
+def _environ(values: Mapping[str, str]) -> Iterator[None]:
+    saved = {k: os.environ.get(k) for k in values}
+    os.environ.update(values)
+    try:
+        yield
+    finally:
+        for k, v in saved.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
+
+
+PARTS: dict[str, Callable[[Path, Any, Plan], dict[str, Any]]] = {
+    "shards": shards_part,
+    "reads": reads_part,
+    "index": index_part,
+}
+
+
+def prepare(work: Path, server: Any, plan: Plan, quick: bool) -> None:
+    """The benchmark photos as shards, on disk and in the store."""
+    from benchmarks.config import make_config
+    from benchmarks.datasets import prepare_data
+    from loader_service.tools.sample_data import write_shards
+
+    data = prepare_data(make_config(quick, images=plan.images))
+    count = len(write_shards(data.root, work / "shards", PER_SHARD))
+    server.upload_tree(work / "shards", "shards")
+    say(f"(n) {data.images} photos ({data.mean_kib:.0f} KiB on average) in {count} shards of {PER_SHARD}")
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(
+        prog="python -m benchmarks.objectstore", description=__doc__.split("\n\n")[0]
+    )
+    parser.add_argument("--out", default="bench-results", help="where objectstore.json goes")
+    parser.add_argument("--quick", action="store_true", help="fewer photos, a 100,000-sample index")
+    parser.add_argument("--samples", type=int, default=0, help="samples of the saved-index part")
+    parser.add_argument("--parts", default=",".join(PARTS), help=f"comma-separated, of {', '.join(PARTS)}")
+    args = parser.parse_args(argv)
+    parts = args.parts.split(",")
+    if unknown := [p for p in parts if p not in PARTS]:
+        parser.error(f"unknown parts {unknown}: choose from {', '.join(PARTS)}")
+    plan = (
+        Plan(images=1024, image_size=224, samples=args.samples or 100_000, rounds=1)
+        if args.quick
+        else Plan(images=2560, image_size=224, samples=args.samples or 1_000_000, rounds=3)
+    )
+    from benchmarks.s3server import S3Server
+
+    results: dict[str, Any] = {"plan": plan.__dict__}
+    with ExitStack() as stack:
+        work = Path(stack.enter_context(tempfile.TemporaryDirectory(prefix="dataferry-objectstore-")))
+        (work / "run").mkdir()
+        server = stack.enter_context(S3Server(work / "s3"))
+        prepare(work, server, plan, args.quick)
+        for part in parts:
+            results[part] = PARTS[part](work, server, plan)
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "objectstore.json").write_text(json.dumps(results, indent=2))
+    say(f"results in {out / 'objectstore.json'}")
+    return 0
+
+
+if __name__ == "__main__":
+    np.seterr(all="ignore")
+    sys.exit(main())
