@@ -34,7 +34,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from loader_service.dataset.remote import StorageConfig, is_remote
-from loader_service.dataset.remoteshards import remote_shards
+from loader_service.dataset.remotefolder import remote_objects
 from loader_service.dataset.shards import (
     COMPRESSED_SUFFIXES,
     TAR_SUFFIX,
@@ -356,7 +356,18 @@ class TarSource:
 
     def scan(self, data: str | Path, progress: Progress | None, storage: StorageConfig) -> Scanned:
         if is_remote(data):
-            return remote_shards(str(data), storage).scan(progress)
+            remote = remote_objects(str(data), storage, TAR_SUFFIX, "shards")
+            found = scan_files(remote.local_copies(), remote.names, remote.root, progress)
+            return Scanned(
+                Path("."),
+                (),
+                found.labels,
+                found.keys,
+                found.members,
+                found.flaws,
+                remote.root,
+                remote.versions(),
+            )
         root, shards = list_shards(data)
         found = scan_shards(root, shards, progress)
         return Scanned(root, (), found.labels, found.keys, found.members, found.flaws)
@@ -364,7 +375,7 @@ class TarSource:
     def inputs(self, data: str | Path, storage: StorageConfig) -> Any:
         """Each shard's name, size and ETag (object store) or mtime (local disk)."""
         if is_remote(data):
-            return remote_shards(str(data), storage).inputs()
+            return remote_objects(str(data), storage, TAR_SUFFIX, "shards").inputs()
         root, shards = list_shards(data)
         return [[name, *_size_and_mtime(root / name)] for name in shards]
 

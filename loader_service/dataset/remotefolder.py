@@ -1,11 +1,13 @@
-"""Tar shards in an object store: which objects they are, and their index.
+"""The files of a format in an object store: which objects a ``--data`` URL names (one object, a brace
+pattern of them, or those directly under a prefix), and each as a local file for a scan.
 
-A shard in a store has no table of contents, so indexing reads each one whole: it is streamed into a
-temporary file (``FETCH_AHEAD`` of them at once, in threads, while the one before is scanned),
-scanned as a local shard is (NOTE [ Damaged tar shards ] and all), then kept in the cache folder if
-there is one and it has room (NOTE [ Fetch cache ]), else removed. A shard the cache already holds
-is not fetched again. The index records each shard's size and ETag: the workers' reads name the
-ETag, and a saved index is used again only while every ETag is the same (NOTE [ Saved indexes ]).
+A tar shard has no table of contents, so indexing reads each one whole (and a Parquet file, when
+there is a cache folder to keep it in): it is streamed into a temporary file (``FETCH_AHEAD`` at
+once, in threads, while the one before is scanned), scanned as a local file is, then kept in the
+cache folder if there is one and it has room (NOTE [ Fetch cache ]), else removed. An object the
+cache already holds is not fetched again. The index records each object's size and ETag: the
+workers' reads name the ETag, and a saved index is used again only while every ETag is the same
+(NOTE [ Saved indexes ]).
 """
 
 from __future__ import annotations
@@ -24,7 +26,6 @@ from typing import Any
 from loader_service.dataset.cachedir import FetchCache
 from loader_service.dataset.remote import SCAN_DEADLINE, Bucket, ObjectInfo, StorageConfig, split_url
 from loader_service.dataset.shards import COMPRESSED_SUFFIXES, TAR_SUFFIX, expand_braces, is_brace_pattern
-from loader_service.dataset.source import Progress, Scanned
 from loader_service.dataset.tables import DatasetError
 
 log = logging.getLogger(__name__)
@@ -35,8 +36,8 @@ temporary disk they take."""
 
 
 @dataclass(frozen=True)
-class RemoteShards:
-    """The shards a ``--data`` URL names, in the order their samples are numbered."""
+class RemoteObjects:
+    """The objects a ``--data`` URL names, in the order their samples are numbered."""
 
     root: str
     """The folder URL the names are relative to."""
@@ -48,17 +49,12 @@ class RemoteShards:
     def inputs(self) -> list[list[Any]]:
         return [[name, o.size, o.etag] for name, o in zip(self.names, self.objects, strict=True)]
 
-    def scan(self, progress: Progress | None) -> Scanned:
-        from loader_service.dataset.tarshards import scan_files  # it imports this module
+    def versions(self) -> dict[str, tuple[int, str]]:
+        """What the index records of each object: (size, ETag), by name."""
+        return {name: (o.size, o.etag) for name, o in zip(self.names, self.objects, strict=True)}
 
-        found = scan_files(self._fetched(), self.names, self.root, progress)
-        versions = {name: (o.size, o.etag) for name, o in zip(self.names, self.objects, strict=True)}
-        return Scanned(
-            Path("."), (), found.labels, found.keys, found.members, found.flaws, self.root, versions
-        )
-
-    def _fetched(self) -> Iterator[tuple[str, Path]]:
-        """Each shard as a local file, in order; fetched ``FETCH_AHEAD`` ahead and, once scanned,
+    def local_copies(self) -> Iterator[tuple[str, Path]]:
+        """Each object as a local file, in order; fetched ``FETCH_AHEAD`` ahead and, once scanned,
         kept in the cache or removed."""
         cache = (
             FetchCache(self.storage.cache_dir, self.storage.cache_size) if self.storage.cache_dir else None
@@ -76,7 +72,7 @@ class RemoteShards:
                     if not held:
                         self._keep_or_remove(k, path, cache)
                     if (k + 1) % 100 == 0:
-                        log.info("indexing %s: %d of %d shards read", self.root, k + 1, len(self.names))
+                        log.info("indexing %s: %d of %d objects read", self.root, k + 1, len(self.names))
         finally:
             for future in pending:
                 future.cancel()
@@ -88,7 +84,7 @@ class RemoteShards:
         held = cache.holds(self._url(k), obj.etag, obj.size) if cache else None
         if held is not None:
             return held, True
-        path = scratch / f"{k}.tar"
+        path = scratch / str(k)
         self.bucket.download(obj, path)
         return path, False
 
@@ -101,9 +97,9 @@ class RemoteShards:
         return f"{self.bucket.url}/{self.objects[k].key}"
 
 
-def remote_shards(data: str, storage: StorageConfig) -> RemoteShards:
-    """The shards of a URL: one ``.tar`` object, a brace pattern of them, or the ``.tar`` objects
-    directly under a prefix (as a local folder's, not its sub-folders')."""
+def remote_objects(data: str, storage: StorageConfig, suffix: str, what: str) -> RemoteObjects:
+    """The objects of a URL: one object, a brace pattern of them, or the ``suffix`` objects directly
+    under a prefix (as a local folder's, not its sub-folders'); ``what`` they are, for messages."""
     bucket = Bucket(data, storage, SCAN_DEADLINE)
     _, key = split_url(data)
     if is_brace_pattern(data):
@@ -112,34 +108,35 @@ def remote_shards(data: str, storage: StorageConfig) -> RemoteShards:
         listed = {o.key: o for o in bucket.list(_as_prefix(folder))}
         missing = [k for k in keys if k not in listed]
         if missing:
-            raise DatasetError(f"shard {bucket.url}/{missing[0]} does not exist ({len(missing)} missing)")
+            raise DatasetError(f"{what} {bucket.url}/{missing[0]} does not exist ({len(missing)} missing)")
         objects = [listed[k] for k in keys]
-    elif key.lower().endswith((TAR_SUFFIX, *COMPRESSED_SUFFIXES)):
+    elif key and not key.endswith("/") and posixpath.splitext(key)[1]:
         folder = posixpath.dirname(key)
         objects = [bucket.head(key)]
     else:
         folder = key.strip("/")
-        objects = _folder_shards(bucket, folder)
+        objects = _in_folder(bucket, folder, suffix, what)
     root = f"{bucket.url}/{folder}" if folder else bucket.url
     names = tuple(posixpath.relpath(o.key, folder or ".") for o in objects)
-    return RemoteShards(root, names, tuple(objects), bucket, storage)
+    return RemoteObjects(root, names, tuple(objects), bucket, storage)
 
 
 def _as_prefix(folder: str) -> str:
     return f"{folder}/" if folder else ""
 
 
-def _folder_shards(bucket: Bucket, folder: str) -> list[ObjectInfo]:
+def _in_folder(bucket: Bucket, folder: str, suffix: str, what: str) -> list[ObjectInfo]:
     prefix = _as_prefix(folder)
     here = [o for o in bucket.list(prefix) if "/" not in o.key[len(prefix) :]]
-    shards = [o for o in here if o.key.endswith(TAR_SUFFIX)]
-    if shards:
-        return shards
+    found = [o for o in here if o.key.endswith(suffix)]
+    if found:
+        return found
     where = f"{bucket.url}/{prefix}"
-    compressed = [posixpath.basename(o.key) for o in here if o.key.lower().endswith(COMPRESSED_SUFFIXES)]
-    if compressed:
-        raise DatasetError(
-            f"{where} holds only compressed shards ({', '.join(compressed[:3])}...): dataferry reads "
-            "members in place, so shards must be uncompressed .tar files (decompress them once)"
-        )
-    raise DatasetError(f"no .tar shards in {where}")
+    if suffix == TAR_SUFFIX:
+        compressed = [posixpath.basename(o.key) for o in here if o.key.lower().endswith(COMPRESSED_SUFFIXES)]
+        if compressed:
+            raise DatasetError(
+                f"{where} holds only compressed shards ({', '.join(compressed[:3])}...): dataferry reads "
+                "members in place, so shards must be uncompressed .tar files (decompress them once)"
+            )
+    raise DatasetError(f"no {suffix} {what} in {where}")
