@@ -24,6 +24,7 @@ from tests.helpers import (
     owner_running,
     write_csv_list,
     write_jsonl_list,
+    write_parquet,
     write_shards,
 )
 
@@ -100,6 +101,7 @@ def photo_sources(photos: Path, tmp_path_factory: pytest.TempPathFactory) -> dic
         "jsonl": write_jsonl_list(photos, folder),
         "tar": folder / "shards",
         "brace": brace,
+        "parquet": write_parquet(photos, folder / "parquet", files=2),
     }
 
 
@@ -172,7 +174,8 @@ def s3_sources(
     tmp_path_factory: pytest.TempPathFactory,
 ) -> dict[str, str]:
     """``photo_sources`` in the session's S3 server, by kind: ``tar`` (a prefix of shards), ``brace``
-    (a pattern of them), ``csv`` (a list naming image objects relative to its own key's folder)."""
+    (a pattern of them), ``csv`` (a list naming image objects relative to its own key's folder),
+    ``parquet`` (a prefix of the files ``datasets`` wrote)."""
     s3_server.upload_tree(photo_sources["tar"], "sources/shards")
     s3_server.upload_tree(photos, "sources/photos")
     listed = tmp_path_factory.mktemp("s3list") / "train.csv"
@@ -183,10 +186,12 @@ def s3_sources(
             [f"photos/{rel}", label, f"photo {i}"] for i, (rel, label) in enumerate(folder_samples(photos))
         )
     s3_server.upload(listed, "sources/train.csv")
+    s3_server.upload_tree(photo_sources["parquet"], "sources/parquet")
     shards = sorted(p.name for p in photo_sources["tar"].iterdir())
     bucket = f"s3://{s3_server.bucket}/sources"
     return {
         "tar": f"{bucket}/shards/",
         "brace": f"{bucket}/shards/train-{{000000..{len(shards) - 1:06d}}}.tar",
         "csv": f"{bucket}/train.csv",
+        "parquet": f"{bucket}/parquet/",
     }

@@ -441,3 +441,31 @@ def feed_formats_without_bad_files(endpoint: str) -> dict[str, str]:
     feeds = status(endpoint)["feeds"]
     assert all(f["bad_files"] == 0 for f in feeds), feeds
     return {f["name"]: f["format"] for f in feeds}
+
+
+def write_parquet(root: Path, folder: Path, files: int = 1) -> Path:
+    """``root``'s photos as the Parquet files Hugging Face ``datasets`` writes (an ``Image`` column,
+    a ``ClassLabel`` label, a caption), in ImageFolder index order, split in ``files`` files."""
+    import datasets
+
+    samples = folder_samples(root)
+    table = {
+        "image": [{"bytes": (root / rel).read_bytes(), "path": rel} for rel, _ in samples],
+        "label": [label for _, label in samples],
+        "caption": [f"photo {i}" for i in range(len(samples))],
+    }
+    names = [str(k) for k in range(max(label for _, label in samples) + 1)]
+    features = datasets.Features(
+        {
+            "image": datasets.Image(),
+            "label": datasets.ClassLabel(names=names),
+            "caption": datasets.Value("string"),
+        }
+    )
+    dataset = datasets.Dataset.from_dict(table, features=features)
+    folder.mkdir(parents=True, exist_ok=True)
+    for k in range(files):
+        dataset.shard(files, k, contiguous=True).to_parquet(
+            str(folder / f"train-{k:05d}-of-{files:05d}.parquet")
+        )
+    return folder

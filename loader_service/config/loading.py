@@ -24,7 +24,15 @@ else:  # pragma: no cover
     import tomli as tomllib
 
 
-NOT_INHERITED = ("slots", "format", "pipeline", "pipeline_deterministic", "cache_memory")
+NOT_INHERITED = (
+    "slots",
+    "format",
+    "image_column",
+    "label_column",
+    "pipeline",
+    "pipeline_deterministic",
+    "cache_memory",
+)
 """Top-level feed options a ``[feeds.NAME]`` table does not take over (nor ``fields``, not an option)."""
 
 STORAGE_TABLE = "storage"
@@ -160,8 +168,8 @@ def _extra_feed(name: str, table: Any, top: Mapping[str, Any]) -> FeedConfig:
         own["fields"] = field_specs(stated, f"{where}.fields")
     # Each feed's pool and cache are sized on their own: inheriting the first feed's would multiply
     # memory.
-    # Its format goes with its own data, which every table names; its pipeline (and so its fields)
-    # with what the feed is for: a [feeds.val] table saying augment = "eval" must not silently run
-    # the top-level feed's training pipeline.
+    # Its format and columns go with its own data, which every table names; its pipeline (and so its
+    # fields) with what the feed is for: a [feeds.val] table saying augment = "eval" must not silently
+    # run the top-level feed's training pipeline.
     inherited = {k: top[k] for k in FEED_OPTIONS if k in top and k not in NOT_INHERITED}
     return FeedConfig(name=name, **{**inherited, **own})

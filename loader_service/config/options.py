@@ -98,9 +98,9 @@ class FeedOptions:
 
     data: str = field(
         metadata=option(
-            "the dataset: an ImageFolder root, a .csv or .jsonl list, a folder of .tar shards, one .tar "
-            "or a brace pattern such as shards/train-{000000..000127}.tar (see --format); all but an "
-            "ImageFolder may be in an object store: s3://bucket/shards/, gs://..., az://...",
+            "the dataset: an ImageFolder root, a .csv or .jsonl list, a folder of .tar or .parquet "
+            "files, one such file or a brace pattern such as shards/train-{000000..000127}.tar (see "
+            "--format); all but an ImageFolder may be in an object store: s3://bucket/shards/, gs://, az://",
             check=checks.data_source,
         )
     )
@@ -108,9 +108,21 @@ class FeedOptions:
         default="auto",
         metadata=option(
             "what --data holds: imagefolder (one sub-folder per class), list (.csv or .jsonl: path, "
-            "label, metadata), tar (WebDataset-style shards), or auto (told by --data)",
+            "label, metadata), tar (WebDataset-style shards), parquet (Hugging Face datasets' files), "
+            "or auto (told by --data)",
             choices=FORMATS,
         ),
+    )
+    image_column: str = field(
+        default="",
+        metadata=option(
+            "Parquet: the column holding each image (a struct of bytes and path, as datasets' Image "
+            "feature writes, or binary); default: the column datasets marks as an Image, else image"
+        ),
+    )
+    label_column: str = field(
+        default="label",
+        metadata=option("Parquet: the column holding each label (an integer); absent: every label is -1"),
     )
     pipeline: str = field(
         default="",
@@ -345,12 +357,13 @@ class ServiceConfig(FeedOptions):
         return uses_roi(self.decoder)
 
     def summary(self) -> str:
-        shown = {k: v for k, v in asdict(self).items() if k != "storage_options"}
-        secret = " ".join(f"{k}=***" for k, _ in self.storage_options)  # the keys only
-        return (
-            " ".join(f"{k}={v}" for k, v in shown.items())
-            + f" pool_slots={self.pool_slots} {secret}".rstrip()
-        )
+        """Every setting, for the log; of the storage options only their keys (values may be secret)."""
+        hidden = ("storage_options", "extra_feeds")
+        shown = {f.name: getattr(self, f.name) for f in fields(self) if f.name not in hidden}
+        feeds = [{k: v for k, v in asdict(feed).items() if k != "storage"} for feed in self.extra_feeds]
+        secret = " ".join(f"{k}=***" for k, _ in self.storage_options)
+        text = " ".join(f"{k}={v}" for k, v in shown.items())
+        return f"{text} extra_feeds={feeds} pool_slots={self.pool_slots} {secret}".rstrip()
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -26,7 +26,7 @@ from typing import TYPE_CHECKING, Any, NamedTuple
 import numpy as np
 
 from loader_service.dataset.remote import SCAN_DEADLINE, Bucket, StorageConfig, is_remote, split_url
-from loader_service.dataset.source import IndexPart, Mapped, Metadata, Progress, Scanned, Source
+from loader_service.dataset.source import Columns, IndexPart, Mapped, Metadata, Progress, Scanned, Source
 from loader_service.dataset.storage import DecodeError, FilePerSample, Files, SampleFiles, open_files
 from loader_service.dataset.tables import (
     I64,
@@ -227,7 +227,9 @@ class ListSource(FilePerSample):
     def claims_pattern(self, text: str) -> bool:
         return False
 
-    def scan(self, data: str | Path, progress: Progress | None, storage: StorageConfig) -> Scanned:
+    def scan(
+        self, data: str | Path, progress: Progress | None, storage: StorageConfig, columns: Columns
+    ) -> Scanned:
         if is_remote(data):
             return _scan_remote_list(str(data), progress, storage)
         path = Path(data)

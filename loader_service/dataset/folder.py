@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING, Any, NamedTuple
 
 import numpy as np
 
-from loader_service.dataset.source import IndexPart, Mapped, Progress, Scanned, Source
+from loader_service.dataset.source import Columns, IndexPart, Mapped, Progress, Scanned, Source
 from loader_service.dataset.storage import FilePerSample
 from loader_service.dataset.tables import (
     I64,
@@ -117,7 +117,9 @@ class FolderSource(FilePerSample):
     def claims_pattern(self, text: str) -> bool:
         return False
 
-    def scan(self, data: str | Path, progress: Progress | None, storage: StorageConfig) -> Scanned:
+    def scan(
+        self, data: str | Path, progress: Progress | None, storage: StorageConfig, columns: Columns
+    ) -> Scanned:
         root = Path(data)
         found = scan_folder(root, progress)
         return Scanned(root, found.classes, found.labels, found.paths)

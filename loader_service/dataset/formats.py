@@ -6,12 +6,16 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
-from loader_service.dataset import filelist, folder, tarshards
-from loader_service.dataset.remote import is_remote
+from loader_service.dataset import filelist, folder, parquet, tarshards
+from loader_service.dataset.remote import SCAN_DEADLINE, Bucket, StorageConfig, is_remote, split_url
 from loader_service.dataset.source import Source
 from loader_service.dataset.tables import DatasetError
 
-SOURCES: dict[str, Source] = {s.name: s for s in (folder.SOURCE, filelist.SOURCE, tarshards.SOURCE)}
+SOURCES: dict[str, Source] = {
+    # Parquet before tar: a brace pattern is tar's unless it names .parquet files.
+    s.name: s
+    for s in (folder.SOURCE, filelist.SOURCE, parquet.SOURCE, tarshards.SOURCE)
+}
 FORMATS = ("auto", *SOURCES)
 FOLDER_DEFAULT = folder.SOURCE.name
 """What a folder no format claims is taken for: its scan then says what it lacks."""
@@ -25,7 +29,7 @@ def source(name: str) -> Source:
     return found
 
 
-def detect_format(data: str | Path) -> str:
+def detect_format(data: str | Path, storage: StorageConfig | None = None) -> str:
     """The format ``data`` is, from what it is; DatasetError if that is unclear.
 
     A folder is claimed by the formats that recognise its contents (more than one is unclear; none:
@@ -33,7 +37,7 @@ def detect_format(data: str | Path) -> str:
     """
     text = str(data)
     if is_remote(text):
-        return _remote_format(text)
+        return _remote_format(text, storage or StorageConfig())
     if os.path.isdir(text):
         return _one_of([s for s in SOURCES.values() if s.claims_folder(Path(text))], text)
     if os.path.exists(text):
@@ -48,18 +52,27 @@ def detect_format(data: str | Path) -> str:
     raise DatasetError(f"data {text} does not exist")
 
 
-def _remote_format(url: str) -> str:
-    """An object store URL's format: by the name or pattern it gives, else (a prefix) the format that
-    reads a folder of objects."""
+def _remote_format(url: str, storage: StorageConfig) -> str:
+    """An object store URL's format: by the name or pattern it gives, else (a prefix) by the names of
+    the objects directly under it, as a local folder's files tell."""
     readable = [s for s in SOURCES.values() if s.remote]
     for s in readable:
-        if s.claims_file(url.lower()) or s.claims_pattern(url):
+        if s.claims_pattern(url) or s.claims_file(url.lower()):
             return s.name
     folders = [s for s in readable if s.remote == "folder"]
-    if len(folders) == 1:
-        return folders[0].name
-    flags = " or ".join(f"--format {s.name}" for s in folders)
-    raise DatasetError(f"cannot tell the format of {url}: say which with {flags}")
+    prefix = split_url(url)[1].strip("/")
+    prefix = f"{prefix}/" if prefix else ""
+    names = [o.key[len(prefix) :].lower() for o in Bucket(url, storage, SCAN_DEADLINE).list(prefix)]
+    claimed = [s for s in folders if any("/" not in n and s.claims_file(n) for n in names)]
+    if len(claimed) == 1:
+        return claimed[0].name
+    what = (
+        " and ".join(s.holds for s in claimed)
+        if claimed
+        else "none of " + ", ".join(s.holds for s in folders)
+    )
+    flags = " or ".join(f"--format {s.name}" for s in claimed or folders)
+    raise DatasetError(f"{url} holds {what}; say which with {flags}")
 
 
 def _one_of(claimed: list[Source], root: str) -> str:

@@ -28,7 +28,7 @@ from loader_service.dataset.cachedir import FetchCache, index_key
 from loader_service.dataset.folder import EXTENSIONS
 from loader_service.dataset.formats import FORMATS, detect_format, source
 from loader_service.dataset.remote import StorageConfig
-from loader_service.dataset.source import IndexPart, Progress
+from loader_service.dataset.source import Columns, IndexPart, Progress
 from loader_service.dataset.tables import I64, DatasetError, StringTable
 
 __all__ = [
@@ -44,6 +44,8 @@ log = logging.getLogger(__name__)
 
 LOCAL = StorageConfig()
 """Local data, no cache folder."""
+ANY_COLUMNS = Columns()
+"""The default image and label columns."""
 _SAVED_VERSION = 1
 PART_KEYS = ("metadata", "tar")
 """The keys the parts of the first formats describe themselves under. Every index's description
@@ -176,6 +178,7 @@ def build_index(
     format: str = "auto",
     progress: Progress | None = None,
     storage: StorageConfig = LOCAL,
+    columns: Columns = ANY_COLUMNS,
 ) -> DatasetIndex:
     """Index ``data`` once. ``progress(found_so_far)`` is called every 10,000 samples.
 
@@ -183,8 +186,8 @@ def build_index(
     file, or a brace pattern such as ``dir/train-{000000..000127}.tar`` (``formats.SOURCES``); the
     same in an object store (``s3://bucket/shards/``), but an ImageFolder.
     """
-    kind = resolve_format(data, format)
-    found = source(kind).scan(data, progress, storage)
+    kind = resolve_format(data, format, storage)
+    found = source(kind).scan(data, progress, storage, columns)
     return DatasetIndex(
         kind,
         found.root,
@@ -198,24 +201,28 @@ def build_index(
     )
 
 
-def resolve_format(data: str | Path, format: str) -> str:
+def resolve_format(data: str | Path, format: str, storage: StorageConfig = LOCAL) -> str:
     """The format ``--format`` names, or the one ``data`` is (``auto``)."""
     if format not in FORMATS:
         raise DatasetError(f"format must be one of {', '.join(FORMATS)}, not {format!r}")
-    return detect_format(data) if format == "auto" else format
+    return detect_format(data, storage) if format == "auto" else format
 
 
 def load_or_build(
-    data: str | Path, format: str, progress: Progress | None, storage: StorageConfig
+    data: str | Path,
+    format: str,
+    progress: Progress | None,
+    storage: StorageConfig,
+    columns: Columns = ANY_COLUMNS,
 ) -> DatasetIndex:
     """The index saved in the cache folder for ``data`` as it is now, else ``build_index``'s, saved
     there for the next start (NOTE [ Saved indexes ]). No cache folder: ``build_index``."""
     if not storage.cache_dir:
-        return build_index(data, format, progress, storage)
-    kind = resolve_format(data, format)
+        return build_index(data, format, progress, storage, columns)
+    kind = resolve_format(data, format, storage)
     inputs = source(kind).inputs(data, storage)
     cache = FetchCache(storage.cache_dir, storage.cache_size)
-    key = index_key(kind, str(data))
+    key = index_key(kind, str(data), [columns.image, columns.label])
     folder = cache.saved_index(key, inputs)
     if folder is not None:
         try:
@@ -225,7 +232,7 @@ def load_or_build(
         else:
             log.info("%s: the saved index of %d samples is current; not indexing again", data, len(index))
             return index
-    index = build_index(data, kind, progress, storage)
+    index = build_index(data, kind, progress, storage, columns)
     if not cache.save_index(key, inputs, index.save):
         log.warning("%s: no room in --cache-size for its index; it will be indexed again next start", data)
     return index

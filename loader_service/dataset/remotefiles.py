@@ -50,10 +50,14 @@ class RemoteFiles:
         return self._take((name, offset, size))
 
     def prefetch(self, wanted: Sequence[Want]) -> None:
-        """Fetch every range of ``wanted`` the cache does not hold, at once; StoreUnavailable if the
-        store does not answer within the deadline (nothing is kept then)."""
+        """Fetch every range of ``wanted`` the cache does not hold, at once, in place of what the
+        last call fetched; StoreUnavailable if the store does not answer within the deadline."""
         self._got.clear()
-        todo = [w for w in dict.fromkeys(wanted) if self._entry(w[0]) is None]
+        self._fetch_now([w for w in dict.fromkeys(wanted) if self._entry(w[0]) is None])
+
+    def _fetch_now(self, todo: Sequence[Want]) -> None:
+        """Add ``todo``'s results (data or the sample's error) to what is held; StoreUnavailable drops
+        all of it."""
         if not todo:
             return
         results = self._requests.run([functools.partial(self._fetch, w) for w in todo])
@@ -74,8 +78,8 @@ class RemoteFiles:
         self._got.clear()
 
     def _take(self, want: Want) -> bytes:
-        if want not in self._got:
-            self.prefetch([want])
+        if want not in self._got:  # not asked for ahead (a tar sample's metadata): alone, keeping the rest
+            self._fetch_now([want])
         got = self._got.pop(want, b"")
         if isinstance(got, Exception):
             raise got

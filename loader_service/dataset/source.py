@@ -10,6 +10,7 @@ format is one module defining a ``Source`` and one entry in ``formats.SOURCES``.
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, NamedTuple, Protocol
 
@@ -41,6 +42,17 @@ class IndexPart(Protocol):
         """JSON-able facts about the arrays, under a key of the format's own (the index's
         fingerprint covers it)."""
         ...
+
+
+@dataclass(frozen=True)
+class Columns:
+    """``--image-column`` and ``--label-column``: where a table format (Parquet) keeps a sample's
+    image and label; other formats have no columns to choose."""
+
+    image: str = ""
+    """"": the column ``datasets`` marks as an ``Image``, else ``image``."""
+    label: str = "label"
+    """A missing label column gives every sample -1."""
 
 
 class Scanned(NamedTuple):
@@ -99,7 +111,9 @@ class Source(Protocol):
         pattern, "folder" a prefix holding them too."""
         ...
 
-    def scan(self, data: str | Path, progress: Progress | None, storage: StorageConfig) -> Scanned:
+    def scan(
+        self, data: str | Path, progress: Progress | None, storage: StorageConfig, columns: Columns
+    ) -> Scanned:
         """Index the data once; ``DatasetError`` naming what is wrong."""
         ...
 

@@ -42,7 +42,7 @@ from loader_service.dataset.shards import (
     is_brace_pattern,
     list_shards,
 )
-from loader_service.dataset.source import IndexPart, Mapped, Metadata, Progress, Scanned, Source
+from loader_service.dataset.source import Columns, IndexPart, Mapped, Metadata, Progress, Scanned, Source
 from loader_service.dataset.storage import DecodeError, Files, open_files
 from loader_service.dataset.tables import (
     IMAGE_EXTENSIONS,
@@ -354,7 +354,9 @@ class TarSource:
     def claims_pattern(self, text: str) -> bool:
         return is_brace_pattern(text)
 
-    def scan(self, data: str | Path, progress: Progress | None, storage: StorageConfig) -> Scanned:
+    def scan(
+        self, data: str | Path, progress: Progress | None, storage: StorageConfig, columns: Columns
+    ) -> Scanned:
         if is_remote(data):
             remote = remote_objects(str(data), storage, TAR_SUFFIX, "shards")
             found = scan_files(remote.local_copies(), remote.names, remote.root, progress)

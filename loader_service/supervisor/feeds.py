@@ -14,6 +14,7 @@ import numpy.typing as npt
 from loader_service.config import ConfigError, FeedConfig
 from loader_service.dataset.index import DatasetIndex, load_or_build
 from loader_service.dataset.sampler import ShardOrder, batches_per_epoch, shard_order, shard_size
+from loader_service.dataset.source import Columns
 from loader_service.decode.cache import LOCK_NAME, CacheKind, CacheSegment, CacheTooSmall, cache_kind
 from loader_service.decode.pipeline import PIPELINE_REASON
 from loader_service.decode.probe import PipelineError, probe_fields
@@ -87,6 +88,7 @@ class Feed:
             config.format,
             lambda n: log.info("feed %s: indexing, %d samples", config.name, n),
             config.storage,
+            Columns(config.image_column, config.label_column),
         )
         index_dir = runtime_dir / f"feed{feed_id}"
         index_dir.mkdir()

@@ -30,7 +30,7 @@ from tests.helpers import (
 pytestmark = pytest.mark.integration
 
 
-@pytest.mark.parametrize("source", ["imagefolder", "tar", "csv", "s3-tar", "s3-csv"])
+@pytest.mark.parametrize("source", ["imagefolder", "tar", "csv", "parquet", "s3-tar", "s3-csv", "s3-parquet"])
 def test_killed_worker_is_replaced_and_no_image_is_lost_or_repeated(
     photo_sources: dict[str, Path], start_service: ServiceFactory, source: str, request: pytest.FixtureRequest
 ) -> None:

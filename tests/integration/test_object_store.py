@@ -29,15 +29,16 @@ if TYPE_CHECKING:
 pytestmark = pytest.mark.integration
 
 
-def test_shards_and_lists_in_a_store_deliver_what_the_local_copies_deliver(
+def test_shards_lists_and_parquet_in_a_store_deliver_what_the_local_copies_deliver(
     s3_server: S3Server,
     s3_sources: dict[str, str],
     photo_sources: dict[str, Path],
     start_service: ServiceFactory,
     tmp_path: Path,
 ) -> None:
-    """Tar shards by prefix and by pattern, and a csv list of image objects, each a feed beside the
-    local shards: every epoch gives each sample once, with the local feed's label and pixels."""
+    """Tar shards by prefix and by pattern, a csv list of image objects and Parquet files, each a
+    feed beside the local shards: every epoch gives each sample once, with the local feed's label
+    and pixels."""
     common = {"batch_size": 8, "image_size": 32, "seed": 5}
     feeds = {f"s3{kind}": {"data": url, **common} for kind, url in s3_sources.items()}
     config = write_config(tmp_path / "s3.toml", {}, feeds)
@@ -48,6 +49,7 @@ def test_shards_and_lists_in_a_store_deliver_what_the_local_copies_deliver(
         "s3tar": "tar",
         "s3brace": "tar",
         "s3csv": "list",
+        "s3parquet": "parquet",
     }
 
 

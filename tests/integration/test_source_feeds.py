@@ -34,7 +34,8 @@ def test_every_source_delivers_what_the_image_folder_feed_delivers(
     feed of one service: every epoch gives each sample once, with the ImageFolder feed's label and
     exactly its pixels (sample i is the same file in every source, so it draws the same crop)."""
     common = {"batch_size": 8, "image_size": 32, "seed": 5}
-    feeds = {kind: {"data": photo_sources[kind], **common} for kind in ("csv", "jsonl", "tar", "brace")}
+    kinds = ("csv", "jsonl", "tar", "brace", "parquet")
+    feeds = {kind: {"data": photo_sources[kind], **common} for kind in kinds}
     config = write_config(tmp_path / "sources.toml", {}, feeds)
     service = start_service(photo_sources["imagefolder"], config=config, **common)
     n = len(folder_samples(photo_sources["imagefolder"]))
@@ -46,6 +47,7 @@ def test_every_source_delivers_what_the_image_folder_feed_delivers(
         "jsonl": "list",
         "tar": "tar",
         "brace": "tar",
+        "parquet": "parquet",
     }
 
 

@@ -227,8 +227,8 @@ def test_readme_lists_every_flag() -> None:
 
 def test_feed_tables_accept_exactly_the_feed_options(tmp_path: Path) -> None:
     assert set(FEED_OPTIONS) == {
-        "data", "format", "pipeline", "batch_size", "image_size", "augment", "interpolation", "seed",
-        "slots", "cache_memory", "pipeline_deterministic"
+        "data", "format", "image_column", "label_column", "pipeline", "batch_size", "image_size", "augment",
+        "interpolation", "seed", "slots", "cache_memory", "pipeline_deterministic"
     }  # fmt: skip
     table = f'data = "{tmp_path}"\nbatch_size = 8\nimage_size = 32\naugment = "none"\nseed = 3\nslots = 4\n'
     cfg_file = tmp_path / "svc.toml"
@@ -398,3 +398,21 @@ def test_a_feeds_cache_and_determinism_are_its_own(tmp_path: Path) -> None:
 def test_determinism_is_declared_of_a_pipeline_only(tmp_path: Path) -> None:
     with pytest.raises(ConfigError, match="pipeline_deterministic describes a pipeline"):
         _config(tmp_path, "pipeline_deterministic = true\n")
+
+
+def test_the_summary_names_storage_options_but_never_their_values(tmp_path: Path) -> None:
+    cfg_file = tmp_path / "svc.toml"
+    cfg_file.write_text(
+        f'data = "{tmp_path}"\nendpoint = "ipc:///tmp/feed.sock"\n'
+        f'[storage]\nsecret_access_key = "s3cr3t-file"\n[feeds.val]\ndata = "{tmp_path}"\n'
+    )
+    cfg = load_config(cfg_file, {}, environ={}, storage_flags=["session_token=s3cr3t-flag", "region=x"])
+    assert dict(cfg.storage_options) == {
+        "secret_access_key": "s3cr3t-file",
+        "session_token": "s3cr3t-flag",
+        "region": "x",
+    }
+    assert all(f.storage == cfg.storage() for f in cfg.feeds()), "every feed reaches the store the same way"
+    text = cfg.summary()
+    assert "s3cr3t" not in text and "secret_access_key=*** session_token=***" in text
+    assert "s3cr3t" not in repr(cfg.storage())

@@ -168,20 +168,24 @@ def test_detect_format(sources: dict[str, Path], tmp_path: Path) -> None:
     assert [detect_format(p) for p in sources.values()] == ["imagefolder", "list", "list", "tar"]
     assert detect_format(sources["tar"] / "s-0.tar") == "tar"
     assert detect_format(f"{sources['tar']}/s-{{0..1}}.tar") == "tar"
-    assert FORMATS == ("auto", "imagefolder", "list", "tar")
+    assert FORMATS == ("auto", "imagefolder", "list", "parquet", "tar")
     touch(tmp_path / "both", "cls/x.jpg")
     write_tar(tmp_path / "both" / "s.tar", [("a.jpg", b"x")])
     with pytest.raises(DatasetError, match=r"both sub-folders .* and .tar files"):
         detect_format(tmp_path / "both")
     assert build_index(tmp_path / "both", "imagefolder").classes == ("cls",)
     assert len(build_index(tmp_path / "both", "tar")) == 1
-    (tmp_path / "x.parquet").write_bytes(b"PAR1")
-    with pytest.raises(DatasetError, match=r"cannot tell the format of .*x\.parquet.*--format"):
-        detect_format(tmp_path / "x.parquet")
+    (tmp_path / "pq").mkdir()
+    (tmp_path / "pq" / "x.parquet").write_bytes(b"PAR1")
+    assert detect_format(tmp_path / "pq" / "x.parquet") == detect_format(tmp_path / "pq") == "parquet"
+    assert detect_format(f"{tmp_path}/pq/x-{{0..3}}.parquet") == "parquet"
+    (tmp_path / "x.zip").write_bytes(b"PK")
+    with pytest.raises(DatasetError, match=r"cannot tell the format of .*x\.zip.*--format"):
+        detect_format(tmp_path / "x.zip")
     with pytest.raises(DatasetError, match="does not exist"):
         detect_format(tmp_path / "nothing.csv")
     with pytest.raises(DatasetError, match="format must be one of"):
-        build_index(sources["csv"], "parquet")
+        build_index(sources["csv"], "zip")
 
 
 @pytest.mark.parametrize("kind", ["imagefolder", "csv", "jsonl", "tar"])
