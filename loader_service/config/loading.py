@@ -53,7 +53,7 @@ def load_config(
     merged: Layer = {**file_layer, **_env_layer(environ), **_flag_layer(overrides)}
     values = {name: value for name, (value, _) in merged.items()}
     _check_required(values)
-    storage = {**_storage_table(stored, file), **_storage_flags(storage_flags)}
+    storage = {**_storage_table(stored, file), **parse_storage_flags(storage_flags)}
     try:
         return ServiceConfig(
             **values, extra_feeds=_extra_feeds(tables, values), storage_options=tuple(storage.items())
@@ -93,7 +93,7 @@ def _storage_table(table: Any, file: Path | None) -> dict[str, str]:
     return out
 
 
-def _storage_flags(flags: Sequence[str]) -> dict[str, str]:
+def parse_storage_flags(flags: Sequence[str]) -> dict[str, str]:
     out = {}
     for flag in flags:
         key, sep, value = flag.partition("=")

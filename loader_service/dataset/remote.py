@@ -205,6 +205,11 @@ class Bucket:
             )
         if _not_found(exc):
             return StorageError(f"{where} does not exist")
+        if "builder error" in str(exc):  # what object_store says of an http:// endpoint it may not use
+            return StorageError(
+                f"{where}: {first_line(exc)}: for an http:// endpoint set AWS_ALLOW_HTTP=true "
+                "or --storage-option allow_http=true"
+            )
         return StorageError(f"{where}: {first_line(exc)}")
 
 

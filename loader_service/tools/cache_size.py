@@ -21,7 +21,9 @@ from pathlib import Path
 import numpy as np
 
 from loader_service.config import FeedConfig, ServiceConfig
-from loader_service.dataset.index import DatasetIndex, build_index
+from loader_service.dataset.index import LOCAL, DatasetIndex, build_index
+from loader_service.dataset.remote import StorageConfig
+from loader_service.dataset.source import Columns
 from loader_service.dataset.storage import DecodeError
 from loader_service.decode.cache import CacheKind, cache_kind, entry_bytes, overhead_bytes
 from loader_service.decode.reading import SampleReader
@@ -97,11 +99,12 @@ def estimate(
     max_file_bytes: int,
     sampled: int = SAMPLED,
     progress: Callable[[int, int], None] | None = None,
+    storage: StorageConfig = LOCAL,
 ) -> Estimate:
     """Read the headers of up to ``sampled`` samples, chosen at random (seeded: the same every run)."""
     count = len(index)
     picked = np.random.default_rng(0).permutation(count)[:sampled] if count > sampled else np.arange(count)
-    reader = SampleReader(index, max_file_bytes)
+    reader = SampleReader(index, max_file_bytes, storage)
     pixels: list[int] = []
     try:
         for done, i in enumerate(picked.tolist(), start=1):
@@ -204,10 +207,13 @@ def dry_run(config: ServiceConfig) -> int:
     # As the service does for its workers: the pixel limit holds for the files decoded here too.
     os.environ["OPENCV_IO_MAX_IMAGE_PIXELS"] = str(config.max_pixels)
     for feed in config.feeds():
-        index = build_index(feed.data, feed.format, progress=_indexing)
+        columns = Columns(feed.image_column, feed.label_column)
+        index = build_index(feed.data, feed.format, _indexing, feed.storage, columns)
         kind = cache_kind(feed.augment, feed.pipeline, feed.pipeline_deterministic)
         row_bytes = _row_bytes(feed, index, config.task_timeout) if kind is CacheKind.FINAL else 0
-        found = estimate(index, config.max_file_bytes, progress=print_progress(feed.name))
+        found = estimate(
+            index, config.max_file_bytes, progress=print_progress(feed.name), storage=feed.storage
+        )
         for line in describe(feed.name, kind, found, row_bytes, config.workers):
             print(line)
         if feed.cache_memory:

@@ -11,7 +11,10 @@ from pathlib import Path
 from typing import Any
 
 from loader_service.config import OPTIONS, ConfigError, Option, load_config
+from loader_service.config.loading import parse_storage_flags
 from loader_service.dataset.index import FORMATS, DatasetError, build_index
+from loader_service.dataset.remote import StorageConfig
+from loader_service.dataset.source import Columns
 from loader_service.logs import configure_logging
 
 log = logging.getLogger("loader_service")
@@ -146,10 +149,12 @@ def _add_index(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
     p.add_argument(
         "--data",
         required=True,
-        help="an ImageFolder, a .csv or .jsonl list, a folder of .tar shards, a .tar file, or a brace "
-        "pattern such as 'shards/train-{000000..000127}.tar'",
+        help="an ImageFolder, a .csv or .jsonl list, a folder of .tar shards or .parquet files, one such "
+        "file, or a brace pattern such as 'shards/train-{000000..000127}.tar'; in an object store too",
     )
     p.add_argument("--format", choices=FORMATS, default="auto", help="the source's kind (default auto)")
+    p.add_argument("--image-column", default="", help="Parquet: as for serve")
+    p.add_argument("--label-column", default="label", help="Parquet: as for serve")
     p.add_argument("--storage-option", action="append", default=[], metavar="KEY=VALUE", help="as for serve")
     p.set_defaults(func=_cmd_index)
 
@@ -157,10 +162,15 @@ def _add_index(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
 def _cmd_index(args: argparse.Namespace) -> int:
     configure_logging("WARNING", "index")  # damaged shards are logged as they are scanned
     try:
+        storage = StorageConfig(tuple(parse_storage_flags(args.storage_option).items()))
         index = build_index(
-            args.data, args.format, progress=lambda n: print(f"indexing: {n} samples", file=sys.stderr)
+            args.data,
+            args.format,
+            lambda n: print(f"indexing: {n} samples", file=sys.stderr),
+            storage,
+            Columns(args.image_column, args.label_column),
         )
-    except DatasetError as exc:
+    except (DatasetError, ConfigError) as exc:
         print(f"loader-service index: {exc}", file=sys.stderr)
         return 2
     try:

@@ -3,6 +3,9 @@ the same feed as from a local copy, and what happens when the store fails for re
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
 from concurrent.futures import Future
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -12,6 +15,7 @@ import pytest
 from gpu_worker import ServiceLoader
 from loader_service.dataset.index import build_index
 from tests.helpers import (
+    REPO,
     ServiceFactory,
     ServiceProcess,
     assert_feeds_match,
@@ -199,3 +203,35 @@ def test_a_cache_folder_serves_an_epoch_with_the_store_down_and_a_restart_withou
     assert "is current" not in third.log
     with ServiceLoader(third.endpoint, timeout=30) as loader:
         assert len(receive_epoch(loader)) == n, "indexed anew: the replaced shard's samples are read"
+
+
+def test_the_index_command_reads_a_store_with_storage_options(
+    s3_server: S3Server, s3_sources: dict[str, str], photos: Path
+) -> None:
+    """``loader-service index`` through the CLI, the credentials given as options, not in the environment."""
+    options = [
+        f"endpoint={s3_server.endpoint}",
+        f"access_key_id={s3_server.access_key}",
+        f"secret_access_key={s3_server.secret_key}",
+        "allow_http=true",
+    ]
+    argv = [sys.executable, "-m", "loader_service", "index", "--data", s3_sources["parquet"]]
+    for option in options:
+        argv += ["--storage-option", option]
+    env = {k: v for k, v in os.environ.items() if not k.startswith("AWS_")}
+
+    def index(*args: str) -> subprocess.CompletedProcess[str]:
+        return subprocess.run(
+            args, check=False, capture_output=True, text=True, timeout=60, env=env, cwd=REPO
+        )
+
+    done = index(*argv)
+    assert done.returncode == 0, done.stderr
+    lines = done.stdout.splitlines()
+    samples = folder_samples(photos)
+    assert len(lines) == len(samples)
+    assert lines[0] == f"0\t{samples[0][1]}\ttrain-00000-of-00002.parquet:0"
+    bad = index(*[a.replace(s3_server.secret_key, "wrong") for a in argv])
+    assert bad.returncode == 2 and "access denied" in bad.stderr and "Traceback" not in bad.stderr
+    plain = index(*argv[:-2])  # without its last option, allow_http=true
+    assert plain.returncode == 2 and "allow_http" in plain.stderr, "a plain-http endpoint says what it needs"
