@@ -34,7 +34,7 @@ import tempfile
 import time
 from collections.abc import Callable, Iterator, Mapping
 from contextlib import ExitStack, contextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -55,6 +55,8 @@ class Plan:
     samples: int
     """Of the saved-index part."""
     rounds: int
+    data: Path = Path()
+    """The benchmark photos (an ImageFolder), once prepared."""
 
 
 @dataclass
@@ -222,6 +224,80 @@ def index_part(work: Path, server: Any, plan: Plan) -> dict[str, Any]:
     return {"samples": plan.samples, "scan_seconds": first, "saved_seconds": again}
 
 
+def parquet_part(work: Path, server: Any, plan: Plan) -> dict[str, Any]:
+    """The photos as the Parquet files ``datasets`` writes, against the same photos as tar shards, both
+    local: epoch rates in alternating rounds, and bytes read per image byte on the workers' reader."""
+    from loader_service.tools.sample_data import write_parquet
+
+    folder = write_parquet(plan.data, work / "parquet", files=4)
+    rounds = []
+    for _ in range(plan.rounds):
+        tar = measure(str(work / "shards"), work / "run", {}, plan, server.pid)
+        pq = measure(str(folder), work / "run", {}, plan, server.pid)
+        rounds.append((tar.epochs[0] / pq.epochs[0], tar, pq))
+    ratio = float(np.median([pq.epochs[0] / tar.epochs[0] for _, tar, pq in rounds]))
+    verdict = "PASS" if ratio >= 0.9 else "FAIL"
+    say(
+        f"(n) parquet (local) against tar (local): epoch 1 {ratio:.2f}x "
+        f"(median of {plan.rounds}; target 0.9) {verdict}"
+    )
+    read = _parquet_bytes_read(folder)
+    say(f"(n) parquet: {read:.4f} bytes read per image byte over an epoch")
+    return {
+        "ratio": ratio,
+        "bytes_read_per_image_byte": read,
+        "rounds": [(t.__dict__, q.__dict__) for _, t, q in rounds],
+    }
+
+
+def _parquet_bytes_read(folder: Path) -> float:
+    from loader_service.dataset import parquet
+    from loader_service.dataset.index import build_index
+    from loader_service.dataset.storage import LocalFiles
+
+    class Counting(LocalFiles):
+        bytes_read = 0
+
+        def read_range(self, name: str, offset: int, size: int) -> bytes:
+            data = super().read_range(name, offset, size)
+            self.bytes_read += len(data)
+            return data
+
+    index = build_index(folder)
+    files = Counting(index.root)
+    reader = parquet.ParquetReader(files, parquet._rows(index), 1 << 28, exact=True)
+    images = sum(
+        len(reader.image_bytes(i)) for i in np.random.default_rng(0).permutation(len(index)).tolist()
+    )
+    return files.bytes_read / images
+
+
+def parquet_index_part(work: Path, server: Any, plan: Plan) -> dict[str, Any]:
+    """A Parquet index of ``plan.samples`` rows from footers and the label column (target < 5 s)."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    from loader_service.dataset.index import build_index
+
+    folder, files = work / "big-parquet", 10
+    folder.mkdir()
+    rows = plan.samples // files
+    rng = np.random.default_rng(1)
+    for k in range(files):  # tiny images: the index reads no image byte, only how many there are
+        image = pa.array([{"bytes": b"\xff\xd8", "path": f"{k}/{i}.jpg"} for i in range(rows)])
+        labels = pa.array(rng.integers(0, 1000, rows))
+        pq.write_table(
+            pa.table({"image": image, "label": labels}), folder / f"part-{k:03d}.parquet", row_group_size=1000
+        )
+    seconds = min(_seconds(lambda: build_index(folder)) for _ in range(2))
+    verdict = "PASS" if seconds < 5.0 else "FAIL"
+    say(
+        f"(n) parquet index: {rows * files} rows in {files} files from footers in {seconds:.2f} s "
+        f"(target < 5 s) {verdict}"
+    )
+    return {"rows": rows * files, "seconds": seconds}
+
+
 def _seconds(job: Callable[[], object]) -> float:
     start = time.perf_counter()
     job()
@@ -245,11 +321,13 @@ def _environ(values: Mapping[str, str]) -> Iterator[None]:
 PARTS: dict[str, Callable[[Path, Any, Plan], dict[str, Any]]] = {
     "shards": shards_part,
     "reads": reads_part,
+    "parquet": parquet_part,
     "index": index_part,
+    "parquet_index": parquet_index_part,
 }
 
 
-def prepare(work: Path, server: Any, plan: Plan, quick: bool) -> None:
+def prepare(work: Path, server: Any, plan: Plan, quick: bool) -> Plan:
     """The benchmark photos as shards, on disk and in the store."""
     from benchmarks.config import make_config
     from benchmarks.datasets import prepare_data
@@ -259,6 +337,7 @@ def prepare(work: Path, server: Any, plan: Plan, quick: bool) -> None:
     count = len(write_shards(data.root, work / "shards", PER_SHARD))
     server.upload_tree(work / "shards", "shards")
     say(f"(n) {data.images} photos ({data.mean_kib:.0f} KiB on average) in {count} shards of {PER_SHARD}")
+    return replace(plan, data=data.root)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -280,12 +359,12 @@ def main(argv: list[str] | None = None) -> int:
     )
     from benchmarks.s3server import S3Server
 
-    results: dict[str, Any] = {"plan": plan.__dict__}
+    results: dict[str, Any] = {"plan": {k: str(v) for k, v in plan.__dict__.items()}}
     with ExitStack() as stack:
         work = Path(stack.enter_context(tempfile.TemporaryDirectory(prefix="dataferry-objectstore-")))
         (work / "run").mkdir()
         server = stack.enter_context(S3Server(work / "s3"))
-        prepare(work, server, plan, args.quick)
+        plan = prepare(work, server, plan, args.quick)
         for part in parts:
             results[part] = PARTS[part](work, server, plan)
     out = Path(args.out)

@@ -444,28 +444,7 @@ def feed_formats_without_bad_files(endpoint: str) -> dict[str, str]:
 
 
 def write_parquet(root: Path, folder: Path, files: int = 1) -> Path:
-    """``root``'s photos as the Parquet files Hugging Face ``datasets`` writes (an ``Image`` column,
-    a ``ClassLabel`` label, a caption), in ImageFolder index order, split in ``files`` files."""
-    import datasets
+    """``root``'s photos as the Parquet files Hugging Face ``datasets`` writes (``sample_data``)."""
+    from loader_service.tools.sample_data import write_parquet as write
 
-    samples = folder_samples(root)
-    table = {
-        "image": [{"bytes": (root / rel).read_bytes(), "path": rel} for rel, _ in samples],
-        "label": [label for _, label in samples],
-        "caption": [f"photo {i}" for i in range(len(samples))],
-    }
-    names = [str(k) for k in range(max(label for _, label in samples) + 1)]
-    features = datasets.Features(
-        {
-            "image": datasets.Image(),
-            "label": datasets.ClassLabel(names=names),
-            "caption": datasets.Value("string"),
-        }
-    )
-    dataset = datasets.Dataset.from_dict(table, features=features)
-    folder.mkdir(parents=True, exist_ok=True)
-    for k in range(files):
-        dataset.shard(files, k, contiguous=True).to_parquet(
-            str(folder / f"train-{k:05d}-of-{files:05d}.parquet")
-        )
-    return folder
+    return write(root, folder, files)

@@ -291,3 +291,34 @@ def write_shards(root: Path, out: Path, per_shard: int = 16) -> list[Path]:
                     tar.addfile(info, io.BytesIO(data))
         shards.append(path)
     return shards
+
+
+def write_parquet(root: Path, folder: Path, files: int = 1) -> Path:
+    """The ImageFolder ``root`` as the Parquet files Hugging Face ``datasets`` writes (its own
+    ``to_parquet``: an ``Image`` column, a ``ClassLabel`` label, a caption), in index order, split in
+    ``files`` files named as the hub names them. Needs the ``datasets`` package."""
+    import datasets
+
+    from loader_service.dataset.index import build_index
+
+    index = build_index(root, "imagefolder")
+    rows = range(len(index))
+    table = {
+        "image": [{"bytes": (root / index.relpath(i)).read_bytes(), "path": index.relpath(i)} for i in rows],
+        "label": [int(index.labels[i]) for i in rows],
+        "caption": [f"photo {i}" for i in rows],
+    }
+    features = datasets.Features(
+        {
+            "image": datasets.Image(),
+            "label": datasets.ClassLabel(names=list(index.classes)),
+            "caption": datasets.Value("string"),
+        }
+    )
+    dataset = datasets.Dataset.from_dict(table, features=features)
+    folder.mkdir(parents=True, exist_ok=True)
+    for k in range(files):
+        dataset.shard(files, k, contiguous=True).to_parquet(
+            str(folder / f"train-{k:05d}-of-{files:05d}.parquet")
+        )
+    return folder
