@@ -178,8 +178,8 @@ def reads_part(work: Path, server: Any, plan: Plan) -> dict[str, Any]:
     counted = {"requests": 0, "bytes": 0}
     real_read = remote.Bucket.read
 
-    async def counting(self: Any, key: str, start: int, size: int, etag: str) -> bytes:
-        data = await real_read(self, key, start, size, etag)
+    async def counting(self: Any, key: str, start: int, size: int, etag: str, limit: int) -> bytes:
+        data = await real_read(self, key, start, size, etag, limit)
         counted["requests"] += 1
         counted["bytes"] += len(data)
         return data
@@ -209,19 +209,36 @@ def reads_part(work: Path, server: Any, plan: Plan) -> dict[str, Any]:
 
 
 def index_part(work: Path, server: Any, plan: Plan) -> dict[str, Any]:
-    """A saved index of ``plan.samples`` tar samples found current and mapped, against a scan."""
+    """A saved index of ``plan.samples`` tar samples found current and made ready as a service start
+    makes it (``load_or_build``, saved into the runtime folder, mapped, fingerprinted; target < 1 s),
+    against indexing anew."""
     from benchmarks.index_scale import write_tar
     from loader_service.dataset.index import load_or_build
     from loader_service.dataset.remote import StorageConfig
 
     folder = write_tar(work / "big", plan.samples, max(1, plan.samples // 10_000), seed=1)
     storage = StorageConfig(cache_dir=str(work / "index-cache"), cache_size=64 << 30)
-    first = _seconds(lambda: load_or_build(folder, "tar", None, storage))
-    again = min(_seconds(lambda: load_or_build(folder, "tar", None, storage)) for _ in range(3))
+    first = _seconds(lambda: _started(load_or_build(folder, "tar", None, storage), work / "runtime"))
+    again = min(
+        _seconds(lambda: _started(load_or_build(folder, "tar", None, storage), work / "runtime"))
+        for _ in range(3)
+    )
     verdict = "PASS" if again < 1.0 else "FAIL"
     say(f"(n) index: {plan.samples} samples indexed in {first:.1f} s; the saved index ready in {again:.2f} s "
         f"(target < 1 s) {verdict}")  # fmt: skip
     return {"samples": plan.samples, "scan_seconds": first, "saved_seconds": again}
+
+
+def _started(index: Any, runtime: Path) -> str:
+    """What ``Feed.open`` does with an index: save it for the workers, map the copy, fingerprint it."""
+    import shutil
+
+    from loader_service.dataset.index import DatasetIndex
+
+    shutil.rmtree(runtime, ignore_errors=True)
+    runtime.mkdir()
+    index.save(runtime)
+    return DatasetIndex.load(runtime).fingerprint()
 
 
 def parquet_part(work: Path, server: Any, plan: Plan) -> dict[str, Any]:

@@ -254,7 +254,7 @@ class ListSource(FilePerSample):
 
     def reader(self, index: DatasetIndex, max_bytes: int, storage: StorageConfig) -> ListReader:
         metadata = index.part if isinstance(index.part, ListMetadata) else None
-        return ListReader(open_files(index, storage), index.names, max_bytes, metadata)
+        return ListReader(open_files(index, storage, max_bytes), index.names, max_bytes, metadata)
 
 
 def _scan_remote_list(url: str, progress: Progress | None, storage: StorageConfig) -> Scanned:

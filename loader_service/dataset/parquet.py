@@ -435,7 +435,7 @@ class ParquetSource:
 
     def reader(self, index: DatasetIndex, max_bytes: int, storage: StorageConfig) -> ParquetReader:
         exact = not index.url or bool(storage.cache_dir)
-        return ParquetReader(open_files(index, storage), _rows(index), max_bytes, exact)
+        return ParquetReader(open_files(index, storage, max_bytes), _rows(index), max_bytes, exact)
 
 
 def _rows(index: DatasetIndex) -> ParquetRows:

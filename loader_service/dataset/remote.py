@@ -58,6 +58,8 @@ SCAN_DEADLINE = 120.0
 MAX_CONCURRENT_READS = 64
 """Requests one worker has in flight at once."""
 DOWNLOAD_CHUNK = 8 << 20
+READ_CHUNK = 256 << 10
+"""Bytes a worker's whole-object read takes at a time: it stops at the first past the limit."""
 
 T = TypeVar("T")
 
@@ -186,13 +188,22 @@ class Bucket:
         except Exception as exc:
             raise self.start_error(exc, key) from None
 
-    async def read(self, key: str, start: int, size: int, etag: str) -> bytes:
-        """``size`` bytes from ``start`` (the whole object for ``size`` -1); errors as obstore's."""
+    async def read(self, key: str, start: int, size: int, etag: str, limit: int) -> bytes:
+        """``size`` bytes from ``start``, or for ``size`` -1 the whole object, streamed and cut off
+        past ``limit`` bytes (whoever wrote the object decides its size); errors as obstore's."""
         options: dict[str, Any] = _if_match(etag)
         if size >= 0:
             options["range"] = (start, start + size)
         got = await self._obs.get_async(self.store, key, options=options)
-        return bytes(await got.bytes_async())
+        if size >= 0:
+            return bytes(await got.bytes_async())
+        parts, total = [], 0
+        async for chunk in got.stream(min_chunk_size=READ_CHUNK):
+            parts.append(bytes(chunk))
+            total += len(parts[-1])
+            if total > limit:
+                break
+        return b"".join(parts)
 
     def start_error(self, exc: Exception, key: str) -> DatasetError:
         """What an error met at start says: StorageError (exit 2) naming the bucket and the cause."""

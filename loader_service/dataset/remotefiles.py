@@ -25,8 +25,11 @@ class RemoteFiles:
     the objects read by range; each read names that ETag, and only those objects are read from the
     cache folder."""
 
-    def __init__(self, root: str, storage: StorageConfig, versions: Mapping[str, tuple[int, str]]) -> None:
+    def __init__(
+        self, root: str, storage: StorageConfig, versions: Mapping[str, tuple[int, str]], max_bytes: int
+    ) -> None:
         self.root = root
+        self.max_bytes = max_bytes
         self.storage = storage
         self.versions = versions
         self._buckets: dict[str, Bucket] = {}
@@ -89,7 +92,8 @@ class RemoteFiles:
         name, offset, size = want
         url = join_url(self.root, name)
         version = self.versions.get(name)
-        data = await self._bucket(url).read(split_url(url)[1], offset, size, version[1] if version else "")
+        etag = version[1] if version else ""
+        data = await self._bucket(url).read(split_url(url)[1], offset, size, etag, self.max_bytes)
         if size < 0 and self._cache is not None and version is not None:
             self._cache.put(url, version[1], data)
         return data

@@ -187,12 +187,13 @@ OPEN_FILES = 16
 file-descriptor limit."""
 
 
-def open_files(index: DatasetIndex, storage: StorageConfig) -> Files:
-    """The files of ``index``'s data, wherever they are."""
+def open_files(index: DatasetIndex, storage: StorageConfig, max_bytes: int) -> Files:
+    """The files of ``index``'s data, wherever they are; a whole file over ``max_bytes`` is refused
+    having read no more than that (and one chunk)."""
     if index.url:
         from loader_service.dataset.remotefiles import RemoteFiles  # it imports this module
 
-        return RemoteFiles(index.url, storage, index.versions)
+        return RemoteFiles(index.url, storage, index.versions, max_bytes)
     return LocalFiles(index.root)
 
 
@@ -229,4 +230,4 @@ class FilePerSample:
         return index.root / index.names.text(i)
 
     def reader(self, index: DatasetIndex, max_bytes: int, storage: StorageConfig) -> SampleFiles:
-        return SampleFiles(open_files(index, storage), index.names, max_bytes)
+        return SampleFiles(open_files(index, storage, max_bytes), index.names, max_bytes)

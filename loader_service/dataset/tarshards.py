@@ -400,7 +400,7 @@ class TarSource:
         return index.root / _members(index).shards[int(_members(index).sample_shard[i])]
 
     def reader(self, index: DatasetIndex, max_bytes: int, storage: StorageConfig) -> TarReader:
-        return TarReader(open_files(index, storage), index.names, _members(index), max_bytes)
+        return TarReader(open_files(index, storage, max_bytes), index.names, _members(index), max_bytes)
 
 
 def _size_and_mtime(path: Path) -> tuple[int, int] | tuple[None, None]:

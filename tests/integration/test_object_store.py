@@ -13,7 +13,11 @@ from typing import TYPE_CHECKING
 import pytest
 
 from gpu_worker import ServiceLoader
+from loader_service.dataset import remote
 from loader_service.dataset.index import build_index
+from loader_service.dataset.remote import StorageConfig
+from loader_service.dataset.storage import DecodeError
+from loader_service.decode.reading import SampleReader
 from tests.helpers import (
     REPO,
     ServiceFactory,
@@ -235,3 +239,56 @@ def test_the_index_command_reads_a_store_with_storage_options(
     assert bad.returncode == 2 and "access denied" in bad.stderr and "Traceback" not in bad.stderr
     plain = index(*argv[:-2])  # without its last option, allow_http=true
     assert plain.returncode == 2 and "allow_http" in plain.stderr, "a plain-http endpoint says what it needs"
+
+
+def test_a_shard_replaced_after_indexing_is_never_read_as_the_indexed_one(
+    s3_server: S3Server, photo_sources: dict[str, Path], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Each ranged read names the ETag the index saw: a shard overwritten with other bytes gives its
+    samples as bad, named by URL, instead of bytes from wherever the offsets now point."""
+    for name, value in s3_server.env().items():
+        monkeypatch.setenv(name, value)
+    shards = sorted(photo_sources["tar"].iterdir())
+    s3_server.upload_tree(photo_sources["tar"], "replaced")
+    index = build_index(f"s3://{s3_server.bucket}/replaced/")
+    reader = SampleReader(index, 1 << 28, StorageConfig())
+    s3_server.upload(shards[1], f"replaced/{shards[0].name}")
+    reader.prefetch([0, 16])
+    with pytest.raises(
+        DecodeError, match=rf"s3://{s3_server.bucket}/replaced/{shards[0].name}: changed since"
+    ):
+        reader.image_bytes(0)
+    assert reader.image_bytes(16) == SampleReader(build_index(photo_sources["tar"]), 1 << 28).image_bytes(16)
+    reader.close()
+
+
+def test_an_object_over_max_file_bytes_is_refused_having_read_little_of_it(
+    s3_server: S3Server, photos: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A listed object's size is its writer's to choose: a worker stops reading it past the limit."""
+    for name, value in s3_server.env().items():
+        monkeypatch.setenv(name, value)
+    big = tmp_path / "big.jpg"
+    big.write_bytes(os.urandom(20 << 20))
+    rel = folder_samples(photos)[0][0]
+    s3_server.upload(big, "big/big.jpg")
+    s3_server.upload(photos / rel, "big/small.jpg")
+    listed = tmp_path / "train.csv"
+    listed.write_text("path\nbig.jpg\nsmall.jpg\n")
+    s3_server.upload(listed, "big/train.csv")
+    fetched: list[int] = []
+    real = remote.Bucket.read
+
+    async def counting(self: remote.Bucket, key: str, start: int, size: int, etag: str, limit: int) -> bytes:
+        data = await real(self, key, start, size, etag, limit)
+        fetched.append(len(data))
+        return data
+
+    monkeypatch.setattr(remote.Bucket, "read", counting)
+    reader = SampleReader(build_index(f"s3://{s3_server.bucket}/big/train.csv"), 1 << 20, StorageConfig())
+    reader.prefetch([0, 1])
+    with pytest.raises(DecodeError, match="over --max-file-bytes"):
+        reader.image_bytes(0)
+    assert reader.image_bytes(1) == (photos / rel).read_bytes()
+    assert max(fetched) < 2 << 20, f"read {max(fetched)} bytes of a 20 MiB object to refuse it"
+    reader.close()

@@ -1,0 +1,120 @@
+"""The cache folder (NOTE [ Fetch cache ], NOTE [ Saved indexes ]): bounded under writers in several
+processes, entries bound to an object's ETag and size, and saved indexes used only while current."""
+
+from __future__ import annotations
+
+import multiprocessing
+import os
+import time
+from pathlib import Path
+
+import pytest
+
+from loader_service.dataset import tarshards
+from loader_service.dataset.cachedir import FetchCache, index_key
+from loader_service.dataset.index import build_index, load_or_build
+from loader_service.dataset.remote import StorageConfig
+from tests.helpers import write_tar
+
+URL = "s3://bucket/shards/a.tar"
+
+
+def _written(cache: FetchCache, data: bytes) -> Path:
+    path = cache.temp_file()
+    path.write_bytes(data)
+    return path
+
+
+def test_entries_are_bound_to_their_etag_and_size(tmp_path: Path) -> None:
+    cache = FetchCache(tmp_path / "c", 1000)
+    assert cache.adopt(_written(cache, b"x" * 100), URL, '"e1"', 100)
+    held = cache.holds(URL, '"e1"', 100)
+    assert held is not None and held.read_bytes() == b"x" * 100
+    assert cache.holds(URL, '"e2"', 100) is None, "a replaced object is another entry"
+    assert cache.holds(URL, '"e1"', 99) is None
+    assert cache.holds(URL, "", 100) is None, "an object without an ETag is never read from the cache"
+    assert not cache.adopt(_written(cache, b"y" * 10), URL, "", 10)
+
+
+def test_the_folder_never_holds_more_than_its_size(tmp_path: Path) -> None:
+    cache = FetchCache(tmp_path / "c", 1000)
+    kept = [cache.adopt(_written(cache, b"z" * 300), f"{URL}{k}", f'"{k}"', 300) for k in range(5)]
+    assert kept == [True, True, True, False, False]
+    assert cache.used() == 900
+    cache.put(f"{URL}x", '"x"', b"w" * 100)
+    cache.put(f"{URL}y", '"y"', b"w" * 100)
+    assert cache.used() == 1000 and cache.holds(f"{URL}y", '"y"', 100) is None
+    assert cache.recount() == 1000, "the counter is what the files hold"
+
+
+def _reserve_many(folder: str, size: int, wanted: int, done: multiprocessing.Queue[int]) -> None:
+    cache = FetchCache(folder, size)
+    done.put(sum(cache.reserve(7) for _ in range(wanted)))
+
+
+def test_writers_in_several_processes_share_one_bound(tmp_path: Path) -> None:
+    ctx = multiprocessing.get_context("spawn")
+    done: multiprocessing.Queue[int] = ctx.Queue()
+    procs = [ctx.Process(target=_reserve_many, args=(str(tmp_path / "c"), 7000, 600, done)) for _ in range(3)]
+    for p in procs:
+        p.start()
+    granted = sum(done.get(timeout=60) for _ in procs)
+    for p in procs:
+        p.join(30)
+    assert granted == 1000, "exactly as many 7-byte reservations as fit in 7000 bytes, over 1800 asked"
+    assert FetchCache(tmp_path / "c", 7000).used() == 7000
+
+
+def test_a_start_removes_what_dead_writers_left_and_nothing_of_live_ones(tmp_path: Path) -> None:
+    cache = FetchCache(tmp_path / "c", 1000)
+    live = cache.temp_file()
+    live.write_bytes(b"being written")
+    dead = tmp_path / "c" / "tmp" / "999999999"
+    dead.mkdir()
+    (dead / "half").write_bytes(b"half an object")
+    FetchCache(tmp_path / "c", 1000).recount()
+    assert live.exists() and not dead.exists()
+
+
+def test_a_saved_index_is_used_while_its_inputs_are_the_same(tmp_path: Path) -> None:
+    cache = FetchCache(tmp_path / "c", 1 << 20)
+    key = index_key("tar", "/data", ["", "label"])
+    assert key != index_key("tar", "/data", ["jpg", "label"]), "the columns are part of the key"
+    assert cache.save_index(key, [["a.tar", 10, 1]], lambda folder: (folder / "index.json").write_text("{}"))
+    assert cache.saved_index(key, [["a.tar", 10, 1]]) is not None
+    assert cache.saved_index(key, [["a.tar", 10, 2]]) is None
+    used = cache.used()
+    assert cache.save_index(key, [["a.tar", 11, 3]], lambda folder: (folder / "index.json").write_text("{}"))
+    assert cache.used() == used, "a replaced index gives its bytes back"
+    small = FetchCache(tmp_path / "small", 10)
+    assert not small.save_index(key, [], lambda folder: (folder / "index.json").write_text("x" * 100))
+    assert small.used() == 0
+
+
+def test_a_restart_maps_the_saved_index_and_a_changed_shard_scans_again(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    (tmp_path / "shards").mkdir()
+    for s in range(3):
+        write_tar(tmp_path / "shards" / f"{s}.tar", [(f"k{s}.jpg", b"image"), (f"k{s}.cls", str(s).encode())])
+    storage = StorageConfig(cache_dir=str(tmp_path / "c"), cache_size=1 << 30)
+    first = load_or_build(tmp_path / "shards", "auto", None, storage)
+    scanned = build_index(tmp_path / "shards").fingerprint()
+    scans: list[int] = []
+    real = tarshards.scan_files
+
+    def counted(*args: object, **kwargs: object) -> object:
+        scans.append(1)
+        return real(*args, **kwargs)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(tarshards, "scan_files", counted)
+    again = load_or_build(tmp_path / "shards", "auto", None, storage)
+    assert (
+        scans == []
+        and again.fingerprint() == first.fingerprint() == build_index(tmp_path / "shards").fingerprint()
+    )
+    shard = tmp_path / "shards" / "1.tar"
+    write_tar(shard, [("k1.jpg", b"image"), ("k1.cls", b"7")])
+    os.utime(shard, ns=(time.time_ns(), time.time_ns() + 10**9))  # a new mtime even within a clock tick
+    changed = load_or_build(tmp_path / "shards", "auto", None, storage)
+    assert scans == [1] and changed.labels.tolist() == [0, 7, 2]
