@@ -19,6 +19,7 @@ from tests.helpers import (
     SHM,
     ServiceFactory,
     ServiceProcess,
+    SourceData,
     folder_samples,
     our_segments,
     owner_running,
@@ -195,3 +196,17 @@ def s3_sources(
         "csv": f"{bucket}/train.csv",
         "parquet": f"{bucket}/parquet/",
     }
+
+
+@pytest.fixture
+def data_of(photo_sources: dict[str, Path], request: pytest.FixtureRequest) -> SourceData:
+    """``data_of(source)``: (``--data``, the service's extra environment) of a ``photo_sources`` kind,
+    or of an ``s3-KIND``: the same data in the session's S3 server (``s3_sources``)."""
+
+    def resolve(source: str) -> tuple[str, dict[str, str] | None]:
+        if source.startswith("s3-"):
+            server = request.getfixturevalue("s3_server")
+            return request.getfixturevalue("s3_sources")[source[3:]], server.env()
+        return str(photo_sources[source]), None
+
+    return resolve

@@ -143,6 +143,8 @@ class ServiceProcess:
 
 
 ServiceFactory = Callable[..., ServiceProcess]
+SourceData = Callable[[str], tuple[str, "dict[str, str] | None"]]
+"""The ``data_of`` fixture: a source kind to (``--data``, the service's extra environment)."""
 
 
 T = TypeVar("T")

@@ -20,6 +20,7 @@ from tests.helpers import (
     SHM,
     ServiceFactory,
     ServiceProcess,
+    SourceData,
     busy_worker,
     left_behind,
     our_segments,
@@ -32,17 +33,11 @@ pytestmark = pytest.mark.integration
 
 @pytest.mark.parametrize("source", ["imagefolder", "tar", "csv", "parquet", "s3-tar", "s3-csv", "s3-parquet"])
 def test_killed_worker_is_replaced_and_no_image_is_lost_or_repeated(
-    photo_sources: dict[str, Path], start_service: ServiceFactory, source: str, request: pytest.FixtureRequest
+    photo_sources: dict[str, Path], start_service: ServiceFactory, source: str, data_of: SourceData
 ) -> None:
     """``s3-*``: the same data in a real S3 server (benchmarks/s3server.py)."""
     n = len(build_index(photo_sources["imagefolder"]))
-    if source.startswith("s3-"):
-        data, env = (
-            request.getfixturevalue("s3_sources")[source[3:]],
-            request.getfixturevalue("s3_server").env(),
-        )
-    else:
-        data, env = str(photo_sources[source]), None
+    data, env = data_of(source)
     service = start_service(data, batch_size=4, workers=2, env=env)
     killed: list[int] = []
     hit = False

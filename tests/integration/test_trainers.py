@@ -19,6 +19,7 @@ from tests.helpers import (
     DIE_AFTER,
     ServiceFactory,
     ServiceProcess,
+    SourceData,
     epoch_indices,
     in_threads,
     status,
@@ -198,12 +199,18 @@ print(json.dumps(seen))
 """
 
 
-@pytest.mark.parametrize("source", ["imagefolder", "tar", "jsonl"])
+@pytest.mark.parametrize("source", ["imagefolder", "tar", "jsonl", "parquet", "s3-tar", "s3-parquet"])
 def test_trainer_killed_mid_epoch_resumes_from_its_state(
-    photo_sources: dict[str, Path], start_service: ServiceFactory, tmp_path: Path, source: str
+    photo_sources: dict[str, Path],
+    start_service: ServiceFactory,
+    tmp_path: Path,
+    source: str,
+    data_of: SourceData,
 ) -> None:
+    """``s3-*``: the same data in a real S3 server (benchmarks/s3server.py)."""
     photos = photo_sources["imagefolder"]
-    service = start_service(photo_sources[source], batch_size=8, client_timeout=3)
+    data, env = data_of(source)
+    service = start_service(data, batch_size=8, client_timeout=3, env=env)
     ckpt = str(tmp_path / "ckpt.json")
     first = trainer_process(service.endpoint, RESUMABLE, ckpt, "5")
     first.communicate(timeout=60)
