@@ -97,7 +97,10 @@ def parse_storage_flags(flags: Sequence[str]) -> dict[str, str]:
     out = {}
     for flag in flags:
         key, sep, value = flag.partition("=")
-        require(bool(sep) and bool(key.strip()), f"--storage-option {key!r}: expected KEY=VALUE")
+        # Not the text itself: a value given without its key may be a secret.
+        require(
+            bool(sep) and bool(key.strip()), "--storage-option needs KEY=VALUE (the text given is not shown)"
+        )
         out[key.strip()] = value
     return out
 

@@ -9,8 +9,10 @@ NOTE [ Fetch cache ]
     in ``usage`` (a counter changed under an flock on ``lock``) before it writes, and an entry that
     does not fit is not kept. Nothing is evicted: under a new permutation every epoch no entry is
     likelier to be read next than another, so the first ones in stay (as in NOTE [ Sample cache ]).
-    Every start of the service recounts ``usage`` from the files and removes what killed writers
-    left. Saved indexes (``indexes/KEY/``) count against the size too.
+    A folder is one service's at a time (``claim``, an flock held while it runs): every start
+    recounts ``usage`` from the files and removes what killed writers left in ``tmp/``. Saved
+    indexes (``indexes/KEY/``) count against the size too; the shards being indexed (up to four,
+    ``remotefolder.FETCH_AHEAD``) sit in ``tmp/`` meanwhile, and are counted once kept.
 
 NOTE [ Saved indexes ]
     Indexing a million tar samples reads two million headers (seconds, or minutes from a cold disk
@@ -94,20 +96,6 @@ class FetchCache:
             return False
         return True
 
-    def put(self, url: str, etag: str, data: bytes) -> None:
-        """Keep the fetched object ``data`` if there is room (a worker's read; failures only skip)."""
-        if not etag or (self.entry(url, etag, len(data))).exists():
-            return
-        written = self.temp_file()
-        try:
-            written.write_bytes(data)
-            if self.adopt(written, url, etag, len(data)):
-                return
-        except OSError:
-            pass
-        with contextlib.suppress(OSError):
-            written.unlink()
-
     # --- the size ---------------------------------------------------------------------------------
 
     def reserve(self, nbytes: int) -> bool:
@@ -125,8 +113,21 @@ class FetchCache:
         with self._locked() as fd:
             return 0 if fd is None else _read_usage(fd)
 
+    def claim(self) -> int:
+        """The folder for this service alone, while the returned descriptor stays open: a second
+        service would recount the usage under the first one's reservations, and remove its files
+        being written. DatasetError if another service holds it."""
+        fd = os.open(self.dir / "owner", os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            os.close(fd)
+            raise DatasetError(f"cache folder {self.dir} is in use by another running service") from None
+        return fd
+
     def recount(self) -> int:
-        """Set the usage from the files there are, and remove dead writers' temporary files (at start)."""
+        """Set the usage from the files there are, and remove the temporary files of writers gone
+        (at start, with the folder ``claim``ed: no other process writes there then)."""
         self._remove_dead_writers()
         total = sum(_tree_bytes(folder) for folder in (self.objects, self.indexes))
         with self._locked() as fd:
@@ -137,7 +138,7 @@ class FetchCache:
     def _remove_dead_writers(self) -> None:
         with os.scandir(self.tmp.parent) as it:
             for entry in it:
-                if entry.name.isdigit() and not Path(f"/proc/{entry.name}").exists():
+                if entry.name != self.tmp.name:  # a pid in another container may be alive: the claim says
                     shutil.rmtree(entry.path, ignore_errors=True)
 
     @contextlib.contextmanager
@@ -174,19 +175,25 @@ class FetchCache:
         """Save an index under ``key`` (``save(folder)`` writes it) with the inputs it was built from;
         False if it does not fit."""
         staging = self.temp_file()
-        staging.mkdir()
+        reserved = 0
         try:
+            staging.mkdir()
             save(staging)
             (staging / "inputs.json").write_text(json.dumps(_jsonable(inputs)), encoding="utf-8")
-            nbytes = _tree_bytes(staging)
             folder = self.indexes / key
             old = _tree_bytes(folder) if folder.exists() else 0
-            if not self.reserve(nbytes - old):
+            reserved = _tree_bytes(staging) - old
+            if not self.reserve(reserved):
                 return False
             if folder.exists():
                 shutil.rmtree(folder)
             os.rename(staging, folder)
             return True
+        except OSError as exc:  # a full disk, say: the index is built, only not kept
+            log.warning("cache folder %s: cannot save an index: %s", self.dir, exc.strerror or exc)
+            if reserved:
+                self.reserve(-reserved)
+            return False
         finally:
             shutil.rmtree(staging, ignore_errors=True)
 

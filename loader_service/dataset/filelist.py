@@ -241,7 +241,7 @@ class ListSource(FilePerSample):
         as the scan does not look at them."""
         if is_remote(data):
             obj = Bucket(str(data), storage, SCAN_DEADLINE).head(split_url(str(data))[1])
-            return [obj.size, obj.etag]
+            return [obj.size, obj.etag] if obj.etag else None
         info = os.stat(data)
         return [info.st_size, info.st_mtime_ns]
 
@@ -261,10 +261,12 @@ def _scan_remote_list(url: str, progress: Progress | None, storage: StorageConfi
     """A list in an object store: its rows name objects relative to its folder, or by full URL."""
     bucket = Bucket(url, storage, SCAN_DEADLINE)
     key = split_url(url)[1]
-    data, _ = bucket.get(key, MAX_REMOTE_LIST_BYTES)
+    info = bucket.head(key)
+    if info.size > MAX_REMOTE_LIST_BYTES:
+        raise DatasetError(f"{url} has {info.size} bytes: a list over {MAX_REMOTE_LIST_BYTES} is a mistake")
     with tempfile.TemporaryDirectory(prefix="dataferry-list-") as scratch:
         copy = Path(scratch) / posixpath.basename(key)
-        copy.write_bytes(data)
+        bucket.download(info, copy)  # streamed to disk, as a local list is read from it
         found = scan_list(copy, progress, shown=url)
     folder = posixpath.dirname(key)
     root = f"{bucket.url}/{folder}" if folder else bucket.url

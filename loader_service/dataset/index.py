@@ -221,6 +221,8 @@ def load_or_build(
         return build_index(data, format, progress, storage, columns)
     kind = resolve_format(data, format, storage)
     inputs = source(kind).inputs(data, storage)
+    if inputs is None:  # nothing to tell a change by (an object without an ETag): scan every start
+        return build_index(data, kind, progress, storage, columns)
     cache = FetchCache(storage.cache_dir, storage.cache_size)
     key = index_key(kind, str(data), [columns.image, columns.label])
     folder = cache.saved_index(key, inputs)

@@ -20,12 +20,13 @@ object store the files are fetched once into the cache folder at start when ther
 
 from __future__ import annotations
 
+import contextlib
 import io
 import json
 import logging
 import os
 from collections import OrderedDict
-from collections.abc import Callable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Generator, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -54,6 +55,8 @@ log = logging.getLogger(__name__)
 
 SUFFIX = ".parquet"
 NO_LABEL = -1
+MAX_ROWS_PER_FILE = 1 << 31
+"""Rows of one file: a row's place in its group is an int32."""
 OPEN_CHUNKS = 256
 """Page maps a reader keeps (one per row group it read from): a few KiB each."""
 HF_KEY = b"huggingface"
@@ -168,8 +171,9 @@ def _layout(pf: Any, columns: Columns, where: str) -> _Layout:
     label = columns.label if columns.label in schema.names else None
     feature = features.get(label or "", {})
     classes = tuple(feature.get("names") or ()) if isinstance(feature, dict) else ()
-    binary = {n for n in schema.names if _is_binary(schema.field(n).type)}
-    others = tuple(n for n in schema.names if n not in (image, label) and n not in binary)
+    # Bytes (a second image, a mask) would be read whole at start and kept as text: left out.
+    skipped = {n for n in schema.names if _holds_binary(schema.field(n).type) or _is_image(features.get(n))}
+    others = tuple(n for n in schema.names if n not in (image, label) and n not in skipped)
     return _Layout(leaf, md.column(leaf).max_definition_level, label, classes, others)
 
 
@@ -195,6 +199,19 @@ def _image_leaf(field: Any, name: str, where: str) -> str:
     if struct and _is_binary(field.type.field("bytes").type):
         return f"{name}.bytes"
     raise DatasetError(f"{where}: column {name!r} is {field.type}, not binary nor a struct of bytes and path")
+
+
+def _holds_binary(kind: Any) -> bool:
+    """Is ``kind`` binary, or a struct or list with binary inside?"""
+    import pyarrow as pa
+
+    if _is_binary(kind):
+        return True
+    if pa.types.is_struct(kind):
+        return any(_holds_binary(kind.field(k).type) for k in range(kind.num_fields))
+    if pa.types.is_list(kind) or pa.types.is_large_list(kind) or pa.types.is_fixed_size_list(kind):
+        return _holds_binary(kind.value_type)
+    return False
 
 
 def _is_binary(kind: Any) -> bool:
@@ -223,16 +240,20 @@ class _Scan:
         try:
             pf = pq.ParquetFile(source)
             layout = _layout(pf, self.columns, where)
+            self._same_layout(layout, where)
+            self._groups(k, pf.metadata, layout, where)
+            self._columns(pf, layout, name, where)
         except (OSError, ValueError) as exc:  # pyarrow's ArrowInvalid is a ValueError
             raise DatasetError(f"{where}: not a readable Parquet file: {exc}") from None
-        self._same_layout(layout, where)
-        md = pf.metadata
-        for g in range(md.num_row_groups):
-            rows = md.row_group(g).num_rows
+
+    def _groups(self, k: int, md: Any, layout: _Layout, where: str) -> None:
+        counts = [md.row_group(g).num_rows for g in range(md.num_row_groups)]
+        if sum(counts) != md.num_rows or not 0 <= md.num_rows <= MAX_ROWS_PER_FILE:
+            raise DatasetError(f"{where}: its footer's row counts disagree ({sum(counts)} and {md.num_rows})")
+        for g, rows in enumerate(counts):
             self.groups.add(k, _chunk(md.row_group(g).column(layout.leaf), rows, layout.max_def))
             self.sample_group.append(np.full(rows, len(self.groups.file) - 1, np.int32))
             self.sample_row.append(np.arange(rows, dtype=np.int32))
-        self._columns(pf, layout, name)
 
     def _same_layout(self, layout: _Layout, where: str) -> None:
         if self.layout is None:
@@ -244,10 +265,12 @@ class _Scan:
         ):
             raise DatasetError(f"{where}: its columns differ from the first file's")  # fmt: skip
 
-    def _columns(self, pf: Any, layout: _Layout, name: str) -> None:
+    def _columns(self, pf: Any, layout: _Layout, name: str, where: str) -> None:
         wanted = [c for c in (layout.label, *layout.others) if c]
         table = pf.read(columns=wanted) if wanted else None
         rows = pf.metadata.num_rows
+        if table is not None and table.num_rows != rows:
+            raise DatasetError(f"{where}: {table.num_rows} rows read where its footer says {rows}")
         self.labels.append(
             _labels(table.column(layout.label) if table is not None and layout.label else None, rows)
         )
@@ -297,7 +320,14 @@ def _labels(column: Any, rows: int) -> I64:
 
     if not pa.types.is_integer(column.type):
         raise DatasetError(f"the label column is {column.type}, not integers: say which with --label-column")
-    return np.asarray(column.fill_null(NO_LABEL).to_numpy(), dtype=np.int64)
+    values = np.asarray(column.to_numpy(zero_copy_only=False))  # float where there are nulls
+    labels = np.full(rows, NO_LABEL, np.int64)
+    present = ~np.asarray(column.is_null().to_numpy(zero_copy_only=False))
+    kept = values[present]
+    if kept.size and (kept.max() > np.iinfo(np.int64).max or kept.min() < np.iinfo(np.int64).min):
+        raise DatasetError(f"the label column holds {kept.max()}: labels must fit in 64 bits")
+    labels[present] = kept.astype(np.int64)
+    return labels
 
 
 # --- listing --------------------------------------------------------------------------------------
@@ -349,11 +379,12 @@ class RangedFile(io.RawIOBase):
         return len(data)
 
 
-def _remote_sources(remote: RemoteObjects) -> Iterator[tuple[str, Any]]:
+def _remote_sources(remote: RemoteObjects) -> Generator[tuple[str, Any], None, None]:
     """Each file for pyarrow: its local copy when there is a cache folder (fetched once, kept), else
     the object itself, read by range."""
     if remote.storage.cache_dir:
-        yield from ((name, str(path)) for name, path in remote.local_copies())
+        with contextlib.closing(remote.local_copies()) as copies:  # a failed scan's files go now
+            yield from ((name, str(path)) for name, path in copies)
     else:
         yield from zip(remote.names, (RangedFile(remote.bucket, o) for o in remote.objects), strict=True)
 
@@ -385,8 +416,9 @@ class ParquetSource:
         found = _Scan(columns, progress)
         if is_remote(data):
             remote = remote_objects(str(data), storage, SUFFIX, "Parquet files")
-            for k, (name, source) in enumerate(_remote_sources(remote)):
-                found.add(k, name, source, f"{remote.root}/{name}")
+            with contextlib.closing(_remote_sources(remote)) as sources:
+                for k, (name, source) in enumerate(sources):
+                    found.add(k, name, source, f"{remote.root}/{name}")
             return found.scanned(remote.names, Path("."), remote.root, remote.versions())
         root, files = local_files(data)
         for k, name in enumerate(files):
@@ -400,7 +432,10 @@ class ParquetSource:
         if is_remote(data):
             return remote_objects(str(data), storage, SUFFIX, "Parquet files").inputs()
         root, files = local_files(data)
-        stats = [os.stat(root / name) for name in files]
+        try:
+            stats = [os.stat(root / name) for name in files]
+        except OSError as exc:
+            raise DatasetError(f"Parquet file {exc.filename}: {exc.strerror}") from None
         return [[name, s.st_size, s.st_mtime_ns] for name, s in zip(files, stats, strict=True)]
 
     def load_part(self, described: Mapping[str, Any], mapped: Mapped) -> IndexPart | None:
@@ -434,8 +469,7 @@ class ParquetSource:
         return index.root / rows.files[int(rows.group_file[int(rows.sample_group[i])])]
 
     def reader(self, index: DatasetIndex, max_bytes: int, storage: StorageConfig) -> ParquetReader:
-        exact = not index.url or bool(storage.cache_dir)
-        return ParquetReader(open_files(index, storage, max_bytes), _rows(index), max_bytes, exact)
+        return ParquetReader(open_files(index, storage, max_bytes), _rows(index), max_bytes, exact=True)
 
 
 def _rows(index: DatasetIndex) -> ParquetRows:
@@ -452,15 +486,15 @@ class ParquetReader:
         self.rows = rows
         self.max_bytes = max_bytes
         self.exact = exact
-        """Read a value alone (a few small reads per page first): on a local disk, or a cache folder's
-        copy; a store without one is better asked for a whole page, once."""
+        """Read a value alone where the file is on this host (a few small reads per page first); a
+        store is better asked for a whole page, once."""
         self._pages: OrderedDict[int, ChunkPages] = OrderedDict()
 
     def image_bytes(self, i: int) -> bytes:
         group, row = int(self.rows.sample_group[i]), int(self.rows.sample_row[i])
         read_at = self._reader_of(group)
         try:
-            value = self._value(self._pages_of(group), row, read_at)
+            value = self._value(group, row, read_at)
         except ParquetPageError as exc:
             raise DecodeError(f"damaged Parquet page: {exc}") from None
         if value is None:
@@ -496,10 +530,11 @@ class ParquetReader:
     def close(self) -> None:
         self.files.close()
 
-    def _value(self, pages: ChunkPages, row: int, read_at: Callable[[int, int], bytes]) -> bytes | None:
+    def _value(self, group: int, row: int, read_at: Callable[[int, int], bytes]) -> bytes | None:
         """The row's bytes alone where its page keeps them as they are (what ``datasets`` writes for
-        images), else from its whole page (NOTE [ Parquet reads ])."""
-        if not (self.exact and pages.stored_raw(row)):
+        images) and the file is on this host, else from its whole page (NOTE [ Parquet reads ])."""
+        pages = self._pages_of(group)
+        if not (self.exact and self.files.is_local(self._file(group)) and pages.stored_raw(row)):
             return pages.value(row, read_at)
         span = pages.span(row, read_at)
         if span is None:

@@ -8,21 +8,24 @@ cannot. Option values are never logged: they may hold secrets.
 
 NOTE [ Object store reads ]
     A worker asks for every byte range its task needs at once (``RemoteFiles.prefetch``), so the
-    store's latency is paid about once a batch, not once a sample. Each read names the ETag the index
-    saw (``If-Match``): an object replaced since is a bad sample named by its URL, as is one that is
-    gone (404) or shorter than the index says. Everything else that fails (a timeout, a reset, a 5xx,
-    a store that is down) is retried with backoff by obstore, within ``StorageConfig.read_deadline``,
-    kept under the task timeout so that a worker waiting on the store is never taken for a hung
-    decoder. Past it, ``StoreUnavailable`` makes the worker hand its task back undone, and the service
-    does it again later (``TaskDone.retry``): a store that is down for a while delays batches and
-    loses no sample.
+    store's latency is paid about once a batch, not once a sample. Each read of a shard or Parquet
+    file names the ETag the index saw (``If-Match``): an object replaced since is a bad sample named
+    by its URL, as is one that is gone (404), and any answer asking again cannot change (403, 400, a
+    key the store refuses). Everything else (a timeout, a reset, a 5xx, 429, a store that is down) is
+    retried with backoff by obstore, within ``StorageConfig.read_deadline``, kept under the task
+    timeout so that a worker waiting on the store is never taken for a hung decoder. Reads the
+    deadline stopped are asked for again one at a time as their samples come up, so a slow store
+    still makes progress; when none finished, or one alone fails again, ``StoreUnavailable`` makes
+    the worker hand its task back undone, and the service does it again later
+    (``TaskDone.retry``): a store that is down for a while delays batches and loses no sample.
 """
 
 from __future__ import annotations
 
 import asyncio
 import os
-from collections.abc import Awaitable, Callable, Iterator, Mapping, Sequence
+import re
+from collections.abc import Awaitable, Callable, Mapping, Sequence
 from dataclasses import dataclass
 from datetime import timedelta
 from pathlib import Path
@@ -154,29 +157,19 @@ class Bucket:
         except Exception as exc:
             raise self.start_error(exc, key) from None
 
-    def get(self, key: str, max_bytes: int) -> tuple[bytes, ObjectInfo]:
-        """A whole object read at start (a list file), refused over ``max_bytes``."""
-        info = self.head(key)
-        if info.size > max_bytes:
-            raise DatasetError(f"{self.url}/{key} has {info.size} bytes: over {max_bytes}")
-        try:
-            got = self._obs.get(self.store, key, options=_if_match(info.etag))
-            return bytes(got.bytes()), info
-        except Exception as exc:
-            raise self.start_error(exc, key) from None
-
     def download(self, obj: ObjectInfo, dest: Path) -> None:
-        """Stream ``obj`` into the new file ``dest``; StorageError if it fails or comes out short."""
-        try:
-            got = self._obs.get(self.store, obj.key, options=_if_match(obj.etag))
-            with open(dest, "xb") as out:
+        """Stream ``obj`` into the new file ``dest``; StorageError if it fails or comes out short, and
+        DatasetError naming ``dest`` if it cannot be written (obstore's 404 is an OSError too)."""
+        with open(dest, "xb") as out:
+            try:
+                got = self._obs.get(self.store, obj.key, options=_if_match(obj.etag))
                 for chunk in got.stream(min_chunk_size=DOWNLOAD_CHUNK):
-                    out.write(chunk)
-                written = out.tell()
-        except StorageError:
-            raise
-        except Exception as exc:
-            raise self.start_error(exc, obj.key) from None
+                    _write(out, chunk)
+            except _LocalWrite as exc:
+                raise DatasetError(f"cannot write {dest}: {exc}") from None
+            except Exception as exc:
+                raise self.start_error(exc, obj.key) from None
+            written = out.tell()
         if written != obj.size:
             raise StorageError(f"{self.url}/{obj.key}: read {written} bytes of {obj.size}")
 
@@ -247,6 +240,17 @@ def _open_store(obs: Any, url: str, storage: StorageConfig, deadline: float) -> 
         raise StorageError(f"{url}: {first_line(exc)} (check --storage-option)") from None
 
 
+class _LocalWrite(Exception):
+    """Writing a fetched object to local disk failed: this host's problem, not the store's."""
+
+
+def _write(out: Any, chunk: Any) -> None:
+    try:
+        out.write(chunk)
+    except OSError as exc:
+        raise _LocalWrite(exc.strerror or str(exc)) from None
+
+
 def _info(meta: Mapping[str, Any]) -> ObjectInfo:
     return ObjectInfo(str(meta["path"]), int(meta["size"]), str(meta.get("e_tag") or ""))
 
@@ -274,8 +278,15 @@ def first_line(exc: BaseException) -> str:
     return text[0][:300] if text else type(exc).__name__
 
 
+_STATUS = re.compile(r"\b([1-5][0-9]{2}) [A-Z][A-Za-z ]+")
+_TRANSIENT_STATUS = {408, 429}
+"""4xx answers that say "later", not "never": a timeout and too many requests."""
+
+
 def sample_error(exc: Exception, url: str) -> Exception:
-    """What a failed read of ``url`` in a worker is: a bad sample (DecodeError) or StoreUnavailable."""
+    """What a failed read of ``url`` in a worker is: a bad sample (DecodeError: the object, or this
+    request for it, is wrong and asking again cannot help) or StoreUnavailable (the store is down,
+    slow or overloaded: obstore already retried within the deadline; the task is done later)."""
     from loader_service.dataset.storage import DecodeError
 
     kind = type(exc).__name__
@@ -283,22 +294,34 @@ def sample_error(exc: Exception, url: str) -> Exception:
         return DecodeError(f"{url}: not found (deleted since it was indexed?)")
     if kind == "PreconditionError":
         return DecodeError(f"{url}: changed since it was indexed (its ETag differs)")
+    if kind in ("InvalidPathError", "PermissionDeniedError") or isinstance(exc, ValueError):
+        return DecodeError(f"{url}: {first_line(exc)}")
+    status = _STATUS.search(str(exc))
+    code = int(status.group(1)) if status else 0
+    if 400 <= code < 500 and code not in _TRANSIENT_STATUS:
+        return DecodeError(f"{url}: the store answered {status.group(0) if status else code}")
     return StoreUnavailable(f"{url}: {first_line(exc)}")
 
 
+class NotFetched(Exception):
+    """A read the deadline passed before it finished: not the sample's fault, asked for again alone."""
+
+
 class Requests:
-    """Runs a worker's reads concurrently on an event loop of its own, all within one deadline."""
+    """Runs a worker's reads concurrently on an event loop of its own, within one deadline."""
 
     def __init__(self, deadline: float) -> None:
         self.deadline = deadline
         self._loop = asyncio.new_event_loop()
 
     def run(self, jobs: Sequence[Callable[[], Awaitable[T]]]) -> list[T | BaseException]:
-        """Each job's result or exception, in order; StoreUnavailable if the deadline passes."""
-        try:
-            return self._loop.run_until_complete(asyncio.wait_for(self._all(jobs), self.deadline))
-        except TimeoutError:
-            raise StoreUnavailable(f"reads not done within {self.deadline:.0f} s") from None
+        """Each job's result or exception, in order; ``NotFetched`` for those the deadline stopped.
+        StoreUnavailable if it stopped every one: a store that answers slowly still makes progress,
+        one that does not answer makes none."""
+        results = self._loop.run_until_complete(self._all(jobs))
+        if jobs and all(isinstance(r, NotFetched) for r in results):
+            raise StoreUnavailable(f"no read finished within {self.deadline:.0f} s")
+        return results
 
     async def _all(self, jobs: Sequence[Callable[[], Awaitable[T]]]) -> list[T | BaseException]:
         gate = asyncio.Semaphore(MAX_CONCURRENT_READS)
@@ -307,15 +330,21 @@ class Requests:
             async with gate:
                 return await job()
 
-        return list(await asyncio.gather(*(one(j) for j in jobs), return_exceptions=True))
+        tasks = [asyncio.ensure_future(one(j)) for j in jobs]
+        done, pending = await asyncio.wait(tasks, timeout=self.deadline)
+        for task in pending:
+            task.cancel()
+        if pending:
+            await asyncio.wait(pending)  # let the cancelled ones finish unwinding on this loop
+        return [_outcome(t) if t in done else NotFetched() for t in tasks]
 
     def close(self) -> None:
         self._loop.close()
 
 
-def chunks(items: Sequence[T], size: int) -> Iterator[Sequence[T]]:
-    for start in range(0, len(items), size):
-        yield items[start : start + size]
+def _outcome(task: asyncio.Task[T]) -> T | BaseException:
+    exc = task.exception()
+    return exc if exc is not None else task.result()
 
 
 def scratch_dir(storage: StorageConfig) -> str:

@@ -10,6 +10,7 @@ from pathlib import Path
 from loader_service.dataset.cachedir import FetchCache
 from loader_service.dataset.remote import (
     Bucket,
+    NotFetched,
     Requests,
     StorageConfig,
     StoreUnavailable,
@@ -59,8 +60,9 @@ class RemoteFiles:
         self._fetch_now([w for w in dict.fromkeys(wanted) if self._entry(w[0]) is None])
 
     def _fetch_now(self, todo: Sequence[Want]) -> None:
-        """Add ``todo``'s results (data or the sample's error) to what is held; StoreUnavailable drops
-        all of it."""
+        """Add ``todo``'s results (data, or the sample's error) to what is held. A read the store
+        failed or the deadline stopped is not held: it is asked for again alone when it is read.
+        StoreUnavailable if none finished."""
         if not todo:
             return
         results = self._requests.run([functools.partial(self._fetch, w) for w in todo])
@@ -70,10 +72,8 @@ class RemoteFiles:
                 if not isinstance(result, BaseException)
                 else _as_error(result, join_url(self.root, want[0]))
             )
-            if isinstance(got, StoreUnavailable):
-                self._got.clear()
-                raise got
-            self._got[want] = got
+            if not isinstance(got, (NotFetched, StoreUnavailable)):
+                self._got[want] = got
 
     def close(self) -> None:
         self._entries.close()
@@ -81,9 +81,19 @@ class RemoteFiles:
         self._got.clear()
 
     def _take(self, want: Want) -> bytes:
-        if want not in self._got:  # not asked for ahead (a tar sample's metadata): alone, keeping the rest
-            self._fetch_now([want])
-        got = self._got.pop(want, b"")
+        """The bytes of ``want``: held since the last prefetch (kept until the next: a Parquet page
+        serves several rows), else read alone now (a tar sample's metadata, a read that failed)."""
+        got = self._got.get(want)
+        if got is None:
+            (result,) = self._requests.run([functools.partial(self._fetch, want)])
+            got = (
+                result
+                if not isinstance(result, BaseException)
+                else _as_error(result, join_url(self.root, want[0]))
+            )
+            if isinstance(got, StoreUnavailable):
+                raise got
+            self._got[want] = got
         if isinstance(got, Exception):
             raise got
         return got
@@ -93,10 +103,11 @@ class RemoteFiles:
         url = join_url(self.root, name)
         version = self.versions.get(name)
         etag = version[1] if version else ""
-        data = await self._bucket(url).read(split_url(url)[1], offset, size, etag, self.max_bytes)
-        if size < 0 and self._cache is not None and version is not None:
-            self._cache.put(url, version[1], data)
-        return data
+        return await self._bucket(url).read(split_url(url)[1], offset, size, etag, self.max_bytes)
+
+    def is_local(self, name: str) -> bool:
+        """Whether ``name`` is read from the cache folder, not the store."""
+        return self._entry(name) is not None
 
     def _entry(self, name: str) -> Path | None:
         version = self.versions.get(name)
@@ -113,7 +124,7 @@ class RemoteFiles:
 
 
 def _as_error(exc: BaseException, url: str) -> Exception:
-    if isinstance(exc, (DecodeError, StoreUnavailable)):
+    if isinstance(exc, (DecodeError, StoreUnavailable, NotFetched)):
         return exc
     if isinstance(exc, Exception):
         return sample_error(exc, url)

@@ -17,7 +17,7 @@ import posixpath
 import shutil
 import tempfile
 from collections import deque
-from collections.abc import Iterator
+from collections.abc import Generator
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
@@ -46,14 +46,17 @@ class RemoteObjects:
     bucket: Bucket
     storage: StorageConfig
 
-    def inputs(self) -> list[list[Any]]:
+    def inputs(self) -> list[list[Any]] | None:
+        """Each object's name, size and ETag; None (do not save the index) if one has no ETag."""
+        if not all(o.etag for o in self.objects):
+            return None
         return [[name, o.size, o.etag] for name, o in zip(self.names, self.objects, strict=True)]
 
     def versions(self) -> dict[str, tuple[int, str]]:
         """What the index records of each object: (size, ETag), by name."""
         return {name: (o.size, o.etag) for name, o in zip(self.names, self.objects, strict=True)}
 
-    def local_copies(self) -> Iterator[tuple[str, Path]]:
+    def local_copies(self) -> Generator[tuple[str, Path], None, None]:
         """Each object as a local file, in order; fetched ``FETCH_AHEAD`` ahead and, once scanned,
         kept in the cache or removed."""
         cache = (
@@ -61,21 +64,22 @@ class RemoteObjects:
         )
         scratch = Path(tempfile.mkdtemp(prefix="dataferry-scan-", dir=cache.tmp if cache else None))
         pending: deque[Future[tuple[Path, bool]]] = deque()
+        pool = ThreadPoolExecutor(FETCH_AHEAD, thread_name_prefix="fetch")
         try:
-            with ThreadPoolExecutor(FETCH_AHEAD, thread_name_prefix="fetch") as pool:
-                ahead = iter(range(len(self.names)))
-                for k in range(len(self.names)):
-                    while len(pending) < FETCH_AHEAD and (nxt := next(ahead, None)) is not None:
-                        pending.append(pool.submit(self._local_copy, nxt, cache, scratch))
-                    path, held = pending.popleft().result()
-                    yield self.names[k], path
-                    if not held:
-                        self._keep_or_remove(k, path, cache)
-                    if (k + 1) % 100 == 0:
-                        log.info("indexing %s: %d of %d objects read", self.root, k + 1, len(self.names))
+            ahead = iter(range(len(self.names)))
+            for k in range(len(self.names)):
+                while len(pending) < FETCH_AHEAD and (nxt := next(ahead, None)) is not None:
+                    pending.append(pool.submit(self._local_copy, nxt, cache, scratch))
+                path, held = pending.popleft().result()
+                yield self.names[k], path
+                if not held:
+                    self._keep_or_remove(k, path, cache)
+                if (k + 1) % 100 == 0:
+                    log.info("indexing %s: %d of %d objects read", self.root, k + 1, len(self.names))
         finally:
-            for future in pending:
-                future.cancel()
+            # On a failed scan the fetches not started are dropped, not waited for; those under way
+            # end at their deadline at most, before their files go.
+            pool.shutdown(wait=True, cancel_futures=True)
             shutil.rmtree(scratch, ignore_errors=True)
 
     def _local_copy(self, k: int, cache: FetchCache | None, scratch: Path) -> tuple[Path, bool]:

@@ -119,7 +119,8 @@ class Source(Protocol):
 
     def inputs(self, data: str | Path, storage: StorageConfig) -> Any:
         """What identifies the data's present state, cheaply taken (sizes and mtimes, ETags), as JSON:
-        an equal value lets a saved index be used instead of a scan (NOTE [ Saved indexes ])."""
+        an equal value lets a saved index be used instead of a scan (NOTE [ Saved indexes ]); None if
+        the state cannot be told (an object without an ETag), so the index is not saved."""
         ...
 
     def load_part(self, described: Mapping[str, Any], mapped: Mapped) -> IndexPart | None:

@@ -146,6 +146,10 @@ class Files(Protocol):
         reads ]); the data is held until the next call."""
         ...
 
+    def is_local(self, name: str) -> bool:
+        """Whether reading ``name`` costs a local read, not a request to a store."""
+        ...
+
     def close(self) -> None: ...
 
 
@@ -165,6 +169,9 @@ class LocalFiles:
 
     def prefetch(self, wanted: Sequence[Want]) -> None:
         pass  # the page cache and the kernel's read-ahead do this better for a local disk
+
+    def is_local(self, name: str) -> bool:
+        return True
 
     def close(self) -> None:
         while self._open:

@@ -25,6 +25,7 @@ named by ``shard:key``.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import stat
@@ -359,7 +360,8 @@ class TarSource:
     ) -> Scanned:
         if is_remote(data):
             remote = remote_objects(str(data), storage, TAR_SUFFIX, "shards")
-            found = scan_files(remote.local_copies(), remote.names, remote.root, progress)
+            with contextlib.closing(remote.local_copies()) as copies:  # a failed scan's files go now
+                found = scan_files(copies, remote.names, remote.root, progress)
             return Scanned(
                 Path("."),
                 (),

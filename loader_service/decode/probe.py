@@ -33,7 +33,7 @@ import numpy as np
 import numpy.typing as npt
 
 from loader_service.dataset.index import LOCAL, DatasetIndex
-from loader_service.dataset.remote import StorageConfig
+from loader_service.dataset.remote import StorageConfig, StoreUnavailable
 from loader_service.dataset.storage import DecodeError
 from loader_service.decode.pipeline import (
     OutputError,
@@ -203,6 +203,8 @@ def _probe_samples(
         except DecodeError as exc:
             skipped.append(f"pipeline {spec}: {where} is a bad file ({exc}); the probe tried the next")
             continue
+        except StoreUnavailable as exc:  # not the pipeline's failure
+            return {"error": f"pipeline {spec}: the data's store did not answer reading {where}: {exc}"}
         except Exception as exc:
             return {"error": f"pipeline {spec} failed on {where}:\n{user_traceback(exc)}"}
         try:

@@ -87,6 +87,8 @@ class LoaderService:
         self._warm: dict[int, WarmCache] = {}
         self._runtime_dir: Path | None = None
         self._runtime_lock: int | None = None
+        self._cache_lock: int | None = None
+        """Held while the service runs: the cache folder is one service's (NOTE [ Fetch cache ])."""
         self._ctx: zmq.Context[Socket] | None = None
         self._workers: WorkerSet | None = None
         self._owns_endpoint = False
@@ -141,8 +143,10 @@ class LoaderService:
         # first imports numpy, which is before any worker code can set them.
         for name in THREAD_ENV:
             os.environ[name] = "1"
-        if cfg.cache_dir:  # NOTE [ Fetch cache ]: what killed writers left, and the true usage
-            used = FetchCache(cfg.cache_dir, cfg.cache_size).recount()
+        if cfg.cache_dir:  # NOTE [ Fetch cache ]: this service's alone; what killed writers left goes
+            cache = FetchCache(cfg.cache_dir, cfg.cache_size)
+            self._cache_lock = cache.claim()
+            used = cache.recount()
             log.info(
                 "cache folder %s: %.1f of %.1f GiB used", cfg.cache_dir, used / 2**30, cfg.cache_size / 2**30
             )
@@ -275,6 +279,9 @@ class LoaderService:
         if self._runtime_lock is not None:
             os.close(self._runtime_lock)
             self._runtime_lock = None
+        if self._cache_lock is not None:
+            os.close(self._cache_lock)
+            self._cache_lock = None
         if self._owns_endpoint:
             release_ipc_path(self.config.endpoint)
             self._owns_endpoint = False

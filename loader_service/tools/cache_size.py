@@ -22,7 +22,7 @@ import numpy as np
 
 from loader_service.config import FeedConfig, ServiceConfig
 from loader_service.dataset.index import LOCAL, DatasetIndex, build_index
-from loader_service.dataset.remote import StorageConfig
+from loader_service.dataset.remote import StorageConfig, StoreUnavailable
 from loader_service.dataset.source import Columns
 from loader_service.dataset.storage import DecodeError
 from loader_service.decode.cache import CacheKind, cache_kind, entry_bytes, overhead_bytes
@@ -110,7 +110,7 @@ def estimate(
         for done, i in enumerate(picked.tolist(), start=1):
             try:
                 pixels.append(image_pixels(reader.image_bytes(i)))
-            except DecodeError:
+            except (DecodeError, StoreUnavailable):  # an estimate does without a few samples
                 pass
             if progress is not None and (done % PROGRESS_EVERY == 0 or done == len(picked)):
                 progress(done, len(picked))

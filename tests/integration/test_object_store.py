@@ -6,6 +6,7 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
+import time
 from concurrent.futures import Future
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -291,4 +292,26 @@ def test_an_object_over_max_file_bytes_is_refused_having_read_little_of_it(
         reader.image_bytes(0)
     assert reader.image_bytes(1) == (photos / rel).read_bytes()
     assert max(fetched) < 2 << 20, f"read {max(fetched)} bytes of a 20 MiB object to refuse it"
+    reader.close()
+
+
+def test_a_key_the_store_refuses_costs_its_sample_only(
+    s3_server: S3Server, photos: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A list row obstore cannot even ask for (``./x.jpg``) is a bad sample, not a store that is
+    down: the other samples of its batch read at once."""
+    for name, value in s3_server.env().items():
+        monkeypatch.setenv(name, value)
+    rel = folder_samples(photos)[0][0]
+    s3_server.upload(photos / rel, "dots/small.jpg")
+    listed = tmp_path / "train.csv"
+    listed.write_text("path\n./small.jpg\nsmall.jpg\n")
+    s3_server.upload(listed, "dots/train.csv")
+    reader = SampleReader(build_index(f"s3://{s3_server.bucket}/dots/train.csv"), 1 << 20, StorageConfig())
+    started = time.monotonic()
+    reader.prefetch([0, 1])
+    with pytest.raises(DecodeError, match=r"dots/\./small\.jpg"):
+        reader.image_bytes(0)
+    assert reader.image_bytes(1) == (photos / rel).read_bytes()
+    assert time.monotonic() - started < 5, "refused at once, not retried until the deadline"
     reader.close()

@@ -14,6 +14,7 @@ from loader_service.dataset import tarshards
 from loader_service.dataset.cachedir import FetchCache, index_key
 from loader_service.dataset.index import build_index, load_or_build
 from loader_service.dataset.remote import StorageConfig
+from loader_service.dataset.tables import DatasetError
 from tests.helpers import write_tar
 
 URL = "s3://bucket/shards/a.tar"
@@ -41,8 +42,9 @@ def test_the_folder_never_holds_more_than_its_size(tmp_path: Path) -> None:
     kept = [cache.adopt(_written(cache, b"z" * 300), f"{URL}{k}", f'"{k}"', 300) for k in range(5)]
     assert kept == [True, True, True, False, False]
     assert cache.used() == 900
-    cache.put(f"{URL}x", '"x"', b"w" * 100)
-    cache.put(f"{URL}y", '"y"', b"w" * 100)
+    assert cache.adopt(_written(cache, b"w" * 100), f"{URL}x", '"x"', 100)
+    refused = _written(cache, b"w" * 100)
+    assert not cache.adopt(refused, f"{URL}y", '"y"', 100) and refused.exists(), "left to its writer"
     assert cache.used() == 1000 and cache.holds(f"{URL}y", '"y"', 100) is None
     assert cache.recount() == 1000, "the counter is what the files hold"
 
@@ -115,3 +117,21 @@ def test_a_restart_maps_the_saved_index_and_a_changed_shard_scans_again(
     os.utime(shard, ns=(time.time_ns(), time.time_ns() + 10**9))  # a new mtime even within a clock tick
     changed = load_or_build(tmp_path / "shards", "auto", None, storage)
     assert scans == [1] and changed.labels.tolist() == [0, 7, 2]
+
+
+def test_a_folder_is_one_services_at_a_time(tmp_path: Path) -> None:
+    first = FetchCache(tmp_path / "c", 1000).claim()
+    with pytest.raises(DatasetError, match="in use by another running service"):
+        FetchCache(tmp_path / "c", 1000).claim()
+    os.close(first)
+    os.close(FetchCache(tmp_path / "c", 1000).claim())
+
+
+def test_an_index_that_cannot_be_saved_is_only_not_kept(tmp_path: Path) -> None:
+    cache = FetchCache(tmp_path / "c", 1 << 20)
+
+    def full_disk(folder: Path) -> None:
+        raise OSError(28, "No space left on device")
+
+    assert not cache.save_index("k", [], full_disk)
+    assert cache.used() == 0 and cache.saved_index("k", []) is None

@@ -117,3 +117,26 @@ def test_files_of_other_columns_are_refused_naming_the_file(photos: Path, tmp_pa
     (folder / "z.parquet").write_bytes(b"not parquet")
     with pytest.raises(DatasetError, match=r"z\.parquet: not a readable Parquet file"):
         build_index(folder)
+
+
+def test_unsigned_labels_and_columns_holding_bytes(photos: Path, tmp_path: Path) -> None:
+    """Unsigned labels read as they are (nulls: -1); a second column of bytes (a mask, say) is not read
+    at start as metadata; a label past 64 bits is refused."""
+    samples = folder_samples(photos)[:6]
+    images = [(photos / rel).read_bytes() for rel, _ in samples]
+    table = pa.table(
+        {
+            "image": pa.array(images, pa.binary()),
+            "label": pa.array([200, None, 3, 4, 5, 6], pa.uint8()),
+            "mask": pa.array([{"bytes": b"m" * 10, "path": "m.png"}] * 6),
+            "note": ["n"] * 6,
+        }
+    )
+    pq.write_table(table, tmp_path / "u.parquet")
+    index = build_index(tmp_path / "u.parquet")
+    assert index.labels.tolist() == [200, -1, 3, 4, 5, 6]
+    assert {k: v() for k, v in SampleReader(index, 1 << 28).metadata(0).items()} == {"note": "n"}
+    huge = table.set_column(1, "label", pa.array([2**63 + 1] * 6, pa.uint64()))
+    pq.write_table(huge, tmp_path / "h.parquet")
+    with pytest.raises(DatasetError, match="must fit in 64 bits"):
+        build_index(tmp_path / "h.parquet")
