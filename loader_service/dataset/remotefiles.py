@@ -38,6 +38,7 @@ class RemoteFiles:
         self._cache = FetchCache(storage.cache_dir, storage.cache_size) if storage.cache_dir else None
         self._entries = LocalFiles(Path("/"))
         self._got: dict[Want, bytes | Exception] = {}
+        self._entries_of: dict[str, Path | None] = {}
 
     def read(self, name: str, max_bytes: int) -> bytes:
         data = self._take((name, 0, -1))
@@ -110,10 +111,15 @@ class RemoteFiles:
         return self._entry(name) is not None
 
     def _entry(self, name: str) -> Path | None:
-        version = self.versions.get(name)
-        if self._cache is None or version is None:
-            return None
-        return self._cache.holds(join_url(self.root, name), version[1], version[0])
+        """The cache folder's copy of ``name``, looked up once: copies are kept by the index scan,
+        before any worker starts, and none is removed while the service runs."""
+        if name not in self._entries_of:
+            version = self.versions.get(name)
+            held = None
+            if self._cache is not None and version is not None:
+                held = self._cache.holds(join_url(self.root, name), version[1], version[0])
+            self._entries_of[name] = held
+        return self._entries_of[name]
 
     def _bucket(self, url: str) -> Bucket:
         base, _ = split_url(url)
