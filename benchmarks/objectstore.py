@@ -40,6 +40,9 @@ from typing import Any
 
 import numpy as np
 
+from loader_service.dataset import remote
+from loader_service.dataset.storage import LocalFiles
+
 REPO = Path(__file__).resolve().parent.parent
 BATCH = 64
 WORKERS = 2
@@ -169,39 +172,28 @@ def one_round(work: Path, server: Any, plan: Plan, r: int) -> dict[str, Run]:
 
 def reads_part(work: Path, server: Any, plan: Plan) -> dict[str, Any]:
     """Requests and bytes of one epoch's reads, counted on the reader the workers run."""
-    from loader_service.dataset import remote
     from loader_service.dataset.index import build_index
     from loader_service.dataset.remote import StorageConfig
     from loader_service.dataset.sampler import shard_order
     from loader_service.decode.reading import SampleReader
 
-    counted = {"requests": 0, "bytes": 0}
-    real_read = remote.Bucket.read
-
-    async def counting(self: Any, key: str, start: int, size: int, etag: str, limit: int) -> bytes:
-        data = await real_read(self, key, start, size, etag, limit)
-        counted["requests"] += 1
-        counted["bytes"] += len(data)
-        return data
-
     with _environ(server.env()):
         storage = StorageConfig()
         index = build_index(f"s3://{server.bucket}/shards/", storage=storage)
         reader = SampleReader(index, 1 << 28, storage)
-        remote.Bucket.read = counting  # type: ignore[method-assign]
         try:
-            order, image_bytes = shard_order(0, 0, len(index), 0, 1, "pad"), 0
-            batches = -(-len(index) // BATCH)
-            for b in range(batches):
-                batch = [int(i) for i in order.batch(b, BATCH)]
-                reader.prefetch(batch)
-                image_bytes += sum(len(reader.image_bytes(i)) for i in batch)
+            with counted_store_reads() as fetched:
+                order, image_bytes = shard_order(0, 0, len(index), 0, 1, "pad"), 0
+                batches = -(-len(index) // BATCH)
+                for b in range(batches):
+                    batch = [int(i) for i in order.batch(b, BATCH)]
+                    reader.prefetch(batch)
+                    image_bytes += sum(len(reader.image_bytes(i)) for i in batch)
         finally:
-            remote.Bucket.read = real_read  # type: ignore[method-assign]
             reader.close()
     out = {
-        "requests_per_batch": counted["requests"] / batches,
-        "bytes_read_per_image_byte": counted["bytes"] / image_bytes,
+        "requests_per_batch": len(fetched) / batches,
+        "bytes_read_per_image_byte": sum(fetched) / image_bytes,
     }
     say(f"(n) reads: {out['requests_per_batch']:.1f} requests a batch of {BATCH}, "
         f"{out['bytes_read_per_image_byte']:.3f} bytes read per image byte")  # fmt: skip
@@ -270,18 +262,9 @@ def parquet_part(work: Path, server: Any, plan: Plan) -> dict[str, Any]:
 def _parquet_bytes_read(folder: Path) -> float:
     from loader_service.dataset import parquet
     from loader_service.dataset.index import build_index
-    from loader_service.dataset.storage import LocalFiles
-
-    class Counting(LocalFiles):
-        bytes_read = 0
-
-        def read_range(self, name: str, offset: int, size: int) -> bytes:
-            data = super().read_range(name, offset, size)
-            self.bytes_read += len(data)
-            return data
 
     index = build_index(folder)
-    files = Counting(index.root)
+    files = CountingFiles(index.root)
     reader = parquet.ParquetReader(files, parquet._rows(index), 1 << 28, exact=True)
     images = sum(
         len(reader.image_bytes(i)) for i in np.random.default_rng(0).permutation(len(index)).tolist()
@@ -313,6 +296,36 @@ def parquet_index_part(work: Path, server: Any, plan: Plan) -> dict[str, Any]:
         f"(target < 5 s) {verdict}"
     )
     return {"rows": rows * files, "seconds": seconds}
+
+
+class CountingFiles(LocalFiles):
+    """Local files, counting the bytes read by range: what an image costs beyond its own bytes."""
+
+    bytes_read = 0
+
+    def read_range(self, name: str, offset: int, size: int) -> bytes:
+        data = super().read_range(name, offset, size)
+        self.bytes_read += len(data)
+        return data
+
+
+@contextmanager
+def counted_store_reads() -> Iterator[list[int]]:
+    """The bytes of every read a worker's reader makes of a store while the block runs, one a read:
+    ``remote.Bucket.read`` wrapped, in this process."""
+    fetched: list[int] = []
+    real = remote.Bucket.read
+
+    async def counting(self: remote.Bucket, key: str, start: int, size: int, etag: str, limit: int) -> bytes:
+        data = await real(self, key, start, size, etag, limit)
+        fetched.append(len(data))
+        return data
+
+    remote.Bucket.read = counting  # type: ignore[method-assign]
+    try:
+        yield fetched
+    finally:
+        remote.Bucket.read = real  # type: ignore[method-assign]
 
 
 def _seconds(job: Callable[[], object]) -> float:

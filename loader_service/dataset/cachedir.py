@@ -37,6 +37,7 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+from loader_service.dataset.remote import StorageConfig
 from loader_service.dataset.tables import DatasetError
 
 log = logging.getLogger(__name__)
@@ -55,11 +56,17 @@ class FetchCache:
         self.objects = self.dir / "objects"
         self.indexes = self.dir / "indexes"
         self.tmp = self.dir / "tmp" / str(os.getpid())
+        """This process's own temporary folder, made by its first writer (workers only read)."""
         try:
-            for folder in (self.objects, self.indexes, self.tmp):
+            for folder in (self.objects, self.indexes):
                 folder.mkdir(parents=True, exist_ok=True)
         except OSError as exc:
             raise DatasetError(f"cache folder {self.dir}: {exc.strerror or exc}") from None
+
+    @classmethod
+    def of(cls, storage: StorageConfig) -> FetchCache | None:
+        """The cache folder ``storage`` names, if it names one."""
+        return cls(storage.cache_dir, storage.cache_size) if storage.cache_dir else None
 
     # --- objects ----------------------------------------------------------------------------------
 
@@ -74,10 +81,15 @@ class FetchCache:
         path = self.entry(url, etag, size)
         return path if path.is_file() else None
 
+    def scratch(self) -> Path:
+        """This process's temporary folder, on the cache's file system: what is written there can be
+        renamed into place."""
+        self.tmp.mkdir(parents=True, exist_ok=True)
+        return self.tmp
+
     def temp_file(self) -> Path:
         """A fresh name under this process's temporary folder."""
-        self.tmp.mkdir(parents=True, exist_ok=True)
-        return self.tmp / f"{time.monotonic_ns()}-{os.urandom(4).hex()}"
+        return self.scratch() / f"{time.monotonic_ns()}-{os.urandom(4).hex()}"
 
     def adopt(self, written: Path, url: str, etag: str, size: int) -> bool:
         """Keep the file ``written`` (``size`` bytes of the object) as its entry, if there is room;
@@ -136,6 +148,8 @@ class FetchCache:
         return total
 
     def _remove_dead_writers(self) -> None:
+        if not self.tmp.parent.is_dir():
+            return
         with os.scandir(self.tmp.parent) as it:
             for entry in it:
                 if entry.name != self.tmp.name:  # a pid in another container may be alive: the claim says

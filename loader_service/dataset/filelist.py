@@ -281,13 +281,18 @@ class ListReader(SampleFiles):
         self.listed = listed
 
     def metadata(self, i: int) -> Metadata:
-        if self.listed is None:
-            return {}
-        try:
-            items = self.listed.items(i)
-        except (ValueError, TypeError) as exc:  # the index was written by us: only damage gets here
-            raise DecodeError(f"metadata: {exc}") from None
-        return {name: partial(_value, value) for name, value in items.items()}
+        return listed_metadata(self.listed, i)
+
+
+def listed_metadata(listed: ListMetadata | None, i: int) -> Metadata:
+    """Sample ``i``'s items of ``listed`` (a list's other columns, a Parquet file's), each a call."""
+    if listed is None:
+        return {}
+    try:
+        items = listed.items(i)
+    except (ValueError, TypeError) as exc:  # the index was written by us: only damage gets here
+        raise DecodeError(f"metadata: {exc}") from None
+    return {name: partial(_value, value) for name, value in items.items()}
 
 
 def _value(value: object) -> object:

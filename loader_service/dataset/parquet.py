@@ -34,6 +34,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 import numpy.typing as npt
 
+from loader_service.dataset.filelist import listed_metadata
 from loader_service.dataset.parquetpages import Chunk, ChunkPages, ParquetPageError
 from loader_service.dataset.remote import Bucket, ObjectInfo, StorageConfig, is_remote
 from loader_service.dataset.remotefolder import RemoteObjects, remote_objects
@@ -506,13 +507,7 @@ class ParquetReader:
         return value
 
     def metadata(self, i: int) -> Metadata:
-        if self.rows.metadata is None:
-            return {}
-        try:
-            items = self.rows.metadata.items(i)
-        except (ValueError, TypeError) as exc:
-            raise DecodeError(f"metadata: {exc}") from None
-        return {name: _constant(value) for name, value in items.items()}
+        return listed_metadata(self.rows.metadata, i)
 
     def prefetch(self, indices: Sequence[int]) -> None:
         """The pages of rows whose page maps are known, at once (NOTE [ Object store reads ])."""
@@ -570,10 +565,6 @@ class ParquetReader:
         if len(self._pages) > OPEN_CHUNKS:
             self._pages.popitem(last=False)
         return pages
-
-
-def _constant(value: object) -> Callable[[], object]:
-    return lambda: value
 
 
 SOURCE: Source = ParquetSource()

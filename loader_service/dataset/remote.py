@@ -345,8 +345,3 @@ class Requests:
 def _outcome(task: asyncio.Task[T]) -> T | BaseException:
     exc = task.exception()
     return exc if exc is not None else task.result()
-
-
-def scratch_dir(storage: StorageConfig) -> str:
-    """Where the service puts a shard it fetched only to index it: the cache folder, else the temp one."""
-    return storage.cache_dir or os.environ.get("TMPDIR", "/tmp")

@@ -35,7 +35,7 @@ class RemoteFiles:
         self.versions = versions
         self._buckets: dict[str, Bucket] = {}
         self._requests = Requests(storage.read_deadline)
-        self._cache = FetchCache(storage.cache_dir, storage.cache_size) if storage.cache_dir else None
+        self._cache = FetchCache.of(storage)
         self._entries = LocalFiles(Path("/"))
         self._got: dict[Want, bytes | Exception] = {}
         self._entries_of: dict[str, Path | None] = {}
@@ -68,11 +68,7 @@ class RemoteFiles:
             return
         results = self._requests.run([functools.partial(self._fetch, w) for w in todo])
         for want, result in zip(todo, results, strict=True):
-            got = (
-                result
-                if not isinstance(result, BaseException)
-                else _as_error(result, join_url(self.root, want[0]))
-            )
+            got = self._outcome(want, result)
             if not isinstance(got, (NotFetched, StoreUnavailable)):
                 self._got[want] = got
 
@@ -87,17 +83,23 @@ class RemoteFiles:
         got = self._got.get(want)
         if got is None:
             (result,) = self._requests.run([functools.partial(self._fetch, want)])
-            got = (
-                result
-                if not isinstance(result, BaseException)
-                else _as_error(result, join_url(self.root, want[0]))
-            )
+            got = self._outcome(want, result)
             if isinstance(got, StoreUnavailable):
                 raise got
             self._got[want] = got
         if isinstance(got, Exception):
             raise got
         return got
+
+    def _outcome(self, want: Want, result: bytes | BaseException) -> bytes | Exception:
+        """A read's bytes, or what its failure is (``sample_error``)."""
+        if not isinstance(result, BaseException):
+            return result
+        if isinstance(result, (DecodeError, StoreUnavailable, NotFetched)):
+            return result
+        if isinstance(result, Exception):
+            return sample_error(result, join_url(self.root, want[0]))
+        raise result  # KeyboardInterrupt and the like are not a sample's
 
     async def _fetch(self, want: Want) -> bytes:
         name, offset, size = want
@@ -127,11 +129,3 @@ class RemoteFiles:
         if bucket is None:
             bucket = self._buckets[base] = Bucket(base, self.storage, self.storage.read_deadline)
         return bucket
-
-
-def _as_error(exc: BaseException, url: str) -> Exception:
-    if isinstance(exc, (DecodeError, StoreUnavailable, NotFetched)):
-        return exc
-    if isinstance(exc, Exception):
-        return sample_error(exc, url)
-    raise exc  # KeyboardInterrupt and the like are not a sample's

@@ -59,10 +59,8 @@ class RemoteObjects:
     def local_copies(self) -> Generator[tuple[str, Path], None, None]:
         """Each object as a local file, in order; fetched ``FETCH_AHEAD`` ahead and, once scanned,
         kept in the cache or removed."""
-        cache = (
-            FetchCache(self.storage.cache_dir, self.storage.cache_size) if self.storage.cache_dir else None
-        )
-        scratch = Path(tempfile.mkdtemp(prefix="dataferry-scan-", dir=cache.tmp if cache else None))
+        cache = FetchCache.of(self.storage)
+        scratch = Path(tempfile.mkdtemp(prefix="dataferry-scan-", dir=cache.scratch() if cache else None))
         pending: deque[Future[tuple[Path, bool]]] = deque()
         pool = ThreadPoolExecutor(FETCH_AHEAD, thread_name_prefix="fetch")
         try:

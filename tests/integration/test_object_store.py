@@ -13,8 +13,8 @@ from typing import TYPE_CHECKING
 
 import pytest
 
+from benchmarks.objectstore import counted_store_reads
 from gpu_worker import ServiceLoader
-from loader_service.dataset import remote
 from loader_service.dataset.index import build_index
 from loader_service.dataset.remote import StorageConfig
 from loader_service.dataset.storage import DecodeError
@@ -277,17 +277,9 @@ def test_an_object_over_max_file_bytes_is_refused_having_read_little_of_it(
     listed = tmp_path / "train.csv"
     listed.write_text("path\nbig.jpg\nsmall.jpg\n")
     s3_server.upload(listed, "big/train.csv")
-    fetched: list[int] = []
-    real = remote.Bucket.read
-
-    async def counting(self: remote.Bucket, key: str, start: int, size: int, etag: str, limit: int) -> bytes:
-        data = await real(self, key, start, size, etag, limit)
-        fetched.append(len(data))
-        return data
-
-    monkeypatch.setattr(remote.Bucket, "read", counting)
     reader = SampleReader(build_index(f"s3://{s3_server.bucket}/big/train.csv"), 1 << 20, StorageConfig())
-    reader.prefetch([0, 1])
+    with counted_store_reads() as fetched:
+        reader.prefetch([0, 1])
     with pytest.raises(DecodeError, match="over --max-file-bytes"):
         reader.image_bytes(0)
     assert reader.image_bytes(1) == (photos / rel).read_bytes()

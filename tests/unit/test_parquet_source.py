@@ -7,27 +7,17 @@ from pathlib import Path
 
 import pytest
 
+from benchmarks.objectstore import CountingFiles
 from loader_service.dataset import parquet
 from loader_service.dataset.index import build_index
 from loader_service.dataset.source import Columns
-from loader_service.dataset.storage import DecodeError, LocalFiles
+from loader_service.dataset.storage import DecodeError
 from loader_service.dataset.tables import DatasetError
 from loader_service.decode.reading import SampleReader
 from tests.helpers import folder_samples, write_parquet
 
 pa = pytest.importorskip("pyarrow")
 pq = pytest.importorskip("pyarrow.parquet")
-
-
-class CountingFiles(LocalFiles):
-    """Local files, counting the bytes read: what an image costs beyond its own bytes."""
-
-    bytes_read = 0
-
-    def read_range(self, name: str, offset: int, size: int) -> bytes:
-        data = super().read_range(name, offset, size)
-        self.bytes_read += len(data)
-        return data
 
 
 def test_files_written_by_datasets_give_the_photos_their_labels_classes_and_captions(
