@@ -13,7 +13,8 @@ NOTE [ Object store reads ]
     by its URL, as is one that is gone (404), and any answer asking again cannot change (403, 400, a
     key the store refuses). Everything else (a timeout, a reset, a 5xx, 429, a store that is down) is
     retried with backoff by obstore, within ``StorageConfig.read_deadline``, kept under the task
-    timeout so that a worker waiting on the store is never taken for a hung decoder. Reads the
+    timeout, and every answer starts the worker's task timeout again, so that a worker waiting on
+    the store is never taken for a hung decoder (NOTE [ Waiting on the store ]). Reads the
     deadline stopped are asked for again one at a time as their samples come up, so a slow store
     still makes progress; when none finished, or one alone fails again, ``StoreUnavailable`` makes
     the worker hand its task back undone, and the service does it again later
@@ -65,6 +66,21 @@ READ_CHUNK = 256 << 10
 """Bytes a worker's whole-object read takes at a time: it stops at the first past the limit."""
 
 T = TypeVar("T")
+_LISTENERS: list[Callable[[], None]] = []
+"""Called at every answer of the store to this process's reads (``on_answer``)."""
+
+
+def on_answer(callback: Callable[[], None]) -> None:
+    """Call ``callback`` in this process each time the store answers one of its reads: a request's
+    headers, and each chunk of a streamed object. A decode worker counts them on its progress page
+    (NOTE [ Waiting on the store ] in decode/progress.py): waiting on a store that answers is not
+    a hang."""
+    _LISTENERS[:] = [callback]
+
+
+def _heard() -> None:
+    for callback in _LISTENERS:
+        callback()
 
 
 class StorageError(DatasetError):
@@ -188,10 +204,14 @@ class Bucket:
         if size >= 0:
             options["range"] = (start, start + size)
         got = await self._obs.get_async(self.store, key, options=options)
+        _heard()
         if size >= 0:
-            return bytes(await got.bytes_async())
+            data = bytes(await got.bytes_async())
+            _heard()
+            return data
         parts, total = [], 0
         async for chunk in got.stream(min_chunk_size=READ_CHUNK):
+            _heard()
             parts.append(bytes(chunk))
             total += len(parts[-1])
             if total > limit:

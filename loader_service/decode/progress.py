@@ -14,6 +14,19 @@ NOTE [ Per-sample progress ]
     0) before its first sample, so a death during that sample counts against it too; only one
     that died before even that (between taking the task and starting it) leaves the service
     nowhere to point, and its task is retried whole, up to ``MAX_TASK_ATTEMPTS`` (scheduler.py).
+
+NOTE [ Waiting on the store ]
+    A worker whose data is in an object store spends most of a slow task waiting for answers: a
+    Parquet sample whose page map is new needs a request per page header, one after the other, and
+    with a store answering in 0.3 s that is longer than the task timeout. Counting that as a hung
+    decoder killed every worker and reported every sample bad, so a slow store lost whole epochs.
+    So the third word of each worker counts the store's answers (``answered``; one per finished
+    request and per chunk of a streamed object), and the service starts a worker's task timeout
+    again whenever that count moves, as it does for a finished sample. A store that stops answering
+    still ends the wait: every read has its deadline, half the task timeout, after which the task
+    is handed back whole (NOTE [ Object store reads ]). And the position is -1 (``PREFETCHING``)
+    while a task's reads are asked for before its first sample: a worker that dies then (an OOM
+    while the batch's bytes arrive) blames no sample, since none of them had begun.
 """
 
 from __future__ import annotations
@@ -25,12 +38,15 @@ from pathlib import Path
 import numpy as np
 import numpy.typing as npt
 
-WORDS = 2
-"""Per worker: the task id, and the samples of it finished."""
+WORDS = 3
+"""Per worker: the task id, the samples of it finished, and the store's answers to it, ever."""
+PREFETCHING = -1
+"""The position of a task whose reads are under way before its first sample (NOTE [ Waiting on the
+store ])."""
 
 
 class ProgressBoard:
-    """``workers`` pairs of int64 in a file the service creates and every worker maps."""
+    """``workers`` rows of ``WORDS`` int64 in a file the service creates and every worker maps."""
 
     def __init__(self, path: Path, workers: int, create: bool = False) -> None:
         self.path = path
@@ -47,19 +63,31 @@ class ProgressBoard:
         if create:
             self._words[:, 0] = -1
 
-    def start(self, worker: int, task: int) -> None:
-        self._words[worker, 1] = 0
+    def start(self, worker: int, task: int, position: int = 0) -> None:
+        """The worker took ``task``; ``position`` is 0, or ``PREFETCHING`` while its reads go first."""
+        self._words[worker, 1] = position
         self._words[worker, 0] = task
 
     def finished(self, worker: int, done: int) -> None:
         """``done`` samples of the current task are finished (written or found bad)."""
         self._words[worker, 1] = done
 
+    def answered(self, worker: int) -> None:
+        """The store answered one more of this worker's requests (NOTE [ Waiting on the store ])."""
+        self._words[worker, 2] += 1
+
     def read(self, worker: int) -> tuple[int, int]:
-        """(task, samples finished) as the worker last wrote them; task -1 before its first."""
+        """(task, samples finished) as the worker last wrote them; task -1 before its first, and
+        samples ``PREFETCHING`` while its reads come before its first sample."""
         if not 0 <= worker < len(self._words):
             return -1, 0
         return int(self._words[worker, 0]), int(self._words[worker, 1])
+
+    def answers(self, worker: int) -> int:
+        """How many of its requests the store has answered this worker, ever."""
+        if not 0 <= worker < len(self._words):
+            return 0
+        return int(self._words[worker, 2])
 
     def close(self) -> None:
         del self._words

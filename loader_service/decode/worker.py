@@ -26,13 +26,13 @@ import numpy.typing as npt
 import zmq
 
 from loader_service.dataset.index import LOCAL, DatasetIndex
-from loader_service.dataset.remote import StorageConfig, StoreUnavailable
+from loader_service.dataset.remote import StorageConfig, StoreUnavailable, on_answer
 from loader_service.dataset.sampler import sample_rng
 from loader_service.dataset.storage import DecodeError
 from loader_service.decode.cache import CacheKind, CacheSpec, SampleCache
 from loader_service.decode.geometry import prepare
 from loader_service.decode.pipeline import Pipeline, Sample, load_pipeline, run_into
-from loader_service.decode.progress import ProgressBoard
+from loader_service.decode.progress import PREFETCHING, ProgressBoard
 from loader_service.decode.reading import SampleReader
 from loader_service.decode.transforms import Recipe, decode_bytes, load_bytes_into, transform_into
 from loader_service.logs import configure_logging
@@ -158,6 +158,8 @@ def fill_slot(worker: int, feed: OpenFeed, task: Task, progress: Progress | None
     indices = np.frombuffer(task.indices, dtype="<i8").tolist()
     try:
         _prefetch(feed, indices)
+        if progress is not None:
+            progress(0)  # from here a death is its first sample's (NOTE [ Waiting on the store ])
         for done, idx in enumerate(indices, start=1):
             _injected_hang(feed, idx)
             reason = fill_row(feed, views, row, idx, task.epoch)
@@ -341,6 +343,7 @@ def _serve_tasks(
     progress: Progress | None = None
     if board is not None:
         progress = functools.partial(board.finished, cfg.worker)
+        on_answer(functools.partial(board.answered, cfg.worker))
     while True:
         if not sock.poll(POLL_MS):
             if os.getppid() != cfg.parent_pid:
@@ -357,7 +360,7 @@ def _serve_tasks(
             sock.send(encode(indices_only(cfg.worker, feeds[msg.feed], msg)))
             continue
         if board is not None:
-            board.start(cfg.worker, msg.task)
+            board.start(cfg.worker, msg.task, PREFETCHING)
         sock.send(encode(fill_slot(cfg.worker, feeds[msg.feed], msg, progress)))
 
 

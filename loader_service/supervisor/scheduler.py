@@ -18,7 +18,7 @@ import numpy as np
 import numpy.typing as npt
 
 from loader_service.config import ServiceConfig
-from loader_service.decode.progress import ProgressBoard
+from loader_service.decode.progress import PREFETCHING, ProgressBoard
 from loader_service.decode.worker import slot_views
 from loader_service.supervisor.attachments import Attachments
 from loader_service.supervisor.feeds import Feed
@@ -187,15 +187,20 @@ class Scheduler:
             self.fatal = "decode workers keep failing at start-up; see their errors above"
 
     def _note_progress(self, now: float) -> None:
-        """A worker that finished a sample since the last look has its task timeout started again."""
+        """A worker that finished a sample since the last look, or heard from the data's store, has
+        its task timeout started again (NOTE [ Waiting on the store ])."""
         if self._progress is None:
             return
         for h in self._workers:
+            answers = self._progress.answers(h.worker)
+            heard, h.answers = answers != h.answers, answers
             if h.task is None:
                 continue
             task, done = self._progress.read(h.worker)
             if task == h.task and done != h.samples_done:
                 h.samples_done, h.task_since = done, now
+            elif heard:
+                h.task_since = now
 
     def _died_on(self, handle: WorkerHandle) -> int | None:
         """How many samples of its task the worker had finished, if it said (NOTE [ Per-sample
@@ -203,7 +208,7 @@ class Scheduler:
         if self._progress is None or handle.task is None:
             return None
         task, done = self._progress.read(handle.worker)
-        return done if task == handle.task else None
+        return done if task == handle.task and done != PREFETCHING else None
 
     def _redo_task(self, task: int | None, done: int | None, hung: bool) -> None:
         record = self._tasks.pop(task, None) if task is not None else None

@@ -36,6 +36,8 @@ class WorkerHandle:
     task_since: float = 0.0
     """When its task began, or when it last finished a sample of it (NOTE [ Per-sample progress ])."""
     samples_done: int = 0
+    answers: int = 0
+    """The store's answers to its reads, as last seen (NOTE [ Waiting on the store ])."""
     decoded: RateMeter = field(default_factory=RateMeter)
     killed_at: float | None = None
     """When it was killed for overrunning its task; it is killed (and logged) only once."""

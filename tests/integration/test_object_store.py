@@ -13,6 +13,7 @@ from typing import TYPE_CHECKING
 
 import pytest
 
+from benchmarks.netfaults import FaultProxy
 from benchmarks.objectstore import counted_store_reads
 from gpu_worker import ServiceLoader
 from loader_service.dataset.index import build_index
@@ -307,3 +308,27 @@ def test_a_key_the_store_refuses_costs_its_sample_only(
     assert reader.image_bytes(1) == (photos / rel).read_bytes()
     assert time.monotonic() - started < 5, "refused at once, not retried until the deadline"
     reader.close()
+
+
+def test_a_slow_store_delays_parquet_batches_and_loses_none(
+    s3_server: S3Server,
+    s3_sources: dict[str, str],
+    photo_sources: dict[str, Path],
+    start_service: ServiceFactory,
+) -> None:
+    """Every request to the store takes about 0.3 s (the fault proxy holds each chunk 0.15 s each
+    way) and --task-timeout is 2 s, so a worker's read deadline is 1 s: one request always answers in
+    time, but a Parquet sample whose page map is new needs several in a row, longer in all than the
+    task timeout. A worker waiting on a store that answers is not a hung decoder: the epoch gives
+    every sample once, no worker is killed and none is reported bad."""
+    n = len(folder_samples(photo_sources["imagefolder"]))
+    with FaultProxy(("127.0.0.1", s3_server.port)) as proxy:
+        proxy.faults.latency = 0.15
+        env = {**s3_server.env(), "AWS_ENDPOINT_URL": f"http://127.0.0.1:{proxy.port}"}
+        service = start_service(s3_sources["parquet"], env=env, batch_size=16, task_timeout=2)
+        with ServiceLoader(service.endpoint, timeout=120) as loader:
+            got = receive_epoch(loader)
+        feed = status(service.endpoint)["feeds"][0]
+    assert sorted(got) == list(range(n)), f"{n - len(got)} of {n} samples lost"
+    assert feed["bad_files"] == 0
+    assert "killing it" not in service.log

@@ -7,6 +7,7 @@ from __future__ import annotations
 import mmap
 from collections.abc import Iterator
 from dataclasses import dataclass, field
+from pathlib import Path
 from types import SimpleNamespace
 from typing import Any, cast
 
@@ -14,6 +15,7 @@ import numpy as np
 import pytest
 
 from loader_service.config import ServiceConfig
+from loader_service.decode.progress import PREFETCHING, ProgressBoard
 from loader_service.decode.worker import WorkerConfig, slot_views
 from loader_service.shm import Segment
 from loader_service.supervisor.attachments import Attachments
@@ -23,7 +25,7 @@ from loader_service.supervisor.scheduler import MAX_TASK_ATTEMPTS, Scheduler
 from loader_service.supervisor.sessions import Session
 from loader_service.supervisor.slots import SlotPool, SlotState
 from loader_service.supervisor.streams import Stream
-from loader_service.supervisor.worker_pool import WorkerSet
+from loader_service.supervisor.worker_pool import WorkerHandle, WorkerSet
 from protocol.layout import FieldSpec, SlotLayout
 from protocol.messages import Hello, Message, Task, TaskDone, decode, encode
 from tests.helpers import shm_segment
@@ -211,7 +213,9 @@ class OrderStub:
 class Rig:
     """A scheduler with one shard trainer's stream and stand-in workers; ``sent`` is every task."""
 
-    def __init__(self, segment: Segment, workers: int = 2, credits: int = 2) -> None:
+    def __init__(
+        self, segment: Segment, workers: int = 2, credits: int = 2, board: ProgressBoard | None = None
+    ) -> None:
         self.feed = FeedStub(segment)
         self.processes: list[StandIn] = []
         template = WorkerConfig(worker=0, parent_pid=1, backend="ipc://unused", feeds=(), log_level="INFO")
@@ -227,7 +231,9 @@ class Rig:
         self.sent: list[tuple[bytes, Task]] = []
         self.delivered: list[Stream] = []
         config = cast(ServiceConfig, SimpleNamespace(strict=False, task_timeout=60.0))
-        self.scheduler = Scheduler(config, self.workers, self.attached, {}, self._send, self.delivered.append)
+        self.scheduler = Scheduler(
+            config, self.workers, self.attached, {}, self._send, self.delivered.append, board
+        )
 
     def _spawn(self, cfg: WorkerConfig) -> Any:
         self.processes.append(StandIn())
@@ -355,3 +361,62 @@ def test_the_slot_of_an_abandoned_split_batch_is_freed_once_after_its_last_part(
     assert rig.feed.pool.state(part0.slot) is SlotState.FREE
     assert rig.delivered == [] and rig.stream.batches == {}
     assert rig.feed.counters.batches == 0
+
+
+# --- a worker waiting on the store (NOTE [ Waiting on the store ]) --------------------------------
+
+
+@pytest.fixture
+def board_rig(segment: Segment, tmp_path: Path) -> Iterator[tuple[Rig, ProgressBoard]]:
+    """A rig whose scheduler reads a real progress page, and the page as its workers write it."""
+    service_side = ProgressBoard(tmp_path / "progress", 2, create=True)
+    workers_side = ProgressBoard(tmp_path / "progress", 2)
+    try:
+        yield Rig(segment, board=service_side), workers_side
+    finally:
+        workers_side.close()
+        service_side.close()
+
+
+def handle_of(rig: Rig, routing_id: bytes) -> WorkerHandle:
+    return next(h for h in rig.workers if h.routing_id == routing_id)
+
+
+def test_the_stores_answers_keep_a_worker_from_being_taken_for_hung(
+    board_rig: tuple[Rig, ProgressBoard],
+) -> None:
+    rig, board = board_rig
+    rig.scheduler.schedule()
+    (w0, part0), _ = rig.sent
+    handle = handle_of(rig, w0)
+    board.start(handle.worker, part0.task, PREFETCHING)
+    rig.scheduler.reap()
+    handle.task_since -= 61.0  # a task timeout has passed with no sample finished
+    board.answered(handle.worker)  # ... but the store has answered one of its reads since
+    rig.scheduler.reap()
+    assert handle.process.exitcode is None and handle.killed_at is None, "not killed"
+    handle.task_since -= 61.0  # another timeout, and this time nothing at all
+    rig.scheduler.reap()
+    assert handle.killed_at is not None, "a worker that neither finishes nor hears is killed"
+
+
+def test_a_worker_that_dies_before_its_first_sample_blames_none(
+    board_rig: tuple[Rig, ProgressBoard],
+) -> None:
+    """Twice dead while its reads were under way (an OOM as the batch's bytes arrive): the part is
+    redone whole each time and no sample is reported bad; dead at its first sample twice, that
+    sample is bad and the rest is redone without it."""
+    rig, board = board_rig
+    rig.scheduler.schedule()
+    _, (w1, part1) = rig.sent
+    for _ in range(2):
+        board.start(handle_of(rig, w1).worker, rig.sent[-1][1].task, PREFETCHING)
+        rig.kill(w1)
+        rig.scheduler.schedule()
+        assert rig.sent[-1][1].indices == part1.indices and rig.feed.bad == []
+    for _ in range(2):
+        board.start(handle_of(rig, w1).worker, rig.sent[-1][1].task, 0)
+        rig.kill(w1)
+        rig.scheduler.schedule()
+    assert [i for i, _ in rig.feed.bad] == indices_of(part1)[:1]
+    assert indices_of(rig.sent[-1][1]) == indices_of(part1)[1:]

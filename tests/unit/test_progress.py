@@ -6,7 +6,7 @@ from pathlib import Path
 
 from gpu_worker.loader_config import LoaderConfig
 from loader_service.config.options import ServiceConfig
-from loader_service.decode.progress import ProgressBoard
+from loader_service.decode.progress import PREFETCHING, ProgressBoard
 from loader_service.supervisor.service import HOUSEKEEPING
 
 
@@ -19,6 +19,11 @@ def test_what_one_process_writes_another_mapping_reads(tmp_path: Path) -> None:
         worker.finished(1, 5)
         assert service.read(1) == (42, 5) and service.read(0) == (-1, 0)
         assert service.read(7) == (-1, 0), "a worker number it has no room for reads as nothing"
+        worker.start(2, 43, PREFETCHING)
+        assert service.read(2) == (43, PREFETCHING)
+        for _ in range(3):
+            worker.answered(2)
+        assert (service.answers(2), service.answers(1), service.answers(7)) == (3, 0, 0)
     finally:
         worker.close()
         service.close()
