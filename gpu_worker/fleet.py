@@ -8,7 +8,8 @@ NOTE [ A fleet ]
     decode any batch of the trainer's share, and no dispatcher is needed:
 
     * Every service must serve the same feed: dataset fingerprint, seed, batch size, image size,
-      transform and fields, as the first endpoint given that answers does. One that differs is
+      transform and fields, and make its samples alike (``FeedInfo.decoding``: resize filter, DCT
+      scaling, file limits), as the first endpoint given that answers does. One that differs is
       refused at attach, with every difference named; one that comes back different later is
       left out, and its batches go to the others.
     * Each service runs a *picked* run (``Start.picked``): it decodes only the batches the trainer

@@ -32,6 +32,7 @@ POLL_SLICE = 0.1
 """Longest one wait on the poller: what could not be sent is offered again at least this often
 (NOTE [ Releases that could not be sent ]), and finished device copies are collected."""
 SAME_FEED = ("fingerprint", "seed", "batch_size", "image_size", "augment", "fields", "samples")
+"""FeedInfo fields every service of a fleet must have alike, and ``decoding`` word by word."""
 """What every service of a fleet must agree on: the same data, order, transform and batch layout."""
 Event = Callable[["Service", str, Any], None]
 """What a pass is told: (service, "opened" | "resumed" | "lost" | "refused", welcome or why)."""
@@ -181,17 +182,28 @@ class Service:
 def _another_feed(differences: list[str]) -> str:
     return (
         f"serves another feed than the rest of the fleet: {'; '.join(differences)} "
-        "(every service of a fleet needs the same data, seed, batch size, transform and fields)"
+        "(every service of a fleet needs the same data, seed, batch size, transform, fields, resize "
+        "filter, decoder scaling and file limits)"
     )
 
 
 def feed_differences(reference: FeedInfo, other: FeedInfo) -> list[str]:
     """Every way ``other`` serves something else than ``reference`` (NOTE [ A fleet ])."""
-    return [
+    found = [
         f"{name} {getattr(other, name)!r}, not {getattr(reference, name)!r}"
         for name in SAME_FEED
         if getattr(other, name) != getattr(reference, name)
     ]
+    theirs, ours = _words(other.decoding), _words(reference.decoding)
+    for key in sorted(ours.keys() | theirs.keys()):
+        if theirs.get(key) != ours.get(key):
+            found.append(f"{key} {theirs.get(key, '(not said)')!r}, not {ours.get(key, '(not said)')!r}")
+    return found
+
+
+def _words(decoding: str) -> dict[str, str]:
+    """``FeedInfo.decoding`` as a dict; a service too old to send it says nothing."""
+    return dict(word.partition("=")[::2] for word in decoding.split())
 
 
 class Fleet:

@@ -261,6 +261,9 @@ class Bye(Message):
 # --- service -> trainer -------------------------------------------------------------------------
 
 
+MAX_DECODING = 512
+
+
 @dataclass(frozen=True)
 class FeedInfo:
     """What a trainer needs to know about the feed it attached to."""
@@ -282,6 +285,9 @@ class FeedInfo:
     check: Annotated[str, Str(64)] = ""
     """Hex of the bytes the service wrote after the pool (``protocol.layout``): a trainer that finds
     them in the segment it opened knows it mapped this service's pool, not a namesake."""
+    decoding: Annotated[str, Str(MAX_DECODING), OMITTABLE] = ""
+    """``KEY=VALUE`` words, space-separated: what else decides which samples a batch holds and their
+    pixels (``supervisor.feeds.decoding_of``). Services of one fleet must say the same."""
 
 
 @dataclass(frozen=True)

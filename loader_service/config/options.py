@@ -313,7 +313,14 @@ class ServiceConfig(FeedOptions):
         main = FeedConfig(name=self.feed, **{**shared, "slots": self.pool_slots})
         storage = self.storage()
         return tuple(
-            replace(f, max_file_bytes=self.max_file_bytes, storage=storage) for f in (main, *self.extra_feeds)
+            replace(
+                f,
+                max_file_bytes=self.max_file_bytes,
+                max_pixels=self.max_pixels,
+                roi=self.roi,
+                storage=storage,
+            )
+            for f in (main, *self.extra_feeds)
         )
 
     def storage(self) -> StorageConfig:
@@ -373,6 +380,10 @@ class FeedConfig(FeedOptions):
     name: str
     max_file_bytes: int = DEFAULT_MAX_FILE_BYTES
     """The service-wide ``max_file_bytes``, set by ``ServiceConfig.feeds()``; its workers apply it."""
+    max_pixels: int = 0
+    """The service-wide ``max_pixels``, set by ``ServiceConfig.feeds()`` (0: not set)."""
+    roi: bool = False
+    """Whether the service-wide ``decoder`` is the region decoder, set by ``ServiceConfig.feeds()``."""
     storage: StorageConfig = LOCAL
     """The service-wide storage settings, set by ``ServiceConfig.feeds()``."""
 

@@ -154,6 +154,7 @@ class Feed:
             slots=cfg.slots,
             fields=self.layout.wire(),
             check=self.check,
+            decoding=decoding_of(self.config, self.cache),
         )
 
     def worker_feed(self) -> WorkerFeed:
@@ -219,6 +220,21 @@ class Feed:
             "fields": [f.describe() for f in self.layout.fields],
             "cache": None if self.cache is None else self.cache.stats().status(self.cache.kind),
         }
+
+
+def decoding_of(config: FeedConfig, cache: CacheSegment | None) -> str:
+    """NOTE [ A fleet ]: what decides a feed's samples beyond its data, seed, transform and fields,
+    as ``KEY=VALUE`` words: which files are refused (``--max-pixels``, ``--max-file-bytes``), and
+    for the built-in transforms the resize filter and whether large crops are DCT-scaled while
+    decoding (the region decoder, unless a cache of decoded images needs full-decode pixels). The
+    region decoder without DCT scaling gives a full decode's pixels, so it is not named."""
+    words: dict[str, object] = {"max-pixels": config.max_pixels, "max-file-bytes": config.max_file_bytes}
+    if not config.pipeline:
+        words["interpolation"] = config.interpolation
+        decoded_cache = cache is not None and cache.spec.kind is CacheKind.DECODED
+        scaled = config.roi and config.augment != "none" and not decoded_cache
+        words["dct-scaling"] = "on" if scaled else "off"
+    return " ".join(f"{key}={value}" for key, value in words.items())
 
 
 def _cache(config: FeedConfig, samples: int, workers: int, folder: Path, group: str) -> CacheSegment | None:

@@ -20,6 +20,7 @@ from typing import Any
 import pytest
 
 from gpu_worker import ServiceError, ServiceLoader
+from loader_service.decode.regions import roi_decoder_version
 from loader_service.tools.keys import make_keys
 from tests.helpers import REPO, ServiceFactory, ServiceProcess, free_port, private_shm_available
 
@@ -172,6 +173,32 @@ def test_a_service_with_another_seed_is_refused_naming_the_difference(fleet: Fle
     message = str(refused.value)
     named, expected = (other, "seed 1, not 0") if order == "same first" else (same, "seed 0, not 1")
     assert message.startswith(named) and expected in message
+
+
+def test_services_that_would_make_other_pixels_or_skip_other_files_are_refused(fleet: Fleet) -> None:
+    """Alike in data, seed, transform and fields, but not in the resize filter, the file limits or
+    the decoder's DCT scaling (a train feed with a sample cache decodes without it): each would
+    deliver other pixels, or other samples, for the batches it decodes, so each is refused with
+    what differs named."""
+    reference = fleet.add()
+    area = fleet.add(interpolation="area")
+    small_files = fleet.add(max_file_bytes=100_000, max_pixels=1_000_000)
+    others = [area, small_files]
+    if roi_decoder_version() is not None:  # without the region decoder nothing is DCT-scaled anyway
+        others.append(fleet.add(cache_memory="4M"))
+    with pytest.raises(ServiceError) as refused:
+        fleet.loader([reference, *others], connect_timeout=20)
+    message = str(refused.value)
+    assert (
+        f"{area} serves another feed" in message
+        and "interpolation 'area', not 'bilinear-antialias'" in message
+    )
+    assert f"{small_files} serves another feed" in message
+    assert "max-file-bytes '100000', not '268435456'" in message and "max-pixels '1000000'" in message
+    if len(others) == 3:
+        assert f"{others[2]} serves another feed" in message and "dct-scaling 'off', not 'on'" in message
+    with fleet.loader([reference, fleet.add()], connect_timeout=20) as loader:
+        assert len(loader) > 0, "two services alike in all of it make a fleet"
 
 
 RANK_SCRIPT = """
