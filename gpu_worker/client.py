@@ -121,6 +121,7 @@ class ServiceLoader:
         self._next_epoch = 0
         self._pass: EpochPass | None = None
         self._reassigned = 0
+        self._empty = 0
         self._closed = False
         hello = make_hello(**cfg.hello_fields())
         self._fleet = Fleet(cfg.endpoints, hello, keys, self.device, transport, cfg.credits)
@@ -183,16 +184,19 @@ class ServiceLoader:
         self._next_epoch = epoch + 1
         if self._pass is not None:
             self._reassigned += self._pass.reassigned
-        settings = PassSettings(
-            epoch, position, len(self), self.config.timeout, self.config.mode == "broadcast"
-        )
+            self._empty += self._pass.empty
+        cfg = self.config
+        empty = cfg.mode == "shard" and cfg.world_size > 1  # NOTE [ Empty batches ]
+        settings = PassSettings(epoch, position, len(self), cfg.timeout, cfg.mode == "broadcast", empty)
         self._pass = EpochPass(self._fleet, settings)
         return iter(self._pass)
 
     def stats(self) -> dict[str, Any]:
         """Per service: batches and images it delivered to the loop, images/s while it did, and
-        whether it is in use; and how many batches were assigned again after a service was lost."""
+        whether it is in use; how many batches were assigned again after a service was lost; and how
+        many batches had no sample left (NOTE [ Empty batches ] in gpu_worker/passes.py)."""
         reassigned = self._reassigned + (self._pass.reassigned if self._pass is not None else 0)
+        empty = self._empty + (self._pass.empty if self._pass is not None else 0)
         return {
             "endpoints": {
                 s.endpoint: {
@@ -204,6 +208,7 @@ class ServiceLoader:
                 for s in self._fleet.services
             },
             "reassigned": reassigned,
+            "empty": empty,
         }
 
     def state_dict(self) -> dict[str, Any]:

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import logging
 
+import numpy as np
 import torch
 import zmq
 
@@ -87,6 +88,15 @@ class Delivery:
             host = tuple(fields.values())
             fields = dict(zip(fields, self.stager.stage(host, keep_alive=host), strict=True))
         return Batch(fields, indices, msg.epoch, msg.seq)
+
+    def empty(self, msg: BatchReady) -> Batch:
+        """A batch whose every sample was bad (NOTE [ Empty batches ] in gpu_worker/passes.py): the
+        feed's fields with no rows, on the loader's device."""
+        fields = {
+            spec.name: torch.from_numpy(np.empty((0, *spec.shape), spec.dtype)).to(self.device)
+            for spec in self._layout.fields
+        }
+        return Batch(fields, torch.empty(0, dtype=torch.int64), msg.epoch, msg.seq)
 
     def _from_frames(self, msg: BatchReady, lease: Lease, frames: list[zmq.Frame] | None) -> Batch:
         """TCP: tensors view the received frames (no copy on CPU); the lease ends with them."""

@@ -4,6 +4,17 @@ owns the configuration and the sessions (``gpu_worker.services``).
 A shard pass hands its batches out across the fleet and puts them back in plan order (NOTE [ A
 fleet ] in ``gpu_worker/fleet.py``); a broadcast pass takes what its one service plans for the
 group. Either way the loop gets each batch of the pass once, in order.
+
+NOTE [ Empty batches ]
+    A batch whose every sample was bad (unreadable files, a pipeline that raised on each) arrives
+    with no rows. The ranks of a DDP job must take the same number of steps, or the first
+    collective of the rank that stepped less waits for ever; so a shard pass with ``world_size``
+    over 1 hands such a batch to the loop as it is: every field ``[0, *shape]``, its ``seq`` and
+    ``epoch``, no indices. A loop that only wants data can skip its step; one under DDP should run
+    it (a forward of zero rows and a zero loss) or all-reduce a flag first. With one rank, or in a
+    broadcast group (whose members get the same batches), nothing waits on it, and it is left out
+    of the loop, so a model that cannot take zero rows never sees one. ``loader.stats()["empty"]``
+    counts them either way.
 """
 
 from __future__ import annotations
@@ -31,6 +42,8 @@ class PassSettings:
     batches: int
     timeout: float
     broadcast: bool
+    empty_batches: bool = False
+    """Hand the loop batches whose every sample was bad, with no rows (NOTE [ Empty batches ])."""
 
 
 class EpochPass:
@@ -48,6 +61,8 @@ class EpochPass:
         self._dispatcher: Dispatcher[Service, Arrived] = Dispatcher(
             settings.position, settings.batches, _paces=fleet.paces
         )
+        self.empty = 0
+        """Batches of this pass whose every sample was bad (NOTE [ Empty batches ])."""
         self._started: set[int] = set()
         """ids of the services this pass has sent a start under their current session."""
 
@@ -70,7 +85,9 @@ class EpochPass:
                     break
                 batch = service.wrap(msg)
                 self.position = (msg.seq if self._settings.broadcast else self.position) + 1
-                if batch is not None:
+                if not len(batch.indices):
+                    self.empty += 1
+                if len(batch.indices) or self._settings.empty_batches:
                     service.share.add(len(batch.indices), time.monotonic())
                     self.last_endpoint = service.endpoint
                     yield batch

@@ -162,14 +162,20 @@ class Service:
         self.conn.payloads.pop(msg.lease, None)
         self.leases.let_go((generation, msg.lease))
 
-    def wrap(self, msg: BatchReady) -> Batch | None:
-        """The loop's batch, or None for one whose every sample was bad (let go at once)."""
+    def wrap(self, msg: BatchReady) -> Batch:
+        """The loop's batch; one whose every sample was bad has no rows, and its slot is let go at
+        once (NOTE [ Empty batches ] in gpu_worker/passes.py)."""
         assert self.info is not None
         lease = (self.conn.generation, msg.lease)
         frames = self.conn.payloads.pop(msg.lease, None)
-        if msg.count == 0 or msg.count > self.info.batch_size:
+        if msg.count > self.info.batch_size:
             self.leases.let_go(lease)
-            return None
+            raise ServiceError(
+                f"{self.endpoint} announced {msg.count} rows in a batch of {self.info.batch_size}"
+            )
+        if msg.count == 0:
+            self.leases.let_go(lease)
+            return self.delivery.empty(msg)
         return self.delivery.wrap(msg, lease, frames)
 
     def close(self) -> None:

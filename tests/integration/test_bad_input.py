@@ -104,6 +104,36 @@ def test_bad_files_are_skipped_counted_and_logged_once(mixed: Path, start_servic
     assert service.stop() == 0
 
 
+def test_a_batch_of_bad_files_only_keeps_ranks_in_step(mixed: Path, start_service: ServiceFactory) -> None:
+    """NOTE [ Empty batches ]: one file a batch, so each bad file leaves a batch with no sample. Each
+    rank of two still gets every batch of its share, the empty ones with no rows, so both take the
+    same number of steps; a single trainer gets only the batches that hold something."""
+    index = build_index(mixed)
+    bad = {i for i in range(len(index)) if Path(index.relpath(i)).name in BAD}
+    size = 32
+    service = start_service(mixed, batch_size=1, augment="none", image_size=size, max_pixels=10_000_000)
+    seen: list[int] = []
+    empty = 0
+    for rank in range(2):
+        with ServiceLoader(service.endpoint, rank=rank, world_size=2, timeout=30) as loader:
+            steps = mine = 0
+            for batch in loader:
+                steps += 1
+                seen += batch.indices.tolist()
+                if not len(batch.indices):
+                    mine += 1
+                    assert batch.images.shape == (0, 3, size, size) and batch.labels.shape == (0,)
+            assert steps == len(loader), f"rank {rank} steps once per batch of its share"
+            assert loader.stats()["empty"] == mine
+            empty += mine
+    # remainder "pad" repeats the first (-N) mod 2 samples of the permutation: a bad one counts twice
+    assert set(seen) == set(range(len(index))) - bad and empty >= len(bad)
+    with ServiceLoader(service.endpoint, timeout=30) as loader:
+        alone = [batch.indices.tolist() for batch in loader]
+        assert len(alone) == len(loader) - len(bad) and all(alone), "one trainer is never handed none"
+        assert loader.stats()["empty"] == len(bad)
+
+
 def test_odd_but_valid_files_decode_right(mixed: Path, start_service: ServiceFactory) -> None:
     index = build_index(mixed)
     by_name = {Path(index.relpath(i)).name: i for i in range(len(index))}
