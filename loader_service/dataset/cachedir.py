@@ -14,6 +14,14 @@ NOTE [ Fetch cache ]
     indexes (``indexes/KEY/``) count against the size too; the shards being indexed (up to four,
     ``remotefolder.FETCH_AHEAD``) sit in ``tmp/`` meanwhile, and are counted once kept.
 
+NOTE [ A private cache folder ]
+    What the folder holds is trusted at the next start: a saved index names the files to read and
+    their labels, an entry is served as the object. So only the service's user may write there: the
+    folder is made 0700 whatever the umask (a unit's ``UMask=0007`` gave its group write access,
+    and a trainer in the group could rewrite a saved index). A folder another user owns is refused
+    (exit 2); one others could write in is emptied before it is used, then made 0700; one others
+    could only read is made 0700.
+
 NOTE [ Saved indexes ]
     Indexing a million tar samples reads two million headers (seconds, or minutes from a cold disk
     or a store). The index of a ``--data`` value is saved under a key of its format and value, with
@@ -31,6 +39,7 @@ import json
 import logging
 import os
 import shutil
+import stat
 import struct
 import time
 from collections.abc import Iterator
@@ -58,10 +67,35 @@ class FetchCache:
         self.tmp = self.dir / "tmp" / str(os.getpid())
         """This process's own temporary folder, made by its first writer (workers only read)."""
         try:
+            self.dir.mkdir(mode=0o700, parents=True, exist_ok=True)
+            self._keep_private()
             for folder in (self.objects, self.indexes):
-                folder.mkdir(parents=True, exist_ok=True)
+                folder.mkdir(mode=0o700, exist_ok=True)
         except OSError as exc:
             raise DatasetError(f"cache folder {self.dir}: {exc.strerror or exc}") from None
+
+    def _keep_private(self) -> None:
+        """NOTE [ A private cache folder ]: the folder is the service's user's, mode 0700. One that
+        another user owns is refused; one that others could write in has its contents removed,
+        since any of them may have been written by whoever could, and is made 0700."""
+        st = self.dir.stat()
+        if st.st_uid != os.geteuid():
+            raise DatasetError(
+                f"cache folder {self.dir} belongs to uid {st.st_uid}, not to this service's user "
+                f"(uid {os.geteuid()}): give the service a folder of its own"
+            )
+        mode = stat.S_IMODE(st.st_mode)
+        if mode & 0o022:
+            log.warning(
+                "cache folder %s was writable by others (mode %o): what it held is not trusted and is "
+                "removed; it is now 0700",
+                self.dir,
+                mode,
+            )
+            for name in ("objects", "indexes", "tmp", "usage"):
+                _remove(self.dir / name)
+        if mode & 0o077:
+            os.chmod(self.dir, 0o700)
 
     @classmethod
     def of(cls, storage: StorageConfig) -> FetchCache | None:
@@ -229,6 +263,14 @@ def _read_usage(fd: int) -> int:
 
 def _write_usage(fd: int, used: int) -> None:
     os.pwrite(fd, _USAGE.pack(used), 0)
+
+
+def _remove(path: Path) -> None:
+    """Remove a file, link or folder tree; links are removed, never followed."""
+    if path.is_dir() and not path.is_symlink():
+        shutil.rmtree(path)
+    else:
+        path.unlink(missing_ok=True)
 
 
 def _tree_bytes(folder: Path) -> int:

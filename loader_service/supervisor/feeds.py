@@ -98,7 +98,7 @@ class Feed:
         layout = batch_layout(config, index_dir, probe_timeout)
         segment = Segment.create(new_segment_name(config.name), layout.mapped_bytes(config.slots), group)
         try:
-            cache = _cache(config, len(index), workers, index_dir, group)
+            cache = _cache(config, len(index), workers, index_dir)
         except BaseException:
             segment.close()
             segment.unlink()
@@ -237,14 +237,16 @@ def decoding_of(config: FeedConfig, cache: CacheSegment | None) -> str:
     return " ".join(f"{key}={value}" for key, value in words.items())
 
 
-def _cache(config: FeedConfig, samples: int, workers: int, folder: Path, group: str) -> CacheSegment | None:
+def _cache(config: FeedConfig, samples: int, workers: int, folder: Path) -> CacheSegment | None:
+    """The feed's sample cache, 0600 whatever ``--group`` says: no trainer maps it, and what it holds
+    is served to every later epoch (NOTE [ Sample cache ])."""
     if not config.cache_memory:
         return None
     kind = cache_kind(config.augment, config.pipeline, config.pipeline_deterministic)
     name = new_segment_name(f"{config.name}-cache")
     lock = folder / LOCK_NAME
     try:
-        cache = CacheSegment.create(name, config.cache_memory, samples, workers, kind, lock, group)
+        cache = CacheSegment.create(name, config.cache_memory, samples, workers, kind, lock)
     except CacheTooSmall as exc:
         raise ConfigError(f"feed {config.name}: {exc}") from None
     log.info(

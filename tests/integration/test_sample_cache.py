@@ -5,8 +5,10 @@ for the table and a pipeline wrongly declared deterministic, each refused at sta
 
 from __future__ import annotations
 
+import grp
 import os
 import signal
+import stat
 from pathlib import Path
 
 import pytest
@@ -116,6 +118,20 @@ def test_the_cache_segment_goes_at_shutdown_and_after_a_sigkill(
     own = second.wait_for(r"sample cache of 64.0 MiB keeps [\w ]+ \((dataferry-[^)]+)\)").group(1)
     assert second.stop() == 0
     assert own not in our_segments()
+
+
+def test_with_a_group_the_slots_are_the_groups_and_the_cache_the_services_alone(
+    photos: Path, start_service: ServiceFactory
+) -> None:
+    """``--group`` opens the slot pool to the trainers' group; the cache, which no trainer maps and
+    whose entries every later epoch serves, stays 0600 (one write there would change a sample for
+    good)."""
+    group = grp.getgrgid(os.getgid()).gr_name
+    service = start_service(photos, cache_memory="16M", group=group)
+    cache = service.wait_for(r"sample cache of 16.0 MiB keeps [\w ]+ \((dataferry-[^)]+)\)").group(1)
+    (pool,) = {n for n in our_segments() if n.startswith(f"dataferry-{service.proc.pid}-train-")} - {cache}
+    assert stat.S_IMODE((Path("/dev/shm") / pool).stat().st_mode) == 0o660
+    assert stat.S_IMODE((Path("/dev/shm") / cache).stat().st_mode) == 0o600
 
 
 @pytest.mark.skipif(not private_shm_available(), reason="needs a private /dev/shm (unshare --mount)")

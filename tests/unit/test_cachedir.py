@@ -5,7 +5,12 @@ from __future__ import annotations
 
 import multiprocessing
 import os
+import shutil
+import stat
+import subprocess
+import tempfile
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -135,3 +140,75 @@ def test_an_index_that_cannot_be_saved_is_only_not_kept(tmp_path: Path) -> None:
 
     assert not cache.save_index("k", [], full_disk)
     assert cache.used() == 0 and cache.saved_index("k", []) is None
+
+
+# --- NOTE [ A private cache folder ] -------------------------------------------------------------
+
+needs_root = pytest.mark.skipif(os.geteuid() != 0, reason="acts as another user: needs root")
+
+
+def _as_nobody(*command: str) -> subprocess.CompletedProcess[bytes]:
+    return subprocess.run(["runuser", "-u", "nobody", "--", *command], check=False, capture_output=True)
+
+
+@pytest.fixture
+def reachable(tmp_path: Path) -> Iterator[Path]:
+    """A folder another user can reach (pytest's own folders are root's alone), removed afterwards."""
+    folder = Path(tempfile.mkdtemp(prefix="dataferry-test-", dir="/tmp"))
+    os.chmod(folder, 0o755)
+    try:
+        yield folder
+    finally:
+        shutil.rmtree(folder, ignore_errors=True)
+
+
+@needs_root
+def test_under_a_group_umask_the_folder_is_the_services_alone(reachable: Path) -> None:
+    """The shipped unit's ``UMask=0007`` with the folder's group the trainers' (nogroup here): a
+    process of another user in that group can neither write a saved index nor list the entries,
+    where it can in a folder made as the umask says."""
+    old = os.umask(0o007)
+    try:
+        cache = FetchCache(reachable / "c", 1 << 20)
+        key = index_key("tar", "/data", None)
+        assert cache.save_index(key, [1], lambda folder: (folder / "index.json").write_text("{}"))
+        (reachable / "plain").mkdir()
+    finally:
+        os.umask(old)
+    for folder in (cache.dir, reachable / "plain"):
+        os.chown(folder, 0, 65534)
+    assert _as_nobody("touch", str(reachable / "plain" / "x")).returncode == 0, "the umask's folder is open"
+    assert stat.S_IMODE(cache.dir.stat().st_mode) == 0o700
+    saved = cache.indexes / key / "index.json"
+    assert _as_nobody("sh", "-c", f"echo planted > {saved}").returncode != 0
+    assert _as_nobody("touch", str(cache.dir / "x")).returncode != 0
+    assert _as_nobody("ls", str(cache.indexes)).returncode != 0
+    assert saved.read_text() == "{}"
+
+
+def test_a_folder_others_could_write_in_is_emptied_and_made_private(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    folder = tmp_path / "c"
+    (folder / "indexes" / "k").mkdir(parents=True)
+    (folder / "indexes" / "k" / "inputs.json").write_text("[1]")
+    (folder / "objects").mkdir()
+    (folder / "objects" / "planted").write_bytes(b"x")
+    os.chmod(folder, 0o770)
+    cache = FetchCache(folder, 1 << 20)
+    assert stat.S_IMODE(folder.stat().st_mode) == 0o700
+    assert cache.saved_index("k", [1]) is None and not any(cache.objects.iterdir())
+    assert "was writable by others" in caplog.text
+    os.chmod(folder, 0o750)  # readable only: kept, made private
+    (folder / "objects" / "kept").write_bytes(b"x")
+    FetchCache(folder, 1 << 20)
+    assert stat.S_IMODE(folder.stat().st_mode) == 0o700 and (folder / "objects" / "kept").exists()
+
+
+@needs_root
+def test_a_folder_another_user_owns_is_refused(tmp_path: Path) -> None:
+    folder = tmp_path / "c"
+    folder.mkdir(mode=0o700)
+    os.chown(folder, 65534, 65534)
+    with pytest.raises(DatasetError, match="belongs to uid 65534"):
+        FetchCache(folder, 1 << 20)
