@@ -154,6 +154,13 @@ def _owner_alive(pid: int) -> bool:
     return b"loader_service" in cmdline or b"loader-service" in cmdline
 
 
+def scratch_prefix(purpose: str) -> str:
+    """How a temporary folder of this process begins (``tempfile.mkdtemp(prefix=...)``): named as a
+    runtime folder is, with the pid, so that one a killed process left behind (an index scan's
+    fetched shards, a list's copy) is removed at the next start like its segments."""
+    return f"{SEGMENT_PREFIX}{os.getpid()}-{purpose}-"
+
+
 def hold_lock(path: Path) -> int:
     """Create ``path`` and keep it exclusively flocked for this process's life: its liveness mark."""
     fd = os.open(path, os.O_CREAT | os.O_RDWR, 0o600)

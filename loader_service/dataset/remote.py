@@ -174,15 +174,24 @@ class Bucket:
             raise self.start_error(exc, key) from None
 
     def download(self, obj: ObjectInfo, dest: Path) -> None:
-        """Stream ``obj`` into the new file ``dest``; StorageError if it fails or comes out short, and
-        DatasetError naming ``dest`` if it cannot be written (obstore's 404 is an OSError too)."""
+        """Stream ``obj`` into the new file ``dest``, never more than its listed size; StorageError if
+        it fails or comes out short or long, and DatasetError naming ``dest`` if it cannot be
+        written (obstore's 404 is an OSError too)."""
         with open(dest, "xb") as out:
             try:
                 got = self._obs.get(self.store, obj.key, options=_if_match(obj.etag))
                 for chunk in got.stream(min_chunk_size=DOWNLOAD_CHUNK):
-                    _write(out, chunk)
+                    room = obj.size - out.tell()
+                    _write(out, memoryview(chunk)[:room])  # a store may send more than it listed
+                    if len(chunk) > room:
+                        raise StorageError(
+                            f"{self.url}/{obj.key}: the store sent more than the {obj.size} bytes it "
+                            "listed (changed since?); stopped there"
+                        )
             except _LocalWrite as exc:
                 raise DatasetError(f"cannot write {dest}: {exc}") from None
+            except StorageError:
+                raise
             except Exception as exc:
                 raise self.start_error(exc, obj.key) from None
             written = out.tell()

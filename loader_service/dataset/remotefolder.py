@@ -27,6 +27,7 @@ from loader_service.dataset.cachedir import FetchCache
 from loader_service.dataset.remote import SCAN_DEADLINE, Bucket, ObjectInfo, StorageConfig, split_url
 from loader_service.dataset.shards import COMPRESSED_SUFFIXES, TAR_SUFFIX, expand_braces, is_brace_pattern
 from loader_service.dataset.tables import DatasetError
+from loader_service.shm import scratch_prefix
 
 log = logging.getLogger(__name__)
 
@@ -60,7 +61,9 @@ class RemoteObjects:
         """Each object as a local file, in order; fetched ``FETCH_AHEAD`` ahead and, once scanned,
         kept in the cache or removed."""
         cache = FetchCache.of(self.storage)
-        scratch = Path(tempfile.mkdtemp(prefix="dataferry-scan-", dir=cache.scratch() if cache else None))
+        scratch = Path(
+            tempfile.mkdtemp(prefix=scratch_prefix("scan"), dir=cache.scratch() if cache else None)
+        )
         pending: deque[Future[tuple[Path, bool]]] = deque()
         pool = ThreadPoolExecutor(FETCH_AHEAD, thread_name_prefix="fetch")
         try:

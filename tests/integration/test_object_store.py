@@ -8,6 +8,7 @@ import subprocess
 import sys
 import time
 from concurrent.futures import Future
+from dataclasses import replace
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -17,7 +18,7 @@ from benchmarks.netfaults import FaultProxy
 from benchmarks.objectstore import counted_store_reads
 from gpu_worker import ServiceLoader
 from loader_service.dataset.index import build_index
-from loader_service.dataset.remote import StorageConfig
+from loader_service.dataset.remote import Bucket, StorageConfig, StorageError
 from loader_service.dataset.storage import DecodeError
 from loader_service.decode.reading import SampleReader
 from tests.helpers import (
@@ -332,3 +333,24 @@ def test_a_slow_store_delays_parquet_batches_and_loses_none(
     assert sorted(got) == list(range(n)), f"{n - len(got)} of {n} samples lost"
     assert feed["bad_files"] == 0
     assert "killing it" not in service.log
+
+
+def test_a_store_sending_more_than_it_listed_fills_no_disk(
+    s3_server: S3Server, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The listing says 1,000 bytes; the store sends the whole 3 MiB object, under the same ETag (as
+    a store that lies would). The fetch stops at the listed size: no more than that reaches the
+    disk, and the start fails naming the object."""
+    for key, value in s3_server.env().items():
+        monkeypatch.setenv(key, value)
+    (tmp_path / "big.tar").write_bytes(os.urandom(3 << 20))
+    s3_server.upload(tmp_path / "big.tar", "oversend/big.tar")
+    bucket = Bucket(f"s3://{s3_server.bucket}", StorageConfig(), 30.0)
+    (listed,) = bucket.list("oversend/")
+    assert listed.size == 3 << 20
+    dest = tmp_path / "copy"
+    with pytest.raises(StorageError, match="sent more than the 1000 bytes it listed"):
+        bucket.download(replace(listed, size=1000), dest)
+    assert dest.stat().st_size == 1000
+    bucket.download(listed, tmp_path / "whole")
+    assert (tmp_path / "whole").read_bytes() == (tmp_path / "big.tar").read_bytes()

@@ -8,6 +8,7 @@ in a thread with a deadline, so a blocking open fails the test instead of hangin
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import fcntl
 import os
@@ -98,6 +99,39 @@ def test_a_dead_services_segment_and_runtime_folder_are_removed(shm_dir: Path, d
     folder = runtime_folder(shm_dir / f"dataferry-{dead_pid}-k2x_9q7z")
     assert sorted(clean(shm_dir)) == sorted([str(segment), str(folder)])
     assert not segment.exists() and not folder.exists()
+
+
+def test_the_scratch_of_a_killed_index_scan_is_removed(shm_dir: Path) -> None:
+    """A scan killed with SIGKILL (``loader-service index``, or a start) leaves the folder it fetched
+    shards or a list into; it is named with its pid (``shm.scratch_prefix``), so the next start
+    removes it, and spares the scratch of a scan still running."""
+    make = (
+        "import os, sys, tempfile; from loader_service.shm import scratch_prefix; "
+        "d = tempfile.mkdtemp(prefix=scratch_prefix(sys.argv[2]), dir=sys.argv[1]); "
+        "open(os.path.join(d, 'train-000001.tar'), 'wb').write(b'x' * 4096); "
+        "print(d, flush=True); sys.stdin.read()"
+    )
+    with contextlib.ExitStack() as stack:
+        children = [
+            stack.enter_context(
+                subprocess.Popen(
+                    [sys.executable, "-c", make, str(shm_dir), purpose, "loader-service"],
+                    stdin=subprocess.PIPE,
+                    stdout=subprocess.PIPE,
+                    text=True,
+                )
+            )
+            for purpose in ("scan", "list")
+        ]
+        for child in children:
+            stack.callback(child.kill)
+        made = [Path(child.stdout.readline().strip()) for child in children if child.stdout]
+        assert all(folder.is_dir() for folder in made)
+        assert clean(shm_dir) == [], "a running scan's scratch is spared"
+        for child in children:
+            child.kill()
+            child.wait()
+        assert sorted(clean(shm_dir)) == sorted(str(folder) for folder in made)
 
 
 def test_a_segment_whose_holder_keeps_its_flock_is_spared(shm_dir: Path, dead_pid: int) -> None:
