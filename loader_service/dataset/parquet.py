@@ -159,7 +159,7 @@ class _Layout:
 
 def _layout(pf: Any, columns: Columns, where: str) -> _Layout:
     schema = pf.schema_arrow
-    features = _hf_features(schema.metadata or {})
+    features = _hf_features(schema.metadata or {}, where)
     image = columns.image or next((k for k, v in features.items() if _is_image(v)), "image")
     if image not in schema.names:
         raise DatasetError(f"{where} has no image column {image!r} (columns: {', '.join(schema.names)}); "
@@ -178,12 +178,18 @@ def _layout(pf: Any, columns: Columns, where: str) -> _Layout:
     return _Layout(leaf, md.column(leaf).max_definition_level, label, classes, others)
 
 
-def _hf_features(metadata: Mapping[bytes, bytes]) -> dict[str, Any]:
+def _hf_features(metadata: Mapping[bytes, bytes], where: str) -> dict[str, Any]:
+    """The features ``datasets`` wrote in the file's metadata; {} if it wrote none we can read."""
     try:
         info = json.loads(metadata.get(HF_KEY, b"{}"))
         features = info.get("info", {}).get("features", {})
     except (ValueError, AttributeError):
         return {}
+    except RecursionError:  # the file's writer decides how deep its JSON goes
+        raise DatasetError(
+            f"{where}: its {HF_KEY.decode()} metadata is nested too deeply to read; "
+            "rewrite the file without it"
+        ) from None
     return features if isinstance(features, dict) else {}
 
 

@@ -65,3 +65,19 @@ def test_insecure_tcp_warns_at_start(photos: Path, tmp_path: Path) -> None:
     result = serve(photos, tmp_path, env, "--endpoint", "tcp://0.0.0.0:0", "--insecure-tcp")
     assert result.returncode == 1, result.stderr
     assert "WITHOUT authentication or encryption" in result.stderr
+
+
+def test_parquet_metadata_nested_too_deeply_exits_2_naming_the_file(tmp_path: Path) -> None:
+    """A file's writer decides how deep its ``huggingface`` metadata JSON goes: too deep for the JSON
+    reader is a bad dataset (exit 2, which systemd does not restart), not a crash (exit 1, restarted
+    for ever)."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    deep = b"[" * 100_000 + b"]" * 100_000
+    table = pa.table({"image": [b"\xff\xd8"], "label": [0]}).replace_schema_metadata({"huggingface": deep})
+    pq.write_table(table, tmp_path / "deep.parquet")
+    result = serve(tmp_path / "deep.parquet", tmp_path, {})
+    assert result.returncode == 2, result.stderr
+    assert "deep.parquet" in result.stderr and "nested too deeply" in result.stderr
+    assert "Traceback" not in result.stderr
