@@ -27,6 +27,11 @@ NOTE [ Untrusted pages ]
     they are given without saying how much they wrote, so each codec is made to prove that it
     produced exactly the header's size (``decompress``): bytes that were never written are never
     handed out as an image. A page's CRC, where the writer stored one, is checked before anything else.
+    And a page is checked whole before any row of it is served, the verdict kept with the page map:
+    its levels must give exactly its rows (counted, never listed row by row), its values or
+    dictionary indices must be exactly as many as its levels say are there and fill it to its end,
+    and every index must fall inside the dictionary. Reading only up to the row asked for served
+    rows ahead of damage further on in pages pyarrow refuses whole, some with another row's image.
 """
 
 from __future__ import annotations
@@ -49,7 +54,8 @@ MAX_PAGE = 256 << 20
 MAX_HEADER = 16 << 20  # parquet-cpp's own limit on a page header
 FIRST_HEADER_READ = 1024
 """A header is ~25 bytes, more with statistics: pyarrow's hold min and max values of up to 4 KiB each,
-so a chunk's reads grow to twice its longest header so far."""
+so a header is read with twice the last one's size, at least this. Twice the *longest* so far made
+one large header cost that much for every header after it (674 MB read for 8000 tiny pages)."""
 MAX_HEADER_VALUES = 10_000  # a PageHeader has ~20 fields: this bounds a header made of tiny values
 MAX_DEPTH = 16
 MAX_RUNS = 1 << 20
@@ -58,6 +64,11 @@ at most tens of thousands of values, while 1-value runs of damage could make a P
 PIECE = 1 << 16  # values of a bit-packed run unpacked at once
 SWAR_BYTES = 1 << 18  # bytes of levels counted at once: temporaries that stay in cache
 EXTRA_PAGES = 64  # pages beyond one per row: dictionary and index pages
+MAX_PAGE_VALUES = 1 << 20
+"""Values (nulls aside) one page may hold: checking a page whole walks each, and a column of images
+has a few a page. Nulls cost nothing: a page of millions of them reads at once."""
+HOP_READS = 64
+"""Values of a raw page whose lengths are read one by one; a page with more is read whole once."""
 MAX_HADOOP_BLOCKS = 4096  # Hadoop's LZ4 blocks are 256 KiB or so: a page has a few
 
 DATA_PAGE, INDEX_PAGE, DICTIONARY_PAGE, DATA_PAGE_V2 = 0, 1, 2, 3
@@ -414,8 +425,10 @@ class ChunkPages:
         self.dictionary = dictionary
         self.pages = tuple(pages)  # data pages with values, in row order
         self._first_rows = [p.first_row for p in self.pages]
-        self._spans: dict[int, list[tuple[int, int] | None]] = {}
-        """Of the pages ``span`` has read, by index: each row's value, as (file offset, length)."""
+        self._raw: dict[int, RawPage] = {}
+        """Of the pages ``span`` has read, by index: their levels and where each value is."""
+        self._verdicts: dict[int, ParquetPageError | None] = {}
+        """Of the pages checked whole (NOTE [ Untrusted pages ]), by index (-1: the dictionary)."""
 
     @classmethod
     def scan(cls, chunk: Chunk, read_at: ReadAt) -> ChunkPages:
@@ -432,7 +445,7 @@ class ChunkPages:
                     f"chunk at {chunk.start}: more than {count - 1} pages for {chunk.rows} rows"
                 )
             header, header_size = read_page_header(read_at, offset, end, guess)
-            guess = max(guess, 2 * header_size)
+            guess = max(FIRST_HEADER_READ, 2 * header_size)
             page = Page(offset, header_size, header, rows)
             where = f"page at {offset}"
             if offset + page.length > end:
@@ -488,10 +501,16 @@ class ChunkPages:
         (NOTE [ Parquet reads ]): the page's levels and value lengths are read once, a few small
         reads, and then each value costs its own bytes only."""
         index = self.page_index(row)
-        spans = self._spans.get(index)
-        if spans is None:
-            spans = self._spans[index] = page_spans(self.pages[index], self.chunk, read_at)
-        return spans[row - self.pages[index].first_row]
+        raw = self._raw.get(index)
+        if raw is None:
+            self._verdict(index, None)  # a page found damaged before stays so
+            try:
+                raw = self._raw[index] = RawPage.read(self.pages[index], self.chunk, read_at)
+            except ParquetPageError as exc:
+                self._verdicts[index] = exc
+                raise
+            self._verdicts[index] = None
+        return raw.span(row - self.pages[index].first_row, self.chunk.max_def)
 
     def value(self, row: int, read_at: ReadAt) -> bytes | None:
         """The value at ``row`` of the row group, None for a null."""
@@ -520,6 +539,7 @@ class ChunkPages:
     ) -> list[bytes | None]:
         where = f"page at {page.offset}"
         levels, data = page_data(page, self.chunk, read_exactly(read_at, page.offset, page.length, where))
+        self._verdict(self.page_index(page.first_row), lambda: self._check(page, levels, data, read_at))
         if self.chunk.max_def:
             present = levels_at(levels, self.chunk.max_def, positions, f"{where}, definition levels")
         else:
@@ -533,6 +553,38 @@ class ChunkPages:
         else:
             by_key = dict(zip(keys, plain_at(data, keys, f"{where}, values"), strict=True))
         return [by_key[k] if ok else None for ok, k in present]
+
+    def _verdict(self, index: int, check: Callable[[], None] | None) -> None:
+        """Raise what is wrong with page ``index`` (-1: the dictionary), checking it whole with
+        ``check`` the first time (NOTE [ Untrusted pages ]); None only asks for a verdict reached."""
+        if index in self._verdicts:
+            found = self._verdicts[index]
+            if found is not None:
+                raise found
+            return
+        if check is None:
+            return
+        try:
+            check()
+        except ParquetPageError as exc:
+            self._verdicts[index] = exc
+            raise
+        self._verdicts[index] = None
+
+    def _check(self, page: Page, levels: memoryview, data: memoryview, read_at: ReadAt) -> None:
+        """A data page whole: its levels, and its values or dictionary indices, to its last byte."""
+        where = f"page at {page.offset}"
+        present = present_count(levels, self.chunk.max_def, page.rows, f"{where}, definition levels")
+        if not page.uses_dictionary:
+            plain_spans(data, present, f"{where}, values")
+            return
+        assert self.dictionary is not None  # scan refused dictionary-encoded pages without one
+        self._verdict(-1, lambda: self._check_dictionary(read_at))
+        check_indices(data, present, self.dictionary.header.num_values, f"{where}, dictionary indices")
+
+    def _check_dictionary(self, read_at: ReadAt) -> None:
+        assert self.dictionary is not None
+        plain_spans(self._dictionary(read_at), self.dictionary.header.num_values, "the dictionary page")
 
     def _entries(
         self, entries: list[int], read_at: ReadAt, dictionary: list[memoryview], where: str
@@ -561,42 +613,113 @@ class ChunkPages:
 # --- A page's bytes ------------------------------------------------------------------------------
 
 
-def page_spans(page: Page, chunk: Chunk, read_at: ReadAt) -> list[tuple[int, int] | None]:
-    """Each row of a raw PLAIN page (``ChunkPages.stored_raw``): its value's (file offset, length),
-    None for a null. Reads the levels, then hops from one value's 4-byte length to the next."""
-    h = page.header
-    where = f"page at {page.offset}"
-    body, end = page.offset + page.header_size, page.offset + page.length
-    if h.kind == DATA_PAGE_V2:
-        levels_at_, levels_size = body + h.rep_levels_size, h.def_levels_size
-        values = body + h.rep_levels_size + h.def_levels_size
-    elif chunk.max_def:
-        (levels_size,) = _U32.unpack(read_exactly(read_at, body, 4, where))
-        levels_at_, values = body + 4, body + 4 + levels_size
-    else:
-        levels_at_, levels_size, values = body, 0, body
-    if values > end:
-        raise ParquetPageError(f"{where}: levels of {levels_size} bytes in a page of {h.compressed_size}")
-    rows = list(range(page.rows))
-    if chunk.max_def:
-        levels = read_exactly(read_at, levels_at_, levels_size, where)
-        present = levels_at(levels, chunk.max_def, rows, f"{where}, definition levels")
-    else:
-        present = [(True, r) for r in rows]
-    return _hop(present, values, end, read_at, where)
+@dataclass(frozen=True)
+class RawPage:
+    """A raw PLAIN page (``ChunkPages.stored_raw``) checked whole: its definition levels, and where
+    each of its values lies in the file."""
+
+    levels: memoryview
+    starts: npt.NDArray[np.int64]
+    """Each value's first byte in the file, in order (nulls have none)."""
+    sizes: npt.NDArray[np.int64]
+
+    @classmethod
+    def read(cls, page: Page, chunk: Chunk, read_at: ReadAt) -> RawPage:
+        """The page's levels, then its values' lengths: one by one where they are few
+        (``HOP_READS``), else from one read of the page's values; they must fill it exactly."""
+        h = page.header
+        where = f"page at {page.offset}"
+        body, end = page.offset + page.header_size, page.offset + page.length
+        if h.kind == DATA_PAGE_V2:
+            levels_from, levels_size = body + h.rep_levels_size, h.def_levels_size
+            values = body + h.rep_levels_size + h.def_levels_size
+        elif chunk.max_def:
+            (levels_size,) = _U32.unpack(read_exactly(read_at, body, 4, where))
+            levels_from, values = body + 4, body + 4 + levels_size
+        else:
+            levels_from, levels_size, values = body, 0, body
+        if values > end:
+            raise ParquetPageError(f"{where}: levels of {levels_size} bytes in a page of {h.compressed_size}")
+        levels = read_exactly(read_at, levels_from, levels_size, where) if chunk.max_def else memoryview(b"")
+        present = present_count(levels, chunk.max_def, page.rows, f"{where}, definition levels")
+        if present > HOP_READS:
+            starts, sizes = plain_spans(read_exactly(read_at, values, end - values, where), present, where)
+            return cls(levels, starts + values, sizes)
+        starts, sizes = np.empty(present, np.int64), np.empty(present, np.int64)
+        at = values
+        for k in range(present):
+            (size,) = _U32.unpack(read_exactly(read_at, at, 4, f"{where}, value {k}"))
+            if at + 4 + size > end:
+                raise ParquetPageError(f"{where}: value {k} of {size} bytes runs past the page's end")
+            starts[k], sizes[k] = at + 4, size
+            at += 4 + size
+        if at != end:
+            raise ParquetPageError(f"{where}: {end - at} bytes after its {present} values")
+        return cls(levels, starts, sizes)
+
+    def span(self, position: int, max_def: int) -> tuple[int, int] | None:
+        """(file offset, length) of the value at ``position`` of the page, None for a null."""
+        there, rank = (
+            levels_at(self.levels, max_def, [position], "definition levels")[0]
+            if max_def
+            else (True, position)
+        )
+        return (int(self.starts[rank]), int(self.sizes[rank])) if there else None
 
 
-def _hop(
-    present: list[tuple[bool, int]], at: int, end: int, read_at: ReadAt, where: str
-) -> list[tuple[int, int] | None]:
-    spans: list[tuple[int, int]] = []
-    for _ in range(sum(ok for ok, _ in present)):
-        (size,) = _U32.unpack(read_exactly(read_at, at, 4, f"{where}, value {len(spans)}"))
-        if at + 4 + size > end:
-            raise ParquetPageError(f"{where}: value {len(spans)} of {size} bytes runs past the page's end")
-        spans.append((at + 4, size))
-        at += 4 + size
-    return [spans[k] if ok else None for ok, k in present]
+def present_count(levels: memoryview, max_def: int, rows: int, what: str) -> int:
+    """How many of a page's ``rows`` have a value (their level is the maximum), the whole stream
+    walked run by run and counted, never listed: millions of nulls cost a few runs."""
+    if not max_def:
+        return rows
+    total = 0
+    for _first, n, run in hybrid_runs(levels, max_def.bit_length(), rows, what):
+        total += _present(run, 0, n, max_def, what)
+    if total > MAX_PAGE_VALUES:
+        raise ParquetPageError(f"{what}: {total} values in one page, over {MAX_PAGE_VALUES}")
+    return total
+
+
+def plain_spans(
+    data: memoryview, count: int, what: str
+) -> tuple[npt.NDArray[np.int64], npt.NDArray[np.int64]]:
+    """Where each of ``count`` PLAIN byte arrays in ``data`` begins (after its 4-byte length), and
+    its size; they must fill ``data`` to its last byte."""
+    if count > MAX_PAGE_VALUES:
+        raise ParquetPageError(f"{what}: {count} values, over {MAX_PAGE_VALUES}")
+    starts, sizes = np.empty(count, np.int64), np.empty(count, np.int64)
+    pos, end = 0, len(data)
+    for k in range(count):
+        if pos + 4 > end:
+            raise ParquetPageError(f"{what}: value {k} starts past the end ({end} bytes)")
+        (size,) = _U32.unpack_from(data, pos)
+        if size > end - pos - 4:
+            raise ParquetPageError(f"{what}: value {k} of {size} bytes runs past the end ({end} bytes)")
+        starts[k], sizes[k] = pos + 4, size
+        pos += 4 + size
+    if pos != end:
+        raise ParquetPageError(f"{what}: {end - pos} bytes after its {count} values")
+    return starts, sizes
+
+
+def check_indices(data: memoryview, count: int, entries: int, what: str) -> None:
+    """A dictionary-encoded page's index stream holds ``count`` indices, each below ``entries``."""
+    if not count:
+        return
+    if not data:
+        raise ParquetPageError(f"{what}: no bit width")
+    bit_width = data[0]
+    if bit_width > 32:
+        raise ParquetPageError(f"{what}: bit width {bit_width}")
+    for first, n, run in hybrid_runs(data[1:], bit_width, count, what):
+        if isinstance(run, Packed):
+            for lo in range(0, n, PIECE):  # a multiple of 8 values: whole bytes
+                piece = run.data[lo * bit_width // 8 : ((lo + PIECE) * bit_width + 7) // 8]
+                top = int(unpack(piece, bit_width, min(PIECE, n - lo)).max())
+                if top >= entries:
+                    raise ParquetPageError(f"{what}: index {top} near value {first + lo} of {entries}")
+        elif run >= entries:
+            raise ParquetPageError(f"{what}: index {run} at value {first} of {entries}")
 
 
 def page_data(page: Page, chunk: Chunk, raw: memoryview) -> tuple[memoryview, memoryview]:

@@ -1,5 +1,16 @@
 """A decode worker's reads from an object store (``storage.Files`` for remote data; NOTE [ Object
-store reads ]), through the cache folder when it holds the object (NOTE [ Fetch cache ])."""
+store reads ]), through the cache folder when it holds the object (NOTE [ Fetch cache ]).
+
+NOTE [ Prefetch budget ]
+    A task's reads are asked for at once, but a worker holds at most ``PREFETCH_BYTES`` of what
+    they return: the reads go out in windows of that many bytes, in the order the task reads them,
+    and the next window is fetched when a sample reaches it, dropping the last. Before, a task's
+    every byte was held until its end: 32 images of 8 MiB held 256 MiB in one worker, and a batch
+    of 64 larger ones could take a worker past its memory while nothing was yet decoding, an OOM
+    kill the batch's redo met again. An object whose size the index does not know (one a list
+    names) weighs the mean of those fetched so far (``FIRST_GUESS`` before any). One object larger
+    than the budget is a window of its own; ``--max-file-bytes`` bounds it.
+"""
 
 from __future__ import annotations
 
@@ -20,6 +31,11 @@ from loader_service.dataset.remote import (
 )
 from loader_service.dataset.storage import DecodeError, LocalFiles, Want
 
+PREFETCH_BYTES = 64 << 20
+"""Bytes of fetched-ahead reads a worker holds at once (NOTE [ Prefetch budget ])."""
+FIRST_GUESS = 1 << 20
+"""What an object of unknown size is taken to weigh before any has been fetched."""
+
 
 class RemoteFiles:
     """Objects under the folder URL ``root``. ``versions`` gives the (size, ETag) the index saw of
@@ -38,6 +54,10 @@ class RemoteFiles:
         self._cache = FetchCache.of(storage)
         self._entries = LocalFiles(Path("/"))
         self._got: dict[Want, bytes | Exception] = {}
+        self._ahead: dict[Want, None] = {}
+        """The task's reads not fetched yet, in the order it makes them (NOTE [ Prefetch budget ])."""
+        self._unsized = [0, 0]
+        """Bytes and count of the objects of unknown size fetched so far."""
         self._entries_of: dict[str, Path | None] = {}
 
     def read(self, name: str, max_bytes: int) -> bytes:
@@ -55,10 +75,40 @@ class RemoteFiles:
         return self._take((name, offset, size))
 
     def prefetch(self, wanted: Sequence[Want]) -> None:
-        """Fetch every range of ``wanted`` the cache does not hold, at once, in place of what the
-        last call fetched; StoreUnavailable if the store does not answer within the deadline."""
+        """Fetch the ranges of ``wanted`` the cache does not hold, at once up to ``PREFETCH_BYTES``
+        and the rest as they come up, in place of what the last call fetched; StoreUnavailable if
+        the store does not answer within the deadline."""
         self._got.clear()
-        self._fetch_now([w for w in dict.fromkeys(wanted) if self._entry(w[0]) is None])
+        self._ahead = dict.fromkeys(w for w in wanted if self._entry(w[0]) is None)
+        self._fetch_window()
+
+    def _fetch_window(self, start: Want | None = None) -> None:
+        """Fetch the next reads from ``start`` on (the first not fetched, if None), as many as fit
+        the budget, dropping what is held (NOTE [ Prefetch budget ])."""
+        if start is not None:
+            self._got.clear()
+            while self._ahead and next(iter(self._ahead)) != start:
+                self._ahead.pop(next(iter(self._ahead)))  # a read the task skipped (a cached sample)
+        window: list[Want] = []
+        weight = 0
+        while self._ahead:
+            want = next(iter(self._ahead))
+            if window and weight + self._weight(want) > PREFETCH_BYTES:
+                break
+            window.append(want)
+            weight += self._weight(want)
+            del self._ahead[want]
+        self._fetch_now(window)
+
+    def _weight(self, want: Want) -> int:
+        if want[2] >= 0:
+            return want[2]
+        total, count = self._unsized
+        return total // count if count else FIRST_GUESS
+
+    def held_bytes(self) -> int:
+        """Bytes of fetched-ahead reads held now."""
+        return sum(len(got) for got in self._got.values() if isinstance(got, bytes))
 
     def _fetch_now(self, todo: Sequence[Want]) -> None:
         """Add ``todo``'s results (data, or the sample's error) to what is held. A read the store
@@ -68,6 +118,9 @@ class RemoteFiles:
             return
         results = self._requests.run([functools.partial(self._fetch, w) for w in todo])
         for want, result in zip(todo, results, strict=True):
+            if want[2] < 0 and isinstance(result, bytes):
+                self._unsized[0] += len(result)
+                self._unsized[1] += 1
             got = self._outcome(want, result)
             if not isinstance(got, (NotFetched, StoreUnavailable)):
                 self._got[want] = got
@@ -76,11 +129,15 @@ class RemoteFiles:
         self._entries.close()
         self._requests.close()
         self._got.clear()
+        self._ahead.clear()
 
     def _take(self, want: Want) -> bytes:
         """The bytes of ``want``: held since the last prefetch (kept until the next: a Parquet page
         serves several rows), else read alone now (a tar sample's metadata, a read that failed)."""
         got = self._got.get(want)
+        if got is None and want in self._ahead:  # the task has reached the next window
+            self._fetch_window(want)
+            got = self._got.get(want)
         if got is None:
             (result,) = self._requests.run([functools.partial(self._fetch, want)])
             got = self._outcome(want, result)

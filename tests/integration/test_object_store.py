@@ -17,6 +17,7 @@ import pytest
 from benchmarks.netfaults import FaultProxy
 from benchmarks.objectstore import counted_store_reads
 from gpu_worker import ServiceLoader
+from loader_service.dataset import remotefiles
 from loader_service.dataset.index import build_index
 from loader_service.dataset.remote import Bucket, StorageConfig, StorageError
 from loader_service.dataset.storage import DecodeError
@@ -354,3 +355,37 @@ def test_a_store_sending_more_than_it_listed_fills_no_disk(
     assert dest.stat().st_size == 1000
     bucket.download(listed, tmp_path / "whole")
     assert (tmp_path / "whole").read_bytes() == (tmp_path / "big.tar").read_bytes()
+
+
+def test_a_worker_holds_at_most_its_prefetch_budget_of_a_tasks_bytes(
+    s3_server: S3Server, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """NOTE [ Prefetch budget ]: twenty 1 MiB objects a task reads, with a 4 MiB budget: the reads
+    go out in windows as the task reaches them, at most the budget (and one object) is held at
+    once, every object is read once and whole, in order, and a task that skips some (cached
+    samples) still gets the rest."""
+    for key, value in s3_server.env().items():
+        monkeypatch.setenv(key, value)
+    monkeypatch.setattr(remotefiles, "PREFETCH_BYTES", 4 << 20)
+    blobs = {f"budget/{k:02d}.bin": os.urandom(1 << 20) for k in range(20)}
+    for key, blob in blobs.items():
+        (tmp_path / "blob").write_bytes(blob)
+        s3_server.upload(tmp_path / "blob", key)
+    files = remotefiles.RemoteFiles(f"s3://{s3_server.bucket}", StorageConfig(), {}, 8 << 20)
+    try:
+        with counted_store_reads() as reads:
+            files.prefetch([(key, 0, -1) for key in blobs])
+            held = [files.held_bytes()]
+            for key, blob in blobs.items():
+                assert files.read(key, 8 << 20) == blob
+                held.append(files.held_bytes())
+            assert len(reads) == len(blobs), "each object fetched once"
+            assert max(held) <= (4 << 20) + (1 << 20), f"held up to {max(held) / 2**20:.0f} MiB"
+            reads.clear()
+            keys = list(blobs)
+            files.prefetch([(key, 0, -1) for key in keys])
+            for key in keys[10:]:  # the first ten came from a cache: never read
+                assert files.read(key, 8 << 20) == blobs[key]
+            assert len(reads) == len(blobs) - 10 + 4, "the first window, then what is read"
+    finally:
+        files.close()
