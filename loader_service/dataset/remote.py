@@ -24,6 +24,7 @@ NOTE [ Object store reads ]
 from __future__ import annotations
 
 import asyncio
+import errno
 import os
 import re
 from collections.abc import Awaitable, Callable, Mapping, Sequence
@@ -85,6 +86,13 @@ def _heard() -> None:
 
 class StorageError(DatasetError):
     """The data cannot be reached at start (no access, no such bucket): the service exits 2."""
+
+
+class LocalDiskFull(DatasetError):
+    """A fetched object could not be written: the local disk, or the user's quota on it, is full."""
+
+
+FULL_ERRNOS = frozenset((errno.ENOSPC, errno.EDQUOT))
 
 
 class StoreUnavailable(Exception):
@@ -189,7 +197,7 @@ class Bucket:
                             "listed (changed since?); stopped there"
                         )
             except _LocalWrite as exc:
-                raise DatasetError(f"cannot write {dest}: {exc}") from None
+                raise (LocalDiskFull if exc.full else DatasetError)(f"cannot write {dest}: {exc}") from None
             except StorageError:
                 raise
             except Exception as exc:
@@ -272,12 +280,16 @@ def _open_store(obs: Any, url: str, storage: StorageConfig, deadline: float) -> 
 class _LocalWrite(Exception):
     """Writing a fetched object to local disk failed: this host's problem, not the store's."""
 
+    def __init__(self, exc: OSError) -> None:
+        super().__init__(exc.strerror or str(exc))
+        self.full = exc.errno in FULL_ERRNOS
+
 
 def _write(out: Any, chunk: Any) -> None:
     try:
         out.write(chunk)
     except OSError as exc:
-        raise _LocalWrite(exc.strerror or str(exc)) from None
+        raise _LocalWrite(exc) from None
 
 
 def _info(meta: Mapping[str, Any]) -> ObjectInfo:

@@ -12,6 +12,7 @@ workers' reads name the ETag, and a saved index is used again only while every E
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import posixpath
 import shutil
@@ -24,7 +25,14 @@ from pathlib import Path
 from typing import Any
 
 from loader_service.dataset.cachedir import FetchCache
-from loader_service.dataset.remote import SCAN_DEADLINE, Bucket, ObjectInfo, StorageConfig, split_url
+from loader_service.dataset.remote import (
+    SCAN_DEADLINE,
+    Bucket,
+    LocalDiskFull,
+    ObjectInfo,
+    StorageConfig,
+    split_url,
+)
 from loader_service.dataset.shards import COMPRESSED_SUFFIXES, TAR_SUFFIX, expand_braces, is_brace_pattern
 from loader_service.dataset.tables import DatasetError
 from loader_service.shm import scratch_prefix
@@ -61,17 +69,25 @@ class RemoteObjects:
         """Each object as a local file, in order; fetched ``FETCH_AHEAD`` ahead and, once scanned,
         kept in the cache or removed."""
         cache = FetchCache.of(self.storage)
-        scratch = Path(
-            tempfile.mkdtemp(prefix=scratch_prefix("scan"), dir=cache.scratch() if cache else None)
-        )
+        scratches = [_scratch(cache)]
         pending: deque[Future[tuple[Path, bool]]] = deque()
         pool = ThreadPoolExecutor(FETCH_AHEAD, thread_name_prefix="fetch")
         try:
             ahead = iter(range(len(self.names)))
             for k in range(len(self.names)):
                 while len(pending) < FETCH_AHEAD and (nxt := next(ahead, None)) is not None:
-                    pending.append(pool.submit(self._local_copy, nxt, cache, scratch))
-                path, held = pending.popleft().result()
+                    pending.append(pool.submit(self._local_copy, nxt, cache, scratches[-1]))
+                try:
+                    path, held = pending.popleft().result()
+                except LocalDiskFull as exc:
+                    if cache is None:
+                        raise
+                    self._without_cache(cache, exc, pending)
+                    cache = None
+                    scratches.append(_scratch(None))
+                    ahead = iter(range(k, len(self.names)))  # this one and those after it, again
+                    pending.append(pool.submit(self._local_copy, next(ahead), None, scratches[-1]))
+                    path, held = pending.popleft().result()
                 yield self.names[k], path
                 if not held:
                     self._keep_or_remove(k, path, cache)
@@ -81,7 +97,26 @@ class RemoteObjects:
             # On a failed scan the fetches not started are dropped, not waited for; those under way
             # end at their deadline at most, before their files go.
             pool.shutdown(wait=True, cancel_futures=True)
-            shutil.rmtree(scratch, ignore_errors=True)
+            for scratch in scratches:
+                shutil.rmtree(scratch, ignore_errors=True)
+
+    def _without_cache(
+        self, cache: FetchCache, exc: Exception, pending: deque[Future[tuple[Path, bool]]]
+    ) -> None:
+        """The cache folder's disk is full: the scan goes on in the system's temporary folder,
+        keeping nothing (the cache is an optimisation; a full disk must not stop the service)."""
+        log.warning(
+            "cache folder %s: its disk is full (%s); indexing %s goes on without keeping what it fetches",
+            cache.dir,
+            exc,
+            self.root,
+        )
+        for future in pending:
+            future.cancel()
+        for future in pending:  # those already under way write into the old scratch, then are dropped
+            with contextlib.suppress(Exception):
+                future.result()
+        pending.clear()
 
     def _local_copy(self, k: int, cache: FetchCache | None, scratch: Path) -> tuple[Path, bool]:
         """The shard's file, and whether the cache held it already."""
@@ -100,6 +135,12 @@ class RemoteObjects:
 
     def _url(self, k: int) -> str:
         return f"{self.bucket.url}/{self.objects[k].key}"
+
+
+def _scratch(cache: FetchCache | None) -> Path:
+    """A fresh folder for a scan's fetched objects: on the cache's file system, so that what is kept
+    is renamed into place, or in the system's temporary folder."""
+    return Path(tempfile.mkdtemp(prefix=scratch_prefix("scan"), dir=cache.scratch() if cache else None))
 
 
 def remote_objects(data: str, storage: StorageConfig, suffix: str, what: str) -> RemoteObjects:

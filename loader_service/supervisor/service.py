@@ -35,6 +35,7 @@ import signal
 import tempfile
 import time
 from collections.abc import Callable
+from dataclasses import replace
 from pathlib import Path
 from types import FrameType
 
@@ -42,7 +43,9 @@ import zmq
 
 from loader_service.config import ServiceConfig
 from loader_service.config.checks import is_loopback_tcp
+from loader_service.config.options import ByteSize
 from loader_service.dataset.cachedir import FetchCache
+from loader_service.dataset.remote import FULL_ERRNOS, LocalDiskFull
 from loader_service.decode.decoders import describe_decoder
 from loader_service.decode.pipeline import THREAD_ENV
 from loader_service.decode.progress import ProgressBoard
@@ -143,13 +146,8 @@ class LoaderService:
         # first imports numpy, which is before any worker code can set them.
         for name in THREAD_ENV:
             os.environ[name] = "1"
-        if cfg.cache_dir:  # NOTE [ Fetch cache ]: this service's alone; what killed writers left goes
-            cache = FetchCache(cfg.cache_dir, cfg.cache_size)
-            self._cache_lock = cache.claim()
-            used = cache.recount()
-            log.info(
-                "cache folder %s: %.1f of %.1f GiB used", cfg.cache_dir, used / 2**30, cfg.cache_size / 2**30
-            )
+        if cfg.cache_dir and not self._open_cache_folder():
+            cfg = self.config = replace(cfg, cache_dir="", cache_size=ByteSize(0))
         for feed_id, feed_config in enumerate(cfg.feeds()):
             self.feeds.append(
                 Feed.open(feed_id, feed_config, self._runtime_dir, cfg.group, cfg.task_timeout, cfg.workers)
@@ -203,6 +201,24 @@ class LoaderService:
             feed.segment.name,
             self.config.endpoint,
         )
+
+    def _open_cache_folder(self) -> bool:
+        """NOTE [ Fetch cache ]: the folder is this service's alone, and what killed writers left goes.
+        False where its disk is full: the cache only saves work, so the service runs without it."""
+        cfg = self.config
+        try:
+            cache = FetchCache(cfg.cache_dir, cfg.cache_size)
+            self._cache_lock = cache.claim()
+            used = cache.recount()
+        except (LocalDiskFull, OSError) as exc:
+            if isinstance(exc, OSError) and exc.errno not in FULL_ERRNOS:
+                raise
+            log.warning("cache folder %s: its disk is full (%s); serving without it", cfg.cache_dir, exc)
+            return False
+        log.info(
+            "cache folder %s: %.1f of %.1f GiB used", cfg.cache_dir, used / 2**30, cfg.cache_size / 2**30
+        )
+        return True
 
     def _bind_frontend(self, ctx: zmq.Context[Socket]) -> Socket:
         cfg = self.config

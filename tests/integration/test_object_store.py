@@ -7,7 +7,9 @@ import os
 import subprocess
 import sys
 import time
+from collections.abc import Iterator
 from concurrent.futures import Future
+from contextlib import contextmanager
 from dataclasses import replace
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -389,3 +391,37 @@ def test_a_worker_holds_at_most_its_prefetch_budget_of_a_tasks_bytes(
             assert len(reads) == len(blobs) - 10 + 4, "the first window, then what is read"
     finally:
         files.close()
+
+
+@contextmanager
+def small_disk(path: Path, size: str) -> Iterator[Path]:
+    """A tmpfs of ``size`` mounted at ``path`` for the block (needs root), unmounted even on failure."""
+    path.mkdir()
+    mounted = subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={size}", "tmpfs", str(path)], check=False)
+    if mounted.returncode != 0:
+        pytest.skip("needs to mount a tmpfs (root)")
+    try:
+        yield path
+    finally:
+        subprocess.run(["umount", "-l", str(path)], check=False)
+
+
+def test_a_full_cache_disk_costs_the_cache_not_the_service(
+    fresh_s3_server: S3Server, photo_sources: dict[str, Path], start_service: ServiceFactory, tmp_path: Path
+) -> None:
+    """The cache folder's disk (a 1 MiB tmpfs) cannot hold one shard: the index scan goes on in the
+    system's temporary folder, keeping nothing, and says so; the service serves the epoch whole
+    instead of exiting 2 (which systemd does not restart)."""
+    fresh_s3_server.upload_tree(photo_sources["tar"], "shards")
+    n = len(folder_samples(photo_sources["imagefolder"]))
+    with small_disk(tmp_path / "small", "1m") as disk:
+        service = start_service(
+            f"s3://{fresh_s3_server.bucket}/shards/",
+            env=fresh_s3_server.env(),
+            cache_dir=disk / "cache",
+            cache_size="10G",
+        )
+        assert "its disk is full" in service.log and "goes on without keeping what it fetches" in service.log
+        with ServiceLoader(service.endpoint, timeout=60) as loader:
+            assert sorted(receive_epoch(loader)) == list(range(n))
+        assert service.stop() == 0
