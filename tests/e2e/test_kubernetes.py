@@ -84,3 +84,55 @@ def test_the_image_installs_what_scripts_setup_installs() -> None:
     assert re.search(r"^RUN scripts/setup\b", dockerfile, re.MULTILINE)
     assert "/opt/dataferry/.venv/bin" in dockerfile
     assert Path(REPO / "scripts" / "setup").exists()
+
+
+def mounted_keys(pod: dict[str, Any], path: str) -> set[str]:
+    """The files a pod's container sees under ``path``: (Secret, key) pairs, from a secret volume
+    (every key) or a projected one (its items)."""
+    container = pod["containers"][0]
+    name = next(m["name"] for m in container["volumeMounts"] if m["mountPath"] == path)
+    volume = next(v for v in pod["volumes"] if v["name"] == name)
+    if "secret" in volume:
+        return {f"{volume['secret']['secretName']}:*"}
+    return {
+        f"{source['secret']['name']}:{item['key']}"
+        for source in volume["projected"]["sources"]
+        for item in source["secret"]["items"]
+    }
+
+
+def test_each_side_holds_only_its_own_secret_key() -> None:
+    """The loaders' Secret is not the trainers': a loader pod never holds a trainer's secret key, a
+    trainer pod never the service's; the loaders let in the trainer's public key and the one their
+    own readiness probe connects with."""
+    loader_pod = by_kind("StatefulSet")["spec"]["template"]["spec"]
+    trainer_pod = by_kind("Job")["spec"]["template"]["spec"]
+    assert mounted_keys(loader_pod, "/keys") == {"dataferry-service:*"}
+    assert mounted_keys(trainer_pod, "/keys") == {"dataferry-trainer:*"}
+    allowed = mounted_keys(loader_pod, "/trainers")
+    assert allowed == {"dataferry-trainer:trainer.key", "dataferry-service:service.key"}
+    assert not any(key.endswith("_secret") for key in allowed)
+    probe = flags(loader_pod["containers"][0]["readinessProbe"]["exec"]["command"])
+    assert probe["client-key"] == "/keys/service.key_secret", "the probe uses the pod's own key pair"
+    env = {e["name"]: e.get("value") for e in trainer_pod["containers"][0]["env"]}
+    assert env["DATAFERRY_CLIENT_KEY"] == "/keys/trainer.key_secret"
+
+
+def test_the_image_copies_what_the_install_needs_and_no_secret() -> None:
+    """``COPY . .`` with no .dockerignore baked a ``keys/`` folder into the image: the Dockerfile
+    names what it copies, and the build context leaves key files and venvs out besides."""
+    dockerfile = (FOLDER / "Dockerfile").read_text()
+    sources = [line.split()[1:-1] for line in dockerfile.splitlines() if line.startswith("COPY ")]
+    copied = {source.rstrip("/") for group in sources for source in group}
+    assert "." not in copied
+    assert copied == {
+        "pyproject.toml",
+        "README.md",
+        "scripts",
+        "protocol",
+        "loader_service",
+        "gpu_worker",
+        "benchmarks",
+    }
+    ignored = (REPO / ".dockerignore").read_text().split()
+    assert {"**/*.key_secret", "**/keys/", ".venv/", ".git/"} <= set(ignored)

@@ -50,3 +50,20 @@ def test_example_config_is_accepted_by_the_service(tmp_path: Path) -> None:
         DEPLOY / "train.toml", {"data": tmp_path / "data", "endpoint": f"ipc://{tmp_path}/train.sock"}
     )
     assert config.workers == 8 and config.batch_size == 64
+
+
+def test_secrets_go_where_only_root_reads_them_not_in_the_trainers_toml() -> None:
+    """The TOML file is installed readable by the trainers' group; an object store's keys go in
+    the file the unit loads as root (EnvironmentFile=), installed 0600 with no group."""
+    s = unit_settings("loader-service@.service")
+    assert s["EnvironmentFile"] == ["-/etc/dataferry/%i.env"]
+    guide = (DEPLOY / "README.md").read_text()
+    installs = [line.split("#")[0].split() for line in guide.splitlines() if "install -m" in line]
+    env = next(words for words in installs if words[-1] == "/etc/dataferry/train.env")
+    assert env[env.index("-m") + 1] == "0600" and "-g" not in env
+    toml = next(words for words in installs if words[-1] == "/etc/dataferry/train.toml")
+    assert toml[toml.index("-g") + 1] == "dataferry", "the trainers' group reads the TOML file..."
+    example = (DEPLOY / "train.toml").read_text()
+    assert "[storage]" not in example and "secret" not in example.lower().replace("no secrets", ""), (
+        "... so it holds no secret"
+    )
