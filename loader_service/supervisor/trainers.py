@@ -64,7 +64,8 @@ class TrainerDesk:
     def on_frames(self, frames: list[bytes]) -> None:
         routing_id = frames[0]
         now = time.monotonic()
-        if not self._gate.admit(routing_id, now, self._established(routing_id, now)):
+        size = sum(len(frame) for frame in frames[1:])
+        if not self._gate.admit(routing_id, now, self._established(routing_id, now), size):
             self._outbox.note_flood(routing_id)
             return
         try:

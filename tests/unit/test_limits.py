@@ -123,3 +123,17 @@ def test_a_trainer_says_so_when_it_would_send_in_the_clear_to_another_host(
     assert in_the_clear(endpoint, None) is clear
     keys = ClientKeys(b"s" * 40, b"p" * 40, b"k" * 40)
     assert in_the_clear(endpoint, keys) is False
+
+
+def test_large_messages_cost_by_their_size() -> None:
+    """A session's maximal releases (37 KB, 200 us each to decode) at the message rate would keep
+    the loop's core busy: each costs one more message per 256 bytes, small ones one."""
+    gate = RateGate(rate=1000.0, burst=2000.0)
+    big, cost = 36_939, 1 + 36_939 // 256
+    admitted = sum(gate.admit(b"s", 0.0, established=True, size=big) for _ in range(100))
+    assert admitted == 2000 // cost == 13, "the burst pays for 13 of them, not 100"
+    later = sum(gate.admit(b"s", 1.0, established=True, size=big) for _ in range(100))
+    assert later == (2000 - 13 * cost + 1000) // cost == 7, "then about 7 a second, not 1000"
+    assert gate.admit(b"t", 1.0, established=True, size=82), "a release of one lease costs one"
+    small = sum(gate.admit(b"u", 1.0, established=True, size=200) for _ in range(3000))
+    assert small == 2000
