@@ -121,6 +121,7 @@ class ServiceLoader:
         self._next_epoch = 0
         self._pass: EpochPass | None = None
         self._reassigned = 0
+        self._backups = 0
         self._empty = 0
         self._closed = False
         hello = make_hello(**cfg.hello_fields())
@@ -184,6 +185,7 @@ class ServiceLoader:
         self._next_epoch = epoch + 1
         if self._pass is not None:
             self._reassigned += self._pass.reassigned
+            self._backups += self._pass.backups
             self._empty += self._pass.empty
         cfg = self.config
         empty = cfg.mode == "shard" and cfg.world_size > 1  # NOTE [ Empty batches ]
@@ -193,9 +195,11 @@ class ServiceLoader:
 
     def stats(self) -> dict[str, Any]:
         """Per service: batches and images it delivered to the loop, images/s while it did, and
-        whether it is in use; how many batches were assigned again after a service was lost; and how
-        many batches had no sample left (NOTE [ Empty batches ] in gpu_worker/passes.py)."""
+        whether it is in use; how many batches were assigned again after a service was lost, and
+        asked of a second service while the loop waited on a slow one; and how many batches had no
+        sample left (NOTE [ Empty batches ] in gpu_worker/passes.py)."""
         reassigned = self._reassigned + (self._pass.reassigned if self._pass is not None else 0)
+        backups = self._backups + (self._pass.backups if self._pass is not None else 0)
         empty = self._empty + (self._pass.empty if self._pass is not None else 0)
         return {
             "endpoints": {
@@ -208,6 +212,7 @@ class ServiceLoader:
                 for s in self._fleet.services
             },
             "reassigned": reassigned,
+            "backups": backups,
             "empty": empty,
         }
 

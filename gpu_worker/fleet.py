@@ -27,6 +27,15 @@ NOTE [ A fleet ]
       is given at most ``TRIAL`` batches.
     * Batches reach the loop in plan order, each once: what arrives early waits here (bounded by
       the credits); a second copy of a batch (after a reassignment) is released unread.
+    * The batch the loop waits for, owed by a service that will deliver it more than
+      ``BACKUP_MARGIN`` times later than another with a free credit would (a straggler's trial
+      batch, a service that slowed down), is asked of that other one too, once (``_backup``): the
+      first copy to arrive is the loop's. A service decodes the lowest seq it was asked for first
+      (``Stream.picks``), so the backup costs that one a batch time, not its whole queue. The
+      owner's time left is what its pace says of the batches it owes up to that one, counted
+      from its last delivery; past that, or while its pace is unknown, as long again as it has
+      taken. Without this a straggler's two trial batches held the loop up for five
+      batch times at every pass's start, and its last batch at every pass's end.
     * A service that misses its heartbeats, or restarted, loses its unfinished batches to the
       others (``lost``); they go out first, since the loop waits for the lowest. If it comes back
       having kept its session, what it still delivers of them arrives as second copies.
@@ -50,6 +59,9 @@ TRIAL = 2
 """Batches a service of a fleet is given before its pace is known."""
 PACE_WEIGHT = 0.3
 """Weight of the newest sample in a service's pace (an exponential moving average)."""
+BACKUP_MARGIN = 2.0
+"""How many times later than another service a batch's owner must be expected to deliver the batch
+the loop waits for before that other one is asked for it too (NOTE [ A fleet ])."""
 
 
 @dataclass
@@ -77,6 +89,9 @@ class Dispatcher(Generic[Service, Item]):
     end: int
     reassigned: int = 0
     """Batches taken from a lost service and assigned again."""
+    backups: int = 0
+    """Batches the loop waited for, asked of a second service too (NOTE [ A fleet ])."""
+    _backed: set[int] = field(default_factory=set)
     _next_fresh: int = -1
     _returned: list[int] = field(default_factory=list)
     """A heap of seqs given back by lost services, assigned before fresh ones."""
@@ -139,6 +154,7 @@ class Dispatcher(Generic[Service, Item]):
     def assign(self, free: dict[Service, int], now: float) -> dict[Service, list[int]]:
         """Give out batches to services with a free credit (NOTE [ A fleet ]); ``free`` is updated."""
         out: dict[Service, list[int]] = {}
+        self._backup(free, now, out)  # the batch the loop waits for comes before new ones
         while (seq := self._peek()) is not None:
             service = self._choose(free, urgent=seq == self.position)
             if service is None:
@@ -150,6 +166,44 @@ class Dispatcher(Generic[Service, Item]):
             self._assigned_at[(service, seq)] = now
             out.setdefault(service, []).append(seq)
         return out
+
+    def _backup(self, free: dict[Service, int], now: float, out: dict[Service, list[int]]) -> None:
+        """Ask a second service for the batch the loop waits for, where its owner is far behind
+        (NOTE [ A fleet ])."""
+        seq = self.position
+        owner = self._owner.get(seq)
+        if owner is None or seq in self._ready or seq in self._backed:
+            return
+        others = [
+            s for s in self._live if s != owner and free.get(s, 0) > 0 and self._paces[s].seconds is not None
+        ]
+        if not others:
+            return
+        # A service decodes the lowest seq it was asked for first, so a backup costs one batch time.
+        best = min(others, key=self._pace)
+        if self._remaining(owner, seq, now) <= BACKUP_MARGIN * self._pace(best):
+            return
+        free[best] -= 1
+        self._owed[best].add(seq)
+        self._assigned_at[(best, seq)] = now
+        out.setdefault(best, []).append(seq)
+        self._backed.add(seq)
+        self.backups += 1
+
+    def _remaining(self, service: Service, seq: int, now: float) -> float:
+        """How long ``service`` may still take to deliver ``seq``, counted from when it last
+        delivered (or was asked, if later): what its pace says is left of the batches it owes up
+        to ``seq``; past that, or with no pace known, as long again as it has taken so far."""
+        pace = self._paces[service]
+        since = self._assigned_at.get((service, seq), now)
+        if pace.last_arrival is not None:
+            since = max(since, pace.last_arrival)
+        if pace.seconds is not None:
+            ahead = sum(1 for s in self._owed.get(service, ()) if s <= seq)
+            left = since + ahead * pace.seconds - now
+            if left > 0:
+                return left
+        return now - since
 
     def _choose(self, free: dict[Service, int], urgent: bool) -> Service | None:
         """The service expected to deliver a new batch first, if it is worth giving it one now.

@@ -70,6 +70,10 @@ class EpochPass:
     def reassigned(self) -> int:
         return self._dispatcher.reassigned
 
+    @property
+    def backups(self) -> int:
+        return self._dispatcher.backups
+
     def __iter__(self) -> Iterator[Batch]:
         fleet = self._fleet
         self.active = True

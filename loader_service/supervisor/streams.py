@@ -31,9 +31,9 @@ slots of an abandoned plan are never delivered, and are freed when their last ho
 
 from __future__ import annotations
 
+import heapq
 import logging
 import time
-from collections import deque
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 
@@ -100,8 +100,10 @@ class Stream(Producer):
         """Since when members have been waiting to begin an epoch that others have not started."""
         self.ahead: WarmCache | None = None
         """Shard mode: the next epoch's first batches, decoded early (NOTE [ Warm start ])."""
-        self.picks: deque[int] | None = None
-        """Picked mode: seqs asked for and not yet planned, in the order asked; None otherwise."""
+        self.picks: list[int] | None = None
+        """Picked mode: seqs asked for and not yet planned, a heap: the lowest is decoded next, so a
+        batch the trainer waits for, asked again of this service (a backup, NOTE [ A fleet ] in
+        gpu_worker/fleet.py), goes before those asked ahead of it. None otherwise."""
         self.wanted: set[int] = set()
         """Picked mode: every seq of this plan the trainer asked for."""
         self.planned: set[int] = set()
@@ -209,7 +211,7 @@ class Stream(Producer):
         plan = (epoch, self.rank, self.world_size, self.remainder)
         cache = next((c for c in (self.ahead, warm) if c is not None and c.serves(*plan, position)), None)
         self._begin(epoch, position)
-        self.picks, self.wanted, self.planned = (None if picked is None else deque()), set(), set()
+        self.picks, self.wanted, self.planned = (None if picked is None else []), set(), set()
         self.last_asked = False
         self._activate(member, 0 if picked is not None else position)
         if picked is not None:
@@ -256,7 +258,7 @@ class Stream(Producer):
             if seq not in self.planned:  # else handed over by a cache, or still decoding there
                 if len(self.picks) >= limit:
                     continue
-                self.picks.append(seq)
+                heapq.heappush(self.picks, seq)
                 self.planned.add(seq)
             self.wanted.add(seq)
             self.last_asked = self.last_asked or seq == self.end - 1
@@ -264,7 +266,7 @@ class Stream(Producer):
     def next_seq(self) -> int:
         if self.picks is None:
             return super().next_seq()
-        return self.picks.popleft()
+        return heapq.heappop(self.picks)
 
     def _check_broadcast_start(self, member: Member, epoch: int, position: int) -> None:
         others = {m.want[0] for m in self.members.values() if m.want is not None and m is not member}

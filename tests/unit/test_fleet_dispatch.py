@@ -134,3 +134,44 @@ def test_a_service_that_never_joined_this_pass_can_be_forgotten_and_join() -> No
     d.joined("b")
     out = d.assign({"a": 0, "b": 2}, now=0.0)
     assert out == {"b": [0, 1]}
+
+
+def simulate(d: Dispatcher[str, str], pace: dict[str, float], step: float = 0.05) -> tuple[float, float]:
+    """Run a pass to its end with services delivering in order at their paces; (the time it took,
+    the loop's longest wait between two batches). The loop itself takes no time."""
+    queued: dict[str, list[int]] = {s: [] for s in pace}
+    working: dict[str, tuple[float, int] | None] = dict.fromkeys(pace)
+    now, last_take, longest = 0.0, 0.0, 0.0
+    while not d.done:
+        free = {s: CREDITS - len(d.owed(s)) for s in pace}
+        for service, seqs in d.assign(free, now).items():
+            queued[service] += seqs
+        for service, seconds in pace.items():  # one batch at a time, the lowest asked for first
+            if working[service] is None and queued[service]:
+                queued[service].sort()
+                working[service] = (now + seconds, queued[service].pop(0))
+        now += step
+        for service, job in working.items():
+            if job is not None and job[0] <= now:
+                d.arrived(service, job[1], service, now)
+                working[service] = None
+        while d.take() is not None:
+            longest, last_take = max(longest, now - last_take), now
+        assert now < 1000, "the pass never ended"
+    return now, longest
+
+
+def test_the_loop_waits_on_a_straggler_no_longer_than_about_two_fast_batches() -> None:
+    """A fresh pass: nothing is known of the services' paces, so the straggler (5 s a batch, the
+    others 1 s) gets trial batches the loop soon needs. Each is asked of a fast service too once
+    the straggler has taken twice what that one would: the loop waits at most about 2 s at once,
+    not 5, and the pass takes no longer than the two fast services alone would."""
+    d = fleet("fast1", "fast2", "slow", end=40)
+    took, longest = simulate(d, {"fast1": 1.0, "fast2": 1.0, "slow": 5.0})
+    assert longest <= 2.5 and d.backups >= 1, (longest, d.backups)
+    alone = fleet("fast1", "fast2", end=40)
+    took_alone, _ = simulate(alone, {"fast1": 1.0, "fast2": 1.0})
+    assert took <= took_alone + 0.5, (took, took_alone)
+    steady = fleet("a", "b", "c", end=40)
+    simulate(steady, {"a": 1.0, "b": 1.0, "c": 1.0})
+    assert steady.backups == 0, "services alike ask nothing twice"
