@@ -28,7 +28,7 @@ import tempfile
 import time
 from collections.abc import Iterator, Mapping
 from contextlib import ExitStack, contextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -198,12 +198,17 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--parts", default=",".join(PARTS), help=f"comma-separated, of {', '.join(PARTS)} (default: all)"
     )
+    parser.add_argument("--images", type=int, default=0, help="photos to generate (default 256; quick 96)")
+    parser.add_argument("--epochs", type=int, default=0, help="timed epochs after the warm-up (default 2)")
     args = parser.parse_args(argv)
     plan = (
         Plan(images=96, epochs=1, sample_seconds=0.02, image_size=96)
         if args.quick
         else Plan(images=256, epochs=2, sample_seconds=0.02, image_size=160)
     )
+    if args.images < 0 or args.epochs < 0:
+        parser.error("--images and --epochs must be positive")
+    plan = replace(plan, images=args.images or plan.images, epochs=args.epochs or plan.epochs)
     from loader_service.tools.sample_data import make_sample_dataset
 
     with ExitStack() as stack:
