@@ -39,7 +39,7 @@ import logging
 import os
 from collections.abc import Iterator, Sequence
 from types import TracebackType
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 
@@ -53,9 +53,22 @@ from gpu_worker.passes import EpochPass, PassSettings
 from gpu_worker.services import Fleet, Service
 from protocol.layout import SlotLayout, describe_fields
 from protocol.messages import FeedInfo
+from protocol.shares import consumed, rank_batches
 
 log = logging.getLogger(__name__)
 __all__ = ["Batch", "LoaderConfig", "ServiceError", "ServiceLoader", "ServiceTimeout"]
+
+
+STATE_VERSION = 2
+"""Version 2 names the job's ``consumed`` prefix (shard mode); version 1 named a rank's position."""
+
+
+class Resume(NamedTuple):
+    """Where a pass begins: an epoch, a batch of this rank's share, and the share's offset."""
+
+    epoch: int
+    position: int = 0
+    offset: int = 0
 
 
 class ServiceLoader:
@@ -117,7 +130,7 @@ class ServiceLoader:
         for each in cfg.endpoints:
             warn_if_in_the_clear(each, keys)
         self.device = resolve_device(device)
-        self._resume: tuple[int, int] | None = None
+        self._resume: Resume | None = None
         self._next_epoch = 0
         self._pass: EpochPass | None = None
         self._reassigned = 0
@@ -180,7 +193,7 @@ class ServiceLoader:
     def __iter__(self) -> Iterator[Batch]:
         if self._closed:
             raise ServiceError("this ServiceLoader is closed")
-        epoch, position = self._resume or (self._next_epoch, 0)
+        epoch, position, offset = self._resume or Resume(self._next_epoch)
         self._resume = None
         self._next_epoch = epoch + 1
         if self._pass is not None:
@@ -189,7 +202,9 @@ class ServiceLoader:
             self._empty += self._pass.empty
         cfg = self.config
         empty = cfg.mode == "shard" and cfg.world_size > 1  # NOTE [ Empty batches ]
-        settings = PassSettings(epoch, position, len(self), cfg.timeout, cfg.mode == "broadcast", empty)
+        batches = self._batches(offset)
+        broadcast = cfg.mode == "broadcast"
+        settings = PassSettings(epoch, position, batches, cfg.timeout, broadcast, empty, offset)
         self._pass = EpochPass(self._fleet, settings)
         return iter(self._pass)
 
@@ -219,27 +234,37 @@ class ServiceLoader:
     def state_dict(self) -> dict[str, Any]:
         """Where this trainer is: JSON-serialisable, small; ``load_state_dict`` continues from here.
 
-        ``position`` counts the batches of ``epoch`` already handed to the training loop, so a
-        checkpoint taken after a step resumes with the next batch. It names no service: a state
-        taken with one fleet resumes on any other serving the same feed.
+        In shard mode it names how much of the epoch's order the whole job has taken
+        (``consumed``, NOTE [ Elastic epochs ] in protocol/shares.py), not this rank's place: any
+        rank's state resumes every rank of a job of any world size, as Accelerate and Lightning
+        load the main process's copy on every rank. In broadcast mode it names the batches of the
+        epoch already handed to the loop (``position``). A checkpoint taken after a step resumes
+        with the next batch. It names no service: a state taken with one fleet resumes on any
+        other serving the same feed.
         """
+        epoch, position, offset = self._where()
+        state: dict[str, Any] = {"version": STATE_VERSION, "epoch": epoch, **self._identity()}
+        if self.config.mode == "broadcast":
+            return {**state, "position": position}
+        taken = consumed(offset, position, self.info.batch_size, self.config.world_size, self.info.samples)
+        if taken >= self.info.samples:
+            return {**state, "epoch": epoch + 1, "consumed": 0}
+        return {**state, "consumed": taken}
+
+    def _where(self) -> Resume:
+        """The epoch, position and offset the next batch of the loop comes from."""
         current = self._pass
         if self._resume is not None:
-            epoch, position = self._resume
-        elif current is not None and current.active and current.position < len(self):
-            epoch, position = current.epoch, current.position
-        else:
-            epoch, position = self._next_epoch, 0
-        return {
-            "version": 1,
-            "epoch": epoch,
-            "position": position,
-            **self._identity(),
-        }
+            return self._resume
+        if current is not None and current.active and current.position < current.batches:
+            return Resume(current.epoch, current.position, current.offset)
+        return Resume(self._next_epoch)
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        """Continue from ``state`` at the next ``iter()``; refuse a state from another feed or setup."""
-        if not isinstance(state, dict) or state.get("version") != 1:
+        """Continue from ``state`` at the next ``iter()``, whichever rank and world size saved it
+        (shard mode); refuse a state from another feed or setup, naming what differs. States of
+        version 1 (rank-bound) load too: their ranks moved in step, so they name a prefix as well."""
+        if not isinstance(state, dict) or state.get("version") not in (1, STATE_VERSION):
             raise ValueError("not a ServiceLoader state (missing or unknown 'version')")
         mismatched = [
             f"{key}: state has {state.get(key)!r}, this loader {mine!r}"
@@ -248,24 +273,61 @@ class ServiceLoader:
         ]
         if mismatched:
             raise ValueError("state belongs to a different feed or setup: " + "; ".join(mismatched))
-        epoch, position = state.get("epoch"), state.get("position")
-        if type(epoch) is not int or type(position) is not int or epoch < 0 or not 0 <= position <= len(self):
-            raise ValueError(f"state has an invalid epoch/position: {epoch!r}/{position!r}")
-        self._resume = (epoch, position)
-        self._next_epoch = epoch
+        epoch = state.get("epoch")
+        if type(epoch) is not int or epoch < 0:
+            raise ValueError(f"state has an invalid epoch: {epoch!r}")
+        self._resume = self._resume_of(state, epoch)
+        self._next_epoch = self._resume.epoch
+
+    def _resume_of(self, state: dict[str, Any], epoch: int) -> Resume:
+        if self.config.mode == "broadcast":
+            return Resume(epoch, self._position_of(state, len(self)))
+        taken = self._taken_by_version_1(state) if state["version"] == 1 else self._taken(state)
+        if taken >= self.info.samples:
+            return Resume(epoch + 1)
+        step = self.info.batch_size * self.config.world_size
+        if taken % step == 0:  # a whole number of this job's steps: the epoch's own plan, from there
+            return Resume(epoch, taken // step)
+        return Resume(epoch, 0, taken)
+
+    @staticmethod
+    def _position_of(state: dict[str, Any], batches: int) -> int:
+        position = state.get("position")
+        if type(position) is not int or not 0 <= position <= batches:
+            raise ValueError(f"state has an invalid position: {position!r} (the epoch has {batches} batches)")
+        return position
+
+    def _taken(self, state: dict[str, Any]) -> int:
+        taken = state.get("consumed")
+        samples = self.info.samples
+        if type(taken) is not int or not 0 <= taken <= samples:
+            raise ValueError(f"state has an invalid consumed count: {taken!r} of {samples} samples")
+        return taken
+
+    def _taken_by_version_1(self, state: dict[str, Any]) -> int:
+        """A version 1 state's rank position, as the prefix its whole job had taken."""
+        world_size = state.get("world_size")
+        if type(world_size) is not int or world_size < 1:
+            raise ValueError(f"a version 1 state has an invalid world_size: {world_size!r}")
+        position = self._position_of(state, 1 << 40)
+        return consumed(0, position, self.info.batch_size, world_size, self.info.samples)
+
+    def _batches(self, offset: int) -> int:
+        """This rank's batches of an epoch shared out from ``offset`` on."""
+        if not offset:
+            return len(self)
+        cfg = self.config
+        return rank_batches(self.info.samples, self.info.batch_size, cfg.world_size, cfg.remainder, offset)
 
     def _identity(self) -> dict[str, Any]:
-        """What must match for a state to be valid here: the same data, order and shard."""
-        cfg = self.config
+        """What must match for a state to be valid here: the same data and order. Not the rank, the
+        world size or ``remainder`` (NOTE [ Elastic epochs ]), nor the services."""
         return {
             "feed": self.info.name,
             "fingerprint": self.info.fingerprint,
             "seed": self.info.seed,
             "batch_size": self.info.batch_size,
-            "mode": cfg.mode,
-            "rank": cfg.rank,
-            "world_size": cfg.world_size,
-            "remainder": cfg.remainder,
+            "mode": self.config.mode,
         }
 
     def __enter__(self) -> ServiceLoader:

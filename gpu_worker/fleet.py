@@ -13,7 +13,7 @@ NOTE [ A fleet ]
       refused at attach, with every difference named; one that comes back different later is
       left out, and its batches go to the others.
     * Each service runs a *picked* run (``Start.picked``): it decodes only the batches the trainer
-      names, in the order named. The trainer names a batch to a service only while that service has
+      names, the lowest first. The trainer names a batch to a service only while that service has
       a free credit (its credits minus batches it owes, batches waiting here, and batches the loop
       holds), so a service never has more out than its credits and a slow one is never sent more
       than it can do.

@@ -22,7 +22,7 @@ from __future__ import annotations
 import gc
 import time
 from collections.abc import Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 from gpu_worker.batch import Batch
@@ -44,6 +44,9 @@ class PassSettings:
     broadcast: bool
     empty_batches: bool = False
     """Hand the loop batches whose every sample was bad, with no rows (NOTE [ Empty batches ])."""
+    offset: int = 0
+    """Shard mode: positions of the epoch's order an earlier job took; this pass shares out the
+    rest (NOTE [ Elastic epochs ] in protocol/shares.py)."""
 
 
 class EpochPass:
@@ -69,6 +72,14 @@ class EpochPass:
     @property
     def reassigned(self) -> int:
         return self._dispatcher.reassigned
+
+    @property
+    def offset(self) -> int:
+        return self._settings.offset
+
+    @property
+    def batches(self) -> int:
+        return self._settings.batches
 
     @property
     def backups(self) -> int:
@@ -133,7 +144,8 @@ class EpochPass:
                 service.send_start(Start(service.run, settings.epoch, self.position, transport))
                 continue
             want = tuple(first.get(service, ()))
-            service.send_start(Start(service.run, settings.epoch, self.position, transport, True, want))
+            start = Start(service.run, settings.epoch, self.position, transport, True, want)
+            service.send_start(replace(start, offset=settings.offset))
             service.named_at = now
 
     def _on_event(self, service: Service, what: str, detail: Any) -> None:

@@ -109,7 +109,7 @@ __all__ = [
     "encode",
 ]
 
-PROTOCOL_VERSION: Final = 5
+PROTOCOL_VERSION: Final = 6
 MAX_FRAME_BYTES: Final = 64 * 1024
 _FIELDS: Final = ListOf(Items((Str(64), OneOf(DTYPES), ListOf(Int(1, 1 << 24), MAX_DIMS))), MAX_FIELDS)
 MAX_RELEASES: Final = 4096
@@ -195,10 +195,14 @@ class Start(Message):
     """``tcp``: this trainer cannot map the segment; send each batch's bytes after its ``batch``."""
     picked: Annotated[bool, Bool()] = False
     """Shard mode: decode only the batches this trainer names (``want`` here and in ``want``
-    messages), in the order named, and send no ``end``: a fleet's trainer hands each batch of its
+    messages), the lowest first, and send no ``end``: a fleet's trainer hands each batch of its
     share to one of several services (NOTE [ A fleet ] in ``gpu_worker/fleet.py``)."""
     want: Annotated[tuple[int, ...], ListOf(_SEQ, MAX_CREDITS)] = ()
     token: Annotated[str, _TOKEN] = ""
+    offset: Annotated[int, Int(0, 2**40), OMITTABLE] = 0
+    """Shard mode: positions of the epoch's order a job took before this one (an elastic resume);
+    the rest is shared out by this trainer's rank and world size (NOTE [ Elastic epochs ] in
+    protocol/shares.py). ``position`` counts batches of that share."""
 
 
 @dataclass(frozen=True)

@@ -31,21 +31,13 @@ from math import isqrt
 import numpy as np
 import numpy.typing as npt
 
+from protocol.shares import batches_per_epoch, shard_size
+
 ROUNDS = 8
 """Feistel rounds, a few microseconds each for a batch of 64. Six already look random on large
 grids; on the tiny grids of a few samples, six still favour some positions measurably and eight do
 not."""
 _ORDER_TAG = 0x5EED
-
-
-def batches_per_epoch(samples: int, batch_size: int) -> int:
-    """Every sample once; the last batch holds the remainder (it may be smaller)."""
-    return -(-samples // batch_size)
-
-
-def shard_size(samples: int, world_size: int, remainder: str) -> int:
-    """Samples per rank per epoch: the same for every rank, so every DDP rank runs as many steps."""
-    return samples // world_size if remainder == "drop" else -(-samples // world_size)
 
 
 @dataclass(frozen=True, eq=False)
@@ -120,7 +112,10 @@ class ShardOrder:
     rank: int
     world_size: int
     size: int
-    """Samples of this shard: ``shard_size(samples, world_size, remainder)``."""
+    """Samples of this shard: ``shard_size(samples - offset, world_size, remainder)``."""
+    offset: int = 0
+    """Where the shared-out part of the epoch begins: positions before it were taken by an earlier
+    job (NOTE [ Elastic epochs ] in protocol/shares.py)."""
 
     def __len__(self) -> int:
         return self.size
@@ -129,9 +124,10 @@ class ShardOrder:
         """Samples at shard positions ``[start, stop)`` (clipped to the shard)."""
         start, stop, step = max(start, 0), min(stop, self.size), self.world_size
         positions = np.arange(start * step + self.rank, stop * step + self.rank, step, dtype=np.int64)
-        if positions.size and positions[-1] >= self.epoch.samples:
-            positions %= self.epoch.samples  # pad: the last round wraps to the epoch's start
-        return self.epoch.at(positions)
+        rest = self.epoch.samples - self.offset
+        if positions.size and positions[-1] >= rest:
+            positions %= rest  # pad: the last round wraps to the start of the shared-out part
+        return self.epoch.at(positions + self.offset)
 
     def batch(self, seq: int, batch_size: int) -> npt.NDArray[np.int64]:
         """Batch ``seq``: the shard's ``seq``-th run of ``batch_size`` (the last may be short)."""
@@ -142,11 +138,14 @@ class ShardOrder:
 
 
 def shard_order(
-    seed: int, epoch: int, samples: int, rank: int, world_size: int, remainder: str
+    seed: int, epoch: int, samples: int, rank: int, world_size: int, remainder: str, offset: int = 0
 ) -> ShardOrder:
-    """Rank ``rank``'s order of ``epoch`` (see ShardOrder); O(1) to make once the epoch's keys are cached."""
-    size = shard_size(samples, world_size, remainder)
-    return ShardOrder(epoch_order(seed, epoch, samples), rank, world_size, size)
+    """Rank ``rank``'s order of ``epoch`` from position ``offset`` on (see ShardOrder); O(1) to make
+    once the epoch's keys are cached."""
+    if not 0 <= offset < samples:
+        raise ValueError(f"an epoch of {samples} samples cannot resume at position {offset}")
+    size = shard_size(samples - offset, world_size, remainder)
+    return ShardOrder(epoch_order(seed, epoch, samples), rank, world_size, size, offset)
 
 
 def sample_rng(seed: int, epoch: int, index: int) -> np.random.Generator:

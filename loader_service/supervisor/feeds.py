@@ -13,7 +13,7 @@ import numpy.typing as npt
 
 from loader_service.config import ConfigError, FeedConfig
 from loader_service.dataset.index import DatasetIndex, load_or_build
-from loader_service.dataset.sampler import ShardOrder, batches_per_epoch, shard_order, shard_size
+from loader_service.dataset.sampler import ShardOrder, shard_order
 from loader_service.dataset.source import Columns
 from loader_service.decode.cache import LOCK_NAME, CacheKind, CacheSegment, CacheTooSmall, cache_kind
 from loader_service.decode.pipeline import PIPELINE_REASON
@@ -24,6 +24,7 @@ from loader_service.supervisor.rates import RateMeter
 from loader_service.supervisor.slots import SlotPool
 from protocol.layout import CHECK_BYTES, SlotLayout, describe_fields
 from protocol.messages import FeedInfo
+from protocol.shares import rank_batches
 
 log = logging.getLogger(__name__)
 PROBE_START_ALLOWANCE = 60.0
@@ -131,12 +132,14 @@ class Feed:
     def name(self) -> str:
         return self.config.name
 
-    def shard_batches(self, world_size: int, remainder: str) -> int:
-        return batches_per_epoch(shard_size(len(self.index), world_size, remainder), self.config.batch_size)
+    def shard_batches(self, world_size: int, remainder: str, offset: int = 0) -> int:
+        """Batches of each rank's share of an epoch shared out from position ``offset`` on."""
+        return rank_batches(len(self.index), self.config.batch_size, world_size, remainder, offset)
 
-    def plan(self, epoch: int, rank: int, world_size: int, remainder: str) -> ShardOrder:
-        """A rank's order of ``epoch``: O(1) to make and to keep, each batch computed when planned."""
-        return shard_order(self.config.seed, epoch, len(self.index), rank, world_size, remainder)
+    def plan(self, epoch: int, rank: int, world_size: int, remainder: str, offset: int = 0) -> ShardOrder:
+        """A rank's order of ``epoch`` from ``offset`` on (NOTE [ Elastic epochs ] in
+        protocol/shares.py): O(1) to make and to keep, each batch computed when planned."""
+        return shard_order(self.config.seed, epoch, len(self.index), rank, world_size, remainder, offset)
 
     def info(self) -> FeedInfo:
         cfg = self.config

@@ -29,8 +29,9 @@ if TYPE_CHECKING:
     from loader_service.supervisor.streams import Stream
 
 GENERATIONS = itertools.count(1)
-PlanKey = tuple[int, int, int, str]
-"""(epoch, rank, world_size, remainder): a plan is a pure function of these and the feed's seed."""
+PlanKey = tuple[int, int, int, str, int]
+"""(epoch, rank, world_size, remainder, offset): a plan is a pure function of these and the feed's
+seed (offset: where a resumed epoch's shared-out part begins, NOTE [ Elastic epochs ])."""
 
 
 class Producer:

@@ -84,7 +84,7 @@ class Stream(Producer):
 
     def __init__(self, key: tuple[object, ...], feed: Feed, session: Session) -> None:
         self.rank, self.world_size, self.remainder = session.rank, session.world_size, session.remainder
-        super().__init__(feed, (-1, self.rank, self.world_size, self.remainder))
+        super().__init__(feed, (-1, self.rank, self.world_size, self.remainder, 0))
         self.key = key
         self.broadcast = session.mode == "broadcast"
         self.started = False
@@ -163,8 +163,8 @@ class Stream(Producer):
             return self.next_produce >= self.end
         return not self.picks and self.last_asked
 
-    def batches_per_epoch(self) -> int:
-        return self.feed.shard_batches(self.world_size, self.remainder)
+    def batches_per_epoch(self, offset: int = 0) -> int:
+        return self.feed.shard_batches(self.world_size, self.remainder, offset)
 
     # --- starting epochs ------------------------------------------------------------------------
 
@@ -175,17 +175,23 @@ class Stream(Producer):
         position: int,
         warm: WarmCache | None = None,
         picked: tuple[int, ...] | None = None,
+        offset: int = 0,
     ) -> None:
         """Apply a member's start, freeing the slots of an abandoned plan. May raise StartRefused.
 
         ``warm``: the feed's warm-start cache, which a shard start may take from (NOTE [ Warm start ]).
         ``picked``: the seqs a picked start asks for first (None: not picked).
+        ``offset``: shard mode: where the epoch's shared-out part begins (NOTE [ Elastic epochs ]).
         """
         member = self.members[session_id]
         if not self.broadcast:
-            return self._start_shard(member, epoch, position, warm, picked)
+            if offset and not 0 < offset < len(self.feed.index):
+                raise StartRefused(f"offset {offset} is outside the epoch's {len(self.feed.index)} samples")
+            return self._start_shard(member, epoch, position, warm, picked, offset)
         if picked is not None:
             raise StartRefused("a broadcast group is fed by one service: a picked start is for shard mode")
+        if offset:
+            raise StartRefused("a broadcast group resumes by position, not at an offset")
         if self.started and epoch == self.epoch and not member.active:
             self._join_running(member)
             return
@@ -206,11 +212,12 @@ class Stream(Producer):
         position: int,
         warm: WarmCache | None,
         picked: tuple[int, ...] | None,
+        offset: int,
     ) -> None:
         """(Re)start the plan; take batches decoded early (ahead, or warm) if they are its first ones."""
-        plan = (epoch, self.rank, self.world_size, self.remainder)
-        cache = next((c for c in (self.ahead, warm) if c is not None and c.serves(*plan, position)), None)
-        self._begin(epoch, position)
+        plan = (epoch, self.rank, self.world_size, self.remainder, offset)
+        cache = next((c for c in (self.ahead, warm) if c is not None and c.serves(plan, position)), None)
+        self._begin(epoch, position, offset)
         self.picks, self.wanted, self.planned = (None if picked is None else []), set(), set()
         self.last_asked = False
         self._activate(member, 0 if picked is not None else position)
@@ -229,7 +236,7 @@ class Stream(Producer):
                 cache.lane,
                 len(handover.filling),
             )
-        following = (epoch + 1, self.rank, self.world_size, self.remainder)
+        following = (epoch + 1, self.rank, self.world_size, self.remainder, 0)
         if self.ahead is None:
             self.ahead = WarmCache(self.feed, self.window, following, lane="ahead")
         else:
@@ -330,10 +337,10 @@ class Stream(Producer):
         member.want, member.active = None, True
         member.next_send, member.end_sent = min(position, self.end), False
 
-    def _begin(self, epoch: int, position: int) -> None:
+    def _begin(self, epoch: int, position: int, offset: int = 0) -> None:
         """Switch to a new plan (NOTE [ Plan generations ]); the old one's undelivered batches are dropped."""
-        self.end = self.batches_per_epoch()
-        self.restart((epoch, self.rank, self.world_size, self.remainder), min(position, self.end))
+        self.end = self.batches_per_epoch(offset)
+        self.restart((epoch, self.rank, self.world_size, self.remainder, offset), min(position, self.end))
         self.started = True
         for batch in self.batches.values():
             batch.pending.clear()

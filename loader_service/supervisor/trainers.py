@@ -12,7 +12,6 @@ import time
 from collections.abc import Callable
 
 from loader_service.config import ServiceConfig
-from loader_service.dataset.sampler import shard_size
 from loader_service.supervisor.attachments import Attachments
 from loader_service.supervisor.feeds import Feed
 from loader_service.supervisor.limits import RateGate
@@ -35,6 +34,7 @@ from protocol.messages import (
     Welcome,
     decode,
 )
+from protocol.shares import shard_size
 
 log = logging.getLogger(__name__)
 TRAINER_MESSAGES = (Hello, Start, Want, Release, Ack, Heartbeat, Bye, StatusRequest)
@@ -291,7 +291,7 @@ class TrainerDesk:
         warm = self._warm.get(stream.feed.id)
         picked = msg.want if msg.picked else None
         try:
-            stream.on_start(session.session_id, msg.epoch, msg.position, warm, picked)
+            stream.on_start(session.session_id, msg.epoch, msg.position, warm, picked, msg.offset)
         except StartRefused as exc:
             self._outbox.reject(session.routing_id, "bad-start", str(exc), fatal=True)
             return

@@ -33,7 +33,7 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 WARM_BATCHES = 2
-WARM_PLAN: PlanKey = (0, 0, 1, "pad")
+WARM_PLAN: PlanKey = (0, 0, 1, "pad", 0)
 """(epoch, rank, world_size, remainder) of the plan kept warm."""
 
 
@@ -79,13 +79,13 @@ class WarmCache(Producer):
 
         The generation only grows, so a late batch of any earlier plan is never taken for this one.
         """
-        _epoch, _rank, world_size, remainder = plan
-        self._end = min(self._limit, self.feed.shard_batches(world_size, remainder))
+        _epoch, _rank, world_size, remainder, offset = plan
+        self._end = min(self._limit, self.feed.shard_batches(world_size, remainder, offset))
         self.drop(plan)
 
-    def serves(self, epoch: int, rank: int, world_size: int, remainder: str, position: int) -> bool:
+    def serves(self, plan: PlanKey, position: int) -> bool:
         """Are this cache's batches the first ones of that start?"""
-        return position == 0 and (epoch, rank, world_size, remainder) == self.plan_key
+        return position == 0 and plan == self.plan_key
 
     def wants_batch(self) -> bool:
         return self.next_produce < self._end

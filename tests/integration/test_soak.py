@@ -18,9 +18,10 @@ import pytest
 from gpu_worker import Batch, ServiceLoader
 from gpu_worker.client import LoaderConfig
 from loader_service.dataset.index import build_index
-from loader_service.dataset.sampler import batches_per_epoch, shard_order, shard_size
+from loader_service.dataset.sampler import shard_order
 from loader_service.supervisor.warm import WARM_BATCHES
 from protocol.messages import FeedInfo
+from protocol.shares import batches_per_epoch, shard_size
 from tests.helpers import DIE_AFTER, ServiceFactory, in_threads, our_segments, status, trainer_process
 
 pytestmark = pytest.mark.integration

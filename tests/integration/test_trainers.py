@@ -15,6 +15,7 @@ import torch
 
 from gpu_worker import ServiceError, ServiceLoader
 from loader_service.dataset.index import build_index
+from loader_service.dataset.sampler import epoch_permutation
 from tests.helpers import (
     DIE_AFTER,
     ServiceFactory,
@@ -216,7 +217,7 @@ def test_trainer_killed_mid_epoch_resumes_from_its_state(
     first.communicate(timeout=60)
     assert first.returncode == -signal.SIGKILL
     state = json.loads(Path(ckpt).read_text())
-    assert state["loader"]["epoch"] == 0 and state["loader"]["position"] == 5
+    assert state["loader"]["epoch"] == 0 and state["loader"]["consumed"] == 5 * 8
     assert len(state["seen"]) == 5 * 8
     second = trainer_process(service.endpoint, RESUMABLE, ckpt, "0")
     out, err = second.communicate(timeout=60)
@@ -233,8 +234,8 @@ def test_state_from_another_seed_or_dataset_is_refused(photos: Path, start_servi
     with ServiceLoader(b.endpoint, timeout=30) as other, pytest.raises(ValueError, match="seed: state has 1"):
         other.load_state_dict(state)
     with (
-        ServiceLoader(a.endpoint, rank=1, world_size=2, timeout=30) as other,
-        pytest.raises(ValueError, match="rank"),
+        ServiceLoader(a.endpoint, mode="broadcast", group="g", timeout=30) as other,
+        pytest.raises(ValueError, match="mode: state has 'shard'"),
     ):
         other.load_state_dict(state)
     json.dumps(state)  # JSON-serialisable
@@ -325,3 +326,71 @@ def test_a_trainer_expecting_other_fields_is_told_every_difference_before_any_ba
     assert not any(s["leased"] for s in status(service.endpoint)["sessions"]), "it took no batch"
     with ServiceLoader(service.endpoint, connect_timeout=10) as ok:  # the service is unharmed
         assert ok.fields == {"image": ((3, 32, 32), torch.uint8), "label": ((), torch.int64)}
+
+
+def job_steps(
+    endpoint: str, world: int, steps: int, state: dict[str, Any] | None = None
+) -> tuple[list[int], Any]:
+    """A job of ``world`` ranks (one loader each, on one service) taking ``steps`` batches each, in
+    step (-1: to the epoch's end), from ``state`` if given: what it took, and rank ``world - 1``'s
+    state after its last step (any rank's would do: NOTE [ Elastic epochs ])."""
+    loaders = [
+        ServiceLoader(endpoint, rank=r, world_size=world, remainder="drop", timeout=30) for r in range(world)
+    ]
+    try:
+        for loader in loaders:
+            if state is not None:
+                loader.load_state_dict(json.loads(json.dumps(state)))
+        passes = [iter(loader) for loader in loaders]
+        taken: list[int] = []
+        step = 0
+        while steps < 0 or step < steps:
+            batches = [next(p, None) for p in passes]
+            if any(b is None for b in batches):
+                assert all(b is None for b in batches), "every rank ends its share together"
+                break
+            taken += [i for b in batches if b is not None for i in b.indices.tolist()]
+            del batches
+            step += 1
+        return taken, loaders[-1].state_dict()
+    finally:
+        for loader in loaders:
+            loader.close()
+
+
+@pytest.mark.parametrize(("before", "steps", "after"), [(4, 3, 2), (2, 5, 3)])
+def test_any_ranks_state_resumes_a_job_of_another_world_size_exactly_once(
+    photos: Path, start_service: ServiceFactory, before: int, steps: int, after: int
+) -> None:
+    """4 ranks take 3 batches of 4 each (48 samples), or 2 ranks 5 each (40); the last rank's state
+    resumes a job of 2, or 3, ranks: across both jobs every sample once, but for the few the new
+    job's ``remainder="drop"`` leaves out, which are the epoch order's last ones."""
+    n = len(build_index(photos))
+    service = start_service(photos, batch_size=4, workers=2)
+    first, state = job_steps(service.endpoint, before, steps)
+    assert state["consumed"] == steps * 4 * before and "rank" not in state
+    rest, end_state = job_steps(service.endpoint, after, -1, state)
+    order = epoch_permutation(0, 0, n).tolist()
+    left_out = (n - state["consumed"]) % after
+    assert sorted(first + rest) == sorted(order[: n - left_out])
+    assert (end_state["epoch"], end_state["consumed"]) == (1, 0), "the next state begins the next epoch"
+
+
+def test_a_version_1_state_still_resumes_its_job(photos: Path, start_service: ServiceFactory) -> None:
+    """A state saved before states named the job's progress (rank 1 of 2, after 3 batches): it
+    named a rank's position, and ranks moved in step, so it loads as the prefix its job had taken."""
+    service = start_service(photos, batch_size=4)
+    with ServiceLoader(service.endpoint, rank=1, world_size=2, timeout=30) as loader:
+        identity = {k: v for k, v in loader.state_dict().items() if k not in ("version", "epoch", "consumed")}
+    old = {
+        **identity,
+        "version": 1,
+        "epoch": 0,
+        "position": 3,
+        "rank": 1,
+        "world_size": 2,
+        "remainder": "pad",
+    }
+    first, _ = job_steps(service.endpoint, 2, 3)
+    rest, _ = job_steps(service.endpoint, 2, -1, old)
+    assert sorted(first + rest) == list(range(len(build_index(photos))))

@@ -6,7 +6,7 @@ from __future__ import annotations
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from gpu_worker.fleet import Dispatcher
+from gpu_worker.fleet import BACKUP_MARGIN, Dispatcher
 
 CREDITS = 4
 
@@ -163,12 +163,13 @@ def simulate(d: Dispatcher[str, str], pace: dict[str, float], step: float = 0.05
 
 def test_the_loop_waits_on_a_straggler_no_longer_than_about_two_fast_batches() -> None:
     """A fresh pass: nothing is known of the services' paces, so the straggler (5 s a batch, the
-    others 1 s) gets trial batches the loop soon needs. Each is asked of a fast service too once
-    the straggler has taken twice what that one would: the loop waits at most about 2 s at once,
-    not 5, and the pass takes no longer than the two fast services alone would."""
+    others 1 s) gets trial batches the loop soon needs, the first one maybe. Each is asked of a
+    fast service too once the straggler has taken twice what that one would: the loop waits at
+    most three fast batch times at once (two waited, one to decode it again), not the straggler's
+    five, and the pass takes no longer than the two fast services alone would."""
     d = fleet("fast1", "fast2", "slow", end=40)
     took, longest = simulate(d, {"fast1": 1.0, "fast2": 1.0, "slow": 5.0})
-    assert longest <= 2.5 and d.backups >= 1, (longest, d.backups)
+    assert longest <= (BACKUP_MARGIN + 1) * 1.0 + 0.1 and d.backups >= 1, (longest, d.backups)
     alone = fleet("fast1", "fast2", end=40)
     took_alone, _ = simulate(alone, {"fast1": 1.0, "fast2": 1.0})
     assert took <= took_alone + 0.5, (took, took_alone)

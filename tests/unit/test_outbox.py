@@ -30,11 +30,11 @@ class FeedStub:
     def config(self) -> Any:
         return self
 
-    def shard_batches(self, world_size: int, remainder: str) -> int:
+    def shard_batches(self, world_size: int, remainder: str, offset: int = 0) -> int:
         return 1
 
-    def plan(self, epoch: int, rank: int, world_size: int, remainder: str) -> ShardOrder:
-        return shard_order(0, epoch, self.samples, rank, world_size, remainder)
+    def plan(self, epoch: int, rank: int, world_size: int, remainder: str, offset: int = 0) -> ShardOrder:
+        return shard_order(0, epoch, self.samples, rank, world_size, remainder, offset)
 
 
 class FlakyPeer:

@@ -190,10 +190,10 @@ class FeedStub:
     def note_bad(self, index: int, reason: str) -> None:
         self.bad.append((index, reason))
 
-    def shard_batches(self, world_size: int, remainder: str) -> int:
+    def shard_batches(self, world_size: int, remainder: str, offset: int = 0) -> int:
         return SAMPLES // BATCH
 
-    def plan(self, epoch: int, rank: int, world_size: int, remainder: str) -> OrderStub:
+    def plan(self, epoch: int, rank: int, world_size: int, remainder: str, offset: int = 0) -> OrderStub:
         return OrderStub()
 
 

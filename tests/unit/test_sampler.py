@@ -12,6 +12,7 @@ from loader_service.dataset.sampler import (
     shard_order,
     shard_size,
 )
+from protocol.shares import consumed, rank_batches
 
 
 def whole(seed: int, epoch: int, samples: int, rank: int, world: int, remainder: str) -> list[int]:
@@ -127,3 +128,47 @@ def test_different_epochs_are_unrelated_orders() -> None:
     a, b = epoch_permutation(3, 0, n).astype(float), epoch_permutation(3, 1, n).astype(float)
     assert abs(np.corrcoef(a, b)[0, 1]) < 0.05
     assert np.count_nonzero(a == b) < 20  # a random pair agrees at about one position
+
+
+# --- NOTE [ Elastic epochs ] -----------------------------------------------------------------------
+
+
+def job_takes(samples: int, world: int, remainder: str, batches: int, offset: int = 0) -> list[int]:
+    """What a job of ``world`` ranks stepping together takes in ``batches`` steps (all if -1)."""
+    ranks = [shard_order(3, 1, samples, r, world, remainder, offset) for r in range(world)]
+    total = batches_per_epoch(len(ranks[0]), BATCH) if batches < 0 else batches
+    return [int(i) for seq in range(total) for order in ranks for i in order.batch(seq, BATCH)]
+
+
+BATCH = 4
+
+
+@pytest.mark.parametrize(("before", "after"), [(4, 2), (2, 3), (3, 1), (1, 4), (5, 5)])
+@pytest.mark.parametrize("steps", [1, 3, 7])
+def test_a_job_resumed_at_any_world_size_takes_the_rest_of_the_epoch_once(
+    before: int, after: int, steps: int
+) -> None:
+    """A job of ``before`` ranks takes ``steps`` batches each; its state names the prefix it took;
+    a job of ``after`` ranks (remainder drop) takes what follows: every sample once, except the
+    last few the drop leaves out, and nothing of the first job's prefix again."""
+    samples = 97
+    steps = min(steps, rank_batches(samples, BATCH, before, "pad") - 1)  # mid-epoch, as a checkpoint is
+    first = job_takes(samples, before, "pad", steps)
+    taken = consumed(0, steps, BATCH, before, samples)
+    assert sorted(first) == sorted(epoch_permutation(3, 1, samples)[:taken].tolist())
+    rest = job_takes(samples, after, "drop", -1, taken)
+    order = epoch_permutation(3, 1, samples).tolist()
+    left_out = (samples - taken) % after
+    assert sorted(first + rest) == sorted(order[: samples - left_out]), "each once, the tail dropped"
+    padded = job_takes(samples, after, "pad", -1, taken)
+    assert set(first) | set(padded) == set(range(samples)), "pad: every sample"
+    assert len(padded) - len(set(padded)) == (-(samples - taken)) % after, "pad repeats only to even out"
+    assert not set(first) & set(padded[: samples - taken]), "nothing of the prefix is taken again"
+    assert rank_batches(samples, BATCH, after, "drop", taken) == batches_per_epoch(
+        len(shard_order(3, 1, samples, 0, after, "drop", taken)), BATCH
+    )
+
+
+def test_an_offset_outside_the_epoch_is_refused() -> None:
+    with pytest.raises(ValueError, match="cannot resume at position 10"):
+        shard_order(0, 0, 10, 0, 1, "pad", 10)
