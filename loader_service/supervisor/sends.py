@@ -129,7 +129,8 @@ class SendBudget:
         self.held += nbytes
 
     def stuck_since(self, session_id: str) -> float | None:
-        """When the session's oldest unfinished copy was sent, or None if it has none."""
+        """When the session's oldest unfinished copy was sent, or None if it has none; ``settle``
+        first, or a copy that went out since the last send still counts."""
         copies = self._copies.get(session_id)
         return copies[0].at if copies else None
 

@@ -346,6 +346,10 @@ class TrainerDesk:
         """Drop sessions whose heartbeats stopped, and remote ones that stopped reading (NOTE
         [ Remote sends ]): either way, their slots return within the client timeout."""
         timeout = self._config.client_timeout
+        # Copies that went out since the last send are forgotten first: kept until then, they made a
+        # remote trainer that took no batch for the client timeout (a long step, an evaluation
+        # between epochs) look like one that stopped reading, and it was dropped.
+        self._outbox.sends.settle()
         for session in list(self._attached.sessions.values()):
             stuck = self._outbox.sends.stuck_since(session.session_id)
             if now - session.last_seen > timeout:
