@@ -28,7 +28,8 @@ NOTE [ A fleet ]
     * Batches reach the loop in plan order, each once: what arrives early waits here (bounded by
       the credits); a second copy of a batch (after a reassignment) is released unread.
     * The batch the loop waits for, owed by a service that will deliver it more than
-      ``BACKUP_MARGIN`` times later than another with a free credit would (a straggler's trial
+      ``BACKUP_MARGIN`` times later than another with a free credit would, and over
+      ``BACKUP_FLOOR`` seconds from now (a straggler's trial
       batch, a service that slowed down), is asked of that other one too, once (``_backup``): the
       first copy to arrive is the loop's. A service decodes the lowest seq it was asked for first
       (``Stream.picks``), so the backup costs that one a batch time, not its whole queue. The
@@ -62,6 +63,11 @@ PACE_WEIGHT = 0.3
 BACKUP_MARGIN = 2.0
 """How many times later than another service a batch's owner must be expected to deliver the batch
 the loop waits for before that other one is asked for it too (NOTE [ A fleet ])."""
+BACKUP_FLOOR = 1.0
+"""Seconds a batch's owner may still take before a second service is asked for it, at least: a
+service's first batch of a pass is slower than its pace (a fresh connection, cold caches), and a
+backup decodes a batch twice. Below a second of the loop's wait that is not worth it; with fast
+batches the margin alone fired at every pass's start and left services of a fleet no share."""
 
 
 @dataclass
@@ -181,7 +187,7 @@ class Dispatcher(Generic[Service, Item]):
             return
         # A service decodes the lowest seq it was asked for first, so a backup costs one batch time.
         best = min(others, key=self._pace)
-        if self._remaining(owner, seq, now) <= BACKUP_MARGIN * self._pace(best):
+        if self._remaining(owner, seq, now) <= max(BACKUP_MARGIN * self._pace(best), BACKUP_FLOOR):
             return
         free[best] -= 1
         self._owed[best].add(seq)
