@@ -64,7 +64,7 @@ def test_rank_and_world_size_default_to_torchrun_environment(
     monkeypatch.setenv("RANK", "1")
     monkeypatch.setenv("WORLD_SIZE", "3")
     with ServiceLoader(service.endpoint, timeout=30) as loader:
-        assert loader.state_dict()["rank"] == 1 and loader.state_dict()["world_size"] == 3
+        assert (loader.config.rank, loader.config.world_size) == (1, 3)
         assert len(loader) == -(-30 // 8)
 
 
