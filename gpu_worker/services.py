@@ -32,8 +32,8 @@ POLL_SLICE = 0.1
 """Longest one wait on the poller: what could not be sent is offered again at least this often
 (NOTE [ Releases that could not be sent ]), and finished device copies are collected."""
 SAME_FEED = ("fingerprint", "seed", "batch_size", "image_size", "augment", "fields", "samples")
-"""FeedInfo fields every service of a fleet must have alike, and ``decoding`` word by word."""
-"""What every service of a fleet must agree on: the same data, order, transform and batch layout."""
+"""FeedInfo fields every service of a fleet must have alike (the same data, order, transform and
+batch layout), and ``decoding`` word by word."""
 Event = Callable[["Service", str, Any], None]
 """What a pass is told: (service, "opened" | "resumed" | "lost" | "refused", welcome or why)."""
 
@@ -208,7 +208,7 @@ def feed_differences(reference: FeedInfo, other: FeedInfo) -> list[str]:
 
 
 def _words(decoding: str) -> dict[str, str]:
-    """``FeedInfo.decoding`` as a dict; a service too old to send it says nothing."""
+    """``FeedInfo.decoding`` as a dict of its ``KEY=VALUE`` words."""
     return dict(word.partition("=")[::2] for word in decoding.split())
 
 

@@ -28,9 +28,10 @@ NOTE [ Untrusted pages ]
     produced exactly the header's size (``decompress``): bytes that were never written are never
     handed out as an image. A page's CRC, where the writer stored one, is checked before anything else.
     And a page is checked whole before any row of it is served, the verdict kept with the page map:
-    its levels must give exactly its rows (counted, never listed row by row), its values or
-    dictionary indices must be exactly as many as its levels say are there and fill it to its end,
-    and every index must fall inside the dictionary. Reading only up to the row asked for served
+    its levels must give exactly its rows (counted, never listed row by row), its PLAIN values must
+    be exactly as many as its levels say are there and fill it to its last byte, and its
+    dictionary indices must be as many and every one inside the dictionary (a bit-packed run may
+    end in padding, so trailing bits are not checked). Reading only up to the row asked for served
     rows ahead of damage further on in pages pyarrow refuses whole, some with another row's image.
 """
 

@@ -7,9 +7,13 @@ NOTE [ Prefetch budget ]
     and the next window is fetched when a sample reaches it, dropping the last. Before, a task's
     every byte was held until its end: 32 images of 8 MiB held 256 MiB in one worker, and a batch
     of 64 larger ones could take a worker past its memory while nothing was yet decoding, an OOM
-    kill the batch's redo met again. An object whose size the index does not know (one a list
-    names) weighs the mean of those fetched so far (``FIRST_GUESS`` before any). One object larger
-    than the budget is a window of its own; ``--max-file-bytes`` bounds it.
+    kill the batch's redo met again. A read weighs its range, or the object's size where the index
+    has it; an object whose size the index does not know (one a list names) weighs the mean of
+    those fetched so far, and an eighth of the budget before any (so a fresh worker's first window
+    holds eight at most). One object larger than the budget is a window of its own;
+    ``--max-file-bytes`` bounds it. Moving to the next window drops what the last one held, so a
+    Parquet page two samples share across windows is read again, alone: a cost in requests, not in
+    what is delivered.
 """
 
 from __future__ import annotations
@@ -33,8 +37,9 @@ from loader_service.dataset.storage import DecodeError, LocalFiles, Want
 
 PREFETCH_BYTES = 64 << 20
 """Bytes of fetched-ahead reads a worker holds at once (NOTE [ Prefetch budget ])."""
-FIRST_GUESS = 1 << 20
-"""What an object of unknown size is taken to weigh before any has been fetched."""
+FIRST_GUESS = PREFETCH_BYTES // 8
+"""What an object of unknown size is taken to weigh before any has been fetched: a fresh worker's
+first window holds eight such objects at most, whatever their size turns out to be."""
 
 
 class RemoteFiles:
@@ -101,10 +106,15 @@ class RemoteFiles:
         self._fetch_now(window)
 
     def _weight(self, want: Want) -> int:
-        if want[2] >= 0:
-            return want[2]
+        """A read's bytes: its range, else the object's size as indexed, else the mean of the
+        objects of unknown size fetched so far (NOTE [ Prefetch budget ])."""
+        name, _, size = want
+        if size >= 0:
+            return size
+        if name in self.versions:
+            return self.versions[name][0]
         total, count = self._unsized
-        return total // count if count else FIRST_GUESS
+        return max(total // count, 1) if count else FIRST_GUESS
 
     def held_bytes(self) -> int:
         """Bytes of fetched-ahead reads held now."""

@@ -34,7 +34,7 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 WARM_BATCHES = 2
 WARM_PLAN: PlanKey = (0, 0, 1, "pad", 0)
-"""(epoch, rank, world_size, remainder) of the plan kept warm."""
+"""(epoch, rank, world_size, remainder, offset) of the plan kept warm."""
 
 
 @dataclass

@@ -362,35 +362,45 @@ def test_a_store_sending_more_than_it_listed_fills_no_disk(
 def test_a_worker_holds_at_most_its_prefetch_budget_of_a_tasks_bytes(
     s3_server: S3Server, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """NOTE [ Prefetch budget ]: twenty 1 MiB objects a task reads, with a 4 MiB budget: the reads
-    go out in windows as the task reaches them, at most the budget (and one object) is held at
-    once, every object is read once and whole, in order, and a task that skips some (cached
-    samples) still gets the rest."""
+    """NOTE [ Prefetch budget ]: twenty 1 MiB objects a task reads, with a 4 MiB budget. Where the
+    index knows their sizes (tar members, Parquet pages, listed shards) the reads go out in windows
+    as the task reaches them and at most the budget (and one object) is held at once; each object
+    is read once and whole, in order, and a task that skips some (cached samples) still gets the
+    rest. Where it does not (a list's objects), a fresh worker's first window is eight objects,
+    and later ones follow the mean size it saw."""
     for key, value in s3_server.env().items():
         monkeypatch.setenv(key, value)
-    monkeypatch.setattr(remotefiles, "PREFETCH_BYTES", 4 << 20)
-    blobs = {f"budget/{k:02d}.bin": os.urandom(1 << 20) for k in range(20)}
+    budget, size = 4 << 20, 1 << 20
+    monkeypatch.setattr(remotefiles, "PREFETCH_BYTES", budget)
+    monkeypatch.setattr(remotefiles, "FIRST_GUESS", budget // 8)
+    blobs = {f"budget/{k:02d}.bin": os.urandom(size) for k in range(20)}
     for key, blob in blobs.items():
         (tmp_path / "blob").write_bytes(blob)
         s3_server.upload(tmp_path / "blob", key)
-    files = remotefiles.RemoteFiles(f"s3://{s3_server.bucket}", StorageConfig(), {}, 8 << 20)
-    try:
-        with counted_store_reads() as reads:
-            files.prefetch([(key, 0, -1) for key in blobs])
-            held = [files.held_bytes()]
-            for key, blob in blobs.items():
-                assert files.read(key, 8 << 20) == blob
-                held.append(files.held_bytes())
-            assert len(reads) == len(blobs), "each object fetched once"
-            assert max(held) <= (4 << 20) + (1 << 20), f"held up to {max(held) / 2**20:.0f} MiB"
-            reads.clear()
-            keys = list(blobs)
-            files.prefetch([(key, 0, -1) for key in keys])
-            for key in keys[10:]:  # the first ten came from a cache: never read
-                assert files.read(key, 8 << 20) == blobs[key]
-            assert len(reads) == len(blobs) - 10 + 4, "the first window, then what is read"
-    finally:
-        files.close()
+    bucket = Bucket(f"s3://{s3_server.bucket}", StorageConfig(), 30.0)
+    versions = {o.key: (o.size, o.etag) for o in bucket.list("budget/")}
+    keys = list(blobs)
+    for known in (versions, {}):
+        files = remotefiles.RemoteFiles(f"s3://{s3_server.bucket}", StorageConfig(), known, 8 << 20)
+        try:
+            with counted_store_reads() as reads:
+                files.prefetch([(key, 0, -1) for key in keys])
+                held = [files.held_bytes()]
+                for key in keys:
+                    assert files.read(key, 8 << 20) == blobs[key]
+                    held.append(files.held_bytes())
+                assert len(reads) == len(blobs), "each object fetched once"
+                if known:
+                    assert max(held) <= budget + size, f"held up to {max(held) / 2**20:.0f} MiB"
+                else:
+                    assert held[0] == 8 * size and max(held[9:]) <= budget + size  # after the first window
+                reads.clear()
+                files.prefetch([(key, 0, -1) for key in keys])
+                for key in keys[10:]:  # the first ten came from a cache: never read
+                    assert files.read(key, 8 << 20) == blobs[key]
+                assert len(reads) == len(blobs) - 10 + budget // size, "the first window, then what is read"
+        finally:
+            files.close()
 
 
 @contextmanager
