@@ -38,6 +38,7 @@ NOTE [ Hostile /dev/shm ]
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import fcntl
 import grp
@@ -46,7 +47,10 @@ import mmap
 import os
 import re
 import secrets
+import shutil
 import stat
+import tempfile
+from collections.abc import Iterator
 from pathlib import Path
 
 from protocol.layout import SEGMENT_PREFIX, validate_segment_name
@@ -152,6 +156,22 @@ def _owner_alive(pid: int) -> bool:
     except OSError:
         return False
     return b"loader_service" in cmdline or b"loader-service" in cmdline
+
+
+@contextlib.contextmanager
+def scratch_folder(purpose: str, parent: Path | None = None) -> Iterator[Path]:
+    """A temporary folder of this process for the block, named (``scratch_prefix``) and flocked as a
+    runtime folder is: one a killed process left is removed at the next start, and a live one never,
+    whatever PID namespace it runs in (NOTE [ Shared-memory cleanup ]). Removed on leaving."""
+    path = Path(tempfile.mkdtemp(prefix=scratch_prefix(purpose), dir=parent))
+    try:
+        lock = hold_lock(path / LOCK_NAME)
+        try:
+            yield path
+        finally:
+            os.close(lock)
+    finally:
+        shutil.rmtree(path, ignore_errors=True)
 
 
 def scratch_prefix(purpose: str) -> str:

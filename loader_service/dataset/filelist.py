@@ -16,7 +16,6 @@ import csv
 import json
 import os
 import posixpath
-import tempfile
 from array import array
 from collections.abc import Callable, Iterator, Mapping
 from functools import partial
@@ -37,7 +36,7 @@ from loader_service.dataset.tables import (
     encode_name,
     packed,
 )
-from loader_service.shm import scratch_prefix
+from loader_service.shm import scratch_folder
 
 if TYPE_CHECKING:
     from loader_service.dataset.index import DatasetIndex
@@ -265,8 +264,8 @@ def _scan_remote_list(url: str, progress: Progress | None, storage: StorageConfi
     info = bucket.head(key)
     if info.size > MAX_REMOTE_LIST_BYTES:
         raise DatasetError(f"{url} has {info.size} bytes: a list over {MAX_REMOTE_LIST_BYTES} is a mistake")
-    with tempfile.TemporaryDirectory(prefix=scratch_prefix("list")) as scratch:
-        copy = Path(scratch) / posixpath.basename(key)
+    with scratch_folder("list") as scratch:
+        copy = scratch / posixpath.basename(key)
         bucket.download(info, copy)  # streamed to disk, as a local list is read from it
         found = scan_list(copy, progress, shown=url)
     folder = posixpath.dirname(key)

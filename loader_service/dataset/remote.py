@@ -185,7 +185,12 @@ class Bucket:
         """Stream ``obj`` into the new file ``dest``, never more than its listed size; StorageError if
         it fails or comes out short or long, and DatasetError naming ``dest`` if it cannot be
         written (obstore's 404 is an OSError too)."""
-        with open(dest, "xb") as out:
+        try:
+            opened = open(dest, "xb")  # noqa: SIM115 (closed by the with below)
+        except OSError as exc:
+            kind = LocalDiskFull if exc.errno in FULL_ERRNOS else DatasetError
+            raise kind(f"cannot write {dest}: {exc.strerror or exc}") from None
+        with opened as out:
             try:
                 got = self._obs.get(self.store, obj.key, options=_if_match(obj.etag))
                 for chunk in got.stream(min_chunk_size=DOWNLOAD_CHUNK):

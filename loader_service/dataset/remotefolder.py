@@ -15,8 +15,6 @@ from __future__ import annotations
 import contextlib
 import logging
 import posixpath
-import shutil
-import tempfile
 from collections import deque
 from collections.abc import Generator
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -26,6 +24,7 @@ from typing import Any
 
 from loader_service.dataset.cachedir import FetchCache
 from loader_service.dataset.remote import (
+    FULL_ERRNOS,
     SCAN_DEADLINE,
     Bucket,
     LocalDiskFull,
@@ -35,7 +34,7 @@ from loader_service.dataset.remote import (
 )
 from loader_service.dataset.shards import COMPRESSED_SUFFIXES, TAR_SUFFIX, expand_braces, is_brace_pattern
 from loader_service.dataset.tables import DatasetError
-from loader_service.shm import scratch_prefix
+from loader_service.shm import scratch_folder
 
 log = logging.getLogger(__name__)
 
@@ -69,14 +68,22 @@ class RemoteObjects:
         """Each object as a local file, in order; fetched ``FETCH_AHEAD`` ahead and, once scanned,
         kept in the cache or removed."""
         cache = FetchCache.of(self.storage)
-        scratches = [_scratch(cache)]
         pending: deque[Future[tuple[Path, bool]]] = deque()
+        scratches = contextlib.ExitStack()
+        try:
+            scratch = scratches.enter_context(scratch_folder("scan", cache.scratch() if cache else None))
+        except OSError as exc:  # the cache's disk is full: not even a folder fits
+            if cache is None or exc.errno not in FULL_ERRNOS:
+                raise
+            self._without_cache(cache, exc, pending)
+            cache = None
+            scratch = scratches.enter_context(scratch_folder("scan"))
         pool = ThreadPoolExecutor(FETCH_AHEAD, thread_name_prefix="fetch")
         try:
             ahead = iter(range(len(self.names)))
             for k in range(len(self.names)):
                 while len(pending) < FETCH_AHEAD and (nxt := next(ahead, None)) is not None:
-                    pending.append(pool.submit(self._local_copy, nxt, cache, scratches[-1]))
+                    pending.append(pool.submit(self._local_copy, nxt, cache, scratch))
                 try:
                     path, held = pending.popleft().result()
                 except LocalDiskFull as exc:
@@ -84,9 +91,9 @@ class RemoteObjects:
                         raise
                     self._without_cache(cache, exc, pending)
                     cache = None
-                    scratches.append(_scratch(None))
+                    scratch = scratches.enter_context(scratch_folder("scan"))
                     ahead = iter(range(k, len(self.names)))  # this one and those after it, again
-                    pending.append(pool.submit(self._local_copy, next(ahead), None, scratches[-1]))
+                    pending.append(pool.submit(self._local_copy, next(ahead), None, scratch))
                     path, held = pending.popleft().result()
                 yield self.names[k], path
                 if not held:
@@ -97,8 +104,7 @@ class RemoteObjects:
             # On a failed scan the fetches not started are dropped, not waited for; those under way
             # end at their deadline at most, before their files go.
             pool.shutdown(wait=True, cancel_futures=True)
-            for scratch in scratches:
-                shutil.rmtree(scratch, ignore_errors=True)
+            scratches.close()
 
     def _without_cache(
         self, cache: FetchCache, exc: Exception, pending: deque[Future[tuple[Path, bool]]]
@@ -135,12 +141,6 @@ class RemoteObjects:
 
     def _url(self, k: int) -> str:
         return f"{self.bucket.url}/{self.objects[k].key}"
-
-
-def _scratch(cache: FetchCache | None) -> Path:
-    """A fresh folder for a scan's fetched objects: on the cache's file system, so that what is kept
-    is renamed into place, or in the system's temporary folder."""
-    return Path(tempfile.mkdtemp(prefix=scratch_prefix("scan"), dir=cache.scratch() if cache else None))
 
 
 def remote_objects(data: str, storage: StorageConfig, suffix: str, what: str) -> RemoteObjects:

@@ -103,19 +103,19 @@ def test_a_dead_services_segment_and_runtime_folder_are_removed(shm_dir: Path, d
 
 def test_the_scratch_of_a_killed_index_scan_is_removed(shm_dir: Path) -> None:
     """A scan killed with SIGKILL (``loader-service index``, or a start) leaves the folder it fetched
-    shards or a list into; it is named with its pid (``shm.scratch_prefix``), so the next start
-    removes it, and spares the scratch of a scan still running."""
-    make = (
-        "import os, sys, tempfile; from loader_service.shm import scratch_prefix; "
-        "d = tempfile.mkdtemp(prefix=scratch_prefix(sys.argv[2]), dir=sys.argv[1]); "
-        "open(os.path.join(d, 'train-000001.tar'), 'wb').write(b'x' * 4096); "
-        "print(d, flush=True); sys.stdin.read()"
+    shards or a list into; it is named with its pid and flocked (``shm.scratch_folder``), so the
+    next start removes it, and spares the scratch of a scan still running (in any PID namespace)."""
+    make = (  # the process's command line does not say loader-service: its flock alone spares it
+        "import sys; from pathlib import Path; from loader_service.shm import scratch_folder\n"
+        "with scratch_folder(sys.argv[2], Path(sys.argv[1])) as d:\n"
+        "    (d / 'train-000001.tar').write_bytes(b'x' * 4096)\n"
+        "    print(d, flush=True); sys.stdin.read()\n"
     )
     with contextlib.ExitStack() as stack:
         children = [
             stack.enter_context(
                 subprocess.Popen(
-                    [sys.executable, "-c", make, str(shm_dir), purpose, "loader-service"],
+                    [sys.executable, "-c", make, str(shm_dir), purpose],
                     stdin=subprocess.PIPE,
                     stdout=subprocess.PIPE,
                     text=True,
