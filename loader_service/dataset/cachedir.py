@@ -223,9 +223,10 @@ class FetchCache:
     def save_index(self, key: str, inputs: Any, save: Any) -> bool:
         """Save an index under ``key`` (``save(folder)`` writes it) with the inputs it was built from;
         False if it does not fit."""
-        staging = self.temp_file()
+        staging: Path | None = None
         reserved = 0
         try:
+            staging = self.temp_file()
             staging.mkdir()
             save(staging)
             (staging / "inputs.json").write_text(json.dumps(_jsonable(inputs)), encoding="utf-8")
@@ -244,7 +245,8 @@ class FetchCache:
                 self.reserve(-reserved)
             return False
         finally:
-            shutil.rmtree(staging, ignore_errors=True)
+            if staging is not None:
+                shutil.rmtree(staging, ignore_errors=True)
 
 
 def index_key(kind: str, data: str, extra: Any = None) -> str:

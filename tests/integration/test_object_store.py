@@ -404,10 +404,10 @@ def test_a_worker_holds_at_most_its_prefetch_budget_of_a_tasks_bytes(
 
 
 @contextmanager
-def small_disk(path: Path, size: str) -> Iterator[Path]:
-    """A tmpfs of ``size`` mounted at ``path`` for the block (needs root), unmounted even on failure."""
+def small_disk(path: Path, options: str) -> Iterator[Path]:
+    """A tmpfs mounted with ``options`` at ``path`` for the block (needs root), unmounted even on failure."""
     path.mkdir()
-    mounted = subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={size}", "tmpfs", str(path)], check=False)
+    mounted = subprocess.run(["mount", "-t", "tmpfs", "-o", options, "tmpfs", str(path)], check=False)
     if mounted.returncode != 0:
         pytest.skip("needs to mount a tmpfs (root)")
     try:
@@ -416,15 +416,21 @@ def small_disk(path: Path, size: str) -> Iterator[Path]:
         subprocess.run(["umount", "-l", str(path)], check=False)
 
 
+@pytest.mark.parametrize("options", ["size=1m", "size=4m,nr_inodes=7"], ids=["no-room", "no-inodes"])
 def test_a_full_cache_disk_costs_the_cache_not_the_service(
-    fresh_s3_server: S3Server, photo_sources: dict[str, Path], start_service: ServiceFactory, tmp_path: Path
+    fresh_s3_server: S3Server,
+    photo_sources: dict[str, Path],
+    start_service: ServiceFactory,
+    tmp_path: Path,
+    options: str,
 ) -> None:
-    """The cache folder's disk (a 1 MiB tmpfs) cannot hold one shard: the index scan goes on in the
+    """The cache folder's disk (a tmpfs) cannot hold one shard (1 MiB), or not even the scan's
+    folder (seven inodes: the cache folder's own entries take six): the index scan goes on in the
     system's temporary folder, keeping nothing, and says so; the service serves the epoch whole
     instead of exiting 2 (which systemd does not restart)."""
     fresh_s3_server.upload_tree(photo_sources["tar"], "shards")
     n = len(folder_samples(photo_sources["imagefolder"]))
-    with small_disk(tmp_path / "small", "1m") as disk:
+    with small_disk(tmp_path / "small", options) as disk:
         service = start_service(
             f"s3://{fresh_s3_server.bucket}/shards/",
             env=fresh_s3_server.env(),
