@@ -13,7 +13,7 @@ copy. Either way the trainer releases the batch by its lease. A trainer's sessio
     trainer (DEALER)                         service (ROUTER)
       hello{feed, credits[, resume=token, held, have]} ->
                            <---------------- welcome{session label, token, feed info, credits}
-      start{run, epoch, position, transport, picked, want, token} ->
+      start{run, epoch, position, transport, picked, want, token, offset} ->
       want{run, seqs, token} -------------->   (a picked start only: these batches too)
                            <---------------- batch{run, epoch, seq, lease, slot, count}   (<= credits
                            <---------------- batch ... [+ images | labels | indices]       unreleased)
