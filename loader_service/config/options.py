@@ -215,8 +215,9 @@ class ServiceConfig(FeedOptions):
     task_timeout: float = field(
         default=20.0,
         metadata=option(
-            "seconds a worker may spend on one sample before it is killed, that sample skipped as bad and "
-            "the rest of its batch redone (well under a trainer's 60 s timeout)",
+            "seconds a worker may spend on one sample, hearing nothing from the data's store, before it is "
+            "killed, that sample skipped as bad and the rest of its batch redone (well under a trainer's "
+            "60 s timeout)",
             check=positive,
         ),
     )
