@@ -376,9 +376,13 @@ def test_any_ranks_state_resumes_a_job_of_another_world_size_exactly_once(
     assert (end_state["epoch"], end_state["consumed"]) == (1, 0), "the next state begins the next epoch"
 
 
-def test_a_version_1_state_still_resumes_its_job(photos: Path, start_service: ServiceFactory) -> None:
+@pytest.mark.parametrize("after", [2, 3])
+def test_a_version_1_state_still_resumes_its_job(
+    photos: Path, start_service: ServiceFactory, after: int
+) -> None:
     """A state saved before states named the job's progress (rank 1 of 2, after 3 batches): it
-    named a rank's position, and ranks moved in step, so it loads as the prefix its job had taken."""
+    named a rank's position, and ranks moved in step, so it loads as the prefix its job had taken,
+    for a job of the same size or another."""
     service = start_service(photos, batch_size=4)
     with ServiceLoader(service.endpoint, rank=1, world_size=2, timeout=30) as loader:
         identity = {k: v for k, v in loader.state_dict().items() if k not in ("version", "epoch", "consumed")}
@@ -392,5 +396,5 @@ def test_a_version_1_state_still_resumes_its_job(photos: Path, start_service: Se
         "remainder": "pad",
     }
     first, _ = job_steps(service.endpoint, 2, 3)
-    rest, _ = job_steps(service.endpoint, 2, -1, old)
+    rest, _ = job_steps(service.endpoint, after, -1, old)  # 90 - 24 leaves a multiple of 2 and 3
     assert sorted(first + rest) == list(range(len(build_index(photos))))
