@@ -37,6 +37,7 @@ from __future__ import annotations
 
 import logging
 import os
+from collections import Counter
 from collections.abc import Iterator, Sequence
 from types import TracebackType
 from typing import Any, NamedTuple
@@ -133,9 +134,8 @@ class ServiceLoader:
         self._resume: Resume | None = None
         self._next_epoch = 0
         self._pass: EpochPass | None = None
-        self._reassigned = 0
-        self._backups = 0
-        self._empty = 0
+        self._counts: Counter[str] = Counter()
+        """``EpochPass.counts`` of the passes before the current one."""
         self._closed = False
         hello = make_hello(**cfg.hello_fields())
         self._fleet = Fleet(cfg.endpoints, hello, keys, self.device, transport, cfg.credits)
@@ -197,9 +197,7 @@ class ServiceLoader:
         self._resume = None
         self._next_epoch = epoch + 1
         if self._pass is not None:
-            self._reassigned += self._pass.reassigned
-            self._backups += self._pass.backups
-            self._empty += self._pass.empty
+            self._counts += self._pass.counts()
         cfg = self.config
         empty = cfg.mode == "shard" and cfg.world_size > 1  # NOTE [ Empty batches ]
         batches = self._batches(offset)
@@ -213,9 +211,7 @@ class ServiceLoader:
         whether it is in use; how many batches were assigned again after a service was lost, and
         asked of a second service while the loop waited on a slow one; and how many batches had no
         sample left (NOTE [ Empty batches ] in gpu_worker/passes.py)."""
-        reassigned = self._reassigned + (self._pass.reassigned if self._pass is not None else 0)
-        backups = self._backups + (self._pass.backups if self._pass is not None else 0)
-        empty = self._empty + (self._pass.empty if self._pass is not None else 0)
+        counts = self._counts + (self._pass.counts() if self._pass is not None else Counter())
         return {
             "endpoints": {
                 s.endpoint: {
@@ -226,9 +222,7 @@ class ServiceLoader:
                 }
                 for s in self._fleet.services
             },
-            "reassigned": reassigned,
-            "backups": backups,
-            "empty": empty,
+            **{key: counts[key] for key in ("reassigned", "backups", "empty")},
         }
 
     def state_dict(self) -> dict[str, Any]:

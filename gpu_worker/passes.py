@@ -21,8 +21,9 @@ from __future__ import annotations
 
 import gc
 import time
+from collections import Counter
 from collections.abc import Iterator
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from typing import Any
 
 from gpu_worker.batch import Batch
@@ -70,10 +71,6 @@ class EpochPass:
         """ids of the services this pass has sent a start under their current session."""
 
     @property
-    def reassigned(self) -> int:
-        return self._dispatcher.reassigned
-
-    @property
     def offset(self) -> int:
         return self._settings.offset
 
@@ -81,9 +78,11 @@ class EpochPass:
     def batches(self) -> int:
         return self._settings.batches
 
-    @property
-    def backups(self) -> int:
-        return self._dispatcher.backups
+    def counts(self) -> Counter[str]:
+        """What ``loader.stats()`` adds up over passes: batches assigned again after a service was
+        lost, asked of a second service (backups), and with no sample left (empty)."""
+        d = self._dispatcher
+        return Counter(reassigned=d.reassigned, backups=d.backups, empty=self.empty)
 
     def __iter__(self) -> Iterator[Batch]:
         fleet = self._fleet
@@ -144,8 +143,10 @@ class EpochPass:
                 service.send_start(Start(service.run, settings.epoch, self.position, transport))
                 continue
             want = tuple(first.get(service, ()))
-            start = Start(service.run, settings.epoch, self.position, transport, True, want)
-            service.send_start(replace(start, offset=settings.offset))
+            start = Start(
+                service.run, settings.epoch, self.position, transport, True, want, offset=settings.offset
+            )
+            service.send_start(start)
             service.named_at = now
 
     def _on_event(self, service: Service, what: str, detail: Any) -> None:

@@ -46,7 +46,7 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-from loader_service.dataset.remote import FULL_ERRNOS, LocalDiskFull, StorageConfig
+from loader_service.dataset.remote import StorageConfig, local_write_error
 from loader_service.dataset.tables import DatasetError
 
 log = logging.getLogger(__name__)
@@ -72,8 +72,7 @@ class FetchCache:
             for folder in (self.objects, self.indexes):
                 folder.mkdir(mode=0o700, exist_ok=True)
         except OSError as exc:
-            kind = LocalDiskFull if exc.errno in FULL_ERRNOS else DatasetError
-            raise kind(f"cache folder {self.dir}: {exc.strerror or exc}") from None
+            raise local_write_error(exc, f"cache folder {self.dir}") from None
 
     def _keep_private(self) -> None:
         """NOTE [ A private cache folder ]: the folder is the service's user's, mode 0700. One that

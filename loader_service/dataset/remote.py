@@ -95,6 +95,13 @@ class LocalDiskFull(DatasetError):
 FULL_ERRNOS = frozenset((errno.ENOSPC, errno.EDQUOT))
 
 
+def local_write_error(exc: OSError, what: str) -> DatasetError:
+    """What a failed write to local disk is: LocalDiskFull where the disk (or a quota) is full, for
+    the caller to do without what it was writing; else a DatasetError. ``what`` names the write."""
+    kind = LocalDiskFull if exc.errno in FULL_ERRNOS else DatasetError
+    return kind(f"{what}: {exc.strerror or exc}")
+
+
 class StoreUnavailable(Exception):
     """The store did not answer within the read deadline: the task is done again later, nothing lost."""
 
@@ -188,8 +195,7 @@ class Bucket:
         try:
             opened = open(dest, "xb")  # noqa: SIM115 (closed by the with below)
         except OSError as exc:
-            kind = LocalDiskFull if exc.errno in FULL_ERRNOS else DatasetError
-            raise kind(f"cannot write {dest}: {exc.strerror or exc}") from None
+            raise local_write_error(exc, f"cannot write {dest}") from None
         with opened as out:
             try:
                 got = self._obs.get(self.store, obj.key, options=_if_match(obj.etag))
@@ -202,7 +208,7 @@ class Bucket:
                             "listed (changed since?); stopped there"
                         )
             except _LocalWrite as exc:
-                raise (LocalDiskFull if exc.full else DatasetError)(f"cannot write {dest}: {exc}") from None
+                raise local_write_error(exc.error, f"cannot write {dest}") from None
             except StorageError:
                 raise
             except Exception as exc:
@@ -285,9 +291,9 @@ def _open_store(obs: Any, url: str, storage: StorageConfig, deadline: float) -> 
 class _LocalWrite(Exception):
     """Writing a fetched object to local disk failed: this host's problem, not the store's."""
 
-    def __init__(self, exc: OSError) -> None:
-        super().__init__(exc.strerror or str(exc))
-        self.full = exc.errno in FULL_ERRNOS
+    def __init__(self, error: OSError) -> None:
+        super().__init__(error)
+        self.error = error
 
 
 def _write(out: Any, chunk: Any) -> None:
