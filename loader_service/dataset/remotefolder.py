@@ -75,9 +75,7 @@ class RemoteObjects:
         except OSError as exc:  # the cache's disk is full: not even a folder fits
             if cache is None or exc.errno not in FULL_ERRNOS:
                 raise
-            self._without_cache(cache, exc, pending)
-            cache = None
-            scratch = scratches.enter_context(scratch_folder("scan"))
+            scratch, cache = self._without_cache(cache, exc, pending, scratches), None
         pool = ThreadPoolExecutor(FETCH_AHEAD, thread_name_prefix="fetch")
         try:
             ahead = iter(range(len(self.names)))
@@ -89,9 +87,7 @@ class RemoteObjects:
                 except LocalDiskFull as exc:
                     if cache is None:
                         raise
-                    self._without_cache(cache, exc, pending)
-                    cache = None
-                    scratch = scratches.enter_context(scratch_folder("scan"))
+                    scratch, cache = self._without_cache(cache, exc, pending, scratches), None
                     ahead = iter(range(k, len(self.names)))  # this one and those after it, again
                     pending.append(pool.submit(self._local_copy, next(ahead), None, scratch))
                     path, held = pending.popleft().result()
@@ -107,10 +103,15 @@ class RemoteObjects:
             scratches.close()
 
     def _without_cache(
-        self, cache: FetchCache, exc: Exception, pending: deque[Future[tuple[Path, bool]]]
-    ) -> None:
-        """The cache folder's disk is full: the scan goes on in the system's temporary folder,
-        keeping nothing (the cache is an optimisation; a full disk must not stop the service)."""
+        self,
+        cache: FetchCache,
+        exc: Exception,
+        pending: deque[Future[tuple[Path, bool]]],
+        scratches: contextlib.ExitStack,
+    ) -> Path:
+        """The cache folder's disk is full: the scan goes on in a folder of the system's temporary
+        folder (returned), keeping nothing (the cache is an optimisation; a full disk must not stop
+        the service)."""
         log.warning(
             "cache folder %s: its disk is full (%s); indexing %s goes on without keeping what it fetches",
             cache.dir,
@@ -123,6 +124,7 @@ class RemoteObjects:
             with contextlib.suppress(Exception):
                 future.result()
         pending.clear()
+        return scratches.enter_context(scratch_folder("scan"))
 
     def _local_copy(self, k: int, cache: FetchCache | None, scratch: Path) -> tuple[Path, bool]:
         """The shard's file, and whether the cache held it already."""
