@@ -40,6 +40,13 @@ def _connection_arguments(p: argparse.ArgumentParser) -> None:
         default=[],
         help=f"a service's endpoint (ipc:// or tcp://); more than once for a fleet (or ${ENDPOINTS_ENV})",
     )
+    p.add_argument(
+        "--resolve-interval",
+        type=float,
+        default=5.0,
+        help="seconds between lookups of an endpoint that names a host: every address it resolves to "
+        "is a service of the fleet, followed as it changes (0: once; default 5)",
+    )
     p.add_argument("--feed", default="", help="feed name (default: the service's feed)")
     p.add_argument("--timeout", type=float, default=60.0, help="seconds to wait for a batch or the service")
     p.add_argument("--transport", default="auto", choices=TRANSPORT_CHOICES, help="how batches arrive (auto)")
@@ -59,6 +66,7 @@ def print_fields(args: argparse.Namespace) -> None:
         transport=args.transport,
         server_key=args.server_key or None,
         client_key=args.client_key or None,
+        resolve_interval=args.resolve_interval,
     ) as loader:
         for spec in loader.layout.fields:
             print(f"{spec.name}\t{spec.dtype}\t{list(spec.shape)}")
@@ -85,6 +93,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         args.transport,
         args.server_key,
         args.client_key,
+        args.resolve_interval,
     )
     return _guarded(lambda: run(cfg))
 

@@ -98,6 +98,7 @@ class ServiceLoader:
         client_key: str | None = None,
         fields: ExpectedFields | None = None,
         group_secret: str | None = None,
+        resolve_interval: float = 5.0,
     ) -> None:
         """``endpoint``: one service, or several (a fleet, NOTE [ A fleet ]); ``DATAFERRY_ENDPOINTS``
         (comma-separated), when set, takes the place of what the code names.
@@ -105,7 +106,11 @@ class ServiceLoader:
         torch.uint8), "label": ((), torch.int64)}``; a feed that serves anything else (missing, extra,
         shape, dtype or order) raises ServiceError naming every difference before any batch.
         ``group_secret`` (default: ``DATAFERRY_GROUP_SECRET``): a broadcast group is its name among the
-        trainers that share this secret, so others on the service can neither join it nor hold it up."""
+        trainers that share this secret, so others on the service can neither join it nor hold it up.
+        An endpoint ``tcp://NAME:PORT`` whose NAME is a host name (a Kubernetes headless Service) is
+        a fleet of every address NAME resolves to, looked up again every ``resolve_interval``
+        seconds (0: once): addresses that appear join the epoch under way, gone ones leave it
+        (NOTE [ A fleet from a name ] in gpu_worker/names.py)."""
         rank, world_size = shard_of(mode, rank, world_size)
         self.config = LoaderConfig(
             endpoints_of(endpoint),
@@ -125,6 +130,7 @@ class ServiceLoader:
             transport,
             fields=() if fields is None else expected_fields(fields),
             group_secret=os.environ.get(GROUP_SECRET_ENV, "") if group_secret is None else group_secret,
+            resolve_interval=resolve_interval,
         ).validated()
         cfg = self.config
         keys = ClientKeys.load(server_key, client_key)
@@ -138,7 +144,7 @@ class ServiceLoader:
         """``EpochPass.counts`` of the passes before the current one."""
         self._closed = False
         hello = make_hello(**cfg.hello_fields())
-        self._fleet = Fleet(cfg.endpoints, hello, keys, self.device, transport, cfg.credits)
+        self._fleet = Fleet(cfg, hello, keys, self.device)
         try:
             self._fleet.attach(cfg.connect_timeout)
             self._check_fields()

@@ -7,6 +7,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from gpu_worker.names import name_of
 from protocol.layout import FieldSpec
 from protocol.messages import MODES, REMAINDERS, TRANSPORTS
 
@@ -22,6 +23,8 @@ GROUP_SECRET_ENV = "DATAFERRY_GROUP_SECRET"
 ENDPOINTS_ENV = "DATAFERRY_ENDPOINTS"
 """Comma-separated endpoints that take the place of those the code names (a fleet, no code change)."""
 MAX_ENDPOINTS = 64
+"""Services of one fleet, given or found behind a name."""
+MIN_RESOLVE_INTERVAL = 0.1
 
 
 @dataclass(frozen=True)
@@ -52,6 +55,9 @@ class LoaderConfig:
     """The fields the trainer expects, in order (``gpu_worker.fields``); () takes what the feed has."""
     group_secret: str = field(default="", repr=False)
     """Broadcast: shared by the group's members; outsiders without it cannot join or hold it up."""
+    resolve_interval: float = 5.0
+    """Seconds between lookups of an endpoint that names a host (NOTE [ A fleet from a name ] in
+    gpu_worker/names.py); 0 looks it up once, at the start."""
 
     @property
     def endpoint(self) -> str:
@@ -64,6 +70,7 @@ class LoaderConfig:
         for endpoint in self.endpoints:
             if not endpoint.startswith(("ipc://", "tcp://")):
                 raise ValueError(f"endpoint must be ipc://PATH or tcp://HOST:PORT, got {endpoint!r}")
+            name_of(endpoint)  # a tcp:// endpoint needs a host and a port
         if len(set(self.endpoints)) != len(self.endpoints):
             raise ValueError(f"an endpoint is named twice: {', '.join(self.endpoints)}")
         if self.mode == "broadcast" and len(self.endpoints) > 1:
@@ -77,6 +84,11 @@ class LoaderConfig:
             )
         if self.timeout <= 0 or self.connect_timeout <= 0:
             raise ValueError("timeouts must be positive")
+        if self.resolve_interval != 0 and not MIN_RESOLVE_INTERVAL <= self.resolve_interval <= 3600:
+            raise ValueError(
+                f"resolve_interval must be 0 (look names up once) or {MIN_RESOLVE_INTERVAL} to 3600 "
+                f"seconds, got {self.resolve_interval}"
+            )
         if self.mode not in MODES:
             raise ValueError(f"mode must be one of {', '.join(MODES)}, got {self.mode!r}")
         if self.remainder not in REMAINDERS:

@@ -36,6 +36,8 @@ class RunConfig:
     transport: str = "auto"
     server_key: str = ""
     client_key: str = ""
+    resolve_interval: float = 5.0
+    """Seconds between lookups of an endpoint naming a host (NOTE [ A fleet from a name ])."""
 
 
 @dataclass(frozen=True)
@@ -139,9 +141,10 @@ def run(cfg: RunConfig) -> list[EpochReport]:
         transport=cfg.transport,
         server_key=cfg.server_key or None,
         client_key=cfg.client_key or None,
+        resolve_interval=cfg.resolve_interval,
     ) as loader:
         info = loader.info
-        services = len(loader.config.endpoints)
+        services = len(loader.stats()["endpoints"])
         print(
             f"attached to feed {info.name!r}{f' on {services} services' if services > 1 else ''}: "
             f"{info.samples} images, "

@@ -25,6 +25,8 @@ from gpu_worker.delivery import Delivery
 from gpu_worker.fleet import Pace
 from gpu_worker.heartbeats import Heartbeats
 from gpu_worker.leases import LeaseBook
+from gpu_worker.loader_config import MAX_ENDPOINTS, LoaderConfig
+from gpu_worker.names import Name, Resolver, name_of
 from protocol.messages import MAX_RELEASES, BatchReady, Bye, FeedInfo, Hello, Start, Want, Welcome
 
 log = logging.getLogger(__name__)
@@ -84,6 +86,9 @@ class Service:
     resume_held: tuple[int, ...] = ()
     """What the last resuming hello named as held: a resumed session keeps only those."""
     share: Share = field(default_factory=Share)
+    via: str = ""
+    """The endpoint naming a host this one is an address of (NOTE [ A fleet from a name ] in
+    gpu_worker/names.py); '' for an endpoint given as it is."""
 
     @property
     def open(self) -> bool:
@@ -216,25 +221,21 @@ class Fleet:
     """Every service of one loader, their poller and their heartbeat thread."""
 
     def __init__(
-        self,
-        endpoints: tuple[str, ...],
-        hello: Hello,
-        keys: ClientKeys | None,
-        device: torch.device,
-        transport: str,
-        credits: int,
+        self, config: LoaderConfig, hello: Hello, keys: ClientKeys | None, device: torch.device
     ) -> None:
         self._heartbeats = Heartbeats()
-        self.services = [
-            Service(
-                endpoint,
-                Connection(endpoint, hello, keys, self._heartbeats),
-                leases := LeaseBook(),
-                Delivery(device, transport, leases),
-                credits,
-            )
-            for endpoint in endpoints
-        ]
+        self._config, self._hello, self._keys, self._device = config, hello, keys, device
+        endpoints = config.endpoints
+        names = tuple(name for name in map(name_of, endpoints) if name is not None)
+        self._resolver = Resolver(names, config.resolve_interval, MAX_ENDPOINTS)
+        """Follows the endpoints that name hosts (NOTE [ A fleet from a name ])."""
+        self._followed: dict[Name, tuple[str, ...]] = {}
+        """Each name's addresses the fleet has taken in so far."""
+        named = {name.endpoint for name in names}
+        self.services = [self._service(endpoint) for endpoint in endpoints if endpoint not in named]
+        self._retiring: list[Service] = []
+        """Services whose address is gone from their name's answer, closed once the loop holds
+        none of their batches."""
         self.paces: dict[Service, Pace] = {}
         """Each service's measured seconds per batch, kept from pass to pass (NOTE [ A fleet ])."""
         self.reference: FeedInfo | None = None
@@ -242,10 +243,16 @@ class Fleet:
         self.on_event: Event | None = None
         """The pass under way, told what happens to each session."""
         self.waiting_leases: Callable[[Service], tuple[int, ...]] = lambda service: ()
+        """Leases of batches taken from a service that wait for the loop (the pass's)."""
         self._attaching = False
         self._poll = zmq.Poller()
         self._polled: tuple[zmq.Socket[bytes], ...] = ()
-        """Leases of batches taken from a service that wait for the loop (the pass's)."""
+
+    def _service(self, endpoint: str, via: str = "") -> Service:
+        leases = LeaseBook()
+        conn = Connection(endpoint, self._hello, self._keys, self._heartbeats)
+        delivery = Delivery(self._device, self._config.transport, leases)
+        return Service(endpoint, conn, leases, delivery, self._config.credits, via=via)
 
     def attach(self, timeout: float) -> None:
         """Open a session with every service; wait up to ``timeout`` for all of them, or at least one.
@@ -258,7 +265,7 @@ class Fleet:
         deadline = time.monotonic() + timeout
         self._attaching = True
         try:
-            while time.monotonic() < deadline and not all(s.open or s.refused for s in self.services):
+            while time.monotonic() < deadline and not self._all_answered():
                 self.wait(deadline)
         finally:
             self._attaching = False
@@ -267,13 +274,22 @@ class Fleet:
         if refused:
             raise ServiceError("; ".join(f"{s.endpoint} {s.refused}" for s in refused))
         missing = [s.endpoint for s in self.services if not s.open]
-        if len(missing) == len(self.services):
+        failures = self._resolver.failures().items()
+        unresolved = [f"{name.host} (cannot be resolved: {why})" for name, why in failures]
+        if not self.live:
             raise ServiceTimeout(
-                f"no loader service answered at {', '.join(missing)} within {timeout:.0f} s "
+                f"no loader service answered at {', '.join(missing + unresolved)} within {timeout:.0f} s "
                 "(is `loader-service serve` running there?)"
             )
-        if missing:
-            log.warning("no answer yet from %s; going on with the others", ", ".join(missing))
+        if missing or unresolved:
+            log.warning("no answer yet from %s; going on with the others", ", ".join(missing + unresolved))
+
+    def _all_answered(self) -> bool:
+        """Every name resolved once (or failed to), and every service so far answered or refused."""
+        if self._resolver.names and not self._resolver.rounds:
+            return False
+        self._follow_names()  # what the first round found is in the fleet before it is judged
+        return bool(self.services) and all(s.open or s.refused for s in self.services)
 
     @property
     def live(self) -> list[Service]:
@@ -281,6 +297,7 @@ class Fleet:
 
     def wait(self, deadline: float) -> None:
         """Wait until something arrives or ``deadline`` (at most POLL_SLICE), and take it in."""
+        self._follow_names()
         remaining = max(0.0, min(deadline - time.monotonic(), POLL_SLICE))
         readable = dict(self._poller().poll(int(remaining * 1000) + 1 if remaining > 0 else 0))
         now = time.monotonic()
@@ -297,8 +314,51 @@ class Fleet:
                 continue
             service.conn.tick(now)
             self._handle_events(service)
-        if all(s.refused for s in self.services):
+        if self.services and all(s.refused for s in self.services):
             raise ServiceError("; ".join(f"{s.endpoint} {s.refused}" for s in self.services))
+
+    # --- names (NOTE [ A fleet from a name ] in gpu_worker/names.py) ----------------------------
+
+    def _follow_names(self) -> None:
+        """Take in what the resolver last found: new addresses join, gone ones leave."""
+        self._close_retired()
+        for name, addresses in self._resolver.answers().items():
+            if self._followed.get(name) == addresses:
+                continue
+            self._followed[name] = addresses
+            wanted = {name.address(ip) for ip in addresses}
+            known = {s.endpoint for s in self.services}
+            for endpoint in sorted(wanted - known):
+                self._join(endpoint, name)
+            for service in [s for s in self.services if s.via == name.endpoint and s.endpoint not in wanted]:
+                if not service.refused:
+                    self._retire(service, f"is no longer an address of {name.host}")
+
+    def _join(self, endpoint: str, name: Name) -> None:
+        if len(self.services) >= MAX_ENDPOINTS:
+            log.warning("not using %s of %s: the fleet has %d services", endpoint, name.host, MAX_ENDPOINTS)
+            return
+        log.info("%s now resolves to %s too: joining it", name.host, endpoint)
+        service = self._service(endpoint, via=name.endpoint)
+        self.services.append(service)
+        service.conn.connect()
+
+    def _retire(self, service: Service, why: str) -> None:
+        """Stop using ``service``: the pass gives its batches to the others; its session ends once
+        the loop holds none of its batches (their slots stay the loop's until then)."""
+        log.info("leaving %s: it %s", service.endpoint, why)
+        service.refused = why
+        if self.on_event is not None:
+            self.on_event(service, "refused", why)
+        self._retiring.append(service)
+        self._close_retired()
+
+    def _close_retired(self) -> None:
+        for service in [s for s in self._retiring if not s.leases.held()]:
+            self._retiring.remove(service)
+            self.services.remove(service)
+            self.paces.pop(service, None)
+            service.close()
 
     def _poller(self) -> zmq.Poller:
         """One poller over every session's socket, made again only when a socket changed."""
@@ -361,7 +421,8 @@ class Fleet:
         service.close()
 
     def close(self) -> None:
+        self._resolver.close()
         for service in self.services:
-            if not service.refused:
+            if not service.refused or service in self._retiring:
                 service.close()
         self._heartbeats.close()

@@ -13,7 +13,8 @@ import os
 import signal
 import subprocess
 import sys
-from collections.abc import Iterator
+import time
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -68,6 +69,28 @@ class Fleet:
 
     def loader(self, endpoints: list[str], **kwargs: Any) -> ServiceLoader:
         return ServiceLoader(endpoints, timeout=60, **self.keys(), **kwargs)
+
+
+HOSTS = Path("/etc/hosts")
+
+
+@pytest.fixture
+def host_name() -> Iterator[tuple[str, Callable[[list[str]], None]]]:
+    """A host name of this test's own and ``point(addresses)``, which makes it resolve to exactly
+    those (none: unknown) through the system's resolver, as a DNS server answers for a Kubernetes
+    headless Service. /etc/hosts is written in place and given back as it was."""
+    if not os.access(HOSTS, os.W_OK):
+        pytest.skip("/etc/hosts is not writable here: no name this test can control")
+    name = f"dataferry-fleet-{os.getpid()}.test"
+    original = HOSTS.read_text()
+
+    def point(addresses: list[str]) -> None:
+        HOSTS.write_text(original + "".join(f"{address} {name}\n" for address in addresses))
+
+    try:
+        yield name, point
+    finally:
+        HOSTS.write_text(original)
 
 
 @pytest.fixture
@@ -144,6 +167,39 @@ def test_a_service_that_answers_late_joins_the_pass_under_way(fleet: Fleet, phot
         stats = loader.stats()
     assert seen == expected, "exactly once, in order"
     assert stats["endpoints"][late]["batches"] > 0, f"the late service took a share: {stats}"
+
+
+def test_a_fleet_named_by_a_host_follows_its_addresses_mid_epoch(
+    fleet: Fleet, host_name: tuple[str, Callable[[list[str]], None]]
+) -> None:
+    """NOTE [ A fleet from a name ]: three services on 127.0.0.2-4, one port, one name. The name
+    gains .4 and loses .2 while an epoch runs; the next epoch runs while it resolves to nothing."""
+    name, point = host_name
+    one = fleet.add(local=True, batch_size=4)
+    with fleet.loader([one]) as loader:
+        expected = [epoch(loader), epoch(loader)]
+    port = free_port()
+    gone, kept, joins = (fleet.add(endpoint=f"tcp://127.0.0.{k}:{port}", batch_size=4) for k in (2, 3, 4))
+    point(["127.0.0.2", "127.0.0.3"])
+    with fleet.loader([f"tcp://{name}:{port}"], resolve_interval=0.2, credits=2) as loader:
+        assert set(loader.stats()["endpoints"]) == {gone, kept}, "both addresses of the name, at once"
+        first: Seen = []
+        for batch in loader:
+            first.append((batch.seq, batch.indices.tolist(), digest(batch.images)))
+            if len(first) == 3:
+                point(["127.0.0.3", "127.0.0.4"])
+            if len(first) > 3:
+                time.sleep(0.1)  # a training step: the epoch lasts while the name changes
+        during = loader.stats()["endpoints"]
+        point([])
+        second = epoch(loader)
+        after = loader.stats()["endpoints"]
+    assert [first, second] == expected, "exactly once, in order, the same pixels, both epochs"
+    assert gone not in during, f"the address the name lost left the fleet: {during}"
+    assert during[joins]["batches"] > 0, f"the address the name gained served the epoch: {during}"
+    assert set(after) == {kept, joins} and all(s["state"] == "attached" for s in after.values()), (
+        f"a name that cannot be resolved keeps the addresses it had: {after}"
+    )
 
 
 def test_a_checkpoint_taken_with_three_services_resumes_on_two(fleet: Fleet) -> None:

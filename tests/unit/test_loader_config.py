@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 
 from gpu_worker.loader_config import ENDPOINTS_ENV, LoaderConfig, endpoints_of
+from gpu_worker.names import name_of
 
 
 def test_one_endpoint_or_several_from_the_code(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -38,3 +39,35 @@ def test_a_fleet_that_cannot_work_is_refused_before_any_connection(
 ) -> None:
     with pytest.raises(ValueError, match=message):
         LoaderConfig(endpoints, mode=mode).validated()
+
+
+@pytest.mark.parametrize(
+    ("endpoint", "host"),
+    [
+        ("tcp://loaders.train.svc.cluster.local:5555", "loaders.train.svc.cluster.local"),
+        ("tcp://localhost:5555", "localhost"),
+        ("tcp://127.0.0.1:5555", None),
+        ("tcp://[::1]:5555", None),
+        ("ipc:///run/dataferry/train.sock", None),
+    ],
+)
+def test_an_endpoint_naming_a_host_is_a_name_to_follow(endpoint: str, host: str | None) -> None:
+    """NOTE [ A fleet from a name ]: only a host name is looked up; addresses are used as given."""
+    name = name_of(endpoint)
+    assert (name.host if name else None) == host
+    if name is not None:
+        assert name.address("10.0.0.7") == "tcp://10.0.0.7:5555"
+
+
+@pytest.mark.parametrize(
+    "endpoint", ["tcp://loaders", "tcp://loaders:http", "tcp://loaders:0", "tcp://:5555"]
+)
+def test_a_tcp_endpoint_without_host_or_port_is_refused_before_any_lookup(endpoint: str) -> None:
+    with pytest.raises(ValueError, match=r"tcp://HOST:PORT|names no host"):
+        LoaderConfig((endpoint,)).validated()
+
+
+@pytest.mark.parametrize("interval", [-1.0, 0.01, 7200.0])
+def test_a_resolve_interval_out_of_range_is_refused(interval: float) -> None:
+    with pytest.raises(ValueError, match="resolve_interval"):
+        LoaderConfig(("tcp://loaders:5555",), resolve_interval=interval).validated()
