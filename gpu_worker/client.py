@@ -215,9 +215,12 @@ class ServiceLoader:
     def stats(self) -> dict[str, Any]:
         """Per service: batches and images it delivered to the loop, images/s while it did, and
         whether it is in use; how many batches were assigned again after a service was lost, and
-        asked of a second service while the loop waited on a slow one; and how many batches had no
-        sample left (NOTE [ Empty batches ] in gpu_worker/passes.py)."""
+        asked of a second service while the loop waited on a slow one; how many batches had no
+        sample left (NOTE [ Empty batches ] in gpu_worker/passes.py); and the seconds the loop spent
+        blocked in ``next()`` and computing between pulls (NOTE [ Exposed wait ] in
+        gpu_worker/loop_clock.py)."""
         counts = self._counts + (self._pass.counts() if self._pass is not None else Counter())
+        waited, computed = self._fleet.clock.totals()
         return {
             "endpoints": {
                 s.endpoint: {
@@ -229,6 +232,8 @@ class ServiceLoader:
                 for s in self._fleet.services
             },
             **{key: counts[key] for key in ("reassigned", "backups", "empty")},
+            "waited_s": round(waited, 3),
+            "computed_s": round(computed, 3),
         }
 
     def state_dict(self) -> dict[str, Any]:

@@ -2,7 +2,8 @@
 
 A ZeroMQ socket belongs to one thread, so this thread owns one heartbeat socket per session: the
 loader's thread only records what should beat (``beat``, ``stop``) and the thread applies it at its
-next wake-up. A heartbeat carries the session's token, so it keeps alive only that session.
+next wake-up. A heartbeat carries the session's token, so it keeps alive only that session, and
+the loop's waited and computed totals (NOTE [ Exposed wait ] in gpu_worker/loop_clock.py).
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ from typing import Any
 import zmq
 
 from gpu_worker.curve import ClientKeys
+from gpu_worker.loop_clock import LoopClock
 from protocol.messages import Heartbeat, encode
 
 log = logging.getLogger(__name__)
@@ -34,7 +36,8 @@ class Beat:
 class Heartbeats:
     """``beat(key, ...)`` starts (or replaces) the heartbeats of one session; ``stop(key)`` ends them."""
 
-    def __init__(self) -> None:
+    def __init__(self, clock: LoopClock | None = None) -> None:
+        self._clock = clock or LoopClock()
         self._lock = threading.Lock()
         self._wanted: dict[object, Beat] = {}
         self._changed = threading.Event()
@@ -69,7 +72,7 @@ class Heartbeats:
                 now = time.monotonic()
                 for key, (beat, sock, due) in list(live.items()):
                     if now >= due:
-                        _send(sock, beat)
+                        _send(sock, beat, self._clock)
                         live[key] = (beat, sock, now + beat.interval)
                 soonest = min((due for _, _, due in live.values()), default=None)
                 if len(live) < len(wanted):  # a socket could not be opened: try again soon
@@ -104,8 +107,10 @@ def _apply(
             live[key] = (beat, sock, time.monotonic())
 
 
-def _send(sock: zmq.Socket[Any], beat: Beat) -> None:
+def _send(sock: zmq.Socket[Any], beat: Beat, clock: LoopClock) -> None:
+    waited, computed = clock.totals()
+    msg = Heartbeat(beat.token, waited=int(waited * 1000), computed=int(computed * 1000))
     try:
-        sock.send(encode(Heartbeat(beat.token)), zmq.NOBLOCK)
+        sock.send(encode(msg), zmq.NOBLOCK)
     except zmq.Again:
         pass  # the service is not reading: the next beat tries again

@@ -86,6 +86,7 @@ class EpochPass:
 
     def __iter__(self) -> Iterator[Batch]:
         fleet = self._fleet
+        clock = fleet.clock
         self.active = True
         fleet.on_event = self._on_event
         fleet.waiting_leases = self._waiting_leases
@@ -94,7 +95,9 @@ class EpochPass:
                 self._dispatcher.joined(service)
             self._begin_all()
             while self.position < self._settings.batches:
+                clock.waiting()  # NOTE [ Exposed wait ]: only the pull counts as waiting
                 service, msg = self._next()
+                clock.computing()
                 if msg is None:  # the broadcast epoch's end
                     break
                 batch = service.wrap(msg)
@@ -109,6 +112,7 @@ class EpochPass:
             self.position = max(self.position, self._settings.batches)
             self._send_pending(time.monotonic())  # credits back now, so the next pass starts at once
         finally:
+            clock.idle()
             self._leave()
 
     def _leave(self) -> None:

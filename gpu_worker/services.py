@@ -26,6 +26,7 @@ from gpu_worker.fleet import Pace
 from gpu_worker.heartbeats import Heartbeats
 from gpu_worker.leases import LeaseBook
 from gpu_worker.loader_config import MAX_ENDPOINTS, LoaderConfig
+from gpu_worker.loop_clock import LoopClock
 from gpu_worker.names import Name, Resolver, name_of
 from protocol.messages import MAX_RELEASES, BatchReady, Bye, FeedInfo, Hello, Start, Want, Welcome
 
@@ -223,7 +224,9 @@ class Fleet:
     def __init__(
         self, config: LoaderConfig, hello: Hello, keys: ClientKeys | None, device: torch.device
     ) -> None:
-        self._heartbeats = Heartbeats()
+        self.clock = LoopClock()
+        """The loop's waited and computed time (NOTE [ Exposed wait ]), sent with every heartbeat."""
+        self._heartbeats = Heartbeats(self.clock)
         self._config, self._hello, self._keys, self._device = config, hello, keys, device
         endpoints = config.endpoints
         names = tuple(name for name in map(name_of, endpoints) if name is not None)

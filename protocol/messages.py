@@ -109,7 +109,7 @@ __all__ = [
     "encode",
 ]
 
-PROTOCOL_VERSION: Final = 6
+PROTOCOL_VERSION: Final = 7
 MAX_FRAME_BYTES: Final = 64 * 1024
 _FIELDS: Final = ListOf(Items((Str(64), OneOf(DTYPES), ListOf(Int(1, 1 << 24), MAX_DIMS))), MAX_FIELDS)
 MAX_RELEASES: Final = 4096
@@ -117,6 +117,7 @@ MAX_CREDITS: Final = 1024
 MAX_BAD_REPORTS: Final = 256
 _LEASE = Int(0, 2**62 - 1)
 _SEQ = Int(0, 2**40)
+_MILLIS = Int(0, 2**53)
 
 
 @dataclass(frozen=True)
@@ -233,12 +234,16 @@ class Heartbeat(Message):
     it keeps alive. From the service it also says the last lease announced to the session (``sent``)
     and the run it serves (``run``): on one connection messages arrive in order, so a trainer that
     gets this heartbeat without lease ``sent`` knows that announcement was lost, and one whose run
-    is newer knows its start was (NOTE [ Acknowledged delivery ])."""
+    is newer knows its start was (NOTE [ Acknowledged delivery ]). From a trainer it also carries
+    how long its loop has waited in ``next()`` and computed between pulls, in milliseconds since
+    the loader began (NOTE [ Exposed wait ] in gpu_worker/loop_clock.py)."""
 
     KIND: ClassVar[str] = "heartbeat"
     token: Annotated[str, _TOKEN] = ""
     sent: Annotated[int, _LEASE, OMITTABLE] = 0
     run: Annotated[int, Int(-1, 2**31), OMITTABLE] = -1
+    waited: Annotated[int, _MILLIS, OMITTABLE] = 0
+    computed: Annotated[int, _MILLIS, OMITTABLE] = 0
 
 
 @dataclass(frozen=True)

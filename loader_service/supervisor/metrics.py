@@ -30,6 +30,10 @@ which Prometheus's ``rate()`` handles as a counter reset.
     dataferry_trainer_credits{session, client, feed}           gauge
     dataferry_trainer_leased_batches{session, client, feed}    gauge
     dataferry_batch_ready_wait_seconds{feed}                   histogram (``observe_ready_wait``)
+    dataferry_load                                             gauge   (busy x demand, NOTE [ Fleet load ])
+    dataferry_decode_busy                                      gauge
+    dataferry_demand                                           gauge
+    dataferry_trainer_loop_demand{session, client, feed}       gauge
 
 Trainers have their own: ``dataferry_batch_wait_seconds`` in ``gpu_worker/metrics.py``.
 """
@@ -185,6 +189,17 @@ def _service_families(body: Mapping[str, Any]) -> Iterator[Metric]:
     for name, doc, key in counters:
         if (value := _num(body.get(key))) is not None:
             yield CounterMetricFamily(name, doc, value=value)
+    load = body.get("load")
+    loads = (
+        ("dataferry_load", "Decode capacity the trainers ask for, in multiples of this service's "
+         "(busy x demand; NOTE [ Fleet load ]): the autoscaling signal.", "load"),
+        ("dataferry_decode_busy", "Share of the decode workers' time on tasks, last 10 s.", "busy"),
+        ("dataferry_demand", "Largest (waited + computed) / computed of the trainers, last 10 s.",
+         "demand"),
+    )  # fmt: skip
+    for name, doc, key in loads:
+        if isinstance(load, Mapping) and (value := _num(load.get(key))) is not None:
+            yield GaugeMetricFamily(name, doc, value=value)
 
 
 def _feed_families(feeds: list[Mapping[str, Any]]) -> Iterator[Metric]:
@@ -264,6 +279,11 @@ def _session_families(sessions: list[Mapping[str, Any]]) -> Iterator[Metric]:
         ),
         "leased": GaugeMetricFamily(
             "dataferry_trainer_leased_batches", "Batches a trainer holds.", labels=SESSION_LABELS
+        ),
+        "demand": GaugeMetricFamily(
+            "dataferry_trainer_loop_demand",
+            "A trainer's (waited + computed) / computed over the last 10 s (NOTE [ Exposed wait ]).",
+            labels=SESSION_LABELS,
         ),
     }
     for session in sessions:

@@ -112,6 +112,7 @@ class Scheduler:
     def _on_task_done(self, msg: TaskDone) -> None:
         handle = self._workers.get(msg.worker)
         if handle is not None and handle.task == msg.task:
+            handle.on_tasks += time.monotonic() - handle.task_started
             handle.task = None
             handle.decoded.add(msg.count)
         record = self._tasks.pop(msg.task, None)
@@ -265,7 +266,9 @@ class Scheduler:
             if record is None:
                 return
             assert handle.routing_id is not None
-            handle.task, handle.task_since, handle.samples_done = record.task, time.monotonic(), 0
+            now = time.monotonic()
+            handle.task, handle.samples_done = record.task, 0
+            handle.task_since = handle.task_started = now
             self._tasks[record.task] = record
             task = Task(record.task, record.feed.id, record.slot, record.epoch, record.indices, record.row)
             self._send_worker(handle.routing_id, task)

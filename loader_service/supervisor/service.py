@@ -56,6 +56,7 @@ from loader_service.supervisor.attachments import Attachments
 from loader_service.supervisor.curve import CurveGuard
 from loader_service.supervisor.endpoint import claim_ipc_path, ipc_path, release_ipc_path
 from loader_service.supervisor.feeds import Feed
+from loader_service.supervisor.load import WorkerTime, measure
 from loader_service.supervisor.metrics import ServiceMetrics
 from loader_service.supervisor.outbox import Outbox
 from loader_service.supervisor.scheduler import Scheduler
@@ -98,6 +99,8 @@ class LoaderService:
         self._watchdog = systemd.Watchdog()
         self._metrics: ServiceMetrics | None = None
         self._last_report = 0.0
+        self._worker_time = WorkerTime()
+        """For the load a scaler reads (NOTE [ Fleet load ])."""
         self._next_housekeeping = 0.0
         self._outbox = Outbox(self._send, self._send_frames, self._attached, config.heartbeat_interval)
         self._desk = TrainerDesk(config, self.feeds, self._warm, self._attached, self._outbox, self.status)
@@ -397,6 +400,9 @@ class LoaderService:
         if now - self._last_report < 1.0:
             return
         self._last_report = now
+        if self._workers is not None:
+            count = sum(1 for _ in self._workers)
+            self._worker_time.sample(now, self._workers.busy_seconds(now), count)
         systemd.status(status.summary(self.feeds, self._attached))
         if self._metrics is not None:
             self._metrics.update(self.status())
@@ -406,7 +412,10 @@ class LoaderService:
         rejected = self._outbox.rejected_messages
         self._outbox.sends.settle()
         sending = self._outbox.sends.held + self._outbox.sends.orphaned  # NOTE [ Remote sends ]
-        return status.snapshot(self.feeds, self._attached, self._workers, self._started_at, rejected, sending)
+        load = measure(self._worker_time, (s.loop for s in self._attached.sessions.values()))
+        return status.snapshot(
+            self.feeds, self._attached, self._workers, self._started_at, rejected, sending, load
+        )
 
 
 def _write_nothing() -> bool:

@@ -7,6 +7,7 @@ import hmac
 import secrets
 from dataclasses import dataclass, field
 
+from loader_service.supervisor.load import Totals
 from loader_service.supervisor.sends import Send
 from protocol.messages import BatchReady, Hello
 
@@ -58,6 +59,8 @@ class Session:
     token: str = field(default_factory=lambda: secrets.token_hex(16))
     opened_by: Hello | None = None
     """The hello that opened or last resumed the session: the same one again is a repeat."""
+    loop: Totals = field(default_factory=Totals)
+    """The trainer loop's waited and computed seconds, from its heartbeats (NOTE [ Fleet load ])."""
 
     def presents(self, token: str) -> bool:
         """Is ``token`` this session's? Compared in constant time."""

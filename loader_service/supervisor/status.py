@@ -9,6 +9,7 @@ import time
 
 from loader_service.supervisor.attachments import Attachments
 from loader_service.supervisor.feeds import Feed
+from loader_service.supervisor.load import Load, demand
 from loader_service.supervisor.sessions import Session
 from loader_service.supervisor.worker_pool import WorkerSet
 
@@ -55,6 +56,7 @@ def _session(feeds: list[Feed], attached: Attachments, s: Session, now: float) -
         "credits": s.credits,
         "lag": lag(attached, s),
         "idle_seconds": round(now - s.last_seen, 1),
+        "demand": round(demand(s.loop), 3),
     }
 
 
@@ -82,6 +84,7 @@ def snapshot(
     started_at: float,
     rejected_messages: int,
     remote_send_bytes: int = 0,
+    load: Load | None = None,
 ) -> dict[str, object]:
     """A JSON-shaped snapshot of the whole service."""
     now = time.monotonic()
@@ -97,4 +100,5 @@ def snapshot(
         "worker_restarts": 0 if workers is None else workers.restarts,
         "rejected_messages": rejected_messages,
         "remote_send_bytes": remote_send_bytes,
+        "load": (load or Load(0.0, 1.0)).status(),
     }

@@ -41,10 +41,17 @@ class WorkerHandle:
     decoded: RateMeter = field(default_factory=RateMeter)
     killed_at: float | None = None
     """When it was killed for overrunning its task; it is killed (and logged) only once."""
+    task_started: float = 0.0
+    on_tasks: float = 0.0
+    """Seconds spent on finished tasks (NOTE [ Fleet load ])."""
 
     @property
     def idle(self) -> bool:
         return self.routing_id is not None and self.task is None
+
+    def busy_seconds(self, now: float) -> float:
+        """Seconds on tasks so far, the one under way included."""
+        return self.on_tasks + (now - self.task_started if self.task is not None else 0.0)
 
 
 class WorkerSet:
@@ -75,6 +82,8 @@ class WorkerSet:
         self._lost: list[WorkerHandle] = []
         """Killed workers that would not exit, watched until they do."""
         self._restart_at: dict[int, float] = {}
+        self._gone_busy = 0.0
+        """Seconds on tasks of workers that are gone."""
         self.restarts = 0
         self.boot_failures = 0
 
@@ -95,6 +104,14 @@ class WorkerSet:
 
     def idle(self) -> list[WorkerHandle]:
         return [h for h in self._handles.values() if h.idle]
+
+    def busy_seconds(self, now: float) -> float:
+        """Seconds every worker there has been spent on tasks (NOTE [ Fleet load ])."""
+        return self._gone_busy + sum(h.busy_seconds(now) for h in self._handles.values())
+
+    def _forget(self, handle: WorkerHandle, now: float) -> None:
+        del self._handles[handle.worker]
+        self._gone_busy += handle.busy_seconds(now)
 
     def check_stuck(self, now: float, limit: float, lost_after: float = LOST_AFTER) -> list[WorkerHandle]:
         """Kill workers that finished no sample for ``limit``; return those given up for lost, whose
@@ -124,7 +141,7 @@ class WorkerSet:
                 lost_after,
                 h.task,
             )
-            del self._handles[h.worker]
+            self._forget(h, now)
             self._lost.append(h)
             self._restart_at[h.worker] = now
         return lost
@@ -138,7 +155,7 @@ class WorkerSet:
         self._reap_lost()
         dead = [h for h in self._handles.values() if h.process.exitcode is not None]
         for h in dead:
-            del self._handles[h.worker]
+            self._forget(h, now)
             booted = h.routing_id is not None and h.process.exitcode != WORKER_BOOT_ERROR
             log.error(
                 "decode worker %d (pid %s) %s with exit code %s%s",

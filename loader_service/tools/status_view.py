@@ -121,7 +121,19 @@ def _summary(body: Mapping[str, Any]) -> str:
         f"loader-service up {_duration(body.get('uptime'))}: {_cell(attached)} trainer(s) attached, "
         f"{_cell(workers)} decode worker(s), {_cell(body.get('worker_restarts'))} worker restart(s), "
         f"{_cell(body.get('rejected_messages'))} rejected message(s)"
+        f"{_load_line(body.get('load'))}"
     )
+
+
+def _load_line(load: object) -> str:
+    """NOTE [ Fleet load ]: what an autoscaler reads, and the two figures it is made of."""
+    if not isinstance(load, Mapping):
+        return ""
+    figures = [load.get(key) for key in ("load", "busy", "demand")]
+    if not all(isinstance(x, (int, float)) for x in figures):
+        return ""
+    total, busy, demand = figures
+    return f"\nload {total:.2f} (workers busy {busy:.2f} x trainers' demand {demand:.2f}, last 10 s)"
 
 
 def _feeds(feeds: list[Mapping[str, Any]]) -> str:
@@ -187,10 +199,11 @@ def _trainers(sessions: list[Mapping[str, Any]]) -> str:
         return "no trainers attached"
     columns: list[Column] = [
         ("TRAINER", "<"), ("CLIENT", "<"), ("FEED", "<"), ("MODE", "<"), ("SHARD/GROUP", "<"),
-        ("EPOCH", ">"), ("DELIVERED", ">"), ("LEASED", ">"), ("CREDITS", ">"), ("LAG", ">"), ("IDLE", ">"),
+        ("EPOCH", ">"), ("DELIVERED", ">"), ("LEASED", ">"), ("CREDITS", ">"), ("LAG", ">"),
+        ("DEMAND", ">"), ("IDLE", ">"),
     ]  # fmt: skip
     head = ("session", "client", "feed", "mode")
-    counts = ("epoch", "delivered", "leased", "credits", "lag")
+    counts = ("epoch", "delivered", "leased", "credits", "lag", "demand")
     rows = [
         [*(s.get(k) for k in head), _shard_or_group(s), *(s.get(k) for k in counts), _idle(s)]
         for s in sessions

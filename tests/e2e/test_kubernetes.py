@@ -27,10 +27,11 @@ def objects(name: str) -> list[dict[str, Any]]:
     return [doc for doc in yaml.safe_load_all((FOLDER / name).read_text()) if doc]
 
 
+MANIFESTS = ("loader-fleet.yaml", "trainer-job.yaml", "autoscaling.yaml")
+
+
 def by_kind(kind: str) -> dict[str, Any]:
-    found = [
-        o for name in ("loader-fleet.yaml", "trainer-job.yaml") for o in objects(name) if o["kind"] == kind
-    ]
+    found = [o for name in MANIFESTS for o in objects(name) if o["kind"] == kind]
     assert len(found) == 1, kind
     return found[0]
 
@@ -44,7 +45,7 @@ def size(quantity: str) -> int:
     return int(number) * QUANTITY.get(unit or "", 1)
 
 
-@pytest.mark.parametrize("name", ["loader-fleet.yaml", "trainer-job.yaml"])
+@pytest.mark.parametrize("name", MANIFESTS)
 def test_every_manifest_is_a_valid_kubernetes_object(name: str) -> None:
     for obj in objects(name):
         kubernetes_validate.validate(obj, kubernetes_validate.latest_version(), strict=True)
@@ -65,18 +66,45 @@ def test_the_loaders_cpu_and_shared_memory_fit_their_flags() -> None:
     assert probe[:2] == ["loader-service", "status"] and "--endpoint=tcp://127.0.0.1:5555" in probe
 
 
-def test_the_trainer_job_names_every_loader_of_the_statefulset() -> None:
+def test_the_trainer_job_names_the_fleets_headless_service() -> None:
+    """NOTE [ A fleet from a name ]: one name, every ready pod behind it, followed as pods change."""
     fleet, service = by_kind("StatefulSet"), by_kind("Service")
     job = by_kind("Job")["spec"]["template"]["spec"]["containers"][0]
     env = {e["name"]: e.get("value") for e in job["env"]}
     port = service["spec"]["ports"][0]["port"]
     name = fleet["spec"]["serviceName"]
     assert service["metadata"]["name"] == name and service["spec"]["clusterIP"] == "None"
-    expected = [
-        f"tcp://{fleet['metadata']['name']}-{i}.{name}:{port}" for i in range(fleet["spec"]["replicas"])
-    ]
-    assert env["DATAFERRY_ENDPOINTS"].split(",") == expected
+    assert not service["spec"]["publishNotReadyAddresses"], "a pod resolves only once it is ready"
+    assert env["DATAFERRY_ENDPOINTS"] == f"tcp://{name}:{port}"
     assert env["DATAFERRY_SERVER_KEY"] and env["DATAFERRY_CLIENT_KEY"]
+
+
+def test_the_autoscaler_scales_the_fleet_on_the_load_the_pods_export() -> None:
+    """NOTE [ Fleet load ]: the metric the HorizontalPodAutoscaler asks for is the one the adapter's
+    rule serves, which is the one the service exports, on the port Prometheus is told to scrape."""
+    hpa, fleet = by_kind("HorizontalPodAutoscaler")["spec"], by_kind("StatefulSet")
+    target = hpa["scaleTargetRef"]
+    assert (target["kind"], target["name"]) == ("StatefulSet", fleet["metadata"]["name"])
+    assert "replicas" not in fleet["spec"], "kubectl apply would undo what the autoscaler chose"
+    (metric,) = hpa["metrics"]
+    assert metric["type"] == "Pods" and metric["pods"]["target"]["type"] == "AverageValue"
+    name = metric["pods"]["metric"]["name"]
+    target_value = metric["pods"]["target"]["averageValue"]
+    assert target_value.endswith("m") and 0 < int(target_value[:-1]) < 1000, "spare capacity kept"
+    assert 1 <= hpa["minReplicas"] <= hpa["maxReplicas"]
+
+    (rule,) = yaml.safe_load(by_kind("ConfigMap")["data"]["config.yaml"])["rules"]
+    assert rule["name"]["as"] == name and rule["seriesQuery"].startswith(name + "{")
+    assert set(rule["resources"]["overrides"]) == {"namespace", "pod"}
+    assert f'"{name}"' in (REPO / "loader_service" / "supervisor" / "metrics.py").read_text()
+
+    pod = fleet["spec"]["template"]
+    loader = pod["spec"]["containers"][0]
+    served = flags(loader["args"])
+    ports = {p["name"]: p["containerPort"] for p in loader["ports"]}
+    assert served["metrics-addr"] == "0.0.0.0", "scraped from outside the pod"
+    scraped = int(pod["metadata"]["annotations"]["prometheus.io/port"])
+    assert int(served["metrics-port"]) == ports["metrics"] == scraped
 
 
 def test_the_image_installs_what_scripts_setup_installs() -> None:

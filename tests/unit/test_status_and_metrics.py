@@ -70,8 +70,10 @@ SAMPLE_BODY: dict[str, Any] = {
             "credits": 6,
             "lag": 4,
             "idle_seconds": 0.2,
+            "demand": 1.5,
         }
     ],
+    "load": {"load": 1.35, "busy": 0.9, "demand": 1.5},
 }
 
 
@@ -103,8 +105,9 @@ def test_render_shows_what_an_operator_looks_for() -> None:
     assert table_row(text, "WORKER") == ["WORKER", "PID", "READY", "TASK", "DECODED", "IMAGES/S"]
     assert table_row(text, "0") == cells("0 123 yes 5 640 210.5")
     assert table_row(text, "1") == cells("1 124 no - 0 0.0")
-    assert table_row(text, "TRAINER")[-3:] == ["CREDITS", "LAG", "IDLE"]
-    assert table_row(text, "ab12") == cells("ab12 host:123 train shard 0/1 3 100 2 6 4 0.2 s")
+    assert table_row(text, "TRAINER")[-4:] == ["CREDITS", "LAG", "DEMAND", "IDLE"]
+    assert table_row(text, "ab12") == cells("ab12 host:123 train shard 0/1 3 100 2 6 4 1.5 0.2 s")
+    assert "load 1.35 (workers busy 0.90 x trainers' demand 1.50, last 10 s)" in text
 
 
 def test_render_copes_with_older_or_partial_bodies() -> None:
@@ -205,6 +208,10 @@ def test_service_metrics_follow_the_status_body() -> None:
     session = frozenset({("session", "ab12"), ("client", "host:123"), ("feed", "train")})
     assert samples[("dataferry_trainer_lag_batches", session)] == 4
     assert samples[("dataferry_trainer_credits", session)] == 6
+    assert samples[("dataferry_trainer_loop_demand", session)] == 1.5
+    assert samples[("dataferry_load", frozenset())] == 1.35  # NOTE [ Fleet load ]
+    assert samples[("dataferry_decode_busy", frozenset())] == 0.9
+    assert samples[("dataferry_demand", frozenset())] == 1.5
     assert not any(name.startswith("dataferry_decoded") for name, _ in scrape(other.registry))
 
     metrics.update({**SAMPLE_BODY, "sessions": [], "worker_restarts": 1})  # the trainer left
