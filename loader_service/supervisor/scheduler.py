@@ -293,8 +293,10 @@ class Scheduler:
         for stream in sorted(wanting, key=lambda s: s.in_flight):
             if not stream.feed.pool.free:
                 self._warm[stream.feed.id].drop()  # NOTE [ Warm start ]: a trainer's batch goes first
-            if not stream.feed.pool.free and stream.picks is not None and stream.ahead is not None:
-                stream.ahead.drop()  # a batch a picked run asked for goes before its guess ahead
+            if not stream.feed.pool.free and stream.picks is not None:
+                stream.drop_kept()  # NOTE [ Kept batches ]: a batch asked for goes before them
+                if stream.ahead is not None:
+                    stream.ahead.drop()  # and before its guess ahead
             if stream.feed.pool.free:
                 return self._plan(stream)
         for key in order:

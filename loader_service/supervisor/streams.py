@@ -111,6 +111,9 @@ class Stream(Producer):
         self.last_asked = False
         """Picked mode: the trainer asked this service for the plan's last batch (the next epoch's
         first ones may then be decoded ahead)."""
+        self.kept: dict[int, tuple[int, int]] = {}
+        """Picked mode: seq -> (slot, count) of this plan's batches a cache decoded early that the
+        trainer has not asked for yet (NOTE [ Kept batches ])."""
 
     # --- membership -----------------------------------------------------------------------------
 
@@ -245,13 +248,38 @@ class Stream(Producer):
             self.want(picked, member.session.credits)
 
     def _keep_picked(self, handover: Handover, picked: tuple[int, ...]) -> None:
-        """Picked mode: of what a cache handed over, free the decoded batches the start did not ask
-        for; those still decoding are freed when they complete, unless asked for by then."""
+        """Picked mode: of what a cache handed over, keep the decoded batches the start did not ask
+        for aside, not announced (NOTE [ Kept batches ]); those still decoding join them when they
+        complete, unless asked for by then.
+
+        NOTE [ Kept batches ]
+            A picked start names only the batches the trainer hands this service at once (a few,
+            by its pace: NOTE [ A fleet ] in gpu_worker/fleet.py), while the next epoch's first
+            ``credits`` batches may already be decoded ahead. Freeing the rest would decode them
+            again moments later, at every epoch's start (measured: a trainer with 40 credits got 9
+            of 40 ready batches at once and waited on decoding for the other 31). So they are kept
+            in their slots, and a later ``want`` of one announces it at once. They are the first
+            thing to go when the pool has no free slot for a batch asked for (scheduler.py), and
+            all go when the plan changes or the trainer leaves; in a fleet, where another service
+            may be given them, that is all they cost.
+        """
         first = set(picked)
         # Only this plan's: batches of earlier plans in ``batches`` are still held by the trainer.
         unwanted = [key for key in self.batches if key[0] == self.gen and key[1] not in first]
-        self.free(self.batches.pop(key).slot for key in unwanted)
+        for key in unwanted:
+            batch = self.batches.pop(key)
+            self.kept[key[1]] = (batch.slot, batch.count)
         self.planned = {key[1] for key in self.batches if key[0] == self.gen} | set(handover.filling)
+        self.planned |= self.kept.keys()
+
+    def drop_kept(self) -> bool:
+        """Free the batches kept aside (NOTE [ Kept batches ]); whether there were any."""
+        for seq in self.kept:
+            self.planned.discard(seq)
+        self.free(slot for slot, _count in self.kept.values())
+        dropped = bool(self.kept)
+        self.kept.clear()
+        return dropped
 
     def want(self, seqs: tuple[int, ...], limit: int) -> None:
         """Picked mode: decode ``seqs`` of this plan too, keeping at most ``limit`` queued (the
@@ -262,13 +290,20 @@ class Stream(Producer):
         for seq in seqs:
             if not 0 <= seq < self.end or seq in self.wanted:
                 continue
-            if seq not in self.planned:  # else handed over by a cache, or still decoding there
+            if seq in self.kept:  # NOTE [ Kept batches ]: decoded already, announced now
+                self._announce_kept(seq)
+            elif seq not in self.planned:  # else handed over by a cache, or still decoding there
                 if len(self.picks) >= limit:
                     continue
                 heapq.heappush(self.picks, seq)
                 self.planned.add(seq)
             self.wanted.add(seq)
             self.last_asked = self.last_asked or seq == self.end - 1
+
+    def _announce_kept(self, seq: int) -> None:
+        slot, count = self.kept.pop(seq)
+        active = {sid for sid, m in self.members.items() if m.active}
+        self.batches[(self.gen, seq)] = SharedBatch(slot, count, active)
 
     def next_seq(self) -> int:
         if self.picks is None:
@@ -345,11 +380,13 @@ class Stream(Producer):
         for batch in self.batches.values():
             batch.pending.clear()
         self._collect()
+        self.drop_kept()
 
     def close(self) -> None:
         """The last member left: free every batch; those still decoding are freed when they report."""
         self.free(batch.slot for batch in self.batches.values())
         self.batches.clear()
+        self.drop_kept()
         if self.ahead is not None:
             self.ahead.drop()
         self.restart(self.plan_key)
@@ -368,8 +405,8 @@ class Stream(Producer):
             return False
         self.filling -= 1
         if self.picks is not None and seq not in self.wanted:
-            self.planned.discard(seq)
-            return False
+            self.kept[seq] = (slot, count)  # NOTE [ Kept batches ]
+            return True
         active = {sid for sid, m in self.members.items() if m.active and m.next_send <= seq}
         if not active:
             return False

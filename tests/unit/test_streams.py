@@ -284,21 +284,71 @@ def test_a_batch_let_go_may_be_asked_for_again() -> None:
     assert decode_all(stream) == [0], "let go unread (room made for another): decoded again"
 
 
-def test_a_picked_start_frees_cached_batches_it_did_not_ask_for() -> None:
-    stream = picked(samples=12)  # 3 batches an epoch
+def decoded_ahead(samples: int = 12, credits: int = 3) -> tuple[Stream, list[tuple[int, int, Any]]]:
+    """A picked stream that asked for the whole of epoch 0 (3 batches), whose ahead cache then
+    planned the first two of epoch 1; nothing of epoch 1 decoded yet."""
+    stream = picked(samples=samples, credits=credits)
     stream.on_start("a", 0, 0, picked=(0, 1, 2))
     decode_all(stream)
     for key, _batch in list(stream.deliverable(stream.members["a"])):
         stream.release("a", key)
     ahead = stream.ahead
     assert ahead is not None and stream.wants_ahead(), "the whole epoch was asked for: decode ahead"
-    first, second = ahead.plan_batch(), ahead.plan_batch()
-    assert ahead.filled(first[0], first[1], slot=5, count=4)
+    return stream, [ahead.plan_batch(), ahead.plan_batch()]
+
+
+def test_a_picked_start_keeps_cached_batches_it_did_not_ask_for_and_announces_them_when_asked() -> None:
+    """NOTE [ Kept batches ]: decoded ahead, not named by the start, announced at once when asked
+    for later: never decoded twice."""
+    stream, (first, second) = decoded_ahead()
+    ahead = stream.ahead
+    assert ahead is not None and ahead.filled(first[0], first[1], slot=5, count=4)
     already = list(freed(stream))
     stream.on_start("a", 1, 0, picked=(1,))  # this service was asked for batch 1 only
-    assert freed(stream) == [*already, 5], "batch 0, decoded ahead and not asked for, is freed"
     assert ahead.filled(second[0], second[1], slot=6, count=4), "batch 1 reaches the stream"
-    assert [(key[1], b.slot) for key, b in stream.deliverable(stream.members["a"])] == [(1, 6)]
+    member = stream.members["a"]
+    assert [(key[1], b.slot) for key, b in stream.deliverable(member)] == [(1, 6)], "only what it asked"
+    assert freed(stream) == already, "batch 0, decoded ahead and not asked for, is kept"
+    stream.want((0,), limit=3)
+    assert decode_all(stream) == [], "asked for later: not decoded again"
+    assert [(key[1], b.slot) for key, b in stream.deliverable(member)] == [(0, 5)]
+
+
+def test_a_batch_still_decoding_that_the_start_passed_over_is_kept_too() -> None:
+    stream, (first, second) = decoded_ahead()
+    ahead = stream.ahead
+    assert ahead is not None
+    stream.on_start("a", 1, 0, picked=())  # asked for nothing yet, both still decoding
+    assert ahead.filled(first[0], first[1], slot=5, count=4) and ahead.filled(second[0], second[1], 6, 4)
+    assert list(stream.deliverable(stream.members["a"])) == []
+    stream.want((1,), limit=3)
+    assert decode_all(stream) == [] and [k[1] for k, _ in stream.deliverable(stream.members["a"])] == [1]
+
+
+def test_kept_batches_give_their_slots_back_when_room_is_needed_or_the_plan_changes() -> None:
+    stream, (first, second) = decoded_ahead()
+    ahead = stream.ahead
+    assert (
+        ahead is not None
+        and ahead.filled(first[0], first[1], 5, 4)
+        and ahead.filled(second[0], second[1], 6, 4)
+    )
+    stream.on_start("a", 1, 0, picked=())
+    already = list(freed(stream))
+    assert stream.drop_kept() and freed(stream) == [*already, 5, 6], "the pool needed them"
+    stream.want((0,), limit=3)
+    assert decode_all(stream) == [0], "dropped, then asked for: decoded after all"
+    stream, (first, second) = decoded_ahead()
+    ahead = stream.ahead
+    assert (
+        ahead is not None
+        and ahead.filled(first[0], first[1], 5, 4)
+        and ahead.filled(second[0], second[1], 6, 4)
+    )
+    stream.on_start("a", 1, 0, picked=())
+    already = list(freed(stream))
+    stream.on_start("a", 2, 0, picked=())  # another plan: nothing kept survives it
+    assert sorted(freed(stream)[len(already) :]) == [5, 6] and not stream.kept
 
 
 def test_batches_decoded_ahead_never_keep_a_picked_run_from_what_it_asks_for() -> None:
