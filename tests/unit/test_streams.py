@@ -325,27 +325,24 @@ def test_a_batch_still_decoding_that_the_start_passed_over_is_kept_too() -> None
     assert decode_all(stream) == [] and [k[1] for k, _ in stream.deliverable(stream.members["a"])] == [1]
 
 
-def test_kept_batches_give_their_slots_back_when_room_is_needed_or_the_plan_changes() -> None:
-    stream, (first, second) = decoded_ahead()
+def kept_two() -> Stream:
+    """Epoch 1 started asking for nothing, its first two batches decoded ahead into slots 5 and 6."""
+    stream, planned = decoded_ahead()
     ahead = stream.ahead
-    assert (
-        ahead is not None
-        and ahead.filled(first[0], first[1], 5, 4)
-        and ahead.filled(second[0], second[1], 6, 4)
-    )
+    assert ahead is not None
+    for (gen, seq, _), slot in zip(planned, (5, 6), strict=True):
+        assert ahead.filled(gen, seq, slot, 4)
     stream.on_start("a", 1, 0, picked=())
+    return stream
+
+
+def test_kept_batches_give_their_slots_back_when_room_is_needed_or_the_plan_changes() -> None:
+    stream = kept_two()
     already = list(freed(stream))
     assert stream.drop_kept() and freed(stream) == [*already, 5, 6], "the pool needed them"
     stream.want((0,), limit=3)
     assert decode_all(stream) == [0], "dropped, then asked for: decoded after all"
-    stream, (first, second) = decoded_ahead()
-    ahead = stream.ahead
-    assert (
-        ahead is not None
-        and ahead.filled(first[0], first[1], 5, 4)
-        and ahead.filled(second[0], second[1], 6, 4)
-    )
-    stream.on_start("a", 1, 0, picked=())
+    stream = kept_two()
     already = list(freed(stream))
     stream.on_start("a", 2, 0, picked=())  # another plan: nothing kept survives it
     assert sorted(freed(stream)[len(already) :]) == [5, 6] and not stream.kept
