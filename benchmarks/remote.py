@@ -102,12 +102,13 @@ def make_curve_files(folder: Path) -> CurveFiles:
 
 
 def measure_remote_rate(
-    remote: Contender, local: Contender, rounds: int, batches: int
+    contenders: Sequence[Contender], rounds: int, batches: int
 ) -> tuple[list[Measurement], dict[str, Timeline]]:
-    """(j) images/s and CPU per 1000 images of both trainers, timed as (a) times its contenders:
-    one at a time, in rounds whose order rotates, so each has the whole machine while timed."""
-    got = interleaved_rounds([remote, local], rounds, batches, "(j) remote and local trainer rounds")
-    title = "remote trainer (TCP+CURVE) and local shm trainer on one service"
+    """(j) images/s and CPU per 1000 images of the remote trainers and the local one, timed as (a)
+    times its contenders: one at a time, in rounds whose order rotates, so each has the whole
+    machine while timed."""
+    got = interleaved_rounds(contenders, rounds, batches, "(j) remote and local trainer rounds")
+    title = "remote trainers (TCP+CURVE, plain TCP) and a local shm trainer"
     cpu_title = "CPU-seconds per 1000 images, all processes"
     measurements = [
         Measurement("j", "j-rate", title, "images/s", got.rates, paired=True),

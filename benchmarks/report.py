@@ -18,6 +18,7 @@ from benchmarks.results import (
     LOCAL_SHM,
     REMOTE_CURVE,
     REMOTE_FAR,
+    REMOTE_PLAIN,
     SERIES,
     SERVICE,
     SERVICE_TREE,
@@ -151,6 +152,10 @@ def _remote_row(m: Measurement) -> Row:
     local = format_value(m.median(LOCAL_SHM), m.unit)
     places = 3 if m.key == "j-rate" else 2
     note = f"{J_SERIES[LOCAL_SHM]} {local}; remote / local {_times(m.ratio(REMOTE_CURVE, LOCAL_SHM), places)}"
+    if REMOTE_PLAIN in m.samples:
+        plain = format_value(m.median(REMOTE_PLAIN), m.unit)
+        ratio = _times(m.ratio(REMOTE_PLAIN, LOCAL_SHM), places)
+        note += f"; {J_SERIES[REMOTE_PLAIN]} {plain}, / local {ratio}"
     return Row(ROW_LABELS[m.key], {SERVICE: format_value(m.median(REMOTE_CURVE), m.unit)}, note)
 
 

@@ -65,6 +65,8 @@ I_TAR_VS_FILES = 1.0
 
 # (j), remote trainers: series keys (as in the JSON) and what tables call them.
 REMOTE_CURVE = "remote_curve"
+REMOTE_PLAIN = "remote_plain"
+"""(j): a remote trainer over plain TCP, on a service of its own: what CURVE costs the one above."""
 REMOTE_FAR = "remote_far"
 """(l): the remote trainer through a proxy that delays every byte ``FAR_LATENCY`` each way."""
 FAR_LATENCY = 0.05
@@ -80,6 +82,7 @@ ZMQ_SENDER = "zmq_sender"
 ZMQ_RECEIVER = "zmq_receiver"
 J_SERIES = {
     REMOTE_CURVE: "remote trainer (TCP+CURVE)",
+    REMOTE_PLAIN: "remote trainer (plain TCP)",
     REMOTE_FAR: "remote trainer 50 ms away",
     LOCAL_SHM: "local shm trainer",
     TCP_CURVE: "TCP+CURVE",

@@ -84,6 +84,7 @@ from benchmarks.results import (
     LOCAL_SHM,
     REMOTE_CURVE,
     REMOTE_FAR,
+    REMOTE_PLAIN,
     SERVICE,
     SHM,
     TAR_SHARDS,
@@ -488,13 +489,16 @@ class BenchRun:
         if cfg.wants("g"):
             self.memory(service)
 
-    def remote_rate(self, service: ServiceProcess, curve: CurveFiles) -> None:
-        """(j) with decoding: the remote and the local trainer attached together, timed in turn."""
+    def remote_rate(self, service: ServiceProcess, plain: ServiceProcess, curve: CurveFiles) -> None:
+        """(j) with decoding: the remote and the local trainer attached together, timed in turn, and
+        a remote trainer of a plain-TCP service (what CURVE costs), timed in the same rounds."""
         cfg = self.cfg
         with contextlib.ExitStack() as stack:
             remote = self.service_contender(stack, service, REMOTE_CURVE, transport="tcp", curve=curve)
+            clear = self.service_contender(stack, plain, REMOTE_PLAIN, transport="tcp")
             local = self.service_contender(stack, service, LOCAL_SHM, transport="shm", curve=curve)
-            measured, timelines = measure_remote_rate(remote, local, cfg.rounds, cfg.timed_batches)
+            contenders = [remote, clear, local]
+            measured, timelines = measure_remote_rate(contenders, cfg.rounds, cfg.timed_batches)
         self.measurements += measured
         self.timelines.update({f"j:{k}": t for k, t in timelines.items()})
 
@@ -533,9 +537,9 @@ class BenchRun:
             if not cfg.wants("j"):
                 return
             say(f"(j) {SCENARIO_TITLES['j']}")
-            self.remote_rate(secure, curve)
             plain_args = (*slots, "--insecure-tcp")  # loopback, yet every tcp:// needs CURVE or this
             plain = self.start_service(stack, "tcp", cfg.batch_size, loopback_endpoint(), plain_args)
+            self.remote_rate(secure, plain, curve)
             local = self.start_service(stack, "shm", cfg.batch_size, extra_args=slots)
             timed: list[Timed] = [
                 Transport(TCP_CURVE, self.loader(stack, secure, count, "tcp", curve), secure, curve.client()),
