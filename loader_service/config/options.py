@@ -20,6 +20,7 @@ values it does not set (except ``slots``: each feed's pool is sized on its own).
 
 from __future__ import annotations
 
+import math
 import os
 import re
 import typing
@@ -30,6 +31,7 @@ from typing import Any
 
 from loader_service.config import checks
 from loader_service.config.checks import Check, at_least, between, positive
+from loader_service.config.cpus import Budget, cpu_budget
 from loader_service.dataset.index import FORMATS, LOCAL
 from loader_service.dataset.remote import StorageConfig, is_remote
 from loader_service.dataset.storage import DEFAULT_MAX_FILE_BYTES
@@ -53,6 +55,28 @@ class ByteSize(int):
 
 
 ByteSize.__name__ = "size"  # what argparse names in "invalid size value: '12Q'"
+
+
+class WorkerCount(int):
+    """A number of decode workers, or ``auto`` (0): sized by the service (NOTE [ Sizing workers ])."""
+
+    def __new__(cls, value: int | str = 0) -> WorkerCount:
+        if isinstance(value, str):
+            text = value.strip().lower()
+            return super().__new__(cls, 0 if text == "auto" else int(text))
+        return super().__new__(cls, value)
+
+    def __str__(self) -> str:
+        return "auto" if self == 0 else int.__str__(self)
+
+
+WorkerCount.__name__ = "count"  # argparse: "invalid count value: 'many'"
+AUTO_MAX_WORKERS_PER_CORE = 4
+"""``--workers auto`` starts this many workers per core of the budget (at least ``MIN_AUTO_WORKERS``,
+at most ``MAX_AUTO_WORKERS``): a feed whose workers wait on a store or in a pipeline may use more
+workers than cores. A parked worker costs its memory (OpenCV and numpy loaded), no CPU."""
+MIN_AUTO_WORKERS = 4
+MAX_AUTO_WORKERS = 256
 _SUFFIXES = {"": 1, "K": 2**10, "M": 2**20, "G": 2**30, "T": 2**40}
 _SIZE = re.compile(r"([0-9]+(?:\.[0-9]+)?)\s*(?:([KMGT])(?:I?B)?|B)?")
 MAX_BYTES = 2**62
@@ -195,7 +219,31 @@ class ServiceConfig(FeedOptions):
             check=checks.endpoint,
         )
     )
-    workers: int = field(default=2, metadata=option("decode worker processes", check=at_least(1)))
+    workers: WorkerCount = field(
+        default=WorkerCount(0),
+        metadata=option(
+            "decode worker processes: auto (the default: as many as the trainers' waits call for, "
+            "within the CPUs this service may use; NOTE [ Sizing workers ]) or a number, which pins it",
+            check=at_least(0),
+        ),
+    )
+    max_workers: int = field(
+        default=0,
+        metadata=option(
+            "with --workers auto, the most workers it may use (all started, the unused ones parked); "
+            f"0: {AUTO_MAX_WORKERS_PER_CORE} per core of the CPU budget (at least {MIN_AUTO_WORKERS}, "
+            f"at most {MAX_AUTO_WORKERS})",
+            check=between(0, 1024),
+        ),
+    )
+    cpu_budget: float = field(
+        default=0.0,
+        metadata=option(
+            "cores the decode workers may use together; 0: what this process's affinity and cgroup CPU "
+            "quota allow (NOTE [ CPU budget ]); less keeps cores for a trainer on the same host",
+            check=at_least(0),
+        ),
+    )
     feed: str = field(
         default="train",
         metadata=option("the name trainers may select the first feed by", check=checks.feed_name),
@@ -306,7 +354,31 @@ class ServiceConfig(FeedOptions):
 
     @property
     def pool_slots(self) -> int:
-        return self.slots or 2 * self.workers + 8
+        return self.slots or 2 * self.first_workers + 8
+
+    @property
+    def budget(self) -> Budget:
+        """The CPU budget (NOTE [ CPU budget ]): ``--cpu-budget``, else the host's limits."""
+        if self.cpu_budget:
+            return Budget(self.cpu_budget, f"--cpu-budget {self.cpu_budget:g}")
+        return cpu_budget()
+
+    @property
+    def worker_processes(self) -> int:
+        """Decode worker processes started: the pinned count, or the most ``auto`` may use."""
+        if self.workers:
+            return int(self.workers)
+        if self.max_workers:
+            return self.max_workers
+        cores = self.budget.cores
+        return max(MIN_AUTO_WORKERS, min(MAX_AUTO_WORKERS, math.ceil(AUTO_MAX_WORKERS_PER_CORE * cores)))
+
+    @property
+    def first_workers(self) -> int:
+        """Workers taking tasks at start: the pinned count, or one per core of the budget."""
+        if self.workers:
+            return int(self.workers)
+        return max(1, min(self.worker_processes, math.floor(self.budget.cores)))
 
     def feeds(self) -> tuple[FeedConfig, ...]:
         """Every feed this service serves; the first one is what a trainer gets by default."""
@@ -444,6 +516,8 @@ class Option:
             return float(value)
         if self.type is ByteSize:
             return _byte_size(value, where)
+        if self.type is WorkerCount:
+            return _worker_count(value, where)
         # bool is an int to isinstance, but `workers = true` is a mistake, not 1.
         if isinstance(value, self.type) and (self.type is bool or not isinstance(value, bool)):
             return value
@@ -456,6 +530,16 @@ class Option:
         except ValueError:
             raise ConfigError(f"{variable}={text!r} is not {_KIND[self.type]}") from None
         return self.typed(value, variable)
+
+
+def _worker_count(value: Any, where: str) -> WorkerCount:
+    """A TOML or flag value of ``workers``: an integer, or ``"auto"``."""
+    if isinstance(value, bool) or not isinstance(value, (int, str)):
+        raise ConfigError(f'{where} must be "auto" or a whole number')
+    try:
+        return WorkerCount(value)
+    except ValueError:
+        raise ConfigError(f'{where} must be "auto" or a whole number, not {value!r}') from None
 
 
 def _byte_size(value: Any, where: str) -> ByteSize:
@@ -486,6 +570,7 @@ _FROM_TEXT: dict[type, Callable[[str], Any]] = {
     str: str,
     Path: str,
     ByteSize: ByteSize,
+    WorkerCount: WorkerCount,
 }
 _KIND = {
     int: "an integer",
@@ -494,6 +579,7 @@ _KIND = {
     str: "text",
     Path: "a path",
     ByteSize: "a size such as 64G, 512M or 1000000",
+    WorkerCount: "auto or a whole number",
 }
 
 

@@ -48,17 +48,22 @@ class Totals:
         while len(self._samples) > 2 and now - self._samples[1][0] >= WINDOW:
             self._samples.popleft()  # keep one sample at least WINDOW old as the base
 
-    def change(self) -> tuple[float, float, float] | None:
-        """(seconds, growth of the first total, growth of the second) over the window kept."""
-        if len(self._samples) < 2:
+    def change(self, since: float | None = None) -> tuple[float, float, float] | None:
+        """(seconds, growth of the first total, growth of the second) over the window kept, or
+        from the last sample taken at or before ``since``."""
+        kept = list(self._samples)
+        if since is not None:
+            kept = kept[max(0, sum(1 for t, _, _ in kept if t <= since) - 1) :]
+        if len(kept) < 2:
             return None
-        (t0, a0, b0), (t1, a1, b1) = self._samples[0], self._samples[-1]
+        (t0, a0, b0), (t1, a1, b1) = kept[0], kept[-1]
         return (t1 - t0, a1 - a0, b1 - b0) if t1 > t0 else None
 
 
-def demand(loop: Totals) -> float:
-    """A trainer's ``(waited + computed) / computed`` over the window; 1.0 until it has reported."""
-    change = loop.change()
+def demand(loop: Totals, since: float | None = None) -> float:
+    """A trainer's ``(waited + computed) / computed`` over the window (or from ``since``); 1.0
+    until it has reported."""
+    change = loop.change(since)
     if change is None:
         return 1.0
     _, waited, computed = change

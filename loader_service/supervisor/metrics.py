@@ -30,6 +30,8 @@ which Prometheus's ``rate()`` handles as a counter reset.
     dataferry_trainer_credits{session, client, feed}           gauge
     dataferry_trainer_leased_batches{session, client, feed}    gauge
     dataferry_batch_ready_wait_seconds{feed}                   histogram (``observe_ready_wait``)
+    dataferry_decode_workers_active                            gauge   (NOTE [ Sizing workers ])
+    dataferry_cpu_budget_cores                                 gauge   (--workers auto only)
     dataferry_load                                             gauge   (busy x demand, NOTE [ Fleet load ])
     dataferry_decode_busy                                      gauge
     dataferry_demand                                           gauge
@@ -189,16 +191,28 @@ def _service_families(body: Mapping[str, Any]) -> Iterator[Metric]:
     for name, doc, key in counters:
         if (value := _num(body.get(key))) is not None:
             yield CounterMetricFamily(name, doc, value=value)
-    load = body.get("load")
-    loads = (
-        ("dataferry_load", "Decode capacity the trainers ask for, in multiples of this service's "
-         "(busy x demand; NOTE [ Fleet load ]): the autoscaling signal.", "load"),
-        ("dataferry_decode_busy", "Share of the decode workers' time on tasks, last 10 s.", "busy"),
-        ("dataferry_demand", "Largest (waited + computed) / computed of the trainers, last 10 s.",
-         "demand"),
-    )  # fmt: skip
-    for name, doc, key in loads:
-        if isinstance(load, Mapping) and (value := _num(load.get(key))) is not None:
+    yield from _gauges(body.get("sizing"), SIZING_GAUGES)
+    yield from _gauges(body.get("load"), LOAD_GAUGES)
+
+
+SIZING_GAUGES = (
+    ("dataferry_decode_workers_active", "Decode workers taking tasks (NOTE [ Sizing workers ]).", "active"),
+    ("dataferry_cpu_budget_cores", "Cores the decode workers may use (NOTE [ CPU budget ]).", "budget"),
+)
+LOAD_GAUGES = (
+    ("dataferry_load", "Decode capacity the trainers ask for, in multiples of this service's "
+     "(busy x demand; NOTE [ Fleet load ]): the autoscaling signal.", "load"),
+    ("dataferry_decode_busy", "Share of the decode workers' time on tasks, last 10 s.", "busy"),
+    ("dataferry_demand", "Largest (waited + computed) / computed of the trainers, last 10 s.", "demand"),
+)  # fmt: skip
+
+
+def _gauges(table: object, specs: tuple[tuple[str, str, str], ...]) -> Iterator[Metric]:
+    """One gauge per (name, help, key) of ``specs`` that ``table`` (a status body's mapping) gives."""
+    from prometheus_client.core import GaugeMetricFamily
+
+    for name, doc, key in specs:
+        if isinstance(table, Mapping) and (value := _num(table.get(key))) is not None:
             yield GaugeMetricFamily(name, doc, value=value)
 
 

@@ -315,8 +315,9 @@ class Scheduler:
         waited = waited_for(producer)  # asked before planning counts the batch as filling
         gen, seq, planned = producer.plan_batch()
         indices = planned.astype("<i8", copy=False)
-        # Every worker counts, even one still starting: parts go to whichever worker is idle next.
-        workers = sum(1 for _ in self._workers) if waited else 1
+        # Every worker taking tasks counts, even one still starting: parts go to whichever worker
+        # is idle next; parked ones take none (NOTE [ Sizing workers ]).
+        workers = self._workers.active if waited else 1
         ranges = plan_parts(len(indices), workers)
         split = SplitBatch(tuple(start for start, _ in ranges)) if len(ranges) > 1 else None
         records = []

@@ -56,11 +56,12 @@ from loader_service.supervisor.attachments import Attachments
 from loader_service.supervisor.curve import CurveGuard
 from loader_service.supervisor.endpoint import claim_ipc_path, ipc_path, release_ipc_path
 from loader_service.supervisor.feeds import Feed
-from loader_service.supervisor.load import WorkerTime, measure
+from loader_service.supervisor.load import WorkerTime, demand, measure
 from loader_service.supervisor.metrics import ServiceMetrics
 from loader_service.supervisor.outbox import Outbox
 from loader_service.supervisor.scheduler import Scheduler
 from loader_service.supervisor.sends import CopiedSend, send_copied
+from loader_service.supervisor.sizing import Sample, Sizer
 from loader_service.supervisor.trainers import TrainerDesk
 from loader_service.supervisor.warm import WarmCache
 from loader_service.supervisor.worker_pool import WorkerSet
@@ -101,6 +102,8 @@ class LoaderService:
         self._last_report = 0.0
         self._worker_time = WorkerTime()
         """For the load a scaler reads (NOTE [ Fleet load ])."""
+        self._sizer: Sizer | None = None
+        """``--workers auto`` (NOTE [ Sizing workers ]); None when the count is pinned."""
         self._next_housekeeping = 0.0
         self._outbox = Outbox(self._send, self._send_frames, self._attached, config.heartbeat_interval)
         self._desk = TrainerDesk(config, self.feeds, self._warm, self._attached, self._outbox, self.status)
@@ -153,7 +156,9 @@ class LoaderService:
             cfg = self.config = replace(cfg, cache_dir="", cache_size=ByteSize(0))
         for feed_id, feed_config in enumerate(cfg.feeds()):
             self.feeds.append(
-                Feed.open(feed_id, feed_config, self._runtime_dir, cfg.group, cfg.task_timeout, cfg.workers)
+                Feed.open(
+                    feed_id, feed_config, self._runtime_dir, cfg.group, cfg.task_timeout, cfg.worker_processes
+                )
             )
         self._ctx = zmq.Context()
         self._frontend = self._bind_frontend(self._ctx)
@@ -162,8 +167,11 @@ class LoaderService:
         self._backend.setsockopt(zmq.LINGER, 0)
         self._backend.bind(backend_endpoint)
         # NOTE [ Per-sample progress ]: made before any worker maps it, removed with the folder.
-        self._progress = ProgressBoard(self._runtime_dir / "progress", cfg.workers, create=True)
-        self._workers = WorkerSet(self._worker_template(backend_endpoint), cfg.workers)
+        self._progress = ProgressBoard(self._runtime_dir / "progress", cfg.worker_processes, create=True)
+        self._workers = WorkerSet(
+            self._worker_template(backend_endpoint), cfg.worker_processes, active=cfg.first_workers
+        )
+        self._sizer = self._start_sizing()
         log.info("decoder: %s", describe_decoder(cfg.decoder))
         self._outbox.sends.limit = sum(feed.segment.size for feed in self.feeds)  # NOTE [ Remote sends ]
         self._warm.update({feed.id: WarmCache(feed) for feed in self.feeds})
@@ -180,6 +188,36 @@ class LoaderService:
         for feed in self.feeds:
             self._log_ready(feed)
         systemd.ready(status.summary(self.feeds, self._attached))
+
+    def _start_sizing(self) -> Sizer | None:
+        """NOTE [ Sizing workers ]: with ``--workers auto``, a controller over the workers started."""
+        cfg = self.config
+        if cfg.workers:
+            log.info("decode workers: %d (--workers)", cfg.workers)
+            return None
+        budget = cfg.budget
+        log.info(
+            "decode workers: auto, %d started, %d taking tasks; CPU budget %.2f cores (%s)",
+            cfg.worker_processes,
+            cfg.first_workers,
+            budget.cores,
+            budget.source,
+        )
+        return Sizer(cfg.first_workers, cfg.worker_processes, budget.cores)
+
+    def _size_workers(self, now: float) -> None:
+        """About once a second: the totals the controller reads, and its decision applied."""
+        workers, sizer = self._workers, self._sizer
+        if workers is None or sizer is None:
+            return
+        images = sum(feed.counters.decoded.total for feed in self.feeds)
+        sample = Sample(now, workers.busy_seconds(now), workers.cpu_seconds(), images)
+        loops = [s.loop for s in self._attached.sessions.values()]
+        changed = sizer.tick(
+            sample, lambda since: max((demand(loop, since) for loop in loops), default=1.0), len(loops)
+        )
+        if changed is not None:
+            workers.active = changed
 
     def _start_metrics(self) -> None:
         cfg = self.config
@@ -269,7 +307,7 @@ class LoaderService:
             roi=self.config.roi,
             write_nothing=_write_nothing(),
             progress=str(self._progress.path) if self._progress else "",
-            workers=self.config.workers,
+            workers=self.config.worker_processes,
         )
 
     def shutdown(self) -> None:
@@ -401,8 +439,8 @@ class LoaderService:
             return
         self._last_report = now
         if self._workers is not None:
-            count = sum(1 for _ in self._workers)
-            self._worker_time.sample(now, self._workers.busy_seconds(now), count)
+            self._worker_time.sample(now, self._workers.busy_seconds(now), self._workers.active)
+            self._size_workers(now)
         systemd.status(status.summary(self.feeds, self._attached))
         if self._metrics is not None:
             self._metrics.update(self.status())
@@ -413,9 +451,18 @@ class LoaderService:
         self._outbox.sends.settle()
         sending = self._outbox.sends.held + self._outbox.sends.orphaned  # NOTE [ Remote sends ]
         load = measure(self._worker_time, (s.loop for s in self._attached.sessions.values()))
-        return status.snapshot(
+        body = status.snapshot(
             self.feeds, self._attached, self._workers, self._started_at, rejected, sending, load
         )
+        body["sizing"] = self._sizing_status()
+        return body
+
+    def _sizing_status(self) -> dict[str, object]:
+        """NOTE [ Sizing workers ]: workers taking tasks and started, and why, for status and metrics."""
+        if self._sizer is not None:
+            return {"mode": "auto", **self._sizer.status(time.monotonic())}
+        count = 0 if self._workers is None else self._workers.active
+        return {"mode": "pinned", "active": count, "started": count}
 
 
 def _write_nothing() -> bool:

@@ -10,9 +10,11 @@ from __future__ import annotations
 import logging
 import multiprocessing
 import multiprocessing.process
+import os
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field, replace
+from pathlib import Path
 
 from loader_service.decode.worker import WORKER_BOOT_ERROR, WorkerConfig, run_worker
 from loader_service.supervisor.rates import RateMeter
@@ -24,6 +26,7 @@ MAX_BOOT_FAILURES = 5
 LOST_AFTER = 5.0
 """Seconds a worker may take to exit after SIGKILL before it is given up for lost (NOTE [ Stuck workers ])."""
 Spawner = Callable[[WorkerConfig], multiprocessing.process.BaseProcess]
+_CLOCK_TICKS = os.sysconf("SC_CLK_TCK")
 
 
 @dataclass
@@ -75,10 +78,16 @@ class WorkerSet:
     its behalf when it wakes.
     """
 
-    def __init__(self, template: WorkerConfig, count: int, spawn: Spawner | None = None) -> None:
+    def __init__(
+        self, template: WorkerConfig, count: int, spawn: Spawner | None = None, active: int | None = None
+    ) -> None:
         self._template = template
         self._start_process = spawn or _spawn_process
         self._handles = {i: self._spawn(i) for i in range(count)}
+        self.count = count
+        self.active = count if active is None else max(1, min(count, active))
+        """NOTE [ Sizing workers ]: workers ``0 .. active - 1`` take tasks; the others are started
+        and parked, so a change takes effect at the next task, not after a spawn and an import."""
         self._lost: list[WorkerHandle] = []
         """Killed workers that would not exit, watched until they do."""
         self._restart_at: dict[int, float] = {}
@@ -103,7 +112,13 @@ class WorkerSet:
         return self._handles.get(worker)
 
     def idle(self) -> list[WorkerHandle]:
-        return [h for h in self._handles.values() if h.idle]
+        """Workers that may take a task now: ready, without one, and not parked."""
+        return [h for h in self._handles.values() if h.idle and h.worker < self.active]
+
+    def cpu_seconds(self) -> float:
+        """CPU time the live workers have used (NOTE [ Sizing workers ]); a worker that is gone
+        takes its share with it, so callers read differences over a short window."""
+        return sum(_process_cpu(h.process.pid) for h in self._handles.values())
 
     def busy_seconds(self, now: float) -> float:
         """Seconds every worker there has been spent on tasks (NOTE [ Fleet load ])."""
@@ -214,3 +229,15 @@ def _spawn_process(cfg: WorkerConfig) -> multiprocessing.process.BaseProcess:
     )
     process.start()
     return process
+
+
+def _process_cpu(pid: int | None) -> float:
+    """User and system CPU seconds of a process, 0.0 if it is gone or unreadable."""
+    if pid is None:
+        return 0.0
+    try:
+        raw = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return 0.0
+    fields = raw.rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / _CLOCK_TICKS

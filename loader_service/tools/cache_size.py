@@ -214,9 +214,9 @@ def dry_run(config: ServiceConfig) -> int:
         found = estimate(
             index, config.max_file_bytes, progress=print_progress(feed.name), storage=feed.storage
         )
-        for line in describe(feed.name, kind, found, row_bytes, config.workers):
+        for line in describe(feed.name, kind, found, row_bytes, config.worker_processes):
             print(line)
         if feed.cache_memory:
-            share = share_held(feed.cache_memory, kind, found, row_bytes, config.workers)
+            share = share_held(feed.cache_memory, kind, found, row_bytes, config.worker_processes)
             print(f"  configured: --cache-memory {_gib(feed.cache_memory)}, about {share:.0%} of the samples")
     return 0

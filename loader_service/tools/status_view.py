@@ -121,8 +121,26 @@ def _summary(body: Mapping[str, Any]) -> str:
         f"loader-service up {_duration(body.get('uptime'))}: {_cell(attached)} trainer(s) attached, "
         f"{_cell(workers)} decode worker(s), {_cell(body.get('worker_restarts'))} worker restart(s), "
         f"{_cell(body.get('rejected_messages'))} rejected message(s)"
-        f"{_load_line(body.get('load'))}"
+        f"{_sizing_line(body.get('sizing'))}{_load_line(body.get('load'))}"
     )
+
+
+def _sizing_line(sizing: object) -> str:
+    """NOTE [ Sizing workers ]: workers taking tasks of those started, and the last decision."""
+    if not isinstance(sizing, Mapping):
+        return ""
+    line = f"\nworkers: {_cell(sizing.get('active'))} of {_cell(sizing.get('started'))} taking tasks"
+    if sizing.get("mode") != "auto":
+        return line + " (--workers)"
+    line += f" (auto, CPU budget {_cell(sizing.get('budget'))} cores)"
+    decisions = sizing.get("decisions")
+    last = decisions[-1] if isinstance(decisions, list) and decisions else None
+    if isinstance(last, Mapping):
+        line += (
+            f"; {_cell(last.get('from'))} -> {_cell(last.get('to'))} "
+            f"{_duration(last.get('seconds_ago'))} ago: {last.get('reason')}"
+        )
+    return line
 
 
 def _load_line(load: object) -> str:

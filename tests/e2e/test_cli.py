@@ -106,7 +106,7 @@ def test_config_file_with_flag_override(photos: Path, tmp_path: Path) -> None:
 @pytest.mark.parametrize(
     ("flags", "message"),
     [
-        (["--workers", "0"], "workers must be at least 1"),
+        (["--workers", "-1"], "workers must be at least 0"),
         (["--augment", "train", "--image-size", "3"], "image_size"),
         (["--config", "/nonexistent.toml"], "cannot read config file"),
     ],

@@ -14,7 +14,7 @@ from loader_service.config import (
     ServiceConfig,
     load_config,
 )
-from loader_service.config.options import ByteSize, parse_bytes
+from loader_service.config.options import ByteSize, WorkerCount, parse_bytes
 from loader_service.tools.cli import build_parser
 
 
@@ -32,8 +32,8 @@ def test_file_then_flags_precedence(tmp_path: Path) -> None:
     ("text", "message"),
     [
         ("batch_sise = 3\n", "unknown keys.*batch_sise"),
-        ('workers = "two"\n', "'workers' has the wrong type"),
-        ("workers = true\n", "'workers' has the wrong type"),
+        ('workers = "two"\n', "'workers' must be \"auto\" or a whole number"),
+        ("workers = true\n", "'workers' must be \"auto\" or a whole number"),
         ("data = [\n", "cannot read config file"),
     ],
 )
@@ -51,7 +51,8 @@ def test_bad_files_name_the_problem(tmp_path: Path, text: str, message: str) -> 
         ({"data": "DATA", "endpoint": "http://x"}, "endpoint must be"),
         ({"data": "DATA", "endpoint": "ipc:///" + "x" * 120}, "1 to 107 bytes"),
         ({"data": "DATA", "endpoint": "ipc:///no/such/dir/s.sock"}, "does not exist"),
-        ({"data": "DATA", "endpoint": "tcp://h:1", "workers": 0}, "workers"),
+        ({"data": "DATA", "endpoint": "tcp://h:1", "workers": -1}, "workers"),
+        ({"data": "DATA", "endpoint": "tcp://h:1", "cpu_budget": -1.0}, "cpu_budget"),
         ({"data": "DATA", "endpoint": "tcp://h:1", "augment": "fancy"}, "augment"),
         ({"data": "DATA", "endpoint": "tcp://h:1", "image_size": 4}, "image_size"),
         ({"data": "DATA/nope", "endpoint": "tcp://h:1"}, "does not exist"),
@@ -104,7 +105,8 @@ def base_env(tmp_path: Path) -> dict[str, str]:
 @pytest.mark.parametrize(
     ("variable", "text", "field", "value"),
     [
-        ("DATAFERRY_WORKERS", "8", "workers", 8),
+        ("DATAFERRY_WORKERS", "8", "workers", WorkerCount(8)),
+        ("DATAFERRY_WORKERS", "auto", "workers", WorkerCount(0)),
         ("DATAFERRY_BATCH_SIZE", " 16 ", "batch_size", 16),
         ("DATAFERRY_LAG_TIMEOUT", "2.5", "lag_timeout", 2.5),
         ("DATAFERRY_TASK_TIMEOUT", "60", "task_timeout", 60.0),
@@ -132,7 +134,7 @@ def test_environment_values_are_read_as_the_option_type(
         ("DATAFERRY_CLIENT_TIMEOUT", "soon"),
         ("DATAFERRY_STRICT", "maybe"),
         ("DATAFERRY_DATA", ""),
-        ("DATAFERRY_WORKERS", "0"),  # well typed, refused by the check: still says who set it
+        ("DATAFERRY_WORKERS", "-1"),  # well typed, refused by the check: still says who set it
         ("DATAFERRY_AUGMENT", "fancy"),
         ("DATAFERRY_LAG_TIMEOUT", "inf"),
     ],
@@ -144,13 +146,13 @@ def test_bad_environment_values_name_the_variable(tmp_path: Path, variable: str,
 
 def test_other_dataferry_variables_are_not_options(tmp_path: Path) -> None:
     environ = {**base_env(tmp_path), "DATAFERRY_INJECT_FAULT": "main-loop", "DATAFERRY_NO_SUCH": "x"}
-    assert load_config(None, {}, environ=environ).workers == 2
+    assert load_config(None, {}, environ=environ).workers == 0  # auto
 
 
 @pytest.mark.parametrize(
     ("in_file", "in_env", "flag", "expected"),
     [
-        (False, False, None, 2),
+        (False, False, None, 0),
         (True, False, None, 3),
         (True, True, None, 5),
         (False, True, None, 5),
@@ -170,10 +172,10 @@ def test_precedence_is_defaults_file_environment_flags(
 
 def test_errors_say_which_layer_set_the_bad_value(tmp_path: Path) -> None:
     cfg_file = tmp_path / "svc.toml"
-    cfg_file.write_text(f'data = "{tmp_path}"\nendpoint = "ipc:///tmp/feed.sock"\nworkers = 0\n')
-    with pytest.raises(ConfigError, match=r"workers must be at least 1 \(set by .*svc.toml\)"):
+    cfg_file.write_text(f'data = "{tmp_path}"\nendpoint = "ipc:///tmp/feed.sock"\nworkers = -2\n')
+    with pytest.raises(ConfigError, match=r"workers must be at least 0 \(set by .*svc.toml\)"):
         load_config(cfg_file, {}, environ={})
-    with pytest.raises(ConfigError, match=r"workers must be at least 1 \(set by --workers\)"):
+    with pytest.raises(ConfigError, match=r"workers must be at least 0 \(set by --workers\)"):
         load_config(cfg_file, {"workers": -1}, environ={"DATAFERRY_WORKERS": "4"})
 
 
@@ -190,6 +192,7 @@ def sample_flag(opt: Option) -> tuple[list[str], object]:
         Path: (["some/dir"], Path("some/dir")),
         bool: ([], True),
         ByteSize: (["3G"], 3 * 2**30),
+        WorkerCount: (["auto"], 0),
     }
     return samples[opt.type]
 

@@ -49,7 +49,7 @@ def test_example_config_is_accepted_by_the_service(tmp_path: Path) -> None:
     config = load_config(
         DEPLOY / "train.toml", {"data": tmp_path / "data", "endpoint": f"ipc://{tmp_path}/train.sock"}
     )
-    assert config.workers == 8 and config.batch_size == 64
+    assert config.workers == 0 and config.batch_size == 64, "workers: auto, sized by the service"
 
 
 def test_secrets_go_where_only_root_reads_them_not_in_the_trainers_toml() -> None:

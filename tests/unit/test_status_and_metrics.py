@@ -74,6 +74,13 @@ SAMPLE_BODY: dict[str, Any] = {
         }
     ],
     "load": {"load": 1.35, "busy": 0.9, "demand": 1.5},
+    "sizing": {
+        "mode": "auto",
+        "active": 6,
+        "started": 16,
+        "budget": 4.0,
+        "decisions": [{"seconds_ago": 3.2, "from": 4, "to": 6, "reason": "trainers wait: ..."}],
+    },
 }
 
 
@@ -108,6 +115,10 @@ def test_render_shows_what_an_operator_looks_for() -> None:
     assert table_row(text, "TRAINER")[-4:] == ["CREDITS", "LAG", "DEMAND", "IDLE"]
     assert table_row(text, "ab12") == cells("ab12 host:123 train shard 0/1 3 100 2 6 4 1.5 0.2 s")
     assert "load 1.35 (workers busy 0.90 x trainers' demand 1.50, last 10 s)" in text
+    assert (
+        "workers: 6 of 16 taking tasks (auto, CPU budget 4.0 cores); 4 -> 6 3.2 s ago: trainers wait: ..."
+        in text
+    )
 
 
 def test_render_copes_with_older_or_partial_bodies() -> None:
@@ -212,6 +223,8 @@ def test_service_metrics_follow_the_status_body() -> None:
     assert samples[("dataferry_load", frozenset())] == 1.35  # NOTE [ Fleet load ]
     assert samples[("dataferry_decode_busy", frozenset())] == 0.9
     assert samples[("dataferry_demand", frozenset())] == 1.5
+    assert samples[("dataferry_decode_workers_active", frozenset())] == 6  # NOTE [ Sizing workers ]
+    assert samples[("dataferry_cpu_budget_cores", frozenset())] == 4.0
     assert not any(name.startswith("dataferry_decoded") for name, _ in scrape(other.registry))
 
     metrics.update({**SAMPLE_BODY, "sessions": [], "worker_restarts": 1})  # the trainer left

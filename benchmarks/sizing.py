@@ -1,0 +1,191 @@
+"""``--workers auto`` against fixed worker counts, on this machine, in the same run (issue 28).
+
+    python -m benchmarks.sizing [--quick] [--out DIR]
+
+Each part starts one service per worker setting (auto, then each fixed count) on the same data and
+seed and reads it with one trainer:
+
+* waiting: a pipeline whose per-sample cost is a 10 ms sleep (slow storage, a second read): the
+  first epoch's images/s (the controller's ramp included) and the later epochs';
+* computing: the built-in train transform, with a trainer whose own step keeps one core busy;
+* trainer-bound: the built-in train transform, with a trainer whose step (a sleep) lets it take
+  half of what the best setting of the computing part gave: images/s and the workers still
+  taking tasks at the end;
+* convergence (from the waiting part's auto run): seconds from the first batch until one second's
+  rate first reaches 95 % of the later epochs' rate.
+
+Each figure is reported against the best fixed count of the same part as a ratio; nothing here is
+compared across runs. Results go to ``sizing.json`` in ``--out`` and are printed a line each.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Iterator
+from contextlib import ExitStack, contextmanager
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from benchmarks.fleet import SAMPLE_SECONDS_ENV
+
+REPO = Path(__file__).resolve().parent.parent
+BATCH = 8
+WAIT_SECONDS = 0.01
+
+
+@dataclass(frozen=True)
+class Plan:
+    images: int
+    epochs: int
+    """Epochs timed after the first (whose figure includes the ramp)."""
+    fixed: tuple[int, ...]
+
+
+@dataclass
+class Run:
+    first_epoch: float
+    """Images/s of the first epoch, from the first ``next()``."""
+    later: float
+    """Images/s of the epochs after it."""
+    converged_s: float
+    """Seconds from the first batch until a one-second rate first reached 95 % of ``later``."""
+    active: int
+    """Workers taking tasks at the end (the status' figure)."""
+
+
+@contextmanager
+def service(data: Path, run_dir: Path, workers: str, extra: list[str], env: dict[str, str]) -> Iterator[str]:
+    """One service on an ipc endpoint; stopped on the way out."""
+    endpoint = f"ipc://{run_dir}/s{len(os.listdir(run_dir))}.sock"
+    args = ["serve", "--data", str(data), "--endpoint", endpoint, "--workers", workers]
+    args += ["--batch-size", str(BATCH), "--heartbeat-interval", "0.5", "--log-level", "WARNING", *extra]
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "loader_service", *args], cwd=REPO, env={**os.environ, **env}
+    )
+    try:
+        yield endpoint
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        try:
+            proc.wait(30)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+
+
+def burn(seconds: float) -> None:
+    """A trainer step that keeps one core busy for ``seconds``."""
+    end = time.perf_counter() + seconds
+    while time.perf_counter() < end:
+        pass
+
+
+def read(endpoint: str, plan: Plan, step: float, busy_step: bool) -> Run:
+    from gpu_worker import ServiceLoader
+    from loader_service.tools.status_view import query_status
+
+    stamps: list[tuple[float, int]] = []
+    with ServiceLoader(endpoint, connect_timeout=120, timeout=120) as loader:
+        start = time.perf_counter()
+        ends = []
+        for _ in range(1 + plan.epochs):
+            for batch in loader:
+                stamps.append((time.perf_counter(), len(batch.indices)))
+                del batch
+                if step:
+                    burn(step) if busy_step else time.sleep(step)
+            ends.append(time.perf_counter())
+        active = int(query_status(endpoint, 10)["sizing"]["active"])
+    per_epoch = sum(n for _, n in stamps) / (1 + plan.epochs)
+    first = per_epoch / (ends[0] - start)
+    later = per_epoch * plan.epochs / (ends[-1] - ends[0])
+    return Run(first, later, _converged(stamps, start, later), active)
+
+
+def _converged(stamps: list[tuple[float, int]], start: float, target: float) -> float:
+    """Seconds from ``start`` until the images of one second reach 95 % of ``target``."""
+    for i, (t, _) in enumerate(stamps):
+        window = [n for s, n in stamps[i:] if s - t <= 1.0]
+        if stamps[-1][0] - t >= 1.0 and sum(window) >= 0.95 * target:
+            return t - start
+    return float("nan")
+
+
+def part(
+    name: str, data: Path, run_dir: Path, plan: Plan, extra: list[str], env: dict[str, str], step: float,
+    busy_step: bool = False,
+) -> dict[str, Any]:  # fmt: skip
+    runs: dict[str, Run] = {}
+    for workers in ("auto", *map(str, plan.fixed)):
+        with service(data, run_dir, workers, extra, env) as endpoint:
+            runs[workers] = read(endpoint, plan, step, busy_step)
+        r = runs[workers]
+        say(
+            f"{name}, --workers {workers}: first epoch {r.first_epoch:.0f} images/s, later "
+            f"{r.later:.0f}, {r.active} workers taking tasks at the end"
+        )
+    best_fixed = max((w for w in runs if w != "auto"), key=lambda w: runs[w].later)
+    best_first = max(runs[w].first_epoch for w in runs if w != "auto")
+    auto = runs["auto"]
+    out = {
+        "runs": {w: r.__dict__ for w, r in runs.items()},
+        "best_fixed": int(best_fixed),
+        "auto_over_best_later": auto.later / runs[best_fixed].later,
+        "auto_over_best_first_epoch": auto.first_epoch / best_first,
+        "auto_converged_s": auto.converged_s,
+    }
+    say(
+        f"{name}: auto / best fixed ({best_fixed}) {out['auto_over_best_later']:.2f}x later, "
+        f"{out['auto_over_best_first_epoch']:.2f}x in the first epoch; auto at 95 % after "
+        f"{auto.converged_s:.1f} s, {auto.active} workers at the end"
+    )
+    return out
+
+
+def say(line: str) -> None:
+    print(line, flush=True)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m benchmarks.sizing", description=__doc__.split("\n\n")[0])
+    parser.add_argument("--out", default="", help="where sizing.json goes (default: a temporary folder)")
+    parser.add_argument("--quick", action="store_true", help="fewer images and epochs")
+    args = parser.parse_args(argv)
+    cores = len(os.sched_getaffinity(0))
+    fixed = tuple(sorted({1, cores, 2 * cores, 4 * cores}))
+    plan = Plan(240, 1, fixed) if args.quick else Plan(480, 3, fixed)
+    from loader_service.tools.sample_data import make_sample_dataset
+
+    results: dict[str, Any] = {"plan": plan.__dict__, "cores": cores}
+    with ExitStack() as stack:
+        work = Path(stack.enter_context(tempfile.TemporaryDirectory(prefix="dataferry-sizing-")))
+        data = work / "data"
+        make_sample_dataset(data, classes=4, per_class=plan.images // 4, seed=5)
+        run_dir = work / "run"
+        run_dir.mkdir()
+        waiting = ["--pipeline", "benchmarks.fleet:sleepy"]
+        env = {SAMPLE_SECONDS_ENV: str(WAIT_SECONDS)}
+        results["waiting"] = part("waiting", data, run_dir, plan, waiting, env, 0.0)
+        builtin = ["--image-size", "160"]
+        computing_plan = Plan(plan.images, plan.epochs, tuple(sorted({1, cores, cores + 1})))
+        results["computing"] = part("computing", data, run_dir, computing_plan, builtin, {}, 0.01, True)
+        best = max(r["later"] for r in results["computing"]["runs"].values())
+        step = 2 * BATCH / best  # the trainer takes half of what the best setting gave
+        results["trainer_bound"] = part("trainer-bound", data, run_dir, computing_plan, builtin, {}, step)
+    out = Path(args.out) if args.out else Path(tempfile.mkdtemp(prefix="dataferry-sizing-results-"))
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "sizing.json").write_text(json.dumps(results, indent=2))
+    say(f"results in {out / 'sizing.json'}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

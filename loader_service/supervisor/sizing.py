@@ -1,0 +1,199 @@
+"""How many decode workers take tasks: ``--workers auto`` (NOTE [ Sizing workers ]). Pure: the
+service feeds it totals about once a second and applies what it decides.
+
+NOTE [ Sizing workers ]
+    With ``--workers auto`` the service starts ``worker_processes`` workers (two per core of the CPU
+    budget, NOTE [ CPU budget ]) and lets ``active`` of them take tasks, one per core at first; the
+    others are parked, so a change takes effect at the next task. Over each window it measures
+    * ``demand``: the largest ``(waited + computed) / computed`` of its trainers over the window
+      (their heartbeats, NOTE [ Exposed wait ]); 1.0: nobody waited;
+    * ``busy``: the active workers' share of the window spent on tasks;
+    * ``cost``: CPU per active worker, in cores (a worker waiting on a store or on a pipeline's
+      own waits costs little, so such a feed may run more workers than cores);
+    * ``rate``: images decoded per second.
+    and decides:
+    1. Trainers wait and the workers are mostly busy (``busy >= IDLE``; a feed of short tasks
+       never looks fully busy, the round trip to the main loop between tasks counting as idle):
+       add, jumping to
+       ``ceil(active * demand)``, the count the wait calls for if each new worker adds what the
+       current ones do, at most ``JUMP`` times the count, within the CPU budget at the measured cost
+       (``active * cost <= budget``) and the workers started.
+    2. Nobody waits: never add (the trainers, not the data, are the bottleneck). Workers idle
+       (``busy < IDLE``): remove down to what the work needs at ``BUSY``.
+    3. Trainers wait but the workers idle (``busy < IDLE``): they wait for something else
+       (credits, the network, their own host): hold.
+    4. The window after an addition checks its gain: a rate that rose by less than ``GAIN`` of what
+       the new workers promised (memory bandwidth, a store's own limit, a CPU neighbour) undoes
+       the step, and the count is held for ``HOLD`` windows.
+    With no trainer attached it holds (a warm start's few batches say nothing of the next trainer).
+    A window is ``SHORT`` seconds after a change or while trainers wait, and ``LONG`` once the
+    count has settled and nobody waits, so it moves fast when it must and is quiet otherwise. In a
+    fleet each service sizes itself on its own trainers' waits and its own workers, while the
+    trainers' dispatcher shares batches by measured pace: a service that adds workers delivers
+    faster and is given more, which is what it added them for; the undo rule stops a service that
+    gains nothing from chasing a dispatcher's shift.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+from collections import deque
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+log = logging.getLogger(__name__)
+
+BUSY = 0.85
+IDLE = 0.6
+WAITING = 1.1
+"""Demand above which trainers count as waiting: a tenth of their time blocked on data."""
+JUMP = 4.0
+GAIN = 0.5
+HOLD = 3
+SHORT = 2.0
+LONG = 10.0
+MIN_COST = 0.05
+"""Cores a worker is taken to cost at least: a worker that seems free is never free."""
+DECISIONS = 8
+"""Decisions kept for ``status``."""
+
+
+@dataclass(frozen=True)
+class Sample:
+    """Running totals at one moment."""
+
+    at: float
+    on_tasks: float
+    """Seconds the workers have spent on tasks."""
+    cpu: float
+    """CPU seconds the workers have used."""
+    images: int
+    """Images decoded."""
+
+
+@dataclass(frozen=True)
+class Window:
+    seconds: float
+    busy: float
+    cost: float
+    rate: float
+    demand: float
+
+    def describe(self) -> str:
+        return (
+            f"trainers' demand {self.demand:.2f}, workers busy {self.busy:.0%}, "
+            f"{self.cost:.2f} cores each, {self.rate:.0f} images/s"
+        )
+
+
+@dataclass(frozen=True)
+class Decision:
+    at: float
+    before: int
+    after: int
+    reason: str
+
+
+@dataclass
+class Sizer:
+    """Decides ``active`` (NOTE [ Sizing workers ]); ``tick`` returns a new count or None."""
+
+    active: int
+    most: int
+    """Workers started: the most that can be active."""
+    budget: float
+    """Cores the workers may use together (NOTE [ CPU budget ])."""
+    decisions: deque[Decision] = field(default_factory=lambda: deque(maxlen=DECISIONS))
+    _base: Sample | None = None
+    _window: float = SHORT
+    _added: tuple[int, float] | None = None
+    """After an addition: (count before it, rate before it), checked by the next window."""
+    _hold: int = 0
+    last: Window | None = None
+
+    def tick(self, sample: Sample, demand_since: Callable[[float], float], trainers: int = 1) -> int | None:
+        """Take the totals now; ``demand_since(t)`` is the trainers' largest demand from ``t`` on.
+        A new count, or None."""
+        base = self._base
+        if base is None or sample.at - base.at < SHORT:
+            self._base = base or sample
+            return None
+        demand = demand_since(base.at)
+        if sample.at - base.at < self._window and demand <= WAITING:
+            return None  # settled and nobody waits: the long window runs on
+        self._base = sample
+        window = _measure(base, sample, self.active, demand)
+        self.last = window
+        after, reason = self._decide(window) if trainers else (self.active, "no trainer attached")
+        if after == self.active:
+            self._window = LONG
+            return None
+        self.decisions.append(Decision(sample.at, self.active, after, reason))
+        log.info("decode workers %d -> %d: %s", self.active, after, reason)
+        self.active, self._window = after, SHORT
+        return after
+
+    def _decide(self, w: Window) -> tuple[int, str]:
+        if self._added is not None:
+            undone = self._check_gain(w)
+            if undone is not None:
+                return undone
+        if self._hold:
+            self._hold -= 1
+            return self.active, "holding"
+        if w.demand > WAITING and w.busy >= IDLE:
+            return self._add(w)
+        if w.demand <= WAITING and w.busy < IDLE:
+            need = max(1, math.ceil(self.active * w.busy / BUSY))
+            return need, f"no trainer waits and the workers idle: {w.describe()}"
+        return self.active, "steady"
+
+    def _add(self, w: Window) -> tuple[int, str]:
+        wanted = math.ceil(self.active * min(w.demand, JUMP))
+        affordable = math.floor(self.budget / max(w.cost, MIN_COST) + 1e-9)
+        after = max(self.active, min(wanted, affordable, self.most))
+        if after == self.active:
+            return self.active, "at the CPU budget or the workers started"
+        self._added = (self.active, w.rate)
+        return after, f"trainers wait: {w.describe()}"
+
+    def _check_gain(self, w: Window) -> tuple[int, str] | None:
+        """The window after an addition: undo it if it gained too little."""
+        assert self._added is not None
+        before, rate = self._added
+        self._added = None
+        promised = rate / before * (self.active - before) if before else 0.0
+        if promised <= 0 or w.rate - rate >= GAIN * promised:
+            return None
+        self._hold = HOLD
+        gained = f"{w.rate - rate:+.0f} images/s of {promised:.0f} expected"
+        return before, f"the last step gained little ({gained}): undone"
+
+    def status(self, now: float) -> dict[str, object]:
+        w = self.last
+        return {
+            "active": self.active,
+            "started": self.most,
+            "budget": round(self.budget, 2),
+            "window": None if w is None else {
+                "busy": round(w.busy, 3), "cost": round(w.cost, 3), "rate": round(w.rate, 1),
+                "demand": round(w.demand, 3),
+            },
+            "decisions": [
+                {"seconds_ago": round(now - d.at, 1), "from": d.before, "to": d.after, "reason": d.reason}
+                for d in self.decisions
+            ],
+        }  # fmt: skip
+
+
+def _measure(base: Sample, now: Sample, active: int, demand: float) -> Window:
+    seconds = now.at - base.at
+    capacity = seconds * active
+    return Window(
+        seconds,
+        busy=min(1.0, max(0.0, (now.on_tasks - base.on_tasks) / capacity)),
+        cost=max(0.0, (now.cpu - base.cpu) / capacity),
+        rate=max(0.0, (now.images - base.images) / seconds),
+        demand=demand,
+    )

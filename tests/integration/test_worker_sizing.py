@@ -1,0 +1,177 @@
+"""``--workers auto`` with real processes (NOTE [ Sizing workers ], NOTE [ CPU budget ]): the count
+the controller reaches for a feed that waits and one that computes, its retreat when the trainer
+stops waiting, the budget under a real affinity mask and a real cgroup quota, and workers killed
+while parked or active."""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import signal
+import textwrap
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from gpu_worker import ServiceLoader
+from loader_service.tools.status_view import query_status
+from tests.helpers import ServiceFactory, ServiceProcess
+
+pytestmark = pytest.mark.integration
+CPUS = len(os.sched_getaffinity(0))
+WAITING_PIPELINE = """
+import time
+
+import numpy as np
+
+
+def make(sample, rng):
+    time.sleep(0.01)  # a second read, a remote lookup: the worker waits, it does not compute
+    return {"image": np.zeros((3, 8, 8), np.uint8), "label": np.int64(sample["label"])}
+"""
+
+
+def sizing(service: ServiceProcess) -> dict[str, Any]:
+    body = query_status(service.endpoint, 10)
+    assert isinstance(body["sizing"], dict)
+    return body["sizing"]
+
+
+def train(loader: ServiceLoader, seconds: float, step: float = 0.0) -> list[int]:
+    """Pull batches for ``seconds``, each step taking ``step``; the indices of the epochs finished."""
+    end, seen = time.monotonic() + seconds, []
+    while time.monotonic() < end:
+        epoch = []
+        for batch in loader:
+            epoch += batch.indices.tolist()
+            if step:
+                time.sleep(step)  # the trainer's own step: it computes, it does not wait
+        seen.append(sorted(epoch))
+    return [i for epoch in seen for i in epoch]
+
+
+def auto(start_service: ServiceFactory, photos: Path, **flags: object) -> ServiceProcess:
+    return start_service(photos, workers="auto", heartbeat_interval=0.25, batch_size=4, **flags)
+
+
+def test_a_feed_whose_workers_wait_gets_more_workers_than_cores(
+    photos: Path, start_service: ServiceFactory, tmp_path: Path
+) -> None:
+    pipeline = tmp_path / "waiting.py"
+    pipeline.write_text(textwrap.dedent(WAITING_PIPELINE))
+    service = auto(start_service, photos, pipeline=f"{pipeline}:make")
+    first = sizing(service)
+    assert first["mode"] == "auto" and first["active"] == max(1, int(first["budget"]))
+    with ServiceLoader(service.endpoint, timeout=30, credits=16) as loader:
+        train(loader, 8.0)
+        now = sizing(service)
+    assert now["active"] > now["budget"] >= 1, f"more workers than cores: {now}"
+    assert any("trainers wait" in d["reason"] for d in now["decisions"]), now
+    service.wait_for(r"decode workers \d+ -> \d+: trainers wait")
+
+
+def test_a_feed_that_computes_stays_in_the_budget_and_backs_off_when_the_trainer_stops_waiting(
+    photos: Path, start_service: ServiceFactory
+) -> None:
+    service = auto(start_service, photos, image_size=128)
+    with ServiceLoader(service.endpoint, timeout=30) as loader:
+        train(loader, 5.0)
+        busy = sizing(service)
+        assert busy["active"] <= max(1, round(busy["budget"])), f"a core per worker at most: {busy}"
+        train(loader, 14.0, step=0.3)  # now the trainer is the bottleneck
+        idle = sizing(service)
+    if CPUS < 2:
+        pytest.skip("one CPU: one worker from the start, nothing to back off from")
+    assert busy["active"] == int(busy["budget"]) >= 2, f"a worker per core while the trainer waits: {busy}"
+    assert idle["active"] == 1, f"one once nobody waits: {idle}"
+    assert any("no trainer waits" in d["reason"] for d in idle["decisions"]), idle
+
+
+@contextlib.contextmanager
+def affinity(cpus: set[int]) -> Iterator[None]:
+    """This process (and what it starts meanwhile) on ``cpus`` only."""
+    before = os.sched_getaffinity(0)
+    os.sched_setaffinity(0, cpus)
+    try:
+        yield
+    finally:
+        os.sched_setaffinity(0, before)
+
+
+CGROUP_V1 = Path("/sys/fs/cgroup/cpu")
+
+
+@contextlib.contextmanager
+def cpu_quota(cores: float) -> Iterator[None]:
+    """This process (and what it starts meanwhile) in a new cgroup v1 with a CPU quota; moved back
+    after, the cgroup removed once empty."""
+    if not os.access(CGROUP_V1 / "cgroup.procs", os.W_OK):
+        pytest.skip("no writable cgroup v1 cpu controller here")
+    group = CGROUP_V1 / f"dataferry-test-{os.getpid()}"
+    group.mkdir()
+    try:
+        (group / "cpu.cfs_period_us").write_text("100000")
+        (group / "cpu.cfs_quota_us").write_text(str(int(cores * 100000)))
+        (group / "cgroup.procs").write_text(str(os.getpid()))
+        try:
+            yield
+        finally:
+            (CGROUP_V1 / "cgroup.procs").write_text(str(os.getpid()))
+    finally:
+        remove_when_empty(group)
+
+
+def remove_when_empty(group: Path) -> None:
+    for _ in range(100):  # the service's processes leave it as they exit
+        with contextlib.suppress(OSError):
+            group.rmdir()
+            return
+        time.sleep(0.05)
+
+
+def test_the_budget_is_the_affinity_mask_the_service_runs_under(
+    photos: Path, start_service: ServiceFactory
+) -> None:
+    with affinity({min(os.sched_getaffinity(0))}):
+        service = auto(start_service, photos)
+    line = service.wait_for(r"CPU budget ([\d.]+) cores \(([^)]*)").group(0)
+    got = sizing(service)
+    assert got["budget"] == 1.0 and got["active"] == 1 and got["started"] == 4, (line, got)
+    with ServiceLoader(service.endpoint, timeout=30) as loader:
+        train(loader, 5.0)
+    assert sizing(service)["active"] == 1, "one core: one worker of a core, however long it waits"
+
+
+def test_the_budget_is_the_cgroup_quota_the_service_runs_under(
+    photos: Path, start_service: ServiceFactory
+) -> None:
+    with cpu_quota(1.5):
+        service = auto(start_service, photos)
+        service.wait_for(r"CPU budget 1\.50 cores \(cgroup v1")
+        got = sizing(service)
+        service.stop()
+    assert got["budget"] == 1.5 and got["active"] == 1 and got["started"] == 6, got
+
+
+def test_a_worker_killed_while_parked_or_active_costs_nothing(
+    photos: Path, start_service: ServiceFactory
+) -> None:
+    service = auto(start_service, photos)
+    with ServiceLoader(service.endpoint, timeout=30) as loader:
+        seen: list[int] = []
+        for i, batch in enumerate(loader):
+            seen += batch.indices.tolist()
+            if i == 2:
+                body = query_status(service.endpoint, 10)
+                active = body["sizing"]["active"]
+                workers = body["worker_list"]
+                os.kill(workers[-1]["pid"], signal.SIGKILL)  # parked: its index is past the active ones
+                os.kill(workers[0]["pid"], signal.SIGKILL)  # taking tasks
+                assert workers[-1]["worker"] >= active
+        again = loader.stats()
+    assert sorted(seen) == list(range(90)), "every image once"
+    assert again["reassigned"] == 0
+    service.wait_for(r"started decode worker 0 ", count=2)

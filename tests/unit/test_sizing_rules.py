@@ -1,0 +1,163 @@
+"""NOTE [ Sizing workers ] and NOTE [ CPU budget ]: the controller's decisions, and the budget read
+from affinity and cgroup files (a folder standing for ``/``)."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+
+from loader_service.config.cpus import cpu_budget
+from loader_service.config.options import ConfigError, WorkerCount
+from loader_service.supervisor.sizing import HOLD, LONG, SHORT, Sample, Sizer
+
+CPUS = len(os.sched_getaffinity(0))
+
+
+class Feed:
+    """Totals as a service's workers would make them: ``run(seconds, busy, cost, rate)`` advances
+    them as ``active`` workers with that share of time on tasks, CPU each and images/s would."""
+
+    def __init__(self, sizer: Sizer) -> None:
+        self.sizer = sizer
+        self.now, self.on_tasks, self.cpu, self.images = 0.0, 0.0, 0.0, 0
+        self.sizer.tick(self.sample(), lambda since: 1.0)
+
+    def sample(self) -> Sample:
+        return Sample(self.now, self.on_tasks, self.cpu, self.images)
+
+    def run(self, busy: float, cost: float, rate: float, demand: float, seconds: float = SHORT) -> int | None:
+        active = self.sizer.active
+        self.now += seconds
+        self.on_tasks += busy * active * seconds
+        self.cpu += cost * active * seconds
+        self.images += int(rate * seconds)
+        return self.sizer.tick(self.sample(), lambda since: demand)
+
+
+def test_trainers_that_wait_on_workers_that_wait_get_more_workers_than_cores() -> None:
+    """A feed whose workers wait (a store, a pipeline's sleep): cheap workers, added past the cores."""
+    feed = Feed(Sizer(active=2, most=16, budget=2.0))
+    assert feed.run(busy=1.0, cost=0.1, rate=200, demand=3.0) == 6, "jump to what the wait calls for"
+    assert feed.run(busy=1.0, cost=0.1, rate=600, demand=2.0) == 12
+    assert "trainers wait" in feed.sizer.decisions[-1].reason
+
+
+def test_cpu_bound_workers_stop_at_the_budget() -> None:
+    feed = Feed(Sizer(active=2, most=8, budget=2.0))
+    assert feed.run(busy=1.0, cost=0.98, rate=1700, demand=10.0) is None
+    assert feed.sizer.active == 2, "two workers of a core each already use the 2-core budget"
+    feed = Feed(Sizer(active=1, most=8, budget=1.5))
+    assert feed.run(busy=1.0, cost=0.5, rate=500, demand=10.0) == 3, "1.5 cores at half a core each"
+
+
+def test_nobody_waiting_never_adds_and_idle_workers_go() -> None:
+    feed = Feed(Sizer(active=4, most=8, budget=8.0))
+    assert feed.run(busy=1.0, cost=1.0, rate=1000, demand=1.0) is None, (
+        "busy, but the trainer is the bottleneck"
+    )
+    assert feed.run(busy=0.3, cost=0.3, rate=300, demand=1.0, seconds=LONG) == 2, "ceil(4 x 0.3 / 0.85)"
+    assert feed.run(busy=0.05, cost=0.05, rate=10, demand=1.0, seconds=LONG) == 1, "never below one"
+
+
+def test_waiting_for_something_else_holds() -> None:
+    """Trainers wait while workers idle: credits, the network or the trainer's host, not decoding."""
+    feed = Feed(Sizer(active=4, most=8, budget=8.0))
+    assert feed.run(busy=0.4, cost=0.4, rate=400, demand=3.0) is None
+    assert feed.run(busy=0.7, cost=0.4, rate=400, demand=3.0) == 8, "mostly busy: the workers it is"
+
+
+def test_a_step_that_gains_little_is_undone_and_held() -> None:
+    feed = Feed(Sizer(active=2, most=16, budget=16.0))
+    assert feed.run(busy=1.0, cost=0.5, rate=400, demand=4.0) == 8
+    # six more workers promised 1200 images/s more; they gave 100 (memory bandwidth, say)
+    assert feed.run(busy=1.0, cost=0.5, rate=500, demand=4.0) == 2
+    assert "gained little" in feed.sizer.decisions[-1].reason
+    for _ in range(HOLD):
+        assert feed.run(busy=1.0, cost=0.5, rate=400, demand=4.0) is None, "held"
+    assert feed.run(busy=1.0, cost=0.5, rate=400, demand=4.0) == 8, "tried again after the hold"
+
+
+def test_a_step_that_gains_what_it_promised_stays() -> None:
+    feed = Feed(Sizer(active=2, most=16, budget=16.0))
+    assert feed.run(busy=1.0, cost=0.5, rate=400, demand=2.0) == 4
+    assert feed.run(busy=1.0, cost=0.5, rate=790, demand=1.0) is None and feed.sizer.active == 4
+
+
+def test_no_trainer_no_change_and_no_decision_before_a_window() -> None:
+    sizer = Sizer(active=2, most=8, budget=2.0)
+    feed = Feed(sizer)
+    assert sizer.tick(Sample(SHORT / 2, 0, 0, 0), lambda since: 10.0) is None, "too soon to tell"
+    feed.now = SHORT / 2
+    assert sizer.tick(Sample(2 * SHORT, 0, 0, 0), lambda since: 1.0, trainers=0) is None
+    assert sizer.active == 2 and not sizer.decisions
+
+
+# --- the budget ------------------------------------------------------------------------------------
+
+
+def fake_root(tmp_path: Path, files: dict[str, str]) -> Path:
+    for name, text in files.items():
+        path = tmp_path / name
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(text)
+    return tmp_path
+
+
+@pytest.mark.parametrize(
+    ("files", "cores"),
+    [
+        ({}, CPUS),  # no cgroups: the affinity alone
+        ({"proc/self/cgroup": "0::/\n", "sys/fs/cgroup/cpu.max": "max 100000\n"}, CPUS),
+        ({"proc/self/cgroup": "0::/\n", "sys/fs/cgroup/cpu.max": "150000 100000\n"}, 1.5),
+        (  # a container's own limit under a pod's tighter one: the tighter holds
+            {
+                "proc/self/cgroup": "0::/kubepods/pod1/ctr\n",
+                "sys/fs/cgroup/kubepods/pod1/ctr/cpu.max": "max 100000\n",
+                "sys/fs/cgroup/kubepods/pod1/cpu.max": "50000 100000\n",
+            },
+            0.5,
+        ),
+        (
+            {
+                "proc/self/cgroup": "4:memory:/x\n2:cpu,cpuacct:/system.slice/dataferry.service\n",
+                "sys/fs/cgroup/cpu,cpuacct/system.slice/dataferry.service/cpu.cfs_quota_us": "75000\n",
+                "sys/fs/cgroup/cpu,cpuacct/system.slice/dataferry.service/cpu.cfs_period_us": "100000\n",
+            },
+            0.75,
+        ),
+        (  # v1 in a container: its cgroup is the mount's root
+            {
+                "proc/self/cgroup": "2:cpu,cpuacct:/docker/abc\n",
+                "sys/fs/cgroup/cpu,cpuacct/cpu.cfs_quota_us": "-1\n",
+                "sys/fs/cgroup/cpu,cpuacct/cpu.cfs_period_us": "100000\n",
+            },
+            CPUS,
+        ),
+        ({"proc/self/cgroup": "0::/\n", "sys/fs/cgroup/cpu.max": "garbage\n"}, CPUS),
+    ],
+)
+def test_the_budget_is_the_tightest_of_affinity_and_cgroup_quotas(
+    tmp_path: Path, files: dict[str, str], cores: float
+) -> None:
+    assert cpu_budget(fake_root(tmp_path, files)).cores == min(cores, CPUS)
+
+
+def test_the_budget_says_where_it_came_from(tmp_path: Path) -> None:
+    root = fake_root(tmp_path, {"proc/self/cgroup": "0::/\n", "sys/fs/cgroup/cpu.max": "50000 100000\n"})
+    assert "cpu.max" in cpu_budget(root).source
+    assert "affinity" in cpu_budget(tmp_path / "nothing").source
+
+
+@pytest.mark.parametrize(("text", "count"), [("auto", 0), (" Auto ", 0), ("8", 8), ("0", 0)])
+def test_workers_is_auto_or_a_number(text: str, count: int) -> None:
+    assert WorkerCount(text) == count
+    assert str(WorkerCount(text)) == ("auto" if count == 0 else str(count))
+
+
+def test_workers_that_is_neither_is_refused() -> None:
+    from loader_service.config.options import OPTIONS
+
+    with pytest.raises(ConfigError, match="auto"):
+        OPTIONS["workers"].parse("many", "DATAFERRY_WORKERS")
