@@ -14,6 +14,9 @@ seed and reads it with one trainer:
 * convergence (from the waiting part's auto run): seconds from the first batch until one second's
   rate first reaches 95 % of the later epochs' rate.
 
+The trainer attaches once every worker the service started is ready, as it does to a service that
+runs for days: its first epoch includes the controller's ramp, not the workers' boot.
+
 Each figure is reported against the best fixed count of the same part as a ratio; nothing here is
 compared across runs. Results go to ``sizing.json`` in ``--out`` and are printed a line each.
 """
@@ -93,6 +96,7 @@ def read(endpoint: str, plan: Plan, step: float, busy_step: bool) -> Run:
     from loader_service.tools.status_view import query_status
 
     stamps: list[tuple[float, int]] = []
+    wait_booted(endpoint)
     with ServiceLoader(endpoint, connect_timeout=120, timeout=120) as loader:
         start = time.perf_counter()
         ends = []
@@ -108,6 +112,25 @@ def read(endpoint: str, plan: Plan, step: float, busy_step: bool) -> Run:
     first = per_epoch / (ends[0] - start)
     later = per_epoch * plan.epochs / (ends[-1] - ends[0])
     return Run(first, later, _converged(stamps, start, later), active)
+
+
+def wait_booted(endpoint: str, timeout: float = 120.0) -> None:
+    """Until every worker the service started (parked ones too) is ready and nothing is decoding:
+    a service runs long before its trainers, so their first epoch should not pay its boot."""
+    from loader_service.tools.status_view import query_status
+
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        try:
+            body = query_status(endpoint, 5)
+        except (TimeoutError, RuntimeError):
+            time.sleep(0.2)  # not listening yet
+            continue
+        workers = body.get("worker_list") or []
+        if workers and all(w["ready"] and w["task"] is None for w in workers):
+            return
+        time.sleep(0.2)
+    raise TimeoutError(f"the service at {endpoint} did not finish starting within {timeout:.0f} s")
 
 
 def _converged(stamps: list[tuple[float, int]], start: float, target: float) -> float:
@@ -161,7 +184,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     cores = len(os.sched_getaffinity(0))
     fixed = tuple(sorted({1, cores, 2 * cores, 4 * cores}))
-    plan = Plan(240, 1, fixed) if args.quick else Plan(480, 3, fixed)
+    plan = Plan(240, 1, fixed) if args.quick else Plan(1200, 3, fixed)
     from loader_service.tools.sample_data import make_sample_dataset
 
     results: dict[str, Any] = {"plan": plan.__dict__, "cores": cores}

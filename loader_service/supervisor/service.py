@@ -213,8 +213,10 @@ class LoaderService:
         images = sum(feed.counters.decoded.total for feed in self.feeds)
         sample = Sample(now, workers.busy_seconds(now), workers.cpu_seconds(), images)
         loops = [s.loop for s in self._attached.sessions.values()]
+        # A window with a worker booting (at start, or a replacement) measures the boot, not the work.
+        measured = len(loops) if workers.all_active_ready() else 0
         changed = sizer.tick(
-            sample, lambda since: max((demand(loop, since) for loop in loops), default=1.0), len(loops)
+            sample, lambda since: max((demand(loop, since) for loop in loops), default=1.0), measured
         )
         if changed is not None:
             workers.active = changed

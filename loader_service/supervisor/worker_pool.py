@@ -116,9 +116,15 @@ class WorkerSet:
         return [h for h in self._handles.values() if h.idle and h.worker < self.active]
 
     def cpu_seconds(self) -> float:
-        """CPU time the live workers have used (NOTE [ Sizing workers ]); a worker that is gone
-        takes its share with it, so callers read differences over a short window."""
-        return sum(_process_cpu(h.process.pid) for h in self._handles.values())
+        """CPU time the workers taking tasks have used (NOTE [ Sizing workers ]); a worker that is
+        gone takes its share with it, so callers read differences over a short window. Parked
+        workers are left out: their CPU is their boot's, not what a task costs."""
+        return sum(_process_cpu(h.process.pid) for h in self._handles.values() if h.worker < self.active)
+
+    def all_active_ready(self) -> bool:
+        """Is every worker that may take tasks started and ready (none booting or replaced)?"""
+        taking = [h for h in self._handles.values() if h.worker < self.active]
+        return len(taking) == self.active and all(h.routing_id is not None for h in taking)
 
     def busy_seconds(self, now: float) -> float:
         """Seconds every worker there has been spent on tasks (NOTE [ Fleet load ])."""

@@ -54,7 +54,7 @@ def train(loader: ServiceLoader, seconds: float, step: float = 0.0) -> list[int]
 
 
 def auto(start_service: ServiceFactory, photos: Path, **flags: object) -> ServiceProcess:
-    return start_service(photos, workers="auto", heartbeat_interval=0.25, batch_size=4, **flags)
+    return start_service(photos, workers="auto", heartbeat_interval=0.25, **{"batch_size": 4, **flags})
 
 
 def test_a_feed_whose_workers_wait_gets_more_workers_than_cores(
@@ -62,10 +62,10 @@ def test_a_feed_whose_workers_wait_gets_more_workers_than_cores(
 ) -> None:
     pipeline = tmp_path / "waiting.py"
     pipeline.write_text(textwrap.dedent(WAITING_PIPELINE))
-    service = auto(start_service, photos, pipeline=f"{pipeline}:make")
+    service = auto(start_service, photos, pipeline=f"{pipeline}:make", batch_size=8)
     first = sizing(service)
     assert first["mode"] == "auto" and first["active"] == max(1, int(first["budget"]))
-    with ServiceLoader(service.endpoint, timeout=30, credits=16) as loader:
+    with ServiceLoader(service.endpoint, timeout=30) as loader:
         train(loader, 8.0)
         now = sizing(service)
     assert now["active"] > now["budget"] >= 1, f"more workers than cores: {now}"

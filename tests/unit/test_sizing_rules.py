@@ -31,7 +31,7 @@ class Feed:
         active = self.sizer.active
         self.now += seconds
         self.on_tasks += busy * active * seconds
-        self.cpu += cost * active * seconds
+        self.cpu += cost * busy * active * seconds  # ``cost``: cores while on a task
         self.images += int(rate * seconds)
         return self.sizer.tick(self.sample(), lambda since: demand)
 
@@ -49,7 +49,10 @@ def test_cpu_bound_workers_stop_at_the_budget() -> None:
     assert feed.run(busy=1.0, cost=0.98, rate=1700, demand=10.0) is None
     assert feed.sizer.active == 2, "two workers of a core each already use the 2-core budget"
     feed = Feed(Sizer(active=1, most=8, budget=1.5))
-    assert feed.run(busy=1.0, cost=0.5, rate=500, demand=10.0) == 3, "1.5 cores at half a core each"
+    assert feed.run(busy=1.0, cost=0.4, rate=500, demand=10.0) == 3, "1.5 cores at 0.4 of a core each"
+    feed = Feed(Sizer(active=2, most=8, budget=2.0))
+    contended = feed.run(busy=0.9, cost=0.6, rate=1200, demand=10.0)
+    assert contended is None, "computing most of its task: a core each, however little it got"
 
 
 def test_nobody_waiting_never_adds_and_idle_workers_go() -> None:
@@ -64,8 +67,8 @@ def test_nobody_waiting_never_adds_and_idle_workers_go() -> None:
 def test_waiting_for_something_else_holds() -> None:
     """Trainers wait while workers idle: credits, the network or the trainer's host, not decoding."""
     feed = Feed(Sizer(active=4, most=8, budget=8.0))
-    assert feed.run(busy=0.4, cost=0.4, rate=400, demand=3.0) is None
-    assert feed.run(busy=0.7, cost=0.4, rate=400, demand=3.0) == 8, "mostly busy: the workers it is"
+    assert feed.run(busy=0.3, cost=0.3, rate=400, demand=3.0) is None
+    assert feed.run(busy=0.5, cost=0.4, rate=400, demand=3.0) == 8, "busy half the time: the workers it is"
 
 
 def test_a_step_that_gains_little_is_undone_and_held() -> None:
