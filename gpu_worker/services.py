@@ -232,8 +232,6 @@ class Fleet:
         names = tuple(name for name in map(name_of, endpoints) if name is not None)
         self._resolver = Resolver(names, config.resolve_interval, MAX_ENDPOINTS)
         """Follows the endpoints that name hosts (NOTE [ A fleet from a name ])."""
-        self._followed: dict[Name, tuple[str, ...]] = {}
-        """Each name's addresses the fleet has taken in so far."""
         named = {name.endpoint for name in names}
         self.services = [self._service(endpoint) for endpoint in endpoints if endpoint not in named]
         self._retiring: list[Service] = []
@@ -323,17 +321,16 @@ class Fleet:
     # --- names (NOTE [ A fleet from a name ] in gpu_worker/names.py) ----------------------------
 
     def _follow_names(self) -> None:
-        """Take in what the resolver last found: new addresses join, gone ones leave."""
+        """Take in what the resolver last found: new addresses join, gone ones leave. An address
+        that comes back while its old service is still retiring joins once that one has closed."""
         self._close_retired()
         for name, addresses in self._resolver.answers().items():
-            if self._followed.get(name) == addresses:
-                continue
-            self._followed[name] = addresses
             wanted = {name.address(ip) for ip in addresses}
             known = {s.endpoint for s in self.services}
             for endpoint in sorted(wanted - known):
                 self._join(endpoint, name)
-            for service in [s for s in self.services if s.via == name.endpoint and s.endpoint not in wanted]:
+            gone = [s for s in self.services if s.via == name.endpoint and s.endpoint not in wanted]
+            for service in gone:
                 if not service.refused:
                     self._retire(service, f"is no longer an address of {name.host}")
 
