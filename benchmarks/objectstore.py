@@ -27,8 +27,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import signal
-import subprocess
 import sys
 import tempfile
 import time
@@ -40,10 +38,10 @@ from typing import Any
 
 import numpy as np
 
+from benchmarks.service_process import serving
 from loader_service.dataset import remote
 from loader_service.dataset.storage import LocalFiles
 
-REPO = Path(__file__).resolve().parent.parent
 BATCH = 64
 WORKERS = 2
 PER_SHARD = 128
@@ -82,8 +80,7 @@ def service(
     data: str, run_dir: Path, env: Mapping[str, str], plan: Plan, *flags: str
 ) -> Iterator[tuple[str, int]]:
     """A service over ``data`` (its endpoint and pid), stopped on the way out."""
-    endpoint = f"ipc://{run_dir}/s{len(os.listdir(run_dir))}.sock"
-    args = ["serve", "--data", data, "--endpoint", endpoint, "--workers", str(WORKERS)]
+    args = ["--data", data, "--workers", str(WORKERS)]
     args += [
         "--batch-size",
         str(BATCH),
@@ -93,18 +90,8 @@ def service(
         "WARNING",
         *flags,
     ]
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "loader_service", *args], cwd=REPO, env={**os.environ, **env}
-    )
-    try:
-        yield endpoint, proc.pid
-    finally:
-        proc.send_signal(signal.SIGTERM)
-        try:
-            proc.wait(30)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
+    with serving(run_dir, args, dict(env)) as started:
+        yield started
 
 
 def timed_epochs(endpoint: str, epochs: int, started: float, cpu: Callable[[], tuple[float, float]]) -> Run:

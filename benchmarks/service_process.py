@@ -139,3 +139,26 @@ def running_service(spec: ServiceSpec, log_path: Path) -> Iterator[ServiceProces
             service.stop()
         else:
             service.kill_group()
+
+
+@contextlib.contextmanager
+def serving(run_dir: Path, args: list[str], env: dict[str, str] | None = None) -> Iterator[tuple[str, int]]:
+    """``loader-service serve --endpoint E *args`` on a fresh ipc endpoint in ``run_dir``, for the
+    ``with`` body: (E, its pid). SIGTERM after it, SIGKILL if it has not exited in 30 s. For the
+    module benchmarks (objectstore, sizing) that read a service as a trainer does and need no log."""
+    endpoint = f"ipc://{run_dir}/s{len(os.listdir(run_dir))}.sock"
+    repo = Path(__file__).resolve().parent.parent
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "loader_service", "serve", "--endpoint", endpoint, *args],
+        cwd=repo,
+        env={**os.environ, **(env or {})},
+    )
+    try:
+        yield endpoint, proc.pid
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        try:
+            proc.wait(30)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()

@@ -26,8 +26,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import signal
-import subprocess
 import sys
 import tempfile
 import time
@@ -38,8 +36,8 @@ from pathlib import Path
 from typing import Any
 
 from benchmarks.fleet import SAMPLE_SECONDS_ENV
+from benchmarks.service_process import serving
 
-REPO = Path(__file__).resolve().parent.parent
 BATCH = 8
 WAIT_SECONDS = 0.01
 
@@ -67,21 +65,10 @@ class Run:
 @contextmanager
 def service(data: Path, run_dir: Path, workers: str, extra: list[str], env: dict[str, str]) -> Iterator[str]:
     """One service on an ipc endpoint; stopped on the way out."""
-    endpoint = f"ipc://{run_dir}/s{len(os.listdir(run_dir))}.sock"
-    args = ["serve", "--data", str(data), "--endpoint", endpoint, "--workers", workers]
+    args = ["--data", str(data), "--workers", workers]
     args += ["--batch-size", str(BATCH), "--heartbeat-interval", "0.5", "--log-level", "WARNING", *extra]
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "loader_service", *args], cwd=REPO, env={**os.environ, **env}
-    )
-    try:
+    with serving(run_dir, args, env) as (endpoint, _pid):
         yield endpoint
-    finally:
-        proc.send_signal(signal.SIGTERM)
-        try:
-            proc.wait(30)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
 
 
 def burn(seconds: float) -> None:

@@ -20,6 +20,7 @@ values it does not set (except ``slots``: each feed's pool is sized on its own).
 
 from __future__ import annotations
 
+import functools
 import math
 import os
 import re
@@ -361,7 +362,7 @@ class ServiceConfig(FeedOptions):
         """The CPU budget (NOTE [ CPU budget ]): ``--cpu-budget``, else the host's limits."""
         if self.cpu_budget:
             return Budget(self.cpu_budget, f"--cpu-budget {self.cpu_budget:g}")
-        return cpu_budget()
+        return _host_budget()
 
     @property
     def worker_processes(self) -> int:
@@ -530,6 +531,13 @@ class Option:
         except ValueError:
             raise ConfigError(f"{variable}={text!r} is not {_KIND[self.type]}") from None
         return self.typed(value, variable)
+
+
+@functools.cache
+def _host_budget() -> Budget:
+    """The host's CPU budget, read once: ``pool_slots``, ``worker_processes``, ``first_workers`` and
+    the log all ask for it at start-up, and must agree."""
+    return cpu_budget()
 
 
 def _worker_count(value: Any, where: str) -> WorkerCount:

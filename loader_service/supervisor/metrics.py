@@ -174,16 +174,14 @@ class _SnapshotCollector:
 
 
 def _service_families(body: Mapping[str, Any]) -> Iterator[Metric]:
-    from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+    from prometheus_client.core import CounterMetricFamily
 
     gauges = (
         ("dataferry_uptime_seconds", "Seconds since the service started.", "uptime"),
         ("dataferry_trainers_attached", "Trainer sessions attached.", "attached"),
         ("dataferry_decode_workers", "Decode worker processes.", "workers"),
     )
-    for name, doc, key in gauges:
-        if (value := _num(body.get(key))) is not None:
-            yield GaugeMetricFamily(name, doc, value=value)
+    yield from _gauges(body, gauges)
     counters = (
         ("dataferry_worker_restarts", "Decode workers replaced after dying.", "worker_restarts"),
         ("dataferry_rejected_messages", "Trainer messages rejected as invalid.", "rejected_messages"),

@@ -205,13 +205,14 @@ class LoaderService:
         )
         return Sizer(cfg.first_workers, cfg.worker_processes, budget.cores)
 
-    def _size_workers(self, now: float) -> None:
-        """About once a second: the totals the controller reads, and its decision applied."""
+    def _size_workers(self, now: float, on_tasks: float) -> None:
+        """About once a second: the totals the controller reads (``on_tasks``: the workers' seconds
+        on tasks, as the load took them), and its decision applied."""
         workers, sizer = self._workers, self._sizer
         if workers is None or sizer is None:
             return
         images = sum(feed.counters.decoded.total for feed in self.feeds)
-        sample = Sample(now, workers.busy_seconds(now), workers.cpu_seconds(), images)
+        sample = Sample(now, on_tasks, workers.cpu_seconds(), images)
         loops = [s.loop for s in self._attached.sessions.values()]
         # A window with a worker booting (at start, or a replacement) measures the boot, not the work.
         measured = len(loops) if workers.all_active_ready() else 0
@@ -441,8 +442,9 @@ class LoaderService:
             return
         self._last_report = now
         if self._workers is not None:
-            self._worker_time.sample(now, self._workers.busy_seconds(now), self._workers.active)
-            self._size_workers(now)
+            on_tasks = self._workers.busy_seconds(now)
+            self._worker_time.sample(now, on_tasks, self._workers.active)
+            self._size_workers(now, on_tasks)
         systemd.status(status.summary(self.feeds, self._attached))
         if self._metrics is not None:
             self._metrics.update(self.status())

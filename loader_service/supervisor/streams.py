@@ -302,8 +302,11 @@ class Stream(Producer):
 
     def _announce_kept(self, seq: int) -> None:
         slot, count = self.kept.pop(seq)
-        active = {sid for sid, m in self.members.items() if m.active}
-        self.batches[(self.gen, seq)] = SharedBatch(slot, count, active)
+        self.batches[(self.gen, seq)] = SharedBatch(slot, count, self._active_ids())
+
+    def _active_ids(self) -> set[str]:
+        """The members in the epoch: those a batch of it is due to."""
+        return {sid for sid, m in self.members.items() if m.active}
 
     def next_seq(self) -> int:
         if self.picks is None:
@@ -418,9 +421,8 @@ class Stream(Producer):
 
     def adopt(self, handover: Handover) -> None:
         """Take a cache's batches of this plan, decoded and in flight (NOTE [ Warm start ])."""
-        active = {sid for sid, m in self.members.items() if m.active}
         for seq, slot, count in handover.ready:
-            self.batches[(self.gen, seq)] = SharedBatch(slot, count, set(active))
+            self.batches[(self.gen, seq)] = SharedBatch(slot, count, self._active_ids())
         self.filling += len(handover.filling)
         planned = [seq for seq, _slot, _count in handover.ready] + handover.filling
         self.next_produce = max(self.next_produce, max(planned, default=-1) + 1)

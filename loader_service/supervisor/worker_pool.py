@@ -84,7 +84,6 @@ class WorkerSet:
         self._template = template
         self._start_process = spawn or _spawn_process
         self._handles = {i: self._spawn(i) for i in range(count)}
-        self.count = count
         self.active = count if active is None else max(1, min(count, active))
         """NOTE [ Sizing workers ]: workers ``0 .. active - 1`` take tasks; the others are started
         and parked, so a change takes effect at the next task, not after a spawn and an import."""
