@@ -10,9 +10,12 @@ from __future__ import annotations
 
 import json
 import math
+import multiprocessing
 import os
 import sys
 from collections.abc import Callable, Iterator
+from concurrent.futures import ProcessPoolExecutor
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -72,12 +75,14 @@ def make_sample_dataset(
     seed: int = 0,
     quality: int = 90,
     progress: Callable[[int, int], None] | None = None,
+    processes: int = 1,
 ) -> SampleDatasetSummary:
     """Create (or reuse) an ImageFolder tree of photo-like JPEGs under ``root``.
 
     A matching marker short-circuits regeneration so demos are fast the second
     time; a non-empty directory without one is refused rather than touched,
-    because it may hold the user's own files.
+    because it may hold the user's own files. ``processes`` > 1 renders in that many processes,
+    with the same bytes.
     """
     _validate_args(classes, per_class, seed, quality)
     root = Path(root)
@@ -86,7 +91,7 @@ def make_sample_dataset(
     if cached is not None:
         return cached
     _ensure_empty_root(root)
-    return _generate(root, params, progress)
+    return _generate(root, params, progress, processes)
 
 
 # --------------------------------------------------------------------------
@@ -210,32 +215,56 @@ def _encode_jpeg(image: ByteImage, quality: int) -> bytes:
 
 
 def _generate(
-    root: Path, params: dict[str, int | str], progress: Callable[[int, int], None] | None
+    root: Path, params: dict[str, int | str], progress: Callable[[int, int], None] | None, processes: int
 ) -> SampleDatasetSummary:
-    """Render single-threaded: byte-identical output matters more than speed-ups."""
+    """Each image depends only on (seed, class, number), so several processes give the same bytes."""
     classes, per_class = int(params["classes"]), int(params["per_class"])
     seed, quality = int(params["seed"]), int(params["quality"])
     total = classes * per_class
     done = total_bytes = sum_w = sum_h = 0
-    previous_threads = cv2.getNumThreads()
-    cv2.setNumThreads(1)
-    try:
-        for class_id, image_no, rel in _relative_image_paths(classes, per_class):
-            rng = np.random.default_rng(np.random.SeedSequence([seed, class_id, image_no]))
-            width, height = _sample_size(rng)
-            data = _encode_jpeg(render_photo(rng, class_id, width, height), quality)
-            path = root / rel
-            path.parent.mkdir(exist_ok=True)
-            _write_atomic(path, data)
+    jobs = [(seed, quality, c, n, rel) for c, n, rel in _relative_image_paths(classes, per_class)]
+    with _renderer(processes) as render:
+        for rel, data, width, height in render(_render_one, jobs):
+            (root / rel).parent.mkdir(exist_ok=True)
+            _write_atomic(root / rel, data)
             done, total_bytes = done + 1, total_bytes + len(data)
             sum_w, sum_h = sum_w + width, sum_h + height
             if progress is not None:
                 progress(done, total)
-    finally:
-        cv2.setNumThreads(previous_threads)
     summary = SampleDatasetSummary(root, classes, total, total_bytes, sum_w / total, sum_h / total)
     _write_marker(root, params, summary)
     return summary
+
+
+Job = tuple[int, int, int, int, str]
+"""(seed, quality, class, number, relative path) of one image."""
+Rendered = tuple[str, bytes, int, int]
+Mapper = Callable[[Callable[[Job], Rendered], list[Job]], Iterator[Rendered]]
+
+
+@contextmanager
+def _renderer(processes: int) -> Iterator[Mapper]:
+    """``map`` in this process for 1, else an ordered ``map`` over ``processes`` processes."""
+    if processes <= 1:
+        yield map
+        return
+    # An executor, not a Pool: a worker that cannot start is an error here, not a respawn loop.
+    spawn = multiprocessing.get_context("spawn")
+    with ProcessPoolExecutor(processes, mp_context=spawn) as pool:
+        yield lambda function, jobs: pool.map(function, jobs, chunksize=16)
+
+
+def _render_one(job: Job) -> Rendered:
+    """One image, single-threaded: OpenCV's own threads would make workers fight over cores."""
+    seed, quality, class_id, image_no, rel = job
+    previous_threads = cv2.getNumThreads()
+    cv2.setNumThreads(1)
+    try:
+        rng = np.random.default_rng(np.random.SeedSequence([seed, class_id, image_no]))
+        width, height = _sample_size(rng)
+        return rel, _encode_jpeg(render_photo(rng, class_id, width, height), quality), width, height
+    finally:
+        cv2.setNumThreads(previous_threads)
 
 
 def _write_marker(root: Path, params: dict[str, int | str], summary: SampleDatasetSummary) -> None:
