@@ -2,7 +2,7 @@
 service feeds it totals about once a second and applies what it decides.
 
 NOTE [ Sizing workers ]
-    With ``--workers auto`` the service starts ``worker_processes`` workers (two per core of the CPU
+    With ``--workers auto`` the service starts ``worker_processes`` workers (four per core of the CPU
     budget, NOTE [ CPU budget ]) and lets ``active`` of them take tasks, one per core at first; the
     others are parked, so a change takes effect at the next task. Over each window it measures
     * ``demand``: the largest ``(waited + computed) / computed`` of its trainers over the window
