@@ -49,7 +49,8 @@ from gpu_worker.connection import ServiceError, ServiceTimeout, make_hello
 from gpu_worker.curve import ClientKeys, warn_if_in_the_clear
 from gpu_worker.device import resolve_device
 from gpu_worker.fields import ExpectedFields, as_expected, expected_fields, field_differences
-from gpu_worker.loader_config import GROUP_SECRET_ENV, LoaderConfig, endpoints_of, shard_of
+from gpu_worker.loader_config import ENDPOINTS_ENV, GROUP_SECRET_ENV, LoaderConfig, endpoints_of, shard_of
+from gpu_worker.local import START_TIMEOUT, LocalService
 from gpu_worker.passes import EpochPass, PassSettings
 from gpu_worker.services import Fleet, Service
 from protocol.layout import SlotLayout, describe_fields
@@ -143,6 +144,8 @@ class ServiceLoader:
         self._counts: Counter[str] = Counter()
         """``EpochPass.counts`` of the passes before the current one."""
         self._closed = False
+        self._private: LocalService | None = None
+        """The service ``local`` started for this loader, stopped by ``close``."""
         hello = make_hello(**cfg.hello_fields())
         self._fleet = Fleet(cfg, hello, keys, self.device)
         try:
@@ -151,6 +154,38 @@ class ServiceLoader:
         except BaseException:
             self.close()
             raise
+
+    @classmethod
+    def local(
+        cls,
+        data: str | os.PathLike[str],
+        *,
+        device: str = "cpu",
+        credits: int = 6,
+        timeout: float = 60.0,
+        fields: ExpectedFields | None = None,
+        start_timeout: float = START_TIMEOUT,
+        **serve_options: object,
+    ) -> ServiceLoader:
+        """A loader over a private service of its own: ``loader-service serve --data DATA`` with
+        ``serve_options`` as its flags (``batch_size=64`` is ``--batch-size 64``; workers sized to
+        this host unless ``workers=`` pins them). The service stops when the loader closes, and
+        when this process ends however it ends, SIGKILL included (NOTE [ Stop with stdin ]).
+        Where ``DATAFERRY_ENDPOINTS`` is set, no service is started: the loader attaches to those,
+        so a script moves to a shared service without a change (``serve_options`` are then the
+        shared service's business and ignored)."""
+        shared = os.environ.get(ENDPOINTS_ENV, "").strip()
+        if shared:
+            log.info("%s is set: attaching to %s, no private service", ENDPOINTS_ENV, shared)
+            return cls(None, device=device, credits=credits, timeout=timeout, fields=fields)
+        private = LocalService(data, serve_options, start_timeout)
+        try:
+            loader = cls(private.endpoint, device=device, credits=credits, timeout=timeout, fields=fields)
+        except BaseException:
+            private.stop()
+            raise
+        loader._private = private
+        return loader
 
     # --- public API -----------------------------------------------------------------------------
 
@@ -352,6 +387,8 @@ class ServiceLoader:
         if held:
             log.warning("closing with %d batches still referenced", held)
         self._fleet.close()
+        if self._private is not None:
+            self._private.stop()
 
     def _check_fields(self) -> None:
         """Refuse a feed whose fields are not the ones this trainer stated (``fields=``); no start

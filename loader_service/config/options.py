@@ -329,6 +329,13 @@ class ServiceConfig(FeedOptions):
         ),
     )
     metrics_addr: str = field(default="127.0.0.1", metadata=option("address the metrics port listens on"))
+    stop_with_stdin: bool = field(
+        default=False,
+        metadata=option(
+            "stop, as on SIGTERM, when standard input reaches its end: a process that starts the service "
+            "with a pipe there stops it by exiting, however it exits (NOTE [ Stop with stdin ])"
+        ),
+    )
     cache_dir: str = field(
         default="",
         metadata=option(

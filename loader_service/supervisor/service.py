@@ -56,6 +56,7 @@ from loader_service.supervisor.attachments import Attachments
 from loader_service.supervisor.curve import CurveGuard
 from loader_service.supervisor.endpoint import claim_ipc_path, ipc_path, release_ipc_path
 from loader_service.supervisor.feeds import Feed
+from loader_service.supervisor.lifeline import Lifeline
 from loader_service.supervisor.load import WorkerTime, demand, measure
 from loader_service.supervisor.metrics import ServiceMetrics
 from loader_service.supervisor.outbox import Outbox
@@ -360,6 +361,9 @@ class LoaderService:
         poller = zmq.Poller()
         poller.register(self._frontend, zmq.POLLIN)
         poller.register(self._backend, zmq.POLLIN)
+        lifeline = Lifeline() if self.config.stop_with_stdin else None
+        if lifeline is not None:
+            poller.register(lifeline.fd, zmq.POLLIN)
         if os.environ.get(FAULT_ENV) == "main-loop":
             raise RuntimeError(f"fault injected by {FAULT_ENV}")
         housekeeping = min(HOUSEKEEPING, self.config.heartbeat_interval / 2)
@@ -375,6 +379,10 @@ class LoaderService:
                     self._guard.keys.reload()
             if self._signal is not None:
                 log.info("received %s; shutting down", signal.Signals(self._signal).name)
+                systemd.stopping()
+                return
+            if lifeline is not None and lifeline.fd in events and lifeline.cut():
+                log.info("standard input closed: whoever started the service is gone; shutting down")
                 systemd.stopping()
                 return
             if scheduler.fatal is not None:

@@ -1,0 +1,101 @@
+"""``ServiceLoader.local``: a private service for one trainer, started with the loader and gone with
+it, whether the loader closes or the trainer is SIGKILLed (NOTE [ Stop with stdin ])."""
+
+from __future__ import annotations
+
+import os
+import select
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from gpu_worker import ServiceError, ServiceLoader
+from gpu_worker.local import serve_flags
+from tests.helpers import REPO, ServiceFactory, epoch_indices, our_segments
+
+TRAINER = """
+import sys, time
+from gpu_worker import ServiceLoader
+loader = ServiceLoader.local(sys.argv[1], workers=1, batch_size=8, image_size=32, log_level="WARNING")
+batch = next(iter(loader))
+print(loader._private.process.pid, loader._private.endpoint, len(batch.indices), flush=True)
+sys.stdin.read()  # until the test kills this process
+"""
+
+
+def wait_gone(pid: int, timeout: float) -> bool:
+    """Until process ``pid`` has exited (its pidfd becomes readable), at most ``timeout`` s."""
+    try:
+        fd = os.pidfd_open(pid)
+    except ProcessLookupError:
+        return True
+    try:
+        return bool(select.select([fd], [], [], timeout)[0])
+    finally:
+        os.close(fd)
+
+
+def socket_path(endpoint: str) -> Path:
+    return Path(endpoint[len("ipc://") :])
+
+
+def test_a_private_service_serves_an_epoch_and_stops_with_the_loader(photos: Path) -> None:
+    with ServiceLoader.local(photos, workers=1, batch_size=8, image_size=32) as loader:
+        private = loader._private
+        assert private is not None and socket_path(private.endpoint).exists()
+        seen, _ = epoch_indices(loader)
+        assert sorted(seen) == list(range(90)), "every image once"
+    assert private.process.returncode == 0, "stopped cleanly by the end of its stdin"
+    assert not socket_path(private.endpoint).exists()
+
+
+def test_a_sigkilled_trainer_leaves_no_service_and_no_shared_memory(photos: Path) -> None:
+    command = [sys.executable, "-c", TRAINER, str(photos)]
+    with subprocess.Popen(
+        command, cwd=REPO, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True
+    ) as trainer:
+        try:
+            assert trainer.stdout is not None
+            pid, endpoint, rows = trainer.stdout.readline().split()
+            assert int(rows) == 8
+            assert any(name.startswith(f"dataferry-{pid}-") for name in our_segments()), "its slots exist"
+            trainer.send_signal(signal.SIGKILL)
+            trainer.wait(10)
+            assert wait_gone(int(pid), 30), "the private service outlived its trainer"
+        finally:
+            trainer.kill()
+            if "pid" in locals() and not wait_gone(int(pid), 0):
+                os.kill(int(pid), signal.SIGTERM)  # a failed test leaves nothing behind either
+    assert not [name for name in our_segments() if name.startswith(f"dataferry-{pid}-")]
+    assert not socket_path(endpoint).exists()
+
+
+def test_options_the_service_refuses_fail_the_call_at_once(photos: Path) -> None:
+    start = time.monotonic()
+    with pytest.raises(ServiceError, match="exited with code 2 before it was ready"):
+        ServiceLoader.local(photos, batch_size=-3)
+    assert time.monotonic() - start < 30, "not after the start timeout"
+
+
+def test_with_dataferry_endpoints_set_it_attaches_to_the_shared_service(
+    photos: Path, start_service: ServiceFactory, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    shared = start_service(photos)
+    monkeypatch.setenv("DATAFERRY_ENDPOINTS", shared.endpoint)
+    with ServiceLoader.local("/no/such/data", batch_size=8) as loader:
+        assert loader._private is None
+        seen, _ = epoch_indices(loader)
+    assert sorted(seen) == list(range(90))
+
+
+def test_keyword_options_become_serve_flags() -> None:
+    flags = serve_flags(
+        {"batch_size": 64, "strict": True, "insecure_tcp": False, "seed": None, "data_dir": Path("/d")}
+    )
+    assert flags == ["--batch-size", "64", "--strict", "--no-insecure-tcp", "--data-dir", "/d"]
+    with pytest.raises(TypeError, match="serve option fields"):
+        serve_flags({"fields": ["a"]})
