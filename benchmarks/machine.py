@@ -1,7 +1,7 @@
 """Facts about the machine a run came from, for the report: hardware and versions, nothing identifying.
 
 Results are only comparable with their machine beside them; the hostname, user and paths are left
-out on purpose, because the report is committed to ``docs/benchmarks.md``.
+out on purpose, because the report is committed to ``docs/benchmarks/log.md``.
 """
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""Turning results into a table for people, JSON for machines and a section for docs/benchmarks.md.
+"""Turning results into a table for people, JSON for machines and a section for docs/benchmarks/log.md.
 
 All pure: these functions only format what ``results`` holds, so they are unit-tested directly.
 Ratios are always dataferry over the other contender, whatever the unit: above 1 means dataferry is
@@ -307,7 +307,7 @@ def _shape(data: Mapping[str, Any]) -> str:
 
 
 def markdown(results: BenchResults, checks: Sequence[Check], command: str) -> str:
-    """The results section for docs/benchmarks.md: machine, command, table, targets."""
+    """The results section for docs/benchmarks/log.md: machine, command, table, targets."""
     s = results.settings
     data = s.get("data", {})
     out = [

@@ -99,7 +99,7 @@ ROI_HEADROOM = {"bilinear-antialias": 2.0, "bilinear": math.inf, "area": 3.0}
 resize after it still does most of the shrinking: the smallest headroom (of 1, 1.5, 2, 3, 4, 6)
 whose outputs kept their sharpness (mean absolute horizontal gradient) within
 ``SHARPNESS_TOLERANCE`` of a full decode's with the same filter, on every set that
-``python -m benchmarks.dct_scaling`` measured (docs/benchmarks.md). Plain ``bilinear`` never
+``python -m benchmarks.dct_scaling`` measured (docs/benchmarks/log.md). Plain ``bilinear`` never
 scales: its full-decode output is sharp because it aliases (it samples a few source pixels per
 output pixel), which a DCT-scaled decode, an averaging, cannot reproduce at any headroom measured
 (0.95 at 4x)."""
