@@ -84,7 +84,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument("--no-plot", action="store_true", help="skip the PNG (and the matplotlib import)")
     p.add_argument(
-        "--markdown", type=Path, dest="markdown_path", help="write the results section for docs/benchmarks/log.md"
+        "--markdown", type=Path, dest="markdown_path", help="write a section for docs/benchmarks/log.md"
     )
     return p
 

@@ -125,7 +125,7 @@ TRANSPORT_SPARE_SLOTS = 4
 """(j): pool slots beyond one transfer's batches: the warm start's two, and room to spare."""
 B_LOADER_KWARGS: dict[str, Any] = {"mode": "broadcast", "group": "bench", "group_size": 4}
 """(b)'s extra ServiceLoader arguments: the four trainers form one broadcast group, so each image
-is decoded once for all four (README: "Several trainers on one service")."""
+is decoded once for all four (docs/trainers.md: "Several trainers on one service")."""
 H_GROUP = "bench-pipeline"
 """(h)'s broadcast group (B_LOADER_KWARGS otherwise)."""
 MAIN_FEED = "train"
@@ -504,7 +504,7 @@ class BenchRun:
 
     def far_rate(self, service: ServiceProcess, curve: CurveFiles) -> None:
         """(l): the remote trainer through a proxy that delays every byte 50 ms each way, against the
-        same trainer without it, timed in turn; both with the README's default credits."""
+        same trainer without it, timed in turn; both with the loader's default credits."""
         cfg = self.cfg
         say(f"(l) {SCENARIO_TITLES['l']}")
         with contextlib.ExitStack() as stack:

@@ -90,7 +90,7 @@ def endpoint(name: str, value: Any) -> str | None:
 
 
 LOOPBACK_HOSTS = ("localhost", "127.0.0.1", "::1", "[::1]")
-KEYS_HINT = "make keys with `loader-service keys --out DIR` (README: Trainers on other hosts)"
+KEYS_HINT = "make keys with `loader-service keys --out DIR` (docs/trainers.md: Trainers on other hosts)"
 
 
 def is_loopback_tcp(endpoint: str) -> bool:
@@ -109,7 +109,7 @@ def security(endpoint: str, secret_key: str, authorized: str, insecure: bool) ->
 
     Loopback is no exception: any local user can connect to it (an ipc socket's file mode keeps
     them out), and libzmq buffers a peer's unfinished multipart message whole before the service
-    sees a byte of it, so only authorised peers may reach a socket at all (README, Limits)."""
+    sees a byte of it, so only authorised peers may reach a socket at all (docs/trainers.md, Limits)."""
     if bool(secret_key) != bool(authorized):
         return "curve_secret_key and curve_authorized go together: give both or neither"
     if secret_key:

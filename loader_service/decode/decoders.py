@@ -33,4 +33,4 @@ def describe_decoder(choice: str) -> str:
         )
     if choice == "opencv":
         return "opencv (full decode; --decoder opencv)"
-    return "opencv (full decode; the region decoder is not built: see README)"
+    return "opencv (full decode; the region decoder is not built: see docs/getting-started.md)"

@@ -276,7 +276,7 @@ class LoaderService:
             reach = "every user of this host" if is_loopback_tcp(cfg.endpoint) else "other hosts"
             log.warning(
                 "%s is open to %s WITHOUT authentication or encryption (--insecure-tcp): "
-                "anyone who reaches it can attach; see README, Trainers on other hosts",
+                "anyone who reaches it can attach; see docs/trainers.md, Trainers on other hosts",
                 cfg.endpoint,
                 reach,
             )

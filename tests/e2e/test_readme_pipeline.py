@@ -1,4 +1,5 @@
-"""The README's pipeline and trainer examples, run as written against a list source through the CLI."""
+"""The docs' pipeline and trainer examples (docs/data.md), run as written against a list source
+through the CLI."""
 
 from __future__ import annotations
 
@@ -16,10 +17,10 @@ pytestmark = pytest.mark.e2e
 
 
 def readme_block(first_line: str) -> str:
-    """The fenced code block of README.md that starts with ``first_line``."""
-    text = (REPO / "README.md").read_text()
+    """The fenced code block of docs/data.md that starts with ``first_line``."""
+    text = (REPO / "docs" / "data.md").read_text()
     match = re.search(r"```\w*\n(" + re.escape(first_line) + r"\n.*?)```", text, re.S)
-    assert match, f"README.md has no code block starting {first_line!r}"
+    assert match, f"docs/data.md has no code block starting {first_line!r}"
     return match.group(1)
 
 

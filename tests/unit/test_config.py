@@ -222,12 +222,6 @@ def test_flags_not_given_leave_the_lower_layers_alone(tmp_path: Path) -> None:
         build_parser().parse_args(["serve", "--augment", "fancy"])  # choices come from the declaration
 
 
-def test_readme_lists_every_flag() -> None:
-    readme = (Path(__file__).resolve().parents[2] / "README.md").read_text()
-    missing = [opt.flag for opt in OPTIONS.values() if f"| `{opt.flag}" not in readme]
-    assert not missing, f"README's flag table lacks {missing}"
-
-
 def test_feed_tables_accept_exactly_the_feed_options(tmp_path: Path) -> None:
     assert set(FEED_OPTIONS) == {
         "data", "format", "image_column", "label_column", "pipeline", "batch_size", "image_size", "augment",

@@ -1,6 +1,6 @@
 """The map a reader follows stays true: every cited ``NOTE [ ... ]`` is defined somewhere, and every
-module the README's layout section names exists where it says, and every module of the service,
-the trainer's package and ``protocol/`` is named there."""
+module the layout section of docs/contributing.md names exists where it says, and every module of
+the service, the trainer's package and ``protocol/`` is named there."""
 
 from __future__ import annotations
 
@@ -37,8 +37,8 @@ def test_every_cited_note_is_defined() -> None:
 
 
 def layout_block() -> list[str]:
-    text = (REPO / "README.md").read_text()
-    section = text.split("## Layout and development", 1)[1]
+    text = (REPO / "docs" / "contributing.md").read_text()
+    section = text.split("## Layout", 1)[1]
     return section.split("```", 2)[1].splitlines()
 
 
@@ -62,7 +62,7 @@ def named_modules() -> list[Path]:
 
 def test_every_module_the_layout_names_exists() -> None:
     missing = [str(path) for path in named_modules() if not (REPO / path).is_file()]
-    assert not missing, f"the README's layout section names modules that do not exist: {missing}"
+    assert not missing, f"the layout section names modules that do not exist: {missing}"
 
 
 def test_the_layout_names_every_module_of_the_three_packages() -> None:

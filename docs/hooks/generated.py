@@ -1,0 +1,128 @@
+"""mkdocs hook: the pages made from the code and from other files, so that none of them can drift.
+
+* ``index.md``: the README, with its ``docs/`` links made relative to the site;
+* ``reference/flags.md``: every ``serve`` option, from its one declaration
+  (``loader_service/config/options.py``): flag, TOML key, variable, default, meaning;
+* ``design/notes.md``: every named note (``NOTE [ ... ]``) defined in the product and where;
+* ``operations/deploy.md`` and ``benchmarks/rerun.md``: ``deploy/README.md`` and
+  ``benchmarks/README.md``, which live beside what they describe.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import MISSING
+from pathlib import Path
+from typing import Any
+
+from mkdocs.config.defaults import MkDocsConfig
+from mkdocs.structure.files import File, Files
+
+REPO = Path(__file__).resolve().parents[2]
+OPENS = re.compile(r'^\s*(?:""")?NOTE \[ ([^\]]+?) \](?:$|:(.*)$)')
+PRODUCT = ("protocol", "loader_service", "gpu_worker")
+
+
+def on_files(files: Files, config: MkDocsConfig) -> Files:
+    for uri, content in pages().items():
+        files.append(File.generated(config, uri, content=content))
+    return files
+
+
+def pages() -> dict[str, str]:
+    return {
+        "index.md": (REPO / "README.md").read_text().replace("](docs/", "]("),
+        "reference/flags.md": flags_page(),
+        "design/notes.md": notes_page(),
+        "operations/deploy.md": (REPO / "deploy" / "README.md").read_text(),
+        "benchmarks/rerun.md": (REPO / "benchmarks" / "README.md").read_text(),
+    }
+
+
+def flags_page() -> str:
+    from loader_service.config.options import OPTIONS
+
+    lines = [
+        "# serve flags",
+        "",
+        "Every option of `loader-service serve`, generated from its one declaration",
+        "(`loader_service/config/options.py`). Each is also a TOML key (the name with underscores) and",
+        "an environment variable (`DATAFERRY_` and the key in capitals); flags win over the variables,",
+        "which win over the file ([Run the service](../serving.md)). `[feeds.NAME]` tables take the",
+        "options marked *per feed*.",
+        "",
+        "| flag | default | meaning |",
+        "| --- | --- | --- |",
+    ]
+    for o in OPTIONS.values():
+        meaning = _cell(o.help.rstrip(".")) + "."
+        if o.choices:
+            meaning += f" One of {', '.join(f'`{c}`' for c in o.choices)}."
+        if o.per_feed:
+            meaning += " *Per feed.*"
+        meaning += f" <br>`{o.name}`, `{o.env}`"
+        lines.append(f"| `{o.flag}` | {_default(o.default)} | {meaning} |")
+    return "\n".join(lines) + "\n"
+
+
+def _default(value: Any) -> str:
+    if value is MISSING:
+        return "required"
+    if value is False:
+        return "off"
+    if value is True:
+        return "on"
+    if value in ("", 0, None, ()):
+        return "" if value in ("", None, ()) else "`0`"
+    return f"`{value}`"
+
+
+def _cell(text: str) -> str:
+    return text.replace("|", "\\|")
+
+
+def notes_page() -> str:
+    lines = [
+        "# Named notes",
+        "",
+        "The invariants the code keeps are written once, as a named note in the module that keeps them,",
+        "and cited by name (`NOTE [ Slot lifecycle ]`) wherever code relies on them; a test keeps every",
+        "cited note defined ([Contributing](../contributing.md)). Here: each note, where it is, and its",
+        "first line.",
+        "",
+        "| note | where | first line |",
+        "| --- | --- | --- |",
+    ]
+    for name, where, first in sorted(_notes(), key=lambda n: n[0].lower()):
+        lines.append(f"| {name} | `{where}` | {_cell(first)} |")
+    return "\n".join(lines) + "\n"
+
+
+def _notes() -> list[tuple[str, str, str]]:
+    """(name, file, first line) of each note's definition. Where a docstring paragraph opens with a
+    note's name in several places, the definition is the one whose text follows indented (a
+    block under the name), else one at the top of a module; the others are citations."""
+    best: dict[str, tuple[int, str, str]] = {}
+    for top in PRODUCT:
+        for path in sorted((REPO / top).rglob("*.py")):
+            text = path.read_text().splitlines()
+            for i, line in enumerate(text):
+                m = OPENS.match(line)
+                opens = line.lstrip().startswith('"""') or i == 0 or _opens_paragraph(text[i - 1])
+                if m is None or not opens:
+                    continue
+                after = next((t for t in text[i + 1 : i + 3] if t.strip()), "")
+                score = 2 if _indent(after) > _indent(line) else 1 if _indent(line) == 0 else 0
+                first = (m.group(2) or "").strip() or after.strip()
+                if m.group(1) not in best or score > best[m.group(1)][0]:
+                    best[m.group(1)] = (score, str(path.relative_to(REPO)), first)
+    return [(name, where, first) for name, (_, where, first) in best.items()]
+
+
+def _opens_paragraph(previous: str) -> bool:
+    """Blank, or a docstring's opening quotes alone."""
+    return not previous.strip() or previous.strip() in ('"""', 'r"""')
+
+
+def _indent(line: str) -> int:
+    return len(line) - len(line.lstrip().lstrip('"'))
