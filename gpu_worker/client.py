@@ -44,9 +44,9 @@ from typing import Any, NamedTuple
 
 import torch
 
+from curvekeys import ClientKeys, warn_if_in_the_clear
 from gpu_worker.batch import Batch
 from gpu_worker.connection import ServiceError, ServiceTimeout, make_hello
-from gpu_worker.curve import ClientKeys, warn_if_in_the_clear
 from gpu_worker.device import resolve_device
 from gpu_worker.fields import ExpectedFields, as_expected, expected_fields, field_differences
 from gpu_worker.loader_config import ENDPOINTS_ENV, GROUP_SECRET_ENV, LoaderConfig, endpoints_of, shard_of

@@ -26,8 +26,8 @@ from typing import Any
 
 import zmq
 
+from curvekeys import ClientKeys
 from gpu_worker.arrivals import Arrivals
-from gpu_worker.curve import ClientKeys
 from gpu_worker.heartbeats import Heartbeats
 from protocol.layout import MAX_FIELDS
 from protocol.messages import (

@@ -16,7 +16,7 @@ from typing import Any
 
 import zmq
 
-from gpu_worker.curve import ClientKeys
+from curvekeys import ClientKeys
 from gpu_worker.loop_clock import LoopClock
 from protocol.messages import Heartbeat, encode
 

@@ -18,9 +18,9 @@ from typing import Any
 import torch
 import zmq
 
+from curvekeys import ClientKeys
 from gpu_worker.batch import Batch
 from gpu_worker.connection import Connection, ServiceError, ServiceTimeout
-from gpu_worker.curve import ClientKeys
 from gpu_worker.delivery import Delivery
 from gpu_worker.fleet import Pace
 from gpu_worker.heartbeats import Heartbeats

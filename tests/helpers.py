@@ -29,8 +29,8 @@ from typing import Any, TypeVar
 
 import zmq
 
+from curvekeys import ClientKeys
 from gpu_worker import ServiceLoader
-from gpu_worker.curve import ClientKeys
 from protocol.layout import SlotLayout
 from protocol.messages import StatusReply, StatusRequest, decode, encode
 

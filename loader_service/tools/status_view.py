@@ -15,7 +15,7 @@ from typing import Any
 
 import zmq
 
-from gpu_worker.curve import ClientKeys
+from curvekeys import ClientKeys
 from protocol.messages import (
     ErrorReply,
     Heartbeat,
@@ -37,7 +37,7 @@ def query_status(
     """The status body of the service at ``endpoint``; ``TimeoutError`` naming it if none comes in time.
 
     ``RuntimeError`` if the service answers with an error, ``ValueError`` for a malformed endpoint or
-    key file. CURVE keys as for a trainer (``gpu_worker.curve``, environment included).
+    key file. CURVE keys as for a trainer (``curvekeys``, environment included).
     """
     keys = ClientKeys.load(server_key, client_key)
     ctx = zmq.Context()

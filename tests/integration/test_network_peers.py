@@ -16,8 +16,8 @@ import pytest
 import zmq
 import zmq.auth
 
+from curvekeys import ClientKeys
 from gpu_worker import ServiceLoader
-from gpu_worker.curve import ClientKeys
 from loader_service.dataset.index import build_index
 from loader_service.supervisor.curve import CurveGuard, TrainerKeys
 from loader_service.tools.keys import KeyPair, make_keys

@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 import zmq.auth
 
-from gpu_worker.curve import ClientKeys, in_the_clear
+from curvekeys import ClientKeys, in_the_clear
 from loader_service.config import ConfigError, load_config
 from loader_service.config.checks import is_loopback_tcp
 from loader_service.supervisor.limits import RateGate

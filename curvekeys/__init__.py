@@ -1,4 +1,6 @@
-"""CURVE on the trainer's side: the keys a connection presents, from arguments or the environment.
+"""CURVE on a client's side (a trainer, ``loader-service status``): the keys a connection presents,
+from arguments or the environment. Both the trainer's package and the service's tools use it, so it
+is a package of its own that imports neither.
 
 A trainer needs the service's public key (``NAME.key``, to know it talks to the real service) and its
 own key pair (``NAME.key_secret``, which the service must have authorised). ``DATAFERRY_SERVER_KEY``
