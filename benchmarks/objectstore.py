@@ -3,8 +3,8 @@ local disk, in one run (NOTE [ Object store reads ], NOTE [ Fetch cache ]).
 
     python -m benchmarks.objectstore [--out DIR] [--quick] [--parts shards,reads,index]
 
-The store is a real S3 server on this machine (SeaweedFS, ``benchmarks/s3server.py``): its latency
-is loopback's, so the "20 ms" rows put the fault proxy (``benchmarks/netfaults.py``) in front of it,
+The store is a real S3 server on this machine (SeaweedFS, ``testkit/s3server.py``): its latency
+is loopback's, so the "20 ms" rows put the fault proxy (``testkit/netfaults.py``) in front of it,
 holding every chunk 20 ms each way, as a store in another zone would. Each service has 2 decode
 workers, batch 64, the built-in train transform at 224 px; one trainer (``ServiceLoader``) times
 whole epochs. The parts:
@@ -141,7 +141,7 @@ def shards_part(work: Path, server: Any, plan: Plan) -> dict[str, Any]:
 
 
 def one_round(work: Path, server: Any, plan: Plan, r: int) -> dict[str, Run]:
-    from benchmarks.netfaults import proxy_process
+    from testkit.netfaults import proxy_process
 
     shards, run_dir = work / "shards", work / "run"
     url = f"s3://{server.bucket}/shards/"
@@ -374,7 +374,7 @@ def main(argv: list[str] | None = None) -> int:
         if args.quick
         else Plan(images=2560, image_size=224, samples=args.samples or 1_000_000, rounds=3)
     )
-    from benchmarks.s3server import S3Server
+    from testkit.s3server import S3Server
 
     results: dict[str, Any] = {"plan": {k: str(v) for k, v in plan.__dict__.items()}}
     with ExitStack() as stack:

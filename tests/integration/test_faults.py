@@ -35,7 +35,7 @@ pytestmark = pytest.mark.integration
 def test_killed_worker_is_replaced_and_no_image_is_lost_or_repeated(
     photo_sources: dict[str, Path], start_service: ServiceFactory, source: str, data_of: SourceData
 ) -> None:
-    """``s3-*``: the same data in a real S3 server (benchmarks/s3server.py)."""
+    """``s3-*``: the same data in a real S3 server (testkit/s3server.py)."""
     n = len(build_index(photo_sources["imagefolder"]))
     data, env = data_of(source)
     service = start_service(data, batch_size=4, workers=2, env=env)

@@ -1,6 +1,6 @@
 """Remote trainers through a network that misbehaves: resets, stalls, latency, a bandwidth cap.
 
-Every test puts ``benchmarks.netfaults.FaultProxy`` (a real TCP proxy) between a trainer and a
+Every test puts ``testkit.netfaults.FaultProxy`` (a real TCP proxy) between a trainer and a
 service that listens on TCP with CURVE. The trainers that matter most run as another host would: in
 their own mount namespace with a private /dev/shm, so every byte they get came through the proxy.
 Run them all with ``pytest tests/integration -k network``.
@@ -19,7 +19,7 @@ from typing import Any
 
 import pytest
 
-from benchmarks.netfaults import FaultProxy
+from testkit.netfaults import FaultProxy
 from gpu_worker import ServiceLoader
 from loader_service.dataset.index import build_index
 from loader_service.tools.keys import make_keys

@@ -1,4 +1,4 @@
-"""Data in an object store, through a real S3 server (SeaweedFS on loopback, benchmarks/s3server.py):
+"""Data in an object store, through a real S3 server (SeaweedFS on loopback, testkit/s3server.py):
 the same feed as from a local copy, and what happens when the store fails for real."""
 
 from __future__ import annotations
@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING
 
 import pytest
 
-from benchmarks.netfaults import FaultProxy
+from testkit.netfaults import FaultProxy
 from benchmarks.objectstore import counted_store_reads
 from gpu_worker import ServiceLoader
 from loader_service.dataset import remotefiles
@@ -38,7 +38,7 @@ from tests.helpers import (
 )
 
 if TYPE_CHECKING:
-    from benchmarks.s3server import S3Server
+    from testkit.s3server import S3Server
 
 pytestmark = pytest.mark.integration
 

@@ -1,4 +1,4 @@
-"""The S3 test server (benchmarks/s3server.py) against obstore: reads, refusals, crashes and a clean stop."""
+"""The S3 test server (testkit/s3server.py) against obstore: reads, refusals, crashes and a clean stop."""
 
 from __future__ import annotations
 
@@ -14,7 +14,7 @@ import pytest
 if TYPE_CHECKING:
     from obstore.store import RetryConfig
 
-    from benchmarks.s3server import S3Server
+    from testkit.s3server import S3Server
 
 pytestmark = pytest.mark.integration
 

@@ -208,7 +208,7 @@ def test_trainer_killed_mid_epoch_resumes_from_its_state(
     source: str,
     data_of: SourceData,
 ) -> None:
-    """``s3-*``: the same data in a real S3 server (benchmarks/s3server.py)."""
+    """``s3-*``: the same data in a real S3 server (testkit/s3server.py)."""
     photos = photo_sources["imagefolder"]
     data, env = data_of(source)
     service = start_service(data, batch_size=8, client_timeout=3, env=env)
