@@ -39,8 +39,7 @@ from typing import Any
 import numpy as np
 
 from benchmarks.service_process import serving
-from loader_service.dataset import remote
-from loader_service.dataset.storage import LocalFiles
+from testkit.counting import CountingFiles, counted_store_reads
 
 BATCH = 64
 WORKERS = 2
@@ -223,7 +222,7 @@ def _started(index: Any, runtime: Path) -> str:
 def parquet_part(work: Path, server: Any, plan: Plan) -> dict[str, Any]:
     """The photos as the Parquet files ``datasets`` writes, against the same photos as tar shards, both
     local: epoch rates in alternating rounds, and bytes read per image byte on the workers' reader."""
-    from loader_service.tools.sample_data import write_parquet
+    from testkit.fixtures import write_parquet
 
     folder = write_parquet(plan.data, work / "parquet", files=4)
     rounds = []
@@ -285,36 +284,6 @@ def parquet_index_part(work: Path, server: Any, plan: Plan) -> dict[str, Any]:
     return {"rows": rows * files, "seconds": seconds}
 
 
-class CountingFiles(LocalFiles):
-    """Local files, counting the bytes read by range: what an image costs beyond its own bytes."""
-
-    bytes_read = 0
-
-    def read_range(self, name: str, offset: int, size: int) -> bytes:
-        data = super().read_range(name, offset, size)
-        self.bytes_read += len(data)
-        return data
-
-
-@contextmanager
-def counted_store_reads() -> Iterator[list[int]]:
-    """The bytes of every read a worker's reader makes of a store while the block runs, one a read:
-    ``remote.Bucket.read`` wrapped, in this process."""
-    fetched: list[int] = []
-    real = remote.Bucket.read
-
-    async def counting(self: remote.Bucket, key: str, start: int, size: int, etag: str, limit: int) -> bytes:
-        data = await real(self, key, start, size, etag, limit)
-        fetched.append(len(data))
-        return data
-
-    remote.Bucket.read = counting  # type: ignore[method-assign]
-    try:
-        yield fetched
-    finally:
-        remote.Bucket.read = real  # type: ignore[method-assign]
-
-
 def _seconds(job: Callable[[], object]) -> float:
     start = time.perf_counter()
     job()
@@ -348,7 +317,7 @@ def prepare(work: Path, server: Any, plan: Plan, quick: bool) -> Plan:
     """The benchmark photos as shards, on disk and in the store."""
     from benchmarks.config import make_config
     from benchmarks.datasets import prepare_data
-    from loader_service.tools.sample_data import write_shards
+    from testkit.fixtures import write_shards
 
     data = prepare_data(make_config(quick, images=plan.images))
     count = len(write_shards(data.root, work / "shards", PER_SHARD))

@@ -61,7 +61,6 @@ from benchmarks.datasets import (
     shards_folder,
 )
 from benchmarks.machine import machine_facts
-from testkit.netfaults import proxy_process
 from benchmarks.pipelines import H_PIPELINE, measure_identical, pipeline_spec, torchvision_problem
 from benchmarks.proctree import service_segments
 from benchmarks.progress import LazyProgress, say
@@ -116,6 +115,7 @@ from gpu_worker import ServiceLoader
 from loader_service.dataset.index import DatasetIndex, build_index
 from loader_service.decode.decoders import describe_decoder
 from loader_service.decode.transforms import Recipe
+from testkit.netfaults import proxy_process
 
 SERVICE_CREDITS = 6
 """ServiceLoader's default: also how many batches may wait for it after it idled."""

@@ -337,7 +337,7 @@ def write_tar(path: Path, members: Iterable[tuple[str, bytes]], fmt: int = tarfi
 
 def write_shards(root: Path, out: Path, per_shard: int = 16) -> list[Path]:
     """WebDataset-style shards of ``root``'s photos: KEY.jpg, KEY.cls and KEY.json per sample."""
-    from loader_service.tools.sample_data import write_shards as write
+    from testkit.fixtures import write_shards as write
 
     return write(root, out, per_shard)
 
@@ -447,6 +447,6 @@ def feed_formats_without_bad_files(endpoint: str) -> dict[str, str]:
 
 def write_parquet(root: Path, folder: Path, files: int = 1) -> Path:
     """``root``'s photos as the Parquet files Hugging Face ``datasets`` writes (``sample_data``)."""
-    from loader_service.tools.sample_data import write_parquet as write
+    from testkit.fixtures import write_parquet as write
 
     return write(root, folder, files)

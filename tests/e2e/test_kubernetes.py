@@ -163,7 +163,6 @@ def test_the_image_copies_what_the_install_needs_and_no_secret() -> None:
         "curvekeys",
         "loader_service",
         "gpu_worker",
-        "benchmarks",
     }
     ignored = (REPO / ".dockerignore").read_text().split()
     assert {"**/*.key_secret", "**/keys/", ".venv/", ".git/"} <= set(ignored)

@@ -19,10 +19,10 @@ from typing import Any
 
 import pytest
 
-from testkit.netfaults import FaultProxy
 from gpu_worker import ServiceLoader
 from loader_service.dataset.index import build_index
 from loader_service.tools.keys import make_keys
+from testkit.netfaults import FaultProxy
 from tests.helpers import (
     PRIVATE_SHM,
     REPO,

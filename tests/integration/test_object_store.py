@@ -16,14 +16,14 @@ from typing import TYPE_CHECKING
 
 import pytest
 
-from testkit.netfaults import FaultProxy
-from benchmarks.objectstore import counted_store_reads
 from gpu_worker import ServiceLoader
 from loader_service.dataset import remotefiles
 from loader_service.dataset.index import build_index
 from loader_service.dataset.remote import Bucket, StorageConfig, StorageError
 from loader_service.dataset.storage import DecodeError
 from loader_service.decode.reading import SampleReader
+from testkit.counting import counted_store_reads
+from testkit.netfaults import FaultProxy
 from tests.helpers import (
     REPO,
     ServiceFactory,

@@ -7,13 +7,13 @@ from pathlib import Path
 
 import pytest
 
-from benchmarks.objectstore import CountingFiles
 from loader_service.dataset import parquet
 from loader_service.dataset.index import build_index
 from loader_service.dataset.source import Columns
 from loader_service.dataset.storage import DecodeError
 from loader_service.dataset.tables import DatasetError
 from loader_service.decode.reading import SampleReader
+from testkit.counting import CountingFiles
 from tests.helpers import folder_samples, write_parquet
 
 pa = pytest.importorskip("pyarrow")
