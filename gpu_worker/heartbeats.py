@@ -109,7 +109,7 @@ def _apply(
 
 def _send(sock: zmq.Socket[Any], beat: Beat, clock: LoopClock) -> None:
     waited, computed = clock.totals()
-    msg = Heartbeat(beat.token, waited=int(waited * 1000), computed=int(computed * 1000))
+    msg = Heartbeat(beat.token, waited=int(waited * 1000), computed=int(computed * 1000), pulls=clock.pulls)
     try:
         sock.send(encode(msg), zmq.NOBLOCK)
     except zmq.Again:

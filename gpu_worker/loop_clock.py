@@ -5,7 +5,8 @@ NOTE [ Exposed wait ]
     (the pull), not whatever the loop does with a batch afterwards: the time from a batch handed to
     the loop to the loop's next ``next()`` is its compute. Both are counted here, in the loop's own
     thread, and reported in every heartbeat (cumulative milliseconds, so a lost heartbeat loses
-    nothing), to every service the loader is attached to: the services' load (NOTE [ Fleet load ]
+    nothing), with the number of batches pulled (a service divides compute by it to see a step
+    get slower), to every service the loader is attached to: the services' load (NOTE [ Fleet load ]
     in loader_service/supervisor/load.py) comes from it. Time outside an epoch's iteration (between
     epochs, evaluation, a loop that stopped pulling) counts as neither. ``loader.stats()`` shows the
     same two figures.
@@ -24,6 +25,7 @@ class LoopClock:
         self._lock = threading.Lock()
         self._waited = 0.0
         self._computed = 0.0
+        self._pulls = 0
         self._state = ""
         """'' (outside an iteration), "wait" (in ``next()``) or "compute" (holding a batch)."""
         self._since = 0.0
@@ -44,6 +46,13 @@ class LoopClock:
     def computing(self) -> None:
         """The loop got its batch."""
         self._switch("compute")
+        with self._lock:
+            self._pulls += 1
+
+    @property
+    def pulls(self) -> int:
+        """Batches the loop has been handed."""
+        return self._pulls
 
     def idle(self) -> None:
         """The loop left the epoch (ended, broke out, or was abandoned)."""

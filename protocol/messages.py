@@ -109,7 +109,7 @@ __all__ = [
     "encode",
 ]
 
-PROTOCOL_VERSION: Final = 7
+PROTOCOL_VERSION: Final = 8
 MAX_FRAME_BYTES: Final = 64 * 1024
 _FIELDS: Final = ListOf(Items((Str(64), OneOf(DTYPES), ListOf(Int(1, 1 << 24), MAX_DIMS))), MAX_FIELDS)
 MAX_RELEASES: Final = 4096
@@ -236,7 +236,8 @@ class Heartbeat(Message):
     gets this heartbeat without lease ``sent`` knows that announcement was lost, and one whose run
     is newer knows its start was (NOTE [ Acknowledged delivery ]). From a trainer it also carries
     how long its loop has waited in ``next()`` and computed between pulls, in milliseconds since
-    the loader began (NOTE [ Exposed wait ] in gpu_worker/loop_clock.py)."""
+    the loader began, and how many batches it has pulled (NOTE [ Exposed wait ] in
+    gpu_worker/loop_clock.py)."""
 
     KIND: ClassVar[str] = "heartbeat"
     token: Annotated[str, _TOKEN] = ""
@@ -244,6 +245,7 @@ class Heartbeat(Message):
     run: Annotated[int, Int(-1, 2**31), OMITTABLE] = -1
     waited: Annotated[int, _MILLIS, OMITTABLE] = 0
     computed: Annotated[int, _MILLIS, OMITTABLE] = 0
+    pulls: Annotated[int, _MILLIS, OMITTABLE] = 0
 
 
 @dataclass(frozen=True)

@@ -74,6 +74,17 @@ def demand(loop: Totals, since: float | None = None) -> float:
     return min(MAX_DEMAND, (waited + computed) / computed)
 
 
+def step_seconds(steps: Iterable[Totals], since: float) -> float | None:
+    """The trainers' compute per batch pulled from ``since`` on, all of them together (their
+    ``Session.steps``); None until they have pulled any."""
+    computed = pulled = 0.0
+    for totals in steps:
+        change = totals.change(since)
+        if change is not None:
+            computed, pulled = computed + change[1], pulled + change[2]
+    return computed / pulled if pulled > 0 else None
+
+
 def busy(workers: Totals) -> float:
     """The workers' share of time on tasks over the window (totals: seconds on tasks, and seconds
     of workers there were to take them)."""

@@ -57,7 +57,7 @@ from loader_service.supervisor.curve import CurveGuard
 from loader_service.supervisor.endpoint import claim_ipc_path, ipc_path, release_ipc_path
 from loader_service.supervisor.feeds import Feed
 from loader_service.supervisor.lifeline import Lifeline
-from loader_service.supervisor.load import WorkerTime, demand, measure
+from loader_service.supervisor.load import WorkerTime, demand, measure, step_seconds
 from loader_service.supervisor.metrics import ServiceMetrics
 from loader_service.supervisor.outbox import Outbox
 from loader_service.supervisor.scheduler import Scheduler
@@ -217,8 +217,12 @@ class LoaderService:
         loops = [s.loop for s in self._attached.sessions.values()]
         # A window with a worker booting (at start, or a replacement) measures the boot, not the work.
         measured = len(loops) if workers.all_active_ready() else 0
+        steps = [s.steps for s in self._attached.sessions.values()]
         changed = sizer.tick(
-            sample, lambda since: max((demand(loop, since) for loop in loops), default=1.0), measured
+            sample,
+            lambda since: max((demand(loop, since) for loop in loops), default=1.0),
+            measured,
+            lambda since: step_seconds(steps, since),
         )
         if changed is not None:
             workers.active = changed

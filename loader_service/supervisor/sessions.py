@@ -61,6 +61,8 @@ class Session:
     """The hello that opened or last resumed the session: the same one again is a repeat."""
     loop: Totals = field(default_factory=Totals)
     """The trainer loop's waited and computed seconds, from its heartbeats (NOTE [ Fleet load ])."""
+    steps: Totals = field(default_factory=Totals)
+    """Its computed seconds and batches pulled: what a step costs it (NOTE [ Sizing workers ])."""
 
     def presents(self, token: str) -> bool:
         """Is ``token`` this session's? Compared in constant time."""

@@ -26,7 +26,10 @@ NOTE [ Sizing workers ]
        (credits, the network, their own host): hold. Rule 4 undoes an addition made in error.
     4. The window after an addition checks its gain: a rate that rose by less than ``GAIN`` of what
        the new workers promised (memory bandwidth, a store's own limit, a CPU neighbour) undoes
-       the step, and the count is held for ``HOLD`` windows.
+       the step, and the count is held for ``HOLD`` windows. So does a step after which the
+       trainers' own compute per batch (their heartbeats' computed time over batches pulled) grew
+       by more than ``SLOWER``: the new workers took CPU the trainers needed (a trainer computing
+       on the same host), and a faster feed to slower trainers is no gain.
     With no trainer attached it holds (a warm start's few batches say nothing of the next trainer),
     and its first window starts when one attaches; likewise while a worker taking tasks is still
     booting (the service's start, a replacement), whose window would measure the boot. A parked
@@ -56,13 +59,15 @@ WAITING = 1.1
 """Demand above which trainers count as waiting: a tenth of their time blocked on data."""
 JUMP = 4.0
 GAIN = 0.5
+SLOWER = 1.2
+"""A step after which the trainers' compute per batch grew by more than this factor is undone."""
 HOLD = 3
 SHORT = 2.0
 LONG = 10.0
 MIN_COST = 0.05
+"""Cores a worker is taken to cost at least: a worker that seems free is never free."""
 CPU_BOUND = 0.5
 """CPU per second on a task above which a worker counts as a whole core (NOTE [ Sizing workers ])."""
-"""Cores a worker is taken to cost at least: a worker that seems free is never free."""
 DECISIONS = 8
 """Decisions kept for ``status``."""
 
@@ -87,10 +92,13 @@ class Window:
     cost: float
     rate: float
     demand: float
+    step: float | None = None
+    """The trainers' compute per batch pulled, in seconds; None before they pulled any."""
 
     def describe(self) -> str:
+        step = "" if self.step is None else f", their step {self.step * 1000:.0f} ms"
         return (
-            f"trainers' demand {self.demand:.2f}, workers busy {self.busy:.0%}, "
+            f"trainers' demand {self.demand:.2f}{step}, workers busy {self.busy:.0%}, "
             f"{self.cost:.2f} cores each, {self.rate:.0f} images/s"
         )
 
@@ -115,14 +123,20 @@ class Sizer:
     decisions: deque[Decision] = field(default_factory=lambda: deque(maxlen=DECISIONS))
     _base: Sample | None = None
     _window: float = SHORT
-    _added: tuple[int, float] | None = None
-    """After an addition: (count before it, rate before it), checked by the next window."""
+    _added: tuple[int, float, float | None] | None = None
+    """After an addition: (count, rate and trainers' step before it), checked by the next window."""
     _hold: int = 0
     last: Window | None = None
 
-    def tick(self, sample: Sample, demand_since: Callable[[float], float], trainers: int = 1) -> int | None:
-        """Take the totals now; ``demand_since(t)`` is the trainers' largest demand from ``t`` on.
-        A new count, or None."""
+    def tick(
+        self,
+        sample: Sample,
+        demand_since: Callable[[float], float],
+        trainers: int = 1,
+        step_since: Callable[[float], float | None] = lambda since: None,
+    ) -> int | None:
+        """Take the totals now; ``demand_since(t)`` is the trainers' largest demand from ``t`` on,
+        ``step_since(t)`` their compute per batch. A new count, or None."""
         base = self._base
         if not trainers:  # nothing to size for; the first window starts when a trainer attaches
             self._base = sample
@@ -134,7 +148,7 @@ class Sizer:
         if sample.at - base.at < self._window and demand <= WAITING:
             return None  # settled and nobody waits: the long window runs on
         self._base = sample
-        window = _measure(base, sample, self.active, demand)
+        window = _measure(base, sample, self.active, demand, step_since(base.at))
         self.last = window
         after, reason = self._decide(window)
         if after == self.active:
@@ -169,14 +183,18 @@ class Sizer:
         after = max(self.active, min(wanted, affordable, self.most))
         if after == self.active:
             return self.active, "at the CPU budget or the workers started"
-        self._added = (self.active, w.rate)
+        self._added = (self.active, w.rate, w.step)
         return after, f"trainers wait: {w.describe()}"
 
     def _check_gain(self, w: Window) -> tuple[int, str] | None:
         """The window after an addition: undo it if it gained too little."""
         assert self._added is not None
-        before, rate = self._added
+        before, rate, step = self._added
         self._added = None
+        if step is not None and w.step is not None and w.step > SLOWER * step:
+            self._hold = HOLD
+            slower = f"{step * 1000:.0f} -> {w.step * 1000:.0f} ms"
+            return before, f"the trainers' step got slower after it ({slower}): undone"
         promised = rate / before * (self.active - before) if before else 0.0
         if promised <= 0 or w.rate - rate >= GAIN * promised:
             return None
@@ -192,7 +210,7 @@ class Sizer:
             "budget": round(self.budget, 2),
             "window": None if w is None else {
                 "busy": round(w.busy, 3), "cost": round(w.cost, 3), "rate": round(w.rate, 1),
-                "demand": round(w.demand, 3),
+                "demand": round(w.demand, 3), "step_ms": None if w.step is None else round(w.step * 1000, 1),
             },
             "decisions": [
                 {"seconds_ago": round(now - d.at, 1), "from": d.before, "to": d.after, "reason": d.reason}
@@ -201,7 +219,7 @@ class Sizer:
         }  # fmt: skip
 
 
-def _measure(base: Sample, now: Sample, active: int, demand: float) -> Window:
+def _measure(base: Sample, now: Sample, active: int, demand: float, step: float | None) -> Window:
     seconds = now.at - base.at
     capacity = seconds * active
     on_tasks = now.on_tasks - base.on_tasks
@@ -211,4 +229,5 @@ def _measure(base: Sample, now: Sample, active: int, demand: float) -> Window:
         cost=max(0.0, (now.cpu - base.cpu) / (on_tasks if on_tasks > 0 else capacity)),
         rate=max(0.0, (now.images - base.images) / seconds),
         demand=demand,
+        step=step,
     )

@@ -89,6 +89,7 @@ class TrainerDesk:
             if beating is not None:
                 beating.last_seen = time.monotonic()
                 beating.loop.add(beating.last_seen, msg.waited / 1000, msg.computed / 1000)
+                beating.steps.add(beating.last_seen, msg.computed / 1000, msg.pulls)
                 self._note_beat(routing_id, beating.last_seen)
             return
         session = self._attached.sessions.get(routing_id)

@@ -88,6 +88,8 @@ def test_a_feed_that_computes_stays_in_the_budget_and_backs_off_when_the_trainer
     assert busy["active"] == int(busy["budget"]) >= 2, f"a worker per core while the trainer waits: {busy}"
     assert idle["active"] == 1, f"one once nobody waits: {idle}"
     assert any("no trainer waits" in d["reason"] for d in idle["decisions"]), idle
+    step_ms = idle["window"]["step_ms"]
+    assert 250 <= step_ms <= 450, f"the trainer's 300 ms step, from its heartbeats' pulls: {idle}"
 
 
 @contextlib.contextmanager

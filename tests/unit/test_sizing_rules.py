@@ -27,13 +27,22 @@ class Feed:
     def sample(self) -> Sample:
         return Sample(self.now, self.on_tasks, self.cpu, self.images)
 
-    def run(self, busy: float, cost: float, rate: float, demand: float, seconds: float = SHORT) -> int | None:
+    def run(
+        self,
+        busy: float,
+        cost: float,
+        rate: float,
+        demand: float,
+        seconds: float = SHORT,
+        step: float | None = None,
+    ) -> int | None:
+        """``step``: the trainers' compute per batch over the window, in seconds."""
         active = self.sizer.active
         self.now += seconds
         self.on_tasks += busy * active * seconds
         self.cpu += cost * busy * active * seconds  # ``cost``: cores while on a task
         self.images += int(rate * seconds)
-        return self.sizer.tick(self.sample(), lambda since: demand)
+        return self.sizer.tick(self.sample(), lambda since: demand, 1, lambda since: step)
 
 
 def test_trainers_that_wait_on_workers_that_wait_get_more_workers_than_cores() -> None:
@@ -80,6 +89,20 @@ def test_a_step_that_gains_little_is_undone_and_held() -> None:
     for _ in range(HOLD):
         assert feed.run(busy=1.0, cost=0.5, rate=400, demand=4.0) is None, "held"
     assert feed.run(busy=1.0, cost=0.5, rate=400, demand=4.0) == 8, "tried again after the hold"
+
+
+def test_a_step_after_which_the_trainers_compute_slower_is_undone() -> None:
+    """A trainer computing on the same host: the new workers take its CPU. The feed did deliver
+    more, but the trainers' step went from 40 to 55 ms a batch."""
+    feed = Feed(Sizer(active=2, most=16, budget=16.0))
+    assert feed.run(busy=1.0, cost=0.3, rate=400, demand=2.0, step=0.040) == 4
+    assert feed.run(busy=1.0, cost=0.3, rate=790, demand=2.0, step=0.055) == 2
+    assert "step got slower" in feed.sizer.decisions[-1].reason
+    for _ in range(HOLD):
+        assert feed.run(busy=1.0, cost=0.3, rate=400, demand=2.0, step=0.040) is None, "held"
+    feed = Feed(Sizer(active=2, most=16, budget=16.0))
+    assert feed.run(busy=1.0, cost=0.3, rate=400, demand=2.0, step=0.040) == 4
+    assert feed.run(busy=1.0, cost=0.3, rate=790, demand=2.0, step=0.044) == 8, "10 % is noise: kept"
 
 
 def test_a_step_that_gains_what_it_promised_stays() -> None:
