@@ -6,8 +6,8 @@ from __future__ import annotations
 from collections.abc import Iterator
 from contextlib import contextmanager
 
-from loader_service.dataset import remote
-from loader_service.dataset.storage import LocalFiles
+from loader_service.dataset.storage import objectstore as remote
+from loader_service.dataset.storage.local import LocalFiles
 
 
 class CountingFiles(LocalFiles):

@@ -11,7 +11,7 @@ from typing import Any
 
 import zmq.auth
 
-from loader_service.dataset.remote import is_remote
+from loader_service.dataset.storage.objectstore import is_remote
 from loader_service.decode.decoders import decoder_problem
 from loader_service.decode.pipeline import parse_spec
 

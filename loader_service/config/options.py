@@ -34,8 +34,8 @@ from loader_service.config import checks
 from loader_service.config.checks import Check, at_least, between, positive
 from loader_service.config.cpus import Budget, cpu_budget
 from loader_service.dataset.index import FORMATS, LOCAL
-from loader_service.dataset.remote import StorageConfig, is_remote
-from loader_service.dataset.storage import DEFAULT_MAX_FILE_BYTES
+from loader_service.dataset.storage.local import DEFAULT_MAX_FILE_BYTES
+from loader_service.dataset.storage.objectstore import StorageConfig, is_remote
 from loader_service.decode.decoders import DECODERS, uses_roi
 from loader_service.decode.geometry import INTERPOLATIONS
 from protocol.layout import FieldSpec

@@ -20,7 +20,7 @@ from loader_service.dataset.tables import I64, StringTable
 
 if TYPE_CHECKING:  # the index is built from these types; importing it here would be a cycle
     from loader_service.dataset.index import DatasetIndex
-    from loader_service.dataset.remote import StorageConfig
+    from loader_service.dataset.storage.objectstore import StorageConfig
 
 Progress = Callable[[int], None]
 """Called with the number of samples found so far, every 10,000 or so."""

@@ -20,7 +20,7 @@ from typing import cast
 import cv2
 import numpy as np
 
-from loader_service.dataset.storage import DEFAULT_MAX_FILE_BYTES, DecodeError, read_file
+from loader_service.dataset.storage.local import DEFAULT_MAX_FILE_BYTES, DecodeError, read_file
 from loader_service.decode import regions
 from loader_service.decode.geometry import (
     INTERPOLATIONS,

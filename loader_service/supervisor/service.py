@@ -44,8 +44,8 @@ import zmq
 from loader_service.config import ServiceConfig
 from loader_service.config.checks import is_loopback_tcp
 from loader_service.config.options import ByteSize
-from loader_service.dataset.cachedir import FetchCache
-from loader_service.dataset.remote import FULL_ERRNOS, LocalDiskFull
+from loader_service.dataset.storage.cachedir import FetchCache
+from loader_service.dataset.storage.objectstore import FULL_ERRNOS, LocalDiskFull
 from loader_service.decode.decoders import describe_decoder
 from loader_service.decode.pipeline import THREAD_ENV
 from loader_service.decode.progress import ProgressBoard

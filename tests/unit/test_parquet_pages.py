@@ -17,7 +17,7 @@ import pyarrow.parquet as pq
 import pytest
 from PIL import Image
 
-from loader_service.dataset.parquetpages import (
+from loader_service.dataset.formats.parquet.pages import (
     DICTIONARY_PAGE,
     PLAIN,
     RLE_DICTIONARY,

@@ -7,10 +7,10 @@ from pathlib import Path
 
 import pytest
 
-from loader_service.dataset import parquet
+from loader_service.dataset.formats.parquet import source as parquet
 from loader_service.dataset.index import build_index
 from loader_service.dataset.source import Columns
-from loader_service.dataset.storage import DecodeError
+from loader_service.dataset.storage.local import DecodeError
 from loader_service.dataset.tables import DatasetError
 from loader_service.decode.reading import SampleReader
 from testkit.counting import CountingFiles

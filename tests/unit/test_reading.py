@@ -9,9 +9,9 @@ from pathlib import Path
 
 import pytest
 
-from loader_service.dataset import storage
 from loader_service.dataset.index import DatasetIndex, build_index
-from loader_service.dataset.storage import DecodeError
+from loader_service.dataset.storage import local as storage
+from loader_service.dataset.storage.local import DecodeError
 from loader_service.decode.reading import SampleReader
 from tests.helpers import write_tar
 

@@ -17,11 +17,9 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from loader_service.dataset import tarfast, tarformat
-from loader_service.dataset.index import DatasetError, DatasetIndex, build_index
-from loader_service.dataset.shards import expand_braces, list_shards
-from loader_service.dataset.tables import ListMetadata, TarMembers
-from loader_service.dataset.tarformat import (
+from loader_service.dataset.formats.tar import fast as tarfast
+from loader_service.dataset.formats.tar import headers as tarformat
+from loader_service.dataset.formats.tar.headers import (
     BadHeader,
     number,
     octal,
@@ -29,8 +27,11 @@ from loader_service.dataset.tarformat import (
     overridden,
     pax_records,
 )
-from loader_service.dataset.tarsamples import SampleTable
-from loader_service.dataset.tarshards import scan_shards
+from loader_service.dataset.formats.tar.samples import SampleTable
+from loader_service.dataset.formats.tar.source import scan_shards
+from loader_service.dataset.index import DatasetError, DatasetIndex, build_index
+from loader_service.dataset.storage.patterns import expand_braces, list_shards
+from loader_service.dataset.tables import ListMetadata, TarMembers
 from tests.helpers import write_tar
 
 REPO = Path(__file__).resolve().parents[2]

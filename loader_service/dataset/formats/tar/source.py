@@ -34,27 +34,8 @@ from functools import partial
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from loader_service.dataset.remote import StorageConfig, is_remote
-from loader_service.dataset.remotefolder import remote_objects
-from loader_service.dataset.shards import (
-    COMPRESSED_SUFFIXES,
-    TAR_SUFFIX,
-    holds_shards,
-    is_brace_pattern,
-    list_shards,
-)
-from loader_service.dataset.source import Columns, IndexPart, Mapped, Metadata, Progress, Scanned, Source
-from loader_service.dataset.storage import DecodeError, Files, open_files
-from loader_service.dataset.tables import (
-    IMAGE_EXTENSIONS,
-    SIZE_UNKNOWN,
-    DatasetError,
-    StringTable,
-    TarMembers,
-    decode_name,
-)
-from loader_service.dataset.tarfast import READ_AHEAD, NotPlain, scan_plain
-from loader_service.dataset.tarformat import (
+from loader_service.dataset.formats.tar.fast import READ_AHEAD, NotPlain, scan_plain
+from loader_service.dataset.formats.tar.headers import (
     BLOCK,
     GNU_LONG_NAME,
     HEADER,
@@ -71,12 +52,31 @@ from loader_service.dataset.tarformat import (
     padded,
     pax_records,
 )
-from loader_service.dataset.tarsamples import (
+from loader_service.dataset.formats.tar.samples import (
     LABEL_EXTENSION,
     MAX_LABEL_BYTES,
     SampleTable,
     TarScan,
     split_member_name,
+)
+from loader_service.dataset.source import Columns, IndexPart, Mapped, Metadata, Progress, Scanned, Source
+from loader_service.dataset.storage.local import DecodeError, Files, open_files
+from loader_service.dataset.storage.objectfolder import remote_objects
+from loader_service.dataset.storage.objectstore import StorageConfig, is_remote
+from loader_service.dataset.storage.patterns import (
+    COMPRESSED_SUFFIXES,
+    TAR_SUFFIX,
+    holds_shards,
+    is_brace_pattern,
+    list_shards,
+)
+from loader_service.dataset.tables import (
+    IMAGE_EXTENSIONS,
+    SIZE_UNKNOWN,
+    DatasetError,
+    StringTable,
+    TarMembers,
+    decode_name,
 )
 
 log = logging.getLogger(__name__)

@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING, Any, NamedTuple
 import numpy as np
 
 from loader_service.dataset.source import Columns, IndexPart, Mapped, Progress, Scanned, Source
-from loader_service.dataset.storage import FilePerSample
+from loader_service.dataset.storage.local import FilePerSample
 from loader_service.dataset.tables import (
     I64,
     DatasetError,
@@ -27,7 +27,7 @@ from loader_service.dataset.tables import (
 )
 
 if TYPE_CHECKING:
-    from loader_service.dataset.remote import StorageConfig
+    from loader_service.dataset.storage.objectstore import StorageConfig
 
 EXTENSIONS = (".jpg", ".jpeg", ".png", ".bmp", ".webp", ".tif", ".tiff")
 

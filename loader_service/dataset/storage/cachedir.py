@@ -46,7 +46,7 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-from loader_service.dataset.remote import StorageConfig, local_write_error
+from loader_service.dataset.storage.objectstore import StorageConfig, local_write_error
 from loader_service.dataset.tables import DatasetError
 
 log = logging.getLogger(__name__)

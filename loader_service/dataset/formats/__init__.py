@@ -6,9 +6,17 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
-from loader_service.dataset import filelist, folder, parquet, tarshards
-from loader_service.dataset.remote import SCAN_DEADLINE, Bucket, StorageConfig, is_remote, split_url
+from loader_service.dataset.formats import filelist, folder
+from loader_service.dataset.formats.parquet import source as parquet
+from loader_service.dataset.formats.tar import source as tarshards
 from loader_service.dataset.source import Source
+from loader_service.dataset.storage.objectstore import (
+    SCAN_DEADLINE,
+    Bucket,
+    StorageConfig,
+    is_remote,
+    split_url,
+)
 from loader_service.dataset.tables import DatasetError
 
 SOURCES: dict[str, Source] = {

@@ -22,8 +22,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from loader_service.dataset.cachedir import FetchCache
-from loader_service.dataset.remote import (
+from loader_service.dataset.storage.cachedir import FetchCache
+from loader_service.dataset.storage.objectstore import (
     FULL_ERRNOS,
     SCAN_DEADLINE,
     Bucket,
@@ -32,7 +32,12 @@ from loader_service.dataset.remote import (
     StorageConfig,
     split_url,
 )
-from loader_service.dataset.shards import COMPRESSED_SUFFIXES, TAR_SUFFIX, expand_braces, is_brace_pattern
+from loader_service.dataset.storage.patterns import (
+    COMPRESSED_SUFFIXES,
+    TAR_SUFFIX,
+    expand_braces,
+    is_brace_pattern,
+)
 from loader_service.dataset.tables import DatasetError
 from loader_service.shm import scratch_folder
 

@@ -24,9 +24,15 @@ from typing import TYPE_CHECKING, Any, NamedTuple
 
 import numpy as np
 
-from loader_service.dataset.remote import SCAN_DEADLINE, Bucket, StorageConfig, is_remote, split_url
 from loader_service.dataset.source import Columns, IndexPart, Mapped, Metadata, Progress, Scanned, Source
-from loader_service.dataset.storage import DecodeError, FilePerSample, Files, SampleFiles, open_files
+from loader_service.dataset.storage.local import DecodeError, FilePerSample, Files, SampleFiles, open_files
+from loader_service.dataset.storage.objectstore import (
+    SCAN_DEADLINE,
+    Bucket,
+    StorageConfig,
+    is_remote,
+    split_url,
+)
 from loader_service.dataset.tables import (
     I64,
     DatasetError,

@@ -339,7 +339,7 @@ def sample_error(exc: Exception, url: str) -> Exception:
     """What a failed read of ``url`` in a worker is: a bad sample (DecodeError: the object, or this
     request for it, is wrong and asking again cannot help) or StoreUnavailable (the store is down,
     slow or overloaded: obstore already retried within the deadline; the task is done later)."""
-    from loader_service.dataset.storage import DecodeError
+    from loader_service.dataset.storage.local import DecodeError
 
     kind = type(exc).__name__
     if _not_found(exc):

@@ -23,9 +23,9 @@ from dataclasses import dataclass, field
 import numpy as np
 import numpy.typing as npt
 
+from loader_service.dataset.formats.tar.headers import BLOCK, REGULAR, USTAR, ZERO_BLOCK, checksums_ok, octal
+from loader_service.dataset.formats.tar.samples import MAX_LABEL_BYTES, SampleTable, is_skipped_meta
 from loader_service.dataset.tables import decode_name
-from loader_service.dataset.tarformat import BLOCK, REGULAR, USTAR, ZERO_BLOCK, checksums_ok, octal
-from loader_service.dataset.tarsamples import MAX_LABEL_BYTES, SampleTable, is_skipped_meta
 
 READ_AHEAD = 4096
 """Bytes read at a header: usually also a small member's data and the next header."""

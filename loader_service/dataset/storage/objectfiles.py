@@ -22,8 +22,9 @@ import functools
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 
-from loader_service.dataset.cachedir import FetchCache
-from loader_service.dataset.remote import (
+from loader_service.dataset.storage.cachedir import FetchCache
+from loader_service.dataset.storage.local import DecodeError, LocalFiles, Want
+from loader_service.dataset.storage.objectstore import (
     Bucket,
     NotFetched,
     Requests,
@@ -33,7 +34,6 @@ from loader_service.dataset.remote import (
     sample_error,
     split_url,
 )
-from loader_service.dataset.storage import DecodeError, LocalFiles, Want
 
 PREFETCH_BYTES = 64 << 20
 """Bytes of fetched-ahead reads a worker holds at once (NOTE [ Prefetch budget ])."""

@@ -34,13 +34,13 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 import numpy.typing as npt
 
-from loader_service.dataset.filelist import listed_metadata
-from loader_service.dataset.parquetpages import Chunk, ChunkPages, ParquetPageError
-from loader_service.dataset.remote import Bucket, ObjectInfo, StorageConfig, is_remote
-from loader_service.dataset.remotefolder import RemoteObjects, remote_objects
-from loader_service.dataset.shards import expand_braces, is_brace_pattern
+from loader_service.dataset.formats.filelist import listed_metadata
+from loader_service.dataset.formats.parquet.pages import Chunk, ChunkPages, ParquetPageError
 from loader_service.dataset.source import Columns, IndexPart, Mapped, Metadata, Progress, Scanned, Source
-from loader_service.dataset.storage import DecodeError, Files, open_files
+from loader_service.dataset.storage.local import DecodeError, Files, open_files
+from loader_service.dataset.storage.objectfolder import RemoteObjects, remote_objects
+from loader_service.dataset.storage.objectstore import Bucket, ObjectInfo, StorageConfig, is_remote
+from loader_service.dataset.storage.patterns import expand_braces, is_brace_pattern
 from loader_service.dataset.tables import (
     I64,
     DatasetError,

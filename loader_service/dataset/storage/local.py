@@ -16,8 +16,8 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Protocol
 
-from loader_service.dataset.remote import StorageConfig
 from loader_service.dataset.source import Metadata
+from loader_service.dataset.storage.objectstore import StorageConfig
 from loader_service.dataset.tables import StringTable
 
 if TYPE_CHECKING:
@@ -198,7 +198,7 @@ def open_files(index: DatasetIndex, storage: StorageConfig, max_bytes: int) -> F
     """The files of ``index``'s data, wherever they are; a whole file over ``max_bytes`` is refused
     having read no more than that (and one chunk)."""
     if index.url:
-        from loader_service.dataset.remotefiles import RemoteFiles  # it imports this module
+        from loader_service.dataset.storage.objectfiles import RemoteFiles  # it imports this module
 
         return RemoteFiles(index.url, storage, index.versions, max_bytes)
     return LocalFiles(index.root)
