@@ -12,15 +12,12 @@ from __future__ import annotations
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, NamedTuple, Protocol
+from typing import Any, NamedTuple, Protocol
 
 import numpy.typing as npt
 
+from loader_service.dataset.storage.objectstore import StorageConfig
 from loader_service.dataset.tables import I64, StringTable
-
-if TYPE_CHECKING:  # the index is built from these types; importing it here would be a cycle
-    from loader_service.dataset.index import DatasetIndex
-    from loader_service.dataset.storage.objectstore import StorageConfig
 
 Progress = Callable[[int], None]
 """Called with the number of samples found so far, every 10,000 or so."""
@@ -69,6 +66,26 @@ class Scanned(NamedTuple):
     """The object store folder the names are relative to (``root`` is then unused); "" for local data."""
     versions: Mapping[str, tuple[int, str]] = {}
     """Remote objects the reader reads by range, by name: (size, ETag) as indexed."""
+
+
+class Indexed(Protocol):
+    """What a format reads back of the index its scan made (``dataset.index.DatasetIndex`` is one):
+    the index is built from the formats, so they know it by this much only."""
+
+    @property
+    def root(self) -> Path: ...
+
+    @property
+    def names(self) -> StringTable: ...
+
+    @property
+    def part(self) -> IndexPart | None: ...
+
+    @property
+    def url(self) -> str: ...
+
+    @property
+    def versions(self) -> Mapping[str, tuple[int, str]]: ...
 
 
 class Reader(Protocol):
@@ -127,14 +144,14 @@ class Source(Protocol):
         """The part ``IndexPart.describe`` and ``arrays`` saved, back from the index's description."""
         ...
 
-    def relpath(self, index: DatasetIndex, i: int) -> str:
+    def relpath(self, index: Indexed, i: int) -> str:
         """How sample ``i`` is named in logs, status and ``loader-service index``."""
         ...
 
-    def path(self, index: DatasetIndex, i: int) -> Path:
+    def path(self, index: Indexed, i: int) -> Path:
         """The file that holds sample ``i``."""
         ...
 
-    def reader(self, index: DatasetIndex, max_bytes: int, storage: StorageConfig) -> Reader:
+    def reader(self, index: Indexed, max_bytes: int, storage: StorageConfig) -> Reader:
         """A reader of ``index``'s samples, refusing any over ``max_bytes``."""
         ...

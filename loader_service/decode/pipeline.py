@@ -48,8 +48,8 @@ import numpy.typing as npt
 
 from loader_service.dataset.index import DatasetIndex
 from loader_service.dataset.sampler import sample_rng
-from loader_service.dataset.storage.local import DecodeError
 from loader_service.dataset.storage.objectstore import StoreUnavailable
+from loader_service.dataset.tables import DecodeError
 from loader_service.decode.cache import SampleCache
 from loader_service.decode.reading import SampleReader
 from loader_service.decode.transforms import decode_bytes

@@ -33,8 +33,8 @@ import numpy as np
 import numpy.typing as npt
 
 from loader_service.dataset.index import LOCAL, DatasetIndex
-from loader_service.dataset.storage.local import DecodeError
 from loader_service.dataset.storage.objectstore import StorageConfig, StoreUnavailable
+from loader_service.dataset.tables import DecodeError
 from loader_service.decode.pipeline import (
     OutputError,
     Pipeline,

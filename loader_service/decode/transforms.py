@@ -20,7 +20,8 @@ from typing import cast
 import cv2
 import numpy as np
 
-from loader_service.dataset.storage.local import DEFAULT_MAX_FILE_BYTES, DecodeError, read_file
+from loader_service.dataset.storage.local import DEFAULT_MAX_FILE_BYTES, read_file
+from loader_service.dataset.tables import DecodeError
 from loader_service.decode import regions
 from loader_service.decode.geometry import (
     INTERPOLATIONS,

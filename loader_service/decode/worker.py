@@ -27,8 +27,8 @@ import zmq
 
 from loader_service.dataset.index import LOCAL, DatasetIndex
 from loader_service.dataset.sampler import sample_rng
-from loader_service.dataset.storage.local import DecodeError
 from loader_service.dataset.storage.objectstore import StorageConfig, StoreUnavailable, on_answer
+from loader_service.dataset.tables import DecodeError
 from loader_service.decode.cache import CacheKind, CacheSpec, SampleCache
 from loader_service.decode.geometry import prepare
 from loader_service.decode.pipeline import Pipeline, Sample, load_pipeline, run_into

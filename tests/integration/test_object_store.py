@@ -19,8 +19,8 @@ import pytest
 from gpu_worker import ServiceLoader
 from loader_service.dataset.index import build_index
 from loader_service.dataset.storage import objectfiles as remotefiles
-from loader_service.dataset.storage.local import DecodeError
 from loader_service.dataset.storage.objectstore import Bucket, StorageConfig, StorageError
+from loader_service.dataset.tables import DecodeError
 from loader_service.decode.reading import SampleReader
 from testkit.counting import counted_store_reads
 from testkit.netfaults import FaultProxy

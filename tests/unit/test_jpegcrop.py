@@ -17,7 +17,7 @@ import pytest
 from PIL import Image
 
 from loader_service.config import ConfigError, load_config
-from loader_service.dataset.storage.local import DecodeError
+from loader_service.dataset.tables import DecodeError
 from loader_service.decode import regions
 from loader_service.decode.geometry import Crop, random_resized_crop_params
 from loader_service.decode.regions import roi_decoder_version, roi_scale

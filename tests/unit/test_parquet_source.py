@@ -10,8 +10,7 @@ import pytest
 from loader_service.dataset.formats.parquet import source as parquet
 from loader_service.dataset.index import build_index
 from loader_service.dataset.source import Columns
-from loader_service.dataset.storage.local import DecodeError
-from loader_service.dataset.tables import DatasetError
+from loader_service.dataset.tables import DatasetError, DecodeError
 from loader_service.decode.reading import SampleReader
 from testkit.counting import CountingFiles
 from tests.helpers import folder_samples, write_parquet

@@ -11,7 +11,7 @@ import pytest
 
 from loader_service.dataset.index import DatasetIndex, build_index
 from loader_service.dataset.storage import local as storage
-from loader_service.dataset.storage.local import DecodeError
+from loader_service.dataset.tables import DecodeError
 from loader_service.decode.reading import SampleReader
 from tests.helpers import write_tar
 

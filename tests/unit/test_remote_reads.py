@@ -8,8 +8,8 @@ import time
 
 import pytest
 
-from loader_service.dataset.storage.local import DecodeError
 from loader_service.dataset.storage.objectstore import NotFetched, Requests, StoreUnavailable, sample_error
+from loader_service.dataset.tables import DecodeError
 
 exceptions = pytest.importorskip("obstore.exceptions")
 URL = "s3://bucket/shards/a.tar"

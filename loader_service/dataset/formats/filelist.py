@@ -20,12 +20,23 @@ from array import array
 from collections.abc import Callable, Iterator, Mapping
 from functools import partial
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, NamedTuple
+from typing import Any, NamedTuple
 
 import numpy as np
 
-from loader_service.dataset.source import Columns, IndexPart, Mapped, Metadata, Progress, Scanned, Source
-from loader_service.dataset.storage.local import DecodeError, FilePerSample, Files, SampleFiles, open_files
+from loader_service.dataset.formats.perfile import FilePerSample, SampleFiles
+from loader_service.dataset.source import (
+    Columns,
+    Indexed,
+    IndexPart,
+    Mapped,
+    Metadata,
+    Progress,
+    Scanned,
+    Source,
+)
+from loader_service.dataset.storage.files import open_files
+from loader_service.dataset.storage.local import Files
 from loader_service.dataset.storage.objectstore import (
     SCAN_DEADLINE,
     Bucket,
@@ -36,6 +47,7 @@ from loader_service.dataset.storage.objectstore import (
 from loader_service.dataset.tables import (
     I64,
     DatasetError,
+    DecodeError,
     ListMetadata,
     StringTable,
     StringTableBuilder,
@@ -43,9 +55,6 @@ from loader_service.dataset.tables import (
     packed,
 )
 from loader_service.shm import scratch_folder
-
-if TYPE_CHECKING:
-    from loader_service.dataset.index import DatasetIndex
 
 LIST_SUFFIXES = {".csv": "csv", ".jsonl": "jsonl"}
 MAX_REMOTE_LIST_BYTES = 16 << 30
@@ -258,7 +267,7 @@ class ListSource(FilePerSample):
         values = StringTable(mapped("metadata_offsets"), mapped("metadata_blob"))
         return ListMetadata(facts["style"], tuple(facts["columns"]), values)
 
-    def reader(self, index: DatasetIndex, max_bytes: int, storage: StorageConfig) -> ListReader:
+    def reader(self, index: Indexed, max_bytes: int, storage: StorageConfig) -> ListReader:
         metadata = index.part if isinstance(index.part, ListMetadata) else None
         return ListReader(open_files(index, storage, max_bytes), index.names, max_bytes, metadata)
 

@@ -15,8 +15,8 @@ from typing import TYPE_CHECKING, Any, NamedTuple
 
 import numpy as np
 
+from loader_service.dataset.formats.perfile import FilePerSample
 from loader_service.dataset.source import Columns, IndexPart, Mapped, Progress, Scanned, Source
-from loader_service.dataset.storage.local import FilePerSample
 from loader_service.dataset.tables import (
     I64,
     DatasetError,

@@ -1,10 +1,11 @@
 """Local storage: the bytes of a file, or of a range of one, read without trusting what is there.
 
 The layer below the source formats (``dataset.formats``): a format says which file and which bytes
-hold a sample, this module reads them. Only regular files are read: a FIFO would block a read until
-``--task-timeout`` kills the worker, a link to /dev/zero would read until memory runs out, and
-opening a device can act on it (a tape rewinds). Every failure is a ``DecodeError`` whose text is
-the reason, so one unreadable file costs that sample only.
+hold a sample, this module reads them (``dataset.storage.files.open_files`` picks it or a store's). Only
+regular files are read: a FIFO would block a read until ``--task-timeout`` kills the worker, a link
+to /dev/zero would read until memory runs out, and opening a device can act on it (a tape rewinds).
+Every failure is a ``DecodeError`` whose text is the reason, so one unreadable file costs that
+sample only.
 """
 
 from __future__ import annotations
@@ -14,21 +15,12 @@ import stat
 from collections import OrderedDict
 from collections.abc import Sequence
 from pathlib import Path
-from typing import TYPE_CHECKING, Protocol
+from typing import Protocol
 
-from loader_service.dataset.source import Metadata
-from loader_service.dataset.storage.objectstore import StorageConfig
-from loader_service.dataset.tables import StringTable
-
-if TYPE_CHECKING:
-    from loader_service.dataset.index import DatasetIndex
+from loader_service.dataset.tables import DecodeError
 
 DEFAULT_MAX_FILE_BYTES = 256 * 2**20
 """``--max-file-bytes``: a larger file is a bad sample, refused before it is read."""
-
-
-class DecodeError(Exception):
-    """A sample that cannot be read or decoded; ``str()`` is the reason logged and reported."""
 
 
 def read_file(path: str, max_bytes: int = DEFAULT_MAX_FILE_BYTES) -> bytes:
@@ -192,49 +184,3 @@ class LocalFiles:
 OPEN_FILES = 16
 """Descriptors a reader keeps open: enough for the shards one batch touches, few enough for any
 file-descriptor limit."""
-
-
-def open_files(index: DatasetIndex, storage: StorageConfig, max_bytes: int) -> Files:
-    """The files of ``index``'s data, wherever they are; a whole file over ``max_bytes`` is refused
-    having read no more than that (and one chunk)."""
-    if index.url:
-        from loader_service.dataset.storage.objectfiles import RemoteFiles  # it imports this module
-
-        return RemoteFiles(index.url, storage, index.versions, max_bytes)
-    return LocalFiles(index.root)
-
-
-class SampleFiles:
-    """A reader of samples that are one file each, named relative to the data's root (ImageFolder,
-    lists)."""
-
-    def __init__(self, files: Files, names: StringTable, max_bytes: int) -> None:
-        self.files = files
-        self.names = names
-        self.max_bytes = max_bytes
-
-    def image_bytes(self, i: int) -> bytes:
-        return self.files.read(self.names.text(i), self.max_bytes)
-
-    def metadata(self, i: int) -> Metadata:
-        return {}
-
-    def prefetch(self, indices: Sequence[int]) -> None:
-        self.files.prefetch([(self.names.text(i), 0, -1) for i in indices])
-
-    def close(self) -> None:
-        self.files.close()
-
-
-class FilePerSample:
-    """What the formats whose samples are one file each, named relative to the index's root, share:
-    how a sample is named and found, and its reader (a ``dataset.source.Source`` mixin)."""
-
-    def relpath(self, index: DatasetIndex, i: int) -> str:
-        return index.names.text(i)
-
-    def path(self, index: DatasetIndex, i: int) -> Path:
-        return index.root / index.names.text(i)
-
-    def reader(self, index: DatasetIndex, max_bytes: int, storage: StorageConfig) -> SampleFiles:
-        return SampleFiles(open_files(index, storage, max_bytes), index.names, max_bytes)

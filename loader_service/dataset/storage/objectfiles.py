@@ -23,7 +23,7 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 
 from loader_service.dataset.storage.cachedir import FetchCache
-from loader_service.dataset.storage.local import DecodeError, LocalFiles, Want
+from loader_service.dataset.storage.local import LocalFiles, Want
 from loader_service.dataset.storage.objectstore import (
     Bucket,
     NotFetched,
@@ -34,6 +34,7 @@ from loader_service.dataset.storage.objectstore import (
     sample_error,
     split_url,
 )
+from loader_service.dataset.tables import DecodeError
 
 PREFETCH_BYTES = 64 << 20
 """Bytes of fetched-ahead reads a worker holds at once (NOTE [ Prefetch budget ])."""

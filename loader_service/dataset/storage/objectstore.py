@@ -33,7 +33,7 @@ from datetime import timedelta
 from pathlib import Path
 from typing import Any, TypeVar
 
-from loader_service.dataset.tables import DatasetError
+from loader_service.dataset.tables import DatasetError, DecodeError
 
 REMOTE_SCHEMES = ("s3", "gs", "az")
 CLIENT_KEYS = frozenset(
@@ -339,8 +339,6 @@ def sample_error(exc: Exception, url: str) -> Exception:
     """What a failed read of ``url`` in a worker is: a bad sample (DecodeError: the object, or this
     request for it, is wrong and asking again cannot help) or StoreUnavailable (the store is down,
     slow or overloaded: obstore already retried within the deadline; the task is done later)."""
-    from loader_service.dataset.storage.local import DecodeError
-
     kind = type(exc).__name__
     if _not_found(exc):
         return DecodeError(f"{url}: not found (deleted since it was indexed?)")

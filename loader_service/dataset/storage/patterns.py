@@ -1,12 +1,11 @@
-"""Which tar shards a ``--data`` value names: a folder of ``*.tar``, one ``.tar`` file, or a brace
-pattern such as ``shards/train-{000000..000127}.tar`` (WebDataset's notation: ``{a..b}`` ranges keep
-the zero padding of their ends, ``{x,y}`` lists alternatives, braces nest)."""
+"""Brace patterns of file names, such as ``shards/train-{000000..000127}.tar`` (WebDataset's notation:
+``{a..b}`` ranges keep the zero padding of their ends, ``{x,y}`` lists alternatives, braces nest),
+which name several files or objects in one ``--data`` value; and the suffixes of tar shards, which
+a store's listing checks too."""
 
 from __future__ import annotations
 
-import os
 import re
-from pathlib import Path
 
 from loader_service.dataset.tables import DatasetError
 
@@ -89,38 +88,3 @@ def _split_top_level(body: str) -> list[str]:
             start = k + 1
     parts.append(body[start:])
     return parts
-
-
-def list_shards(data: str | Path) -> tuple[Path, tuple[str, ...]]:
-    """The root folder and the shard files relative to it, in the order their samples are numbered."""
-    text = str(data)
-    if os.path.isdir(text):
-        return Path(text), _folder_shards(Path(text))
-    if os.path.exists(text) or not is_brace_pattern(text):
-        return Path(text).parent, (Path(text).name,)
-    paths = expand_braces(text)
-    root = os.path.commonpath([os.path.dirname(p) or "." for p in paths]) if paths else "."
-    return Path(root), tuple(os.path.relpath(p, root) for p in paths)
-
-
-def _folder_shards(root: Path) -> tuple[str, ...]:
-    with os.scandir(root) as it:
-        names = sorted(e.name for e in it if not e.name.startswith(".") and e.is_file())
-    shards = tuple(n for n in names if n.endswith(TAR_SUFFIX))
-    if shards:
-        return shards
-    compressed = [n for n in names if n.lower().endswith(COMPRESSED_SUFFIXES)]
-    if compressed:
-        raise DatasetError(
-            f"{root} holds only compressed shards ({', '.join(compressed[:3])}...): dataferry reads "
-            "members in place, so shards must be uncompressed .tar files (decompress them once)"
-        )
-    raise DatasetError(f"no .tar shards in {root}")
-
-
-def holds_shards(root: Path) -> bool:
-    with os.scandir(root) as it:
-        return any(
-            not e.name.startswith(".") and e.name.lower().endswith((TAR_SUFFIX, *COMPRESSED_SUFFIXES))
-            for e in it
-        )

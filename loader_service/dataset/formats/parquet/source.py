@@ -29,28 +29,36 @@ from collections import OrderedDict
 from collections.abc import Callable, Generator, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import numpy as np
 import numpy.typing as npt
 
 from loader_service.dataset.formats.filelist import listed_metadata
 from loader_service.dataset.formats.parquet.pages import Chunk, ChunkPages, ParquetPageError
-from loader_service.dataset.source import Columns, IndexPart, Mapped, Metadata, Progress, Scanned, Source
-from loader_service.dataset.storage.local import DecodeError, Files, open_files
+from loader_service.dataset.source import (
+    Columns,
+    Indexed,
+    IndexPart,
+    Mapped,
+    Metadata,
+    Progress,
+    Scanned,
+    Source,
+)
+from loader_service.dataset.storage.files import open_files
+from loader_service.dataset.storage.local import Files
 from loader_service.dataset.storage.objectfolder import RemoteObjects, remote_objects
 from loader_service.dataset.storage.objectstore import Bucket, ObjectInfo, StorageConfig, is_remote
 from loader_service.dataset.storage.patterns import expand_braces, is_brace_pattern
 from loader_service.dataset.tables import (
     I64,
     DatasetError,
+    DecodeError,
     ListMetadata,
     StringTable,
     StringTableBuilder,
 )
-
-if TYPE_CHECKING:
-    from loader_service.dataset.index import DatasetIndex
 
 log = logging.getLogger(__name__)
 
@@ -468,18 +476,18 @@ class ParquetSource:
             ),
         )
 
-    def relpath(self, index: DatasetIndex, i: int) -> str:
+    def relpath(self, index: Indexed, i: int) -> str:
         return index.names.text(i)
 
-    def path(self, index: DatasetIndex, i: int) -> Path:
+    def path(self, index: Indexed, i: int) -> Path:
         rows = _rows(index)
         return index.root / rows.files[int(rows.group_file[int(rows.sample_group[i])])]
 
-    def reader(self, index: DatasetIndex, max_bytes: int, storage: StorageConfig) -> ParquetReader:
+    def reader(self, index: Indexed, max_bytes: int, storage: StorageConfig) -> ParquetReader:
         return ParquetReader(open_files(index, storage, max_bytes), _rows(index), max_bytes, exact=True)
 
 
-def _rows(index: DatasetIndex) -> ParquetRows:
+def _rows(index: Indexed) -> ParquetRows:
     assert isinstance(index.part, ParquetRows), "a parquet index holds its rows"
     return index.part
 

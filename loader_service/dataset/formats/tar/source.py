@@ -32,7 +32,7 @@ import stat
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from functools import partial
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from loader_service.dataset.formats.tar.fast import READ_AHEAD, NotPlain, scan_plain
 from loader_service.dataset.formats.tar.headers import (
@@ -59,21 +59,27 @@ from loader_service.dataset.formats.tar.samples import (
     TarScan,
     split_member_name,
 )
-from loader_service.dataset.source import Columns, IndexPart, Mapped, Metadata, Progress, Scanned, Source
-from loader_service.dataset.storage.local import DecodeError, Files, open_files
+from loader_service.dataset.formats.tar.shards import holds_shards, list_shards
+from loader_service.dataset.source import (
+    Columns,
+    Indexed,
+    IndexPart,
+    Mapped,
+    Metadata,
+    Progress,
+    Scanned,
+    Source,
+)
+from loader_service.dataset.storage.files import open_files
+from loader_service.dataset.storage.local import Files
 from loader_service.dataset.storage.objectfolder import remote_objects
 from loader_service.dataset.storage.objectstore import StorageConfig, is_remote
-from loader_service.dataset.storage.patterns import (
-    COMPRESSED_SUFFIXES,
-    TAR_SUFFIX,
-    holds_shards,
-    is_brace_pattern,
-    list_shards,
-)
+from loader_service.dataset.storage.patterns import COMPRESSED_SUFFIXES, TAR_SUFFIX, is_brace_pattern
 from loader_service.dataset.tables import (
     IMAGE_EXTENSIONS,
     SIZE_UNKNOWN,
     DatasetError,
+    DecodeError,
     StringTable,
     TarMembers,
     decode_name,
@@ -87,9 +93,6 @@ MAX_HEADER_DATA = 1 << 20
 MAX_WARNINGS_PER_SHARD = 10
 
 __all__ = ["SOURCE", "TarReader", "TarScan", "TarSource", "scan_files", "scan_shards"]
-
-if TYPE_CHECKING:
-    from loader_service.dataset.index import DatasetIndex
 
 
 def scan_shards(
@@ -395,13 +398,13 @@ class TarSource:
             member_extension=mapped("member_extension"),
         )
 
-    def relpath(self, index: DatasetIndex, i: int) -> str:
+    def relpath(self, index: Indexed, i: int) -> str:
         return f"{_members(index).shards[int(_members(index).sample_shard[i])]}:{index.names.text(i)}"
 
-    def path(self, index: DatasetIndex, i: int) -> Path:
+    def path(self, index: Indexed, i: int) -> Path:
         return index.root / _members(index).shards[int(_members(index).sample_shard[i])]
 
-    def reader(self, index: DatasetIndex, max_bytes: int, storage: StorageConfig) -> TarReader:
+    def reader(self, index: Indexed, max_bytes: int, storage: StorageConfig) -> TarReader:
         return TarReader(open_files(index, storage, max_bytes), index.names, _members(index), max_bytes)
 
 
@@ -413,7 +416,7 @@ def _size_and_mtime(path: Path) -> tuple[int, int] | tuple[None, None]:
     return info.st_size, info.st_mtime_ns
 
 
-def _members(index: DatasetIndex) -> TarMembers:
+def _members(index: Indexed) -> TarMembers:
     assert isinstance(index.part, TarMembers), "a tar index holds its members"
     return index.part
 
