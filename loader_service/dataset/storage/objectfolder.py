@@ -13,6 +13,7 @@ workers' reads name the ETag, and a saved index is used again only while every E
 from __future__ import annotations
 
 import contextlib
+import io
 import logging
 import posixpath
 from collections import deque
@@ -52,22 +53,40 @@ temporary disk they take."""
 class RemoteObjects:
     """The objects a ``--data`` URL names, in the order their samples are numbered."""
 
-    root: str
+    url: str
     """The folder URL the names are relative to."""
     names: tuple[str, ...]
     objects: tuple[ObjectInfo, ...]
     bucket: Bucket
     storage: StorageConfig
+    root: Path = Path(".")
+    """Local names' root, which a store's objects do not have (``dataset.storage.listing``)."""
 
-    def inputs(self) -> list[list[Any]] | None:
+    def stamps(self) -> list[list[Any]] | None:
         """Each object's name, size and ETag; None (do not save the index) if one has no ETag."""
         if not all(o.etag for o in self.objects):
             return None
         return [[name, o.size, o.etag] for name, o in zip(self.names, self.objects, strict=True)]
 
+    def where(self, name: str) -> str:
+        return f"{self.url}/{name}"
+
+    @property
+    def folder(self) -> str:
+        return self.url
+
     def versions(self) -> dict[str, tuple[int, str]]:
         """What the index records of each object: (size, ETag), by name."""
         return {name: (o.size, o.etag) for name, o in zip(self.names, self.objects, strict=True)}
+
+    def sources(self) -> Generator[tuple[str, Any], None, None]:
+        """Each object for a reader of ranges (pyarrow): its local copy when there is a cache
+        folder (fetched once, kept), else the object itself, read by range."""
+        if self.storage.cache_dir:
+            with contextlib.closing(self.local_copies()) as copies:  # a failed scan's files go now
+                yield from ((name, str(path)) for name, path in copies)
+        else:
+            yield from zip(self.names, (RangedFile(self.bucket, o) for o in self.objects), strict=True)
 
     def local_copies(self) -> Generator[tuple[str, Path], None, None]:
         """Each object as a local file, in order; fetched ``FETCH_AHEAD`` ahead and, once scanned,
@@ -100,7 +119,7 @@ class RemoteObjects:
                 if not held:
                     self._keep_or_remove(k, path, cache)
                 if (k + 1) % 100 == 0:
-                    log.info("indexing %s: %d of %d objects read", self.root, k + 1, len(self.names))
+                    log.info("indexing %s: %d of %d objects read", self.url, k + 1, len(self.names))
         finally:
             # On a failed scan the fetches not started are dropped, not waited for; those under way
             # end at their deadline at most, before their files go.
@@ -121,7 +140,7 @@ class RemoteObjects:
             "cache folder %s: its disk is full (%s); indexing %s goes on without keeping what it fetches",
             cache.dir,
             exc,
-            self.root,
+            self.url,
         )
         for future in pending:
             future.cancel()
@@ -148,6 +167,36 @@ class RemoteObjects:
 
     def _url(self, k: int) -> str:
         return f"{self.bucket.url}/{self.objects[k].key}"
+
+
+class RangedFile(io.RawIOBase):
+    """An object in a store as a read-only file pyarrow reads by range (its footer, a column)."""
+
+    def __init__(self, bucket: Bucket, obj: ObjectInfo) -> None:
+        self.bucket, self.obj, self.pos = bucket, obj, 0
+
+    def readable(self) -> bool:
+        return True
+
+    def seekable(self) -> bool:
+        return True
+
+    def seek(self, offset: int, whence: int = io.SEEK_SET) -> int:
+        base = {io.SEEK_SET: 0, io.SEEK_CUR: self.pos, io.SEEK_END: self.obj.size}[whence]
+        self.pos = max(0, base + offset)
+        return self.pos
+
+    def tell(self) -> int:
+        return self.pos
+
+    def readinto(self, buffer: Any) -> int:
+        size = min(len(buffer), self.obj.size - self.pos)
+        if size <= 0:
+            return 0
+        data = self.bucket.read_now(self.obj.key, self.pos, size, self.obj.etag)
+        buffer[: len(data)] = data
+        self.pos += len(data)
+        return len(data)
 
 
 def remote_objects(data: str, storage: StorageConfig, suffix: str, what: str) -> RemoteObjects:

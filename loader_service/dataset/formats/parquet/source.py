@@ -21,12 +21,11 @@ object store the files are fetched once into the cache folder at start when ther
 from __future__ import annotations
 
 import contextlib
-import io
 import json
 import logging
 import os
 from collections import OrderedDict
-from collections.abc import Callable, Generator, Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -47,9 +46,9 @@ from loader_service.dataset.source import (
     Source,
 )
 from loader_service.dataset.storage.files import open_files
+from loader_service.dataset.storage.listing import list_files
 from loader_service.dataset.storage.local import Files
-from loader_service.dataset.storage.objectfolder import RemoteObjects, remote_objects
-from loader_service.dataset.storage.objectstore import Bucket, ObjectInfo, StorageConfig, is_remote
+from loader_service.dataset.storage.objectstore import StorageConfig
 from loader_service.dataset.storage.patterns import expand_braces, is_brace_pattern
 from loader_service.dataset.tables import (
     I64,
@@ -349,8 +348,15 @@ def _labels(column: Any, rows: int) -> I64:
 
 
 def local_files(data: str | Path) -> tuple[Path, tuple[str, ...]]:
-    """The root folder and the files relative to it, in row order."""
-    text = str(data)
+    """The root folder and the files relative to it, in row order; each must exist."""
+    root, names = _local_names(str(data))
+    for name in names:
+        if not (root / name).is_file():
+            raise DatasetError(f"Parquet file {root / name} does not exist")
+    return root, names
+
+
+def _local_names(text: str) -> tuple[Path, tuple[str, ...]]:
     if os.path.isdir(text):
         with os.scandir(text) as it:
             names = sorted(e.name for e in it if e.name.endswith(SUFFIX) and e.is_file())
@@ -362,46 +368,6 @@ def local_files(data: str | Path) -> tuple[Path, tuple[str, ...]]:
     paths = expand_braces(text)
     root = os.path.commonpath([os.path.dirname(p) or "." for p in paths])
     return Path(root), tuple(os.path.relpath(p, root) for p in paths)
-
-
-class RangedFile(io.RawIOBase):
-    """An object in a store as a read-only file pyarrow reads by range (its footer, a column)."""
-
-    def __init__(self, bucket: Bucket, obj: ObjectInfo) -> None:
-        self.bucket, self.obj, self.pos = bucket, obj, 0
-
-    def readable(self) -> bool:
-        return True
-
-    def seekable(self) -> bool:
-        return True
-
-    def seek(self, offset: int, whence: int = io.SEEK_SET) -> int:
-        base = {io.SEEK_SET: 0, io.SEEK_CUR: self.pos, io.SEEK_END: self.obj.size}[whence]
-        self.pos = max(0, base + offset)
-        return self.pos
-
-    def tell(self) -> int:
-        return self.pos
-
-    def readinto(self, buffer: Any) -> int:
-        size = min(len(buffer), self.obj.size - self.pos)
-        if size <= 0:
-            return 0
-        data = self.bucket.read_now(self.obj.key, self.pos, size, self.obj.etag)
-        buffer[: len(data)] = data
-        self.pos += len(data)
-        return len(data)
-
-
-def _remote_sources(remote: RemoteObjects) -> Generator[tuple[str, Any], None, None]:
-    """Each file for pyarrow: its local copy when there is a cache folder (fetched once, kept), else
-    the object itself, read by range."""
-    if remote.storage.cache_dir:
-        with contextlib.closing(remote.local_copies()) as copies:  # a failed scan's files go now
-            yield from ((name, str(path)) for name, path in copies)
-    else:
-        yield from zip(remote.names, (RangedFile(remote.bucket, o) for o in remote.objects), strict=True)
 
 
 # --- the source -----------------------------------------------------------------------------------
@@ -428,30 +394,15 @@ class ParquetSource:
     def scan(
         self, data: str | Path, progress: Progress | None, storage: StorageConfig, columns: Columns
     ) -> Scanned:
+        listing = list_files(data, storage, SUFFIX, "Parquet files", local_files)
         found = _Scan(columns, progress)
-        if is_remote(data):
-            remote = remote_objects(str(data), storage, SUFFIX, "Parquet files")
-            with contextlib.closing(_remote_sources(remote)) as sources:
-                for k, (name, source) in enumerate(sources):
-                    found.add(k, name, source, f"{remote.root}/{name}")
-            return found.scanned(remote.names, Path("."), remote.root, remote.versions())
-        root, files = local_files(data)
-        for k, name in enumerate(files):
-            path = root / name
-            if not path.is_file():
-                raise DatasetError(f"Parquet file {path} does not exist")
-            found.add(k, name, str(path), str(path))
-        return found.scanned(files, root, "", {})
+        with contextlib.closing(listing.sources()) as sources:  # a failed scan's fetched files go now
+            for k, (name, source) in enumerate(sources):
+                found.add(k, name, source, listing.where(name))
+        return found.scanned(listing.names, listing.root, listing.url, listing.versions())
 
     def inputs(self, data: str | Path, storage: StorageConfig) -> Any:
-        if is_remote(data):
-            return remote_objects(str(data), storage, SUFFIX, "Parquet files").inputs()
-        root, files = local_files(data)
-        try:
-            stats = [os.stat(root / name) for name in files]
-        except OSError as exc:
-            raise DatasetError(f"Parquet file {exc.filename}: {exc.strerror}") from None
-        return [[name, s.st_size, s.st_mtime_ns] for name, s in zip(files, stats, strict=True)]
+        return list_files(data, storage, SUFFIX, "Parquet files", local_files).stamps()
 
     def load_part(self, described: Mapping[str, Any], mapped: Mapped) -> IndexPart | None:
         facts = described["parquet"]

@@ -71,9 +71,9 @@ from loader_service.dataset.source import (
     Source,
 )
 from loader_service.dataset.storage.files import open_files
+from loader_service.dataset.storage.listing import list_files
 from loader_service.dataset.storage.local import Files
-from loader_service.dataset.storage.objectfolder import remote_objects
-from loader_service.dataset.storage.objectstore import StorageConfig, is_remote
+from loader_service.dataset.storage.objectstore import StorageConfig
 from loader_service.dataset.storage.patterns import COMPRESSED_SUFFIXES, TAR_SUFFIX, is_brace_pattern
 from loader_service.dataset.tables import (
     IMAGE_EXTENSIONS,
@@ -361,30 +361,15 @@ class TarSource:
     def scan(
         self, data: str | Path, progress: Progress | None, storage: StorageConfig, columns: Columns
     ) -> Scanned:
-        if is_remote(data):
-            remote = remote_objects(str(data), storage, TAR_SUFFIX, "shards")
-            with contextlib.closing(remote.local_copies()) as copies:  # a failed scan's files go now
-                found = scan_files(copies, remote.names, remote.root, progress)
-            return Scanned(
-                Path("."),
-                (),
-                found.labels,
-                found.keys,
-                found.members,
-                found.flaws,
-                remote.root,
-                remote.versions(),
-            )
-        root, shards = list_shards(data)
-        found = scan_shards(root, shards, progress)
-        return Scanned(root, (), found.labels, found.keys, found.members, found.flaws)
+        listing = list_files(data, storage, TAR_SUFFIX, "shards", list_shards)
+        with contextlib.closing(listing.local_copies()) as copies:  # a failed scan's files go now
+            found = scan_files(copies, listing.names, listing.folder, progress)
+        flaws, url, versions = found.flaws, listing.url, listing.versions()
+        return Scanned(listing.root, (), found.labels, found.keys, found.members, flaws, url, versions)
 
     def inputs(self, data: str | Path, storage: StorageConfig) -> Any:
         """Each shard's name, size and ETag (object store) or mtime (local disk)."""
-        if is_remote(data):
-            return remote_objects(str(data), storage, TAR_SUFFIX, "shards").inputs()
-        root, shards = list_shards(data)
-        return [[name, *_size_and_mtime(root / name)] for name in shards]
+        return list_files(data, storage, TAR_SUFFIX, "shards", list_shards).stamps()
 
     def load_part(self, described: Mapping[str, Any], mapped: Mapped) -> IndexPart | None:
         facts = described["tar"]
@@ -406,14 +391,6 @@ class TarSource:
 
     def reader(self, index: Indexed, max_bytes: int, storage: StorageConfig) -> TarReader:
         return TarReader(open_files(index, storage, max_bytes), index.names, _members(index), max_bytes)
-
-
-def _size_and_mtime(path: Path) -> tuple[int, int] | tuple[None, None]:
-    try:
-        info = os.stat(path)
-    except OSError:
-        return None, None
-    return info.st_size, info.st_mtime_ns
 
 
 def _members(index: Indexed) -> TarMembers:
