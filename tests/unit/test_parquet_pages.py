@@ -1,5 +1,6 @@
-"""parquetpages: one value of a Parquet BYTE_ARRAY column, read from its own data page, against what
-pyarrow reads of the same files; and damage of every kind, which must be a ParquetPageError."""
+"""The Parquet page reader (dataset/formats/parquet/pages.py and the modules it uses): one value of a
+Parquet BYTE_ARRAY column, read from its own data page, against what pyarrow reads of the same files;
+and damage of every kind, which must be a ParquetPageError."""
 
 from __future__ import annotations
 
@@ -17,16 +18,15 @@ import pyarrow.parquet as pq
 import pytest
 from PIL import Image
 
-from loader_service.dataset.formats.parquet.pages import (
+from loader_service.dataset.formats.parquet.encodings import indices_at, levels_at
+from loader_service.dataset.formats.parquet.pagemodel import (
     DICTIONARY_PAGE,
     PLAIN,
     RLE_DICTIONARY,
     Chunk,
-    ChunkPages,
     ParquetPageError,
-    indices_at,
-    levels_at,
 )
+from loader_service.dataset.formats.parquet.pages import ChunkPages
 
 ReadAt = Callable[[int, int], bytes]
 CODECS = ("none", "snappy", "gzip", "zstd", "lz4", "brotli")

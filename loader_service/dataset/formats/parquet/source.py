@@ -34,7 +34,8 @@ import numpy as np
 import numpy.typing as npt
 
 from loader_service.dataset.formats.filelist import listed_metadata
-from loader_service.dataset.formats.parquet.pages import Chunk, ChunkPages, ParquetPageError
+from loader_service.dataset.formats.parquet.pagemodel import Chunk, ParquetPageError
+from loader_service.dataset.formats.parquet.pages import ChunkPages
 from loader_service.dataset.source import (
     Columns,
     Indexed,
