@@ -28,8 +28,8 @@ from loader_service.dataset.formats.tar.headers import (
     pax_records,
 )
 from loader_service.dataset.formats.tar.samples import SampleTable
+from loader_service.dataset.formats.tar.scan import scan_shards
 from loader_service.dataset.formats.tar.shards import list_shards
-from loader_service.dataset.formats.tar.source import scan_shards
 from loader_service.dataset.index import DatasetError, DatasetIndex, build_index
 from loader_service.dataset.storage.patterns import expand_braces
 from loader_service.dataset.tables import ListMetadata, TarMembers
