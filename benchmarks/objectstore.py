@@ -247,11 +247,12 @@ def parquet_part(work: Path, server: Any, plan: Plan) -> dict[str, Any]:
 
 def _parquet_bytes_read(folder: Path) -> float:
     from loader_service.dataset.formats.parquet import source as parquet
+    from loader_service.dataset.formats.parquet.reader import ParquetReader
     from loader_service.dataset.index import build_index
 
     index = build_index(folder)
     files = CountingFiles(index.root)
-    reader = parquet.ParquetReader(files, parquet._rows(index), 1 << 28, exact=True)
+    reader = ParquetReader(files, parquet._rows(index), 1 << 28, exact=True)
     images = sum(
         len(reader.image_bytes(i)) for i in np.random.default_rng(0).permutation(len(index)).tolist()
     )

@@ -8,6 +8,7 @@ from pathlib import Path
 import pytest
 
 from loader_service.dataset.formats.parquet import source as parquet
+from loader_service.dataset.formats.parquet.reader import ParquetReader
 from loader_service.dataset.index import build_index
 from loader_service.dataset.source import Columns
 from loader_service.dataset.tables import DatasetError, DecodeError
@@ -40,12 +41,12 @@ def test_an_image_costs_its_own_bytes_not_its_row_group(photos: Path, tmp_path: 
     page's levels and value lengths once, then each image alone."""
     index = build_index(write_parquet(photos, tmp_path / "pq"))
     files = CountingFiles(index.root)
-    reader = parquet.ParquetReader(files, parquet._rows(index), 1 << 28, exact=True)
+    reader = ParquetReader(files, parquet._rows(index), 1 << 28, exact=True)
     image_bytes = sum(len(reader.image_bytes(i)) for i in reversed(range(len(index))))
     assert files.bytes_read / image_bytes < 1.01, (
         f"{files.bytes_read / image_bytes:.3f} bytes read per image byte"
     )
-    whole = parquet.ParquetReader(CountingFiles(index.root), parquet._rows(index), 1 << 28, exact=False)
+    whole = ParquetReader(CountingFiles(index.root), parquet._rows(index), 1 << 28, exact=False)
     assert [whole.image_bytes(i) for i in range(3)] == [reader.image_bytes(i) for i in range(3)]
 
 

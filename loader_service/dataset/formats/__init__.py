@@ -7,8 +7,8 @@ import os
 from pathlib import Path
 
 from loader_service.dataset.formats import filelist, folder
-from loader_service.dataset.formats.parquet import source as parquet
-from loader_service.dataset.formats.tar import source as tarshards
+from loader_service.dataset.formats.parquet import source as parquet_source
+from loader_service.dataset.formats.tar import source as tar_source
 from loader_service.dataset.source import Source
 from loader_service.dataset.storage.objectstore import (
     SCAN_DEADLINE,
@@ -22,7 +22,7 @@ from loader_service.dataset.tables import DatasetError
 SOURCES: dict[str, Source] = {
     # Parquet before tar: a brace pattern is tar's unless it names .parquet files.
     s.name: s
-    for s in (folder.SOURCE, filelist.SOURCE, parquet.SOURCE, tarshards.SOURCE)
+    for s in (folder.SOURCE, filelist.SOURCE, parquet_source.SOURCE, tar_source.SOURCE)
 }
 FORMATS = ("auto", *SOURCES)
 FOLDER_DEFAULT = folder.SOURCE.name

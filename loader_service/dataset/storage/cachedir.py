@@ -12,7 +12,7 @@ NOTE [ Fetch cache ]
     A folder is one service's at a time (``claim``, an flock held while it runs): every start
     recounts ``usage`` from the files and removes what killed writers left in ``tmp/``. Saved
     indexes (``indexes/KEY/``) count against the size too; the shards being indexed (up to four,
-    ``remotefolder.FETCH_AHEAD``) sit in ``tmp/`` meanwhile, and are counted once kept.
+    ``objectfolder.FETCH_AHEAD``) sit in ``tmp/`` meanwhile, and are counted once kept.
 
 NOTE [ A private cache folder ]
     What the folder holds is trusted at the next start: a saved index names the files to read and

@@ -5,7 +5,7 @@ checksums, names up to 100 bytes, no prefix headers (GNU long names, pax), octal
 the end of the shard, nothing but zeros after the end-of-archive blocks. The scan walks the chain of
 headers doing per header only what finds the next one (its size), keeps the blocks, and does all the
 rest (checksums, names, keys, grouping, extensions) a batch at a time with numpy. Anything not plain
-raises NotPlain, and the caller scans the shard again header by header (``tarshards``), which handles
+raises NotPlain, and the caller scans the shard again header by header (``scan``), which handles
 everything and must give the same result on a plain shard (the tests compare the two).
 
 The batch work needs ``np.strings`` with ``slice`` (numpy 2.3, Python 3.11 or later). With an older

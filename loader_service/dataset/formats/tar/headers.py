@@ -9,7 +9,7 @@ first part of a long name). Member data follows, padded to whole blocks; two zer
 Numbers are read as tar writes them, and nothing else is: octal digits, maybe after spaces and before
 spaces, up to the first NUL (``octal``); pax lengths and sizes in decimal digits. Python's ``int``
 would also take a sign, ``_`` between digits, a ``0o`` prefix and any whitespace around: a negative
-size with a right checksum would move a scan backwards (NOTE [ Damaged tar shards ] in ``tarshards``).
+size with a right checksum would move a scan backwards (NOTE [ Damaged tar shards ] in ``scan``).
 """
 
 from __future__ import annotations

@@ -1,18 +1,18 @@
 """Tar shards indexed from one scan of their headers (the format is ``source``, its reader ``reader``).
 
-Samples are grouped as WebDataset does (``tarsamples``). Headers are read with ``os.pread``, a few KiB
+Samples are grouped as WebDataset does (``samples``). Headers are read with ``os.pread``, a few KiB
 at a time, jumping over member data; the only data read is each ``.cls`` member (the label, as text).
 ustar, GNU (``L`` long names, base-256 sizes) and pax (``path`` and ``size`` records) headers are
 understood; sparse members are skipped (their data is not their bytes). Compressed shards are refused
 by their magic bytes: members cannot be read in place in them.
 
 NOTE [ Tar scan speed ]: a million samples are two million headers and the target is seconds, so most
-shards take the fast scan (``tarfast``): per header, only what finds the next header is done in Python,
+shards take the fast scan (``fast``): per header, only what finds the next header is done in Python,
 and the rest a batch of headers at a time with numpy. A shard it cannot take (long names, pax
 headers, damage) is scanned again header by header here (``_CarefulScan``), checking each checksum.
 
 NOTE [ Damaged tar shards ]: a damage costs samples, never the shard. A header whose checksum is wrong,
-or whose numbers are not what tar writes (a negative size, say: ``tarformat``), is logged with shard
+or whose numbers are not what tar writes (a negative size, say: ``headers``), is logged with shard
 and offset, and the scan resumes at the next block that holds a valid ustar header. Both the sample
 being grouped at the damage and the one the scan resumes in are marked flawed (a lost ``.cls`` header
 would otherwise leave a sample silently unlabelled). The first header is no exception: only a file
