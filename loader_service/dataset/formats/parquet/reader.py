@@ -2,10 +2,8 @@
 
 from __future__ import annotations
 
-import logging
 from collections import OrderedDict
 from collections.abc import Callable, Sequence
-from typing import Any
 
 from loader_service.dataset.formats.filelist import listed_metadata
 from loader_service.dataset.formats.parquet.pagemodel import ParquetPageError
@@ -16,27 +14,11 @@ from loader_service.dataset.source import (
 )
 from loader_service.dataset.storage.local import Files
 from loader_service.dataset.tables import (
-    DatasetError,
     DecodeError,
 )
 
-log = logging.getLogger(__name__)
-
-SUFFIX = ".parquet"
-NO_LABEL = -1
-MAX_ROWS_PER_FILE = 1 << 31
-"""Rows of one file: a row's place in its group is an int32."""
 OPEN_CHUNKS = 256
 """Page maps a reader keeps (one per row group it read from): a few KiB each."""
-HF_KEY = b"huggingface"
-
-
-def _pq() -> Any:
-    try:
-        import pyarrow.parquet as pq
-    except ImportError:
-        raise DatasetError("reading Parquet needs pyarrow: pip install 'dataferry[parquet]'") from None
-    return pq
 
 
 class ParquetReader:

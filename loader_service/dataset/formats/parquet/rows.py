@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import logging
 from dataclasses import dataclass
 from typing import Any
 
@@ -12,27 +11,8 @@ import numpy.typing as npt
 from loader_service.dataset.formats.parquet.pagemodel import Chunk
 from loader_service.dataset.tables import (
     I64,
-    DatasetError,
     ListMetadata,
 )
-
-log = logging.getLogger(__name__)
-
-SUFFIX = ".parquet"
-NO_LABEL = -1
-MAX_ROWS_PER_FILE = 1 << 31
-"""Rows of one file: a row's place in its group is an int32."""
-OPEN_CHUNKS = 256
-"""Page maps a reader keeps (one per row group it read from): a few KiB each."""
-HF_KEY = b"huggingface"
-
-
-def _pq() -> Any:
-    try:
-        import pyarrow.parquet as pq
-    except ImportError:
-        raise DatasetError("reading Parquet needs pyarrow: pip install 'dataferry[parquet]'") from None
-    return pq
 
 
 @dataclass(frozen=True)
@@ -82,7 +62,7 @@ class ParquetRows:
         )
 
 
-class _Groups:
+class RowGroups:
     """What a scan accumulates, file by file."""
 
     def __init__(self) -> None:

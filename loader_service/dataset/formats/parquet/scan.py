@@ -4,7 +4,6 @@ reads ] in ``source``): no image byte is read."""
 from __future__ import annotations
 
 import json
-import logging
 from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
@@ -14,7 +13,7 @@ import numpy as np
 import numpy.typing as npt
 
 from loader_service.dataset.formats.parquet.pagemodel import Chunk
-from loader_service.dataset.formats.parquet.rows import ParquetRows, _Groups
+from loader_service.dataset.formats.parquet.rows import ParquetRows, RowGroups
 from loader_service.dataset.source import (
     Columns,
     Progress,
@@ -27,14 +26,9 @@ from loader_service.dataset.tables import (
     StringTableBuilder,
 )
 
-log = logging.getLogger(__name__)
-
-SUFFIX = ".parquet"
 NO_LABEL = -1
 MAX_ROWS_PER_FILE = 1 << 31
 """Rows of one file: a row's place in its group is an int32."""
-OPEN_CHUNKS = 256
-"""Page maps a reader keeps (one per row group it read from): a few KiB each."""
 HF_KEY = b"huggingface"
 
 
@@ -134,7 +128,7 @@ class _Scan:
     def __init__(self, columns: Columns, progress: Progress | None) -> None:
         self.columns = columns
         self.progress = progress
-        self.groups = _Groups()
+        self.groups = RowGroups()
         self.sample_group: list[npt.NDArray[np.int32]] = []
         self.sample_row: list[npt.NDArray[np.int32]] = []
         self.labels: list[I64] = []

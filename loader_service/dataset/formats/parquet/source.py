@@ -21,7 +21,6 @@ object store the files are fetched once into the cache folder at start when ther
 from __future__ import annotations
 
 import contextlib
-import logging
 import os
 from collections.abc import Mapping
 from pathlib import Path
@@ -49,23 +48,7 @@ from loader_service.dataset.tables import (
     StringTable,
 )
 
-log = logging.getLogger(__name__)
-
 SUFFIX = ".parquet"
-NO_LABEL = -1
-MAX_ROWS_PER_FILE = 1 << 31
-"""Rows of one file: a row's place in its group is an int32."""
-OPEN_CHUNKS = 256
-"""Page maps a reader keeps (one per row group it read from): a few KiB each."""
-HF_KEY = b"huggingface"
-
-
-def _pq() -> Any:
-    try:
-        import pyarrow.parquet as pq
-    except ImportError:
-        raise DatasetError("reading Parquet needs pyarrow: pip install 'dataferry[parquet]'") from None
-    return pq
 
 
 def local_files(data: str | Path) -> tuple[Path, tuple[str, ...]]:
