@@ -6,7 +6,7 @@ from __future__ import annotations
 import zlib
 
 from loader_service.dataset.formats.parquet.pagemodel import (
-    _HADOOP_BLOCK,
+    HADOOP_BLOCK,
     MAX_HADOOP_BLOCKS,
     ParquetPageError,
 )
@@ -97,7 +97,7 @@ def _lz4_hadoop(data: memoryview, size: int, where: str) -> bytes | None:
     blocks: list[bytes] = []
     pos, total = 0, 0
     while len(data) - pos >= 8:
-        out_size, in_size = _HADOOP_BLOCK.unpack_from(data, pos)
+        out_size, in_size = HADOOP_BLOCK.unpack_from(data, pos)
         pos += 8
         if in_size > len(data) - pos or out_size > size - total or len(blocks) >= MAX_HADOOP_BLOCKS:
             return None

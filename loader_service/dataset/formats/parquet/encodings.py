@@ -10,12 +10,12 @@ import numpy as np
 import numpy.typing as npt
 
 from loader_service.dataset.formats.parquet.pagemodel import (
-    _BYTE_BITS,
-    _SHIFTS,
-    _U32,
+    BIT_SHIFTS,
+    BYTE_BITS,
     MAX_RUNS,
     PIECE,
     SWAR_BYTES,
+    U32,
     ParquetPageError,
 )
 
@@ -102,7 +102,7 @@ def _fields_equal(words: npt.NDArray[np.uint64], bit_width: int, value: int) -> 
 def _popcount(words: npt.NDArray[np.uint64]) -> int:
     if hasattr(np, "bitwise_count"):  # numpy 2
         return int(np.bitwise_count(words).sum())
-    return int(_BYTE_BITS[words.view(np.uint8)].sum())
+    return int(BYTE_BITS[words.view(np.uint8)].sum())
 
 
 Run = tuple[int, int, int | Packed]
@@ -158,7 +158,7 @@ def unpack(data: memoryview, bit_width: int, count: int) -> npt.NDArray[np.uint3
     if bit_width == 0:
         return np.zeros(count, dtype=np.uint32)
     bits = np.unpackbits(np.frombuffer(data, dtype=np.uint8), bitorder="little")[: count * bit_width]
-    weighted = bits.reshape(count, bit_width).astype(np.uint32) << _SHIFTS[:bit_width]
+    weighted = bits.reshape(count, bit_width).astype(np.uint32) << BIT_SHIFTS[:bit_width]
     out: npt.NDArray[np.uint32] = weighted.sum(axis=1, dtype=np.uint32)
     return out
 
@@ -172,15 +172,15 @@ def levels_at(data: memoryview, max_def: int, positions: Sequence[int], what: st
         done = 0  # the run's values counted in ``present``
         while len(answers) < len(positions) and positions[len(answers)] < first + n:
             at = positions[len(answers)] - first
-            present += _present(run, done, at, max_def, what)
+            present += present_in_run(run, done, at, max_def, what)
             done = at
             level = run.at(at) if isinstance(run, Packed) else run
             answers.append((level == max_def, present))  # a level above the maximum raises below
-        present += _present(run, done, n, max_def, what)
+        present += present_in_run(run, done, n, max_def, what)
     return answers
 
 
-def _present(run: int | Packed, start: int, stop: int, max_def: int, what: str) -> int:
+def present_in_run(run: int | Packed, start: int, stop: int, max_def: int, what: str) -> int:
     """How many of a run's values [start, stop) are there: at the maximum level, which none passes."""
     if isinstance(run, Packed):
         equal, above = run.tally(start, stop, max_def)
@@ -217,7 +217,7 @@ def plain_at(data: memoryview, keys: Sequence[int], what: str) -> list[bytes]:
         while True:
             if pos + 4 > end:
                 raise ParquetPageError(f"{what}: value {index} starts past the end ({end} bytes)")
-            (size,) = _U32.unpack_from(data, pos)
+            (size,) = U32.unpack_from(data, pos)
             if size > end - pos - 4:
                 raise ParquetPageError(
                     f"{what}: value {index} of {size} bytes runs past the end ({end} bytes)"

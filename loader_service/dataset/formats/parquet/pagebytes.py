@@ -10,14 +10,20 @@ import numpy as np
 import numpy.typing as npt
 
 from loader_service.dataset.formats.parquet.codecs import decompress
-from loader_service.dataset.formats.parquet.encodings import Packed, _present, hybrid_runs, levels_at, unpack
+from loader_service.dataset.formats.parquet.encodings import (
+    Packed,
+    hybrid_runs,
+    levels_at,
+    present_in_run,
+    unpack,
+)
 from loader_service.dataset.formats.parquet.pagemodel import (
-    _U32,
     DATA_PAGE_V2,
     DICTIONARY_PAGE,
     HOP_READS,
     MAX_PAGE_VALUES,
     PIECE,
+    U32,
     Chunk,
     Page,
     ParquetPageError,
@@ -47,7 +53,7 @@ class RawPage:
             levels_from, levels_size = body + h.rep_levels_size, h.def_levels_size
             values = body + h.rep_levels_size + h.def_levels_size
         elif chunk.max_def:
-            (levels_size,) = _U32.unpack(read_exactly(read_at, body, 4, where))
+            (levels_size,) = U32.unpack(read_exactly(read_at, body, 4, where))
             levels_from, values = body + 4, body + 4 + levels_size
         else:
             levels_from, levels_size, values = body, 0, body
@@ -61,7 +67,7 @@ class RawPage:
         starts, sizes = np.empty(present, np.int64), np.empty(present, np.int64)
         at = values
         for k in range(present):
-            (size,) = _U32.unpack(read_exactly(read_at, at, 4, f"{where}, value {k}"))
+            (size,) = U32.unpack(read_exactly(read_at, at, 4, f"{where}, value {k}"))
             if at + 4 + size > end:
                 raise ParquetPageError(f"{where}: value {k} of {size} bytes runs past the page's end")
             starts[k], sizes[k] = at + 4, size
@@ -87,7 +93,7 @@ def present_count(levels: memoryview, max_def: int, rows: int, what: str) -> int
         return rows
     total = 0
     for _first, n, run in hybrid_runs(levels, max_def.bit_length(), rows, what):
-        total += _present(run, 0, n, max_def, what)
+        total += present_in_run(run, 0, n, max_def, what)
     if total > MAX_PAGE_VALUES:
         raise ParquetPageError(f"{what}: {total} values in one page, over {MAX_PAGE_VALUES}")
     return total
@@ -105,7 +111,7 @@ def plain_spans(
     for k in range(count):
         if pos + 4 > end:
             raise ParquetPageError(f"{what}: value {k} starts past the end ({end} bytes)")
-        (size,) = _U32.unpack_from(data, pos)
+        (size,) = U32.unpack_from(data, pos)
         if size > end - pos - 4:
             raise ParquetPageError(f"{what}: value {k} of {size} bytes runs past the end ({end} bytes)")
         starts[k], sizes[k] = pos + 4, size
@@ -154,7 +160,7 @@ def page_data(page: Page, chunk: Chunk, raw: memoryview) -> tuple[memoryview, me
         return data[:0], data
     if len(data) < 4:
         raise ParquetPageError(f"{where}: {len(data)} bytes, too few for the levels' length")
-    (size,) = _U32.unpack_from(data, 0)
+    (size,) = U32.unpack_from(data, 0)
     if size > len(data) - 4:
         raise ParquetPageError(f"{where}: levels of {size} bytes in a page of {len(data)}")
     return data[4 : 4 + size], data[4 + size :]

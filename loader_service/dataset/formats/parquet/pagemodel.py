@@ -36,7 +36,7 @@ MAX_HADOOP_BLOCKS = 4096  # Hadoop's LZ4 blocks are 256 KiB or so: a page has a 
 
 DATA_PAGE, INDEX_PAGE, DICTIONARY_PAGE, DATA_PAGE_V2 = 0, 1, 2, 3
 PLAIN, PLAIN_DICTIONARY, RLE, RLE_DICTIONARY = 0, 2, 3, 8
-_ENCODINGS = {
+ENCODING_NAMES = {
     0: "PLAIN",
     1: "GROUP_VAR_INT",
     2: "PLAIN_DICTIONARY",
@@ -50,10 +50,10 @@ _ENCODINGS = {
 }
 CODECS = frozenset(("UNCOMPRESSED", "SNAPPY", "GZIP", "ZSTD", "LZ4", "LZ4_RAW", "BROTLI"))
 
-_U32 = struct.Struct("<I")
-_HADOOP_BLOCK = struct.Struct(">II")
-_SHIFTS = np.arange(32, dtype=np.uint32)
-_BYTE_BITS = np.array([bin(b).count("1") for b in range(256)], dtype=np.uint8)
+U32 = struct.Struct("<I")
+HADOOP_BLOCK = struct.Struct(">II")
+BIT_SHIFTS = np.arange(32, dtype=np.uint32)
+BYTE_BITS = np.array([bin(b).count("1") for b in range(256)], dtype=np.uint8)
 
 
 class ParquetPageError(Exception):

@@ -49,11 +49,11 @@ from loader_service.dataset.formats.parquet.pagebytes import (
     present_count,
 )
 from loader_service.dataset.formats.parquet.pagemodel import (
-    _ENCODINGS,
     CODECS,
     DATA_PAGE,
     DATA_PAGE_V2,
     DICTIONARY_PAGE,
+    ENCODING_NAMES,
     EXTRA_PAGES,
     FIRST_HEADER_READ,
     PLAIN,
@@ -85,15 +85,19 @@ def _check_page(chunk: Chunk, page: Page, where: str) -> None:
     h = page.header
     if h.kind == DICTIONARY_PAGE:
         if h.encoding not in (PLAIN, PLAIN_DICTIONARY):
-            raise ParquetPageError(f"{where}: dictionary encoding {_ENCODINGS.get(h.encoding, h.encoding)}")
+            raise ParquetPageError(
+                f"{where}: dictionary encoding {ENCODING_NAMES.get(h.encoding, h.encoding)}"
+            )
         if h.num_values > h.uncompressed_size // 4:  # each value has a 4-byte length at least
             raise ParquetPageError(f"{where}: {h.num_values} values in {h.uncompressed_size} bytes")
     if h.kind not in (DATA_PAGE, DATA_PAGE_V2):
         return
     if h.encoding not in (PLAIN, PLAIN_DICTIONARY, RLE_DICTIONARY):
-        raise ParquetPageError(f"{where}: encoding {_ENCODINGS.get(h.encoding, h.encoding)} is not supported")
+        raise ParquetPageError(
+            f"{where}: encoding {ENCODING_NAMES.get(h.encoding, h.encoding)} is not supported"
+        )
     if h.kind == DATA_PAGE and chunk.max_def and h.level_encoding != RLE:
-        name = _ENCODINGS.get(h.level_encoding, h.level_encoding)
+        name = ENCODING_NAMES.get(h.level_encoding, h.level_encoding)
         raise ParquetPageError(f"{where}: definition level encoding {name} is not supported")
     levels = h.def_levels_size + h.rep_levels_size
     if h.rep_levels_size or (h.def_levels_size and not chunk.max_def):

@@ -122,7 +122,7 @@ def _is_binary(kind: Any) -> bool:
     return bool(pa.types.is_binary(kind) or pa.types.is_large_binary(kind))
 
 
-class _Scan:
+class ParquetScan:
     """Rows, labels, names and metadata of each file in turn."""
 
     def __init__(self, columns: Columns, progress: Progress | None) -> None:

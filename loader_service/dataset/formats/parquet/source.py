@@ -28,7 +28,7 @@ from typing import Any
 
 from loader_service.dataset.formats.parquet.reader import ParquetReader
 from loader_service.dataset.formats.parquet.rows import ParquetRows
-from loader_service.dataset.formats.parquet.scan import _Scan
+from loader_service.dataset.formats.parquet.scan import ParquetScan
 from loader_service.dataset.source import (
     Columns,
     Indexed,
@@ -96,7 +96,7 @@ class ParquetSource:
         self, data: str | Path, progress: Progress | None, storage: StorageConfig, columns: Columns
     ) -> Scanned:
         listing = list_files(data, storage, SUFFIX, "Parquet files", local_files)
-        found = _Scan(columns, progress)
+        found = ParquetScan(columns, progress)
         with contextlib.closing(listing.sources()) as sources:  # a failed scan's fetched files go now
             for k, (name, source) in enumerate(sources):
                 found.add(k, name, source, listing.where(name))
