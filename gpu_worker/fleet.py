@@ -5,7 +5,8 @@ Pure bookkeeping, no sockets: ``gpu_worker.passes`` feeds it what arrived and se
 NOTE [ A fleet ]
     A trainer may be fed by several services with the same data (``ServiceLoader([...])``). The
     epoch plan is a pure function of (seed, epoch, rank, world_size, remainder), so any of them can
-    decode any batch of the trainer's share, and no dispatcher is needed:
+    decode any batch of the trainer's share, and no central dispatcher (a process that hands the
+    batches out) is needed; the trainer's own ``FleetPass`` shares them:
 
     * Every service must serve the same feed: dataset fingerprint, seed, batch size, image size,
       transform and fields, and make its samples alike (``FeedInfo.decoding``: resize filter, DCT
@@ -54,8 +55,8 @@ from collections.abc import Hashable
 from dataclasses import dataclass, field
 from typing import Generic, TypeVar
 
-Item = TypeVar("Item")
-Service = TypeVar("Service", bound=Hashable)
+ItemT = TypeVar("ItemT")
+ServiceT = TypeVar("ServiceT", bound=Hashable)
 TRIAL = 2
 """Batches a service of a fleet is given before its pace is known."""
 PACE_WEIGHT = 0.3
@@ -88,7 +89,7 @@ class Pace:
 
 
 @dataclass
-class Dispatcher(Generic[Service, Item]):
+class FleetPass(Generic[ServiceT, ItemT]):
     """One pass over batches ``[position, end)`` of a trainer's share, across a fleet."""
 
     position: int
@@ -101,28 +102,28 @@ class Dispatcher(Generic[Service, Item]):
     _next_fresh: int = -1
     _returned: list[int] = field(default_factory=list)
     """A heap of seqs given back by lost services, assigned before fresh ones."""
-    _owner: dict[int, Service] = field(default_factory=dict)
+    _owner: dict[int, ServiceT] = field(default_factory=dict)
     """seq -> the service it is assigned to, until it arrives from anyone."""
-    _assigned_at: dict[tuple[Service, int], float] = field(default_factory=dict)
-    _owed: dict[Service, set[int]] = field(default_factory=dict)
+    _assigned_at: dict[tuple[ServiceT, int], float] = field(default_factory=dict)
+    _owed: dict[ServiceT, set[int]] = field(default_factory=dict)
     """What each service will still deliver (it counts against its credits until it arrives)."""
-    _ready: dict[int, tuple[Service, Item]] = field(default_factory=dict)
-    _paces: dict[Service, Pace] = field(default_factory=dict)
+    _ready: dict[int, tuple[ServiceT, ItemT]] = field(default_factory=dict)
+    _paces: dict[ServiceT, Pace] = field(default_factory=dict)
     """Shared with the loader's later passes: a service's pace outlives a pass."""
-    _live: set[Service] = field(default_factory=set)
+    _live: set[ServiceT] = field(default_factory=set)
 
     def __post_init__(self) -> None:
         self._next_fresh = self.position
 
     # --- services -------------------------------------------------------------------------------
 
-    def joined(self, service: Service) -> None:
+    def joined(self, service: ServiceT) -> None:
         """A service can take batches (it attached, or came back)."""
         self._live.add(service)
         self._owed.setdefault(service, set())
         self._paces.setdefault(service, Pace())
 
-    def lost(self, service: Service) -> list[int]:
+    def lost(self, service: ServiceT) -> list[int]:
         """A service stopped answering: its unfinished batches go to the others. Returns them."""
         self._live.discard(service)
         self._owed.setdefault(service, set())  # it may never have joined this pass
@@ -134,13 +135,13 @@ class Dispatcher(Generic[Service, Item]):
         self._paces.setdefault(service, Pace()).seconds = None  # it may come back at another speed
         return gone
 
-    def forget(self, service: Service) -> None:
+    def forget(self, service: ServiceT) -> None:
         """The service no longer knows this trainer (a new session): it owes nothing any more."""
         self.lost(service)
         self._owed[service] = set()
         self._assigned_at = {key: t for key, t in self._assigned_at.items() if key[0] != service}
 
-    def drop_waiting(self, service: Service) -> list[Item]:
+    def drop_waiting(self, service: ServiceT) -> list[ItemT]:
         """Forget what arrived from ``service`` and waits for the loop (its session is gone, and its
         pool with it): those batches are assigned again. The caller lets the items go."""
         seqs = [seq for seq, (owner, _) in self._ready.items() if owner == service]
@@ -148,18 +149,18 @@ class Dispatcher(Generic[Service, Item]):
             heapq.heappush(self._returned, seq)
         return [self._ready.pop(seq)[1] for seq in seqs]
 
-    def owed(self, service: Service) -> set[int]:
+    def owed(self, service: ServiceT) -> set[int]:
         return self._owed.get(service, set())
 
-    def waiting(self, service: Service) -> list[Item]:
+    def waiting(self, service: ServiceT) -> list[ItemT]:
         """Items that arrived from ``service`` and wait for the loop."""
         return [item for owner, item in self._ready.values() if owner == service]
 
     # --- assigning ------------------------------------------------------------------------------
 
-    def assign(self, free: dict[Service, int], now: float) -> dict[Service, list[int]]:
+    def assign(self, free: dict[ServiceT, int], now: float) -> dict[ServiceT, list[int]]:
         """Give out batches to services with a free credit (NOTE [ A fleet ]); ``free`` is updated."""
-        out: dict[Service, list[int]] = {}
+        out: dict[ServiceT, list[int]] = {}
         self._backup(free, now, out)  # the batch the loop waits for comes before new ones
         while (seq := self._peek()) is not None:
             service = self._choose(free, urgent=seq == self.position)
@@ -173,7 +174,7 @@ class Dispatcher(Generic[Service, Item]):
             out.setdefault(service, []).append(seq)
         return out
 
-    def _backup(self, free: dict[Service, int], now: float, out: dict[Service, list[int]]) -> None:
+    def _backup(self, free: dict[ServiceT, int], now: float, out: dict[ServiceT, list[int]]) -> None:
         """Ask a second service for the batch the loop waits for, where its owner is far behind
         (NOTE [ A fleet ])."""
         seq = self.position
@@ -196,7 +197,7 @@ class Dispatcher(Generic[Service, Item]):
         self._backed.add(seq)
         self.backups += 1
 
-    def _remaining(self, service: Service, seq: int, now: float) -> float:
+    def _remaining(self, service: ServiceT, seq: int, now: float) -> float:
         """How long ``service`` may still take to deliver ``seq``, counted from when it last
         delivered (or was asked, if later): what its pace says is left of the batches it owes up
         to ``seq``; past that, or with no pace known, as long again as it has taken so far."""
@@ -211,7 +212,7 @@ class Dispatcher(Generic[Service, Item]):
                 return left
         return now - since
 
-    def _choose(self, free: dict[Service, int], urgent: bool) -> Service | None:
+    def _choose(self, free: dict[ServiceT, int], urgent: bool) -> ServiceT | None:
         """The service expected to deliver a new batch first, if it is worth giving it one now.
 
         Until a service has delivered once, its pace is a guess: in a fleet it is given at most
@@ -230,12 +231,12 @@ class Dispatcher(Generic[Service, Item]):
             return best
         return None
 
-    def _pace(self, service: Service) -> float:
+    def _pace(self, service: ServiceT) -> float:
         known = [p.seconds for p in self._paces.values() if p.seconds is not None]
         own = self._paces[service].seconds
         return own if own is not None else (min(known) if known else 1.0)
 
-    def _expected(self, service: Service) -> float:
+    def _expected(self, service: ServiceT) -> float:
         return (len(self._owed[service]) + 1) * self._pace(service)
 
     def _horizon(self) -> float:
@@ -262,7 +263,7 @@ class Dispatcher(Generic[Service, Item]):
 
     # --- arriving -------------------------------------------------------------------------------
 
-    def arrived(self, service: Service, seq: int, item: Item, now: float) -> bool:
+    def arrived(self, service: ServiceT, seq: int, item: ItemT, now: float) -> bool:
         """Take batch ``seq`` from ``service``; False for one the loop must not see (a second copy,
         or one outside the pass): the caller lets it go unread."""
         owed = self._owed.setdefault(service, set())
@@ -277,14 +278,14 @@ class Dispatcher(Generic[Service, Item]):
         self._ready[seq] = (service, item)
         return True
 
-    def take(self) -> tuple[Service, Item] | None:
+    def take(self) -> tuple[ServiceT, ItemT] | None:
         """The batch the loop needs next, if it is here."""
         got = self._ready.pop(self.position, None)
         if got is not None:
             self.position += 1
         return got
 
-    def make_room(self, free: dict[Service, int]) -> tuple[Service, Item] | None:
+    def make_room(self, free: dict[ServiceT, int]) -> tuple[ServiceT, ItemT] | None:
         """When the batch the loop needs is unassigned and no live service has a free credit, let the
         latest waiting batch of a live service go, to be assigned again. The caller releases it."""
         if self._peek() != self.position or any(free.get(s, 0) > 0 for s in self._live):
@@ -303,7 +304,7 @@ class Dispatcher(Generic[Service, Item]):
     def done(self) -> bool:
         return self.position >= self.end
 
-    def drain(self) -> list[tuple[Service, Item]]:
+    def drain(self) -> list[tuple[ServiceT, ItemT]]:
         """Everything still waiting (the pass ends early): the caller lets it go."""
         items = list(self._ready.values())
         self._ready.clear()

@@ -28,7 +28,7 @@ from typing import Any
 
 from gpu_worker.batch import Batch
 from gpu_worker.connection import ServiceError, ServiceTimeout
-from gpu_worker.fleet import Dispatcher
+from gpu_worker.fleet import FleetPass
 from gpu_worker.services import Fleet, Service
 from protocol.messages import BatchReady, EpochEnd, Start
 
@@ -62,7 +62,7 @@ class EpochPass:
         """Iterating: started and neither finished nor abandoned (``state_dict`` names its position)."""
         self.last_endpoint = ""
         """The endpoint of the service that delivered the batch handed out last."""
-        self._dispatcher: Dispatcher[Service, Arrived] = Dispatcher(
+        self._dispatcher: FleetPass[Service, Arrived] = FleetPass(
             settings.position, settings.batches, _paces=fleet.paces
         )
         self.empty = 0

@@ -17,16 +17,12 @@ from __future__ import annotations
 
 import itertools
 from collections.abc import Iterable
-from typing import TYPE_CHECKING
 
 import numpy as np
 import numpy.typing as npt
 
 from loader_service.dataset.sampler import ShardOrder
 from loader_service.supervisor.feeds import Feed
-
-if TYPE_CHECKING:
-    from loader_service.supervisor.streams import Stream
 
 GENERATIONS = itertools.count(1)
 PlanKey = tuple[int, int, int, str, int]
@@ -78,10 +74,10 @@ class Producer:
         self.next_produce += 1
         return seq
 
-    def complete(self, gen: int, seq: int, slot: int, count: int) -> Stream | None:
+    def complete(self, gen: int, seq: int, slot: int, count: int) -> Producer | None:
         """A worker filled ``slot`` for batch (gen, seq): keep it or free it (NOTE [ Slot lifecycle ]).
 
-        Returns the stream whose members may now be sent something, if any.
+        Returns the producer (a stream) whose members may now be sent something, if any.
         """
         receiver = self.receiver(gen)
         if not self.filled(gen, seq, slot, count):
@@ -99,6 +95,6 @@ class Producer:
         """Record a decoded batch; False if nobody wants it any more."""
         raise NotImplementedError
 
-    def receiver(self, gen: int) -> Stream | None:
-        """The stream a completion of generation ``gen`` may be delivered from."""
+    def receiver(self, gen: int) -> Producer | None:
+        """The producer (a stream) a completion of generation ``gen`` may be delivered from."""
         raise NotImplementedError

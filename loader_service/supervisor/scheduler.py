@@ -147,7 +147,7 @@ class Scheduler:
             views = slot_views(feed.segment, feed.layout, record.slot, feed.config.slots)
             count = compact(views, record.split.runs())
         receiver = record.producer.complete(record.gen, record.seq, record.slot, count)
-        if receiver is not None:
+        if isinstance(receiver, Stream):
             self._deliver(receiver)
 
     def _retry_later(self, record: TaskRecord, reason: str) -> None:

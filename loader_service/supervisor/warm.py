@@ -23,13 +23,9 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
 
 from loader_service.supervisor.feeds import Feed
 from loader_service.supervisor.producers import PlanKey, Producer
-
-if TYPE_CHECKING:
-    from loader_service.supervisor.streams import Stream
 
 log = logging.getLogger(__name__)
 WARM_BATCHES = 2
@@ -49,7 +45,7 @@ class Handover:
 
 @dataclass
 class _Forward:
-    target: Stream
+    target: Producer
     target_gen: int
     remaining: int
 
@@ -105,12 +101,12 @@ class WarmCache(Producer):
         )
         return True
 
-    def receiver(self, gen: int) -> Stream | None:
+    def receiver(self, gen: int) -> Producer | None:
         """The stream this cache's batches of generation ``gen`` were handed to, if any."""
         forward = self._forwards.get(gen) if gen != self.gen else None
         return None if forward is None else forward.target
 
-    def take(self, taker: Stream) -> Handover:
+    def take(self, taker: Producer) -> Handover:
         """Everything planned so far, for ``taker`` at its current generation; the cache is then empty.
 
         Decoded batches are handed over at once; completions of those still being decoded are

@@ -1,4 +1,4 @@
-"""``Dispatcher``: which service of a fleet decodes which batch, and the order the loop gets them in
+"""``FleetPass``: which service of a fleet decodes which batch, and the order the loop gets them in
 (NOTE [ A fleet ] in gpu_worker/fleet.py). Pure: services are names, time is a number."""
 
 from __future__ import annotations
@@ -6,19 +6,19 @@ from __future__ import annotations
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from gpu_worker.fleet import BACKUP_MARGIN, Dispatcher
+from gpu_worker.fleet import BACKUP_MARGIN, FleetPass
 
 CREDITS = 4
 
 
-def fleet(*services: str, position: int = 0, end: int = 40) -> Dispatcher[str, str]:
-    dispatcher: Dispatcher[str, str] = Dispatcher(position, end)
+def fleet(*services: str, position: int = 0, end: int = 40) -> FleetPass[str, str]:
+    dispatcher: FleetPass[str, str] = FleetPass(position, end)
     for service in services:
         dispatcher.joined(service)
     return dispatcher
 
 
-def free_of(dispatcher: Dispatcher[str, str], services: tuple[str, ...], waiting: int = 0) -> dict[str, int]:
+def free_of(dispatcher: FleetPass[str, str], services: tuple[str, ...], waiting: int = 0) -> dict[str, int]:
     return {s: CREDITS - len(dispatcher.owed(s)) - waiting for s in services}
 
 
@@ -136,7 +136,7 @@ def test_a_service_that_never_joined_this_pass_can_be_forgotten_and_join() -> No
     assert out == {"b": [0, 1]}
 
 
-def simulate(d: Dispatcher[str, str], pace: dict[str, float], step: float = 0.05) -> tuple[float, float]:
+def simulate(d: FleetPass[str, str], pace: dict[str, float], step: float = 0.05) -> tuple[float, float]:
     """Run a pass to its end with services delivering in order at their paces; (the time it took,
     the loop's longest wait between two batches). The loop itself takes no time."""
     queued: dict[str, list[int]] = {s: [] for s in pace}
