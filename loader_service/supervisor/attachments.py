@@ -4,8 +4,10 @@ from __future__ import annotations
 
 from collections import deque
 
+from loader_service.supervisor.broadcast import BroadcastStream
 from loader_service.supervisor.feeds import Feed
 from loader_service.supervisor.sessions import Session, StreamKey
+from loader_service.supervisor.shardstream import ShardStream
 from loader_service.supervisor.streams import Stream
 
 
@@ -53,7 +55,7 @@ class Attachments:
         key = session.stream_key()
         stream = self.streams.get(key)
         if stream is None:
-            stream = self.streams[key] = Stream(key, feed, session)
+            stream = self.streams[key] = make_stream(key, feed, session)
             self.order.append(key)
         return stream
 
@@ -64,3 +66,9 @@ class Attachments:
         stream.close()
         del self.streams[stream.key]
         self.order.remove(stream.key)
+
+
+def make_stream(key: tuple[object, ...], feed: Feed, session: Session) -> Stream:
+    """The kind of stream the session's mode calls for, chosen once, for its first member."""
+    kind = BroadcastStream if session.mode == "broadcast" else ShardStream
+    return kind(key, feed, session)

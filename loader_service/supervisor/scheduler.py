@@ -24,6 +24,7 @@ from loader_service.supervisor.attachments import Attachments
 from loader_service.supervisor.feeds import Feed
 from loader_service.supervisor.parts import SplitBatch, compact, plan_parts
 from loader_service.supervisor.producers import Producer
+from loader_service.supervisor.shardstream import ShardStream
 from loader_service.supervisor.streams import Stream
 from loader_service.supervisor.warm import WarmCache
 from loader_service.supervisor.worker_pool import WorkerHandle, WorkerSet
@@ -293,7 +294,7 @@ class Scheduler:
         for stream in sorted(wanting, key=lambda s: s.in_flight):
             if not stream.feed.pool.free:
                 self._warm[stream.feed.id].drop()  # NOTE [ Warm start ]: a trainer's batch goes first
-            if not stream.feed.pool.free and stream.picks is not None:
+            if not stream.feed.pool.free and isinstance(stream, ShardStream) and stream.picked:
                 stream.drop_kept()  # NOTE [ Kept batches ]: a batch asked for goes before them
                 if stream.ahead is not None:
                     stream.ahead.drop()  # and before its guess ahead

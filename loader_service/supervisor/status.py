@@ -34,7 +34,7 @@ def lag(attached: Attachments, session: Session) -> int:
     member = None if stream is None else stream.members.get(session.session_id)
     if stream is None or member is None or not member.active:
         return 0
-    if stream.picks is not None:  # picked mode: decoded, asked for, not yet announced to it
+    if stream.picked:  # a picked run: decoded, asked for, not yet announced to it
         return sum(1 for batch in stream.batches.values() if session.session_id in batch.pending)
     return max(0, stream.next_produce - stream.filling - member.next_send)
 

@@ -13,10 +13,12 @@ from collections.abc import Callable
 
 from loader_service.config import ServiceConfig
 from loader_service.supervisor.attachments import Attachments
+from loader_service.supervisor.broadcast import BroadcastStream
 from loader_service.supervisor.feeds import Feed
 from loader_service.supervisor.limits import RateGate
 from loader_service.supervisor.outbox import Outbox
 from loader_service.supervisor.sessions import Session, group_key
+from loader_service.supervisor.shardstream import ShardStream
 from loader_service.supervisor.streams import StartRefused, Stream
 from loader_service.supervisor.warm import WarmCache
 from protocol.messages import (
@@ -304,7 +306,8 @@ class TrainerDesk:
         if msg.run != session.run:
             return
         stream = self._attached.stream_of(session)
-        stream.want(msg.seqs, session.credits)
+        if isinstance(stream, ShardStream):
+            stream.want(msg.seqs, session.credits)
 
     def _on_release(self, session: Session, msg: Release) -> None:
         stream = self._attached.stream_of(session)
@@ -340,7 +343,7 @@ class TrainerDesk:
         self._attached.forget(session)
         if not stream.members and not stream.evicted:
             self._attached.close_stream(stream)
-        elif stream.broadcast:
+        elif isinstance(stream, BroadcastStream):
             stream.on_member_left()
             self._outbox.deliver(stream)
 
