@@ -40,37 +40,27 @@ import os
 from collections import Counter
 from collections.abc import Iterator, Sequence
 from types import TracebackType
-from typing import Any, NamedTuple
+from typing import Any
 
 import torch
 
 from curvekeys import ClientKeys, warn_if_in_the_clear
 from gpu_worker.batch import Batch
+from gpu_worker.checkpoint import Resume, resume_from, state_at
 from gpu_worker.connection import ServiceError, ServiceTimeout, make_hello
 from gpu_worker.device import resolve_device
 from gpu_worker.fields import ExpectedFields, as_expected, expected_fields, field_differences
 from gpu_worker.loader_config import ENDPOINTS_ENV, GROUP_SECRET_ENV, LoaderConfig, endpoints_of, shard_of
 from gpu_worker.local import START_TIMEOUT, LocalService
 from gpu_worker.passes import EpochPass, PassSettings
-from gpu_worker.services import Fleet, Service
+from gpu_worker.services import Fleet
+from gpu_worker.session import Service
 from protocol.layout import SlotLayout, describe_fields
 from protocol.messages import FeedInfo
-from protocol.shares import consumed, rank_batches
+from protocol.shares import rank_batches
 
 log = logging.getLogger(__name__)
 __all__ = ["Batch", "LoaderConfig", "ServiceError", "ServiceLoader", "ServiceTimeout"]
-
-
-STATE_VERSION = 2
-"""Version 2 names the job's ``consumed`` prefix (shard mode); version 1 named a rank's position."""
-
-
-class Resume(NamedTuple):
-    """Where a pass begins: an epoch, a batch of this rank's share, and the share's offset."""
-
-    epoch: int
-    position: int = 0
-    offset: int = 0
 
 
 class ServiceLoader:
@@ -282,14 +272,8 @@ class ServiceLoader:
         with the next batch. It names no service: a state taken with one fleet resumes on any
         other serving the same feed.
         """
-        epoch, position, offset = self._where()
-        state: dict[str, Any] = {"version": STATE_VERSION, "epoch": epoch, **self._identity()}
-        if self.config.mode == "broadcast":
-            return {**state, "position": position}
-        taken = consumed(offset, position, self.info.batch_size, self.config.world_size, self.info.samples)
-        if taken >= self.info.samples:
-            return {**state, "epoch": epoch + 1, "consumed": 0}
-        return {**state, "consumed": taken}
+        cfg = self.config
+        return state_at(self._where(), self.info, cfg.mode, cfg.world_size)
 
     def _where(self) -> Resume:
         """The epoch, position and offset the next batch of the loop comes from."""
@@ -304,53 +288,9 @@ class ServiceLoader:
         """Continue from ``state`` at the next ``iter()``, whichever rank and world size saved it
         (shard mode); refuse a state from another feed or setup, naming what differs. States of
         version 1 (rank-bound) load too: their ranks moved in step, so they name a prefix as well."""
-        if not isinstance(state, dict) or state.get("version") not in (1, STATE_VERSION):
-            raise ValueError("not a ServiceLoader state (missing or unknown 'version')")
-        mismatched = [
-            f"{key}: state has {state.get(key)!r}, this loader {mine!r}"
-            for key, mine in self._identity().items()
-            if state.get(key) != mine
-        ]
-        if mismatched:
-            raise ValueError("state belongs to a different feed or setup: " + "; ".join(mismatched))
-        epoch = state.get("epoch")
-        if type(epoch) is not int or epoch < 0:
-            raise ValueError(f"state has an invalid epoch: {epoch!r}")
-        self._resume = self._resume_of(state, epoch)
+        cfg = self.config
+        self._resume = resume_from(state, self.info, cfg.mode, cfg.world_size, len(self))
         self._next_epoch = self._resume.epoch
-
-    def _resume_of(self, state: dict[str, Any], epoch: int) -> Resume:
-        if self.config.mode == "broadcast":
-            return Resume(epoch, self._position_of(state, len(self)))
-        taken = self._taken_by_version_1(state) if state["version"] == 1 else self._taken(state)
-        if taken >= self.info.samples:
-            return Resume(epoch + 1)
-        step = self.info.batch_size * self.config.world_size
-        if taken % step == 0:  # a whole number of this job's steps: the epoch's own plan, from there
-            return Resume(epoch, taken // step)
-        return Resume(epoch, 0, taken)
-
-    @staticmethod
-    def _position_of(state: dict[str, Any], batches: int) -> int:
-        position = state.get("position")
-        if type(position) is not int or not 0 <= position <= batches:
-            raise ValueError(f"state has an invalid position: {position!r} (the epoch has {batches} batches)")
-        return position
-
-    def _taken(self, state: dict[str, Any]) -> int:
-        taken = state.get("consumed")
-        samples = self.info.samples
-        if type(taken) is not int or not 0 <= taken <= samples:
-            raise ValueError(f"state has an invalid consumed count: {taken!r} of {samples} samples")
-        return taken
-
-    def _taken_by_version_1(self, state: dict[str, Any]) -> int:
-        """A version 1 state's rank position, as the prefix its whole job had taken."""
-        world_size = state.get("world_size")
-        if type(world_size) is not int or world_size < 1:
-            raise ValueError(f"a version 1 state has an invalid world_size: {world_size!r}")
-        position = self._position_of(state, 1 << 40)
-        return consumed(0, position, self.info.batch_size, world_size, self.info.samples)
 
     def _batches(self, offset: int) -> int:
         """This rank's batches of an epoch shared out from ``offset`` on."""
@@ -358,17 +298,6 @@ class ServiceLoader:
             return len(self)
         cfg = self.config
         return rank_batches(self.info.samples, self.info.batch_size, cfg.world_size, cfg.remainder, offset)
-
-    def _identity(self) -> dict[str, Any]:
-        """What must match for a state to be valid here: the same data and order. Not the rank, the
-        world size or ``remainder`` (NOTE [ Elastic epochs ]), nor the services."""
-        return {
-            "feed": self.info.name,
-            "fingerprint": self.info.fingerprint,
-            "seed": self.info.seed,
-            "batch_size": self.info.batch_size,
-            "mode": self.config.mode,
-        }
 
     def __enter__(self) -> ServiceLoader:
         return self

@@ -29,7 +29,8 @@ from typing import Any
 from gpu_worker.batch import Batch
 from gpu_worker.connection import ServiceError, ServiceTimeout
 from gpu_worker.fleet import FleetPass
-from gpu_worker.services import Fleet, Service
+from gpu_worker.services import Fleet
+from gpu_worker.session import Service
 from protocol.messages import BatchReady, EpochEnd, Start
 
 Arrived = tuple[int, BatchReady]
