@@ -39,7 +39,6 @@ from loader_service.decode.pipeline import (
     OutputError,
     Pipeline,
     PipelineError,
-    Sample,
     as_array,
     call_pipeline,
     failure,
@@ -48,6 +47,7 @@ from loader_service.decode.pipeline import (
     user_traceback,
 )
 from loader_service.decode.reading import SampleReader
+from loader_service.decode.sample import Sample
 from protocol.layout import FieldSpec, SlotLayout
 
 __all__ = ["PROBE_SAMPLES", "PipelineError", "probe_fields"]

@@ -31,9 +31,10 @@ from loader_service.dataset.storage.objectstore import StorageConfig, StoreUnava
 from loader_service.dataset.tables import DecodeError
 from loader_service.decode.cache import CacheKind, CacheSpec, SampleCache
 from loader_service.decode.geometry import prepare
-from loader_service.decode.pipeline import Pipeline, Sample, load_pipeline, run_into
+from loader_service.decode.pipeline import Pipeline, load_pipeline, run_into
 from loader_service.decode.progress import PREFETCHING, ProgressBoard
 from loader_service.decode.reading import SampleReader
+from loader_service.decode.sample import Sample
 from loader_service.decode.transforms import Recipe, decode_bytes, load_bytes_into, transform_into
 from loader_service.logs import configure_logging
 from loader_service.shm import Segment

@@ -24,10 +24,8 @@ import torch
 
 from loader_service.dataset.index import DatasetIndex, build_index
 from loader_service.decode.pipeline import (
-    RESERVED,
     OutputError,
     PipelineError,
-    Sample,
     call_pipeline,
     infer_fields,
     load_pipeline,
@@ -37,6 +35,7 @@ from loader_service.decode.pipeline import (
 )
 from loader_service.decode.probe import probe_fields
 from loader_service.decode.reading import SampleReader
+from loader_service.decode.sample import RESERVED, Sample
 from protocol.layout import FieldSpec
 
 pytestmark = pytest.mark.usefixtures("restore_process_state")

@@ -25,7 +25,8 @@ from loader_service.dataset.index import build_index
 from loader_service.dataset.sampler import sample_rng
 from loader_service.decode.decoders import uses_roi
 from loader_service.decode.geometry import INTERPOLATIONS
-from loader_service.decode.pipeline import PipelineError, Sample, call_pipeline
+from loader_service.decode.pipeline import PipelineError, call_pipeline
+from loader_service.decode.sample import Sample
 from loader_service.decode.transforms import load_into
 from loader_service.decode.worker import OpenFeed, WorkerFeed, fill_slot, open_feed, slot_views
 from loader_service.shm import Segment, new_segment_name
