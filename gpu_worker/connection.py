@@ -29,6 +29,7 @@ import zmq
 from curvekeys import ClientKeys
 from gpu_worker.arrivals import Arrivals
 from gpu_worker.heartbeats import Heartbeats
+from protocol.codec import decode, encode
 from protocol.layout import MAX_FIELDS
 from protocol.messages import (
     MAX_CREDITS,
@@ -46,8 +47,6 @@ from protocol.messages import (
     Start,
     Want,
     Welcome,
-    decode,
-    encode,
 )
 
 log = logging.getLogger(__name__)

@@ -18,7 +18,8 @@ import zmq
 
 from curvekeys import ClientKeys
 from gpu_worker.loop_clock import LoopClock
-from protocol.messages import Heartbeat, encode
+from protocol.codec import encode
+from protocol.messages import Heartbeat
 
 log = logging.getLogger(__name__)
 RETRY = 1.0

@@ -3,6 +3,7 @@
 Nothing here opens a socket or a file; both the service and the trainer side import it.
 """
 
+from protocol.codec import decode, encode
 from protocol.layout import SEGMENT_PREFIX, SlotLayout, validate_segment_name
 from protocol.messages import (
     MAX_FRAME_BYTES,
@@ -20,15 +21,10 @@ from protocol.messages import (
     Start,
     StatusReply,
     StatusRequest,
-    StopWorker,
-    Task,
-    TaskDone,
     Want,
     Welcome,
-    WorkerReady,
-    decode,
-    encode,
 )
+from protocol.workers import StopWorker, Task, TaskDone, WorkerReady
 
 __all__ = [
     "MAX_FRAME_BYTES",

@@ -1,4 +1,5 @@
-"""Messages between trainers, the loader service and its decode workers.
+"""Messages between trainers, the loader service and its decode workers (theirs are declared in
+``protocol.workers``; ``protocol.codec`` turns every message into one frame and back).
 
 Every message is one ZeroMQ frame holding one msgpack map, keys in this order::
 
@@ -53,9 +54,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 from dataclasses import dataclass, field
-from typing import Annotated, Any, ClassVar, Final, TypeVar
-
-import msgpack
+from typing import Annotated, Any, ClassVar, Final
 
 from protocol.layout import DTYPES, MAX_DIMS, MAX_FIELDS
 from protocol.schema import (
@@ -68,10 +67,7 @@ from protocol.schema import (
     Items,
     ListOf,
     OneOf,
-    PackedInt64,
-    Pair,
     ProtocolError,
-    Record,
     Str,
 )
 
@@ -80,7 +76,6 @@ __all__ = [
     "MAX_CREDITS",
     "MAX_FRAME_BYTES",
     "MAX_RELEASES",
-    "MESSAGE_TYPES",
     "MODES",
     "PROTOCOL_VERSION",
     "REMAINDERS",
@@ -99,14 +94,8 @@ __all__ = [
     "Start",
     "StatusReply",
     "StatusRequest",
-    "StopWorker",
-    "Task",
-    "TaskDone",
     "Want",
     "Welcome",
-    "WorkerReady",
-    "decode",
-    "encode",
 ]
 
 PROTOCOL_VERSION: Final = 8
@@ -362,132 +351,3 @@ class ErrorReply(Message):
     code: Annotated[str, Str(64)]
     message: Annotated[str, Str(2048)]
     fatal: Annotated[bool, Bool()] = False
-
-
-# --- service <-> decode worker ------------------------------------------------------------------
-
-
-@dataclass(frozen=True)
-class WorkerReady(Message):
-    KIND: ClassVar[str] = "w_ready"
-    worker: Annotated[int, Int(0, 4096)]
-    pid: Annotated[int, Int()]
-
-
-@dataclass(frozen=True)
-class Task(Message):
-    """Decode the samples ``indices`` (little-endian int64) of ``epoch`` into ``slot`` of ``feed``,
-    good ones into consecutive rows from ``row`` on: a whole batch from row 0, one part of a batch
-    split across workers from the first row after the parts before it (NOTE [ Split batches ])."""
-
-    KIND: ClassVar[str] = "task"
-    task: Annotated[int, Int()]
-    feed: Annotated[int, Int(0, 255)]
-    slot: Annotated[int, Int(0, 65535)]
-    epoch: Annotated[int, Int()]
-    indices: Annotated[bytes, PackedInt64(65536)]
-    row: Annotated[int, Int(0, 65535), OMITTABLE] = 0
-
-
-@dataclass(frozen=True)
-class TaskDone(Message):
-    """Rows ``[row, row + count)`` of the task's slot are written (``Task.row``); ``bad`` lists (index,
-    reason) of skipped files. ``retry``, when set, says why nothing was done and the task must be done
-    again later (the data's store did not answer: NOTE [ Object store reads ])."""
-
-    KIND: ClassVar[str] = "done"
-    task: Annotated[int, Int()]
-    worker: Annotated[int, Int(0, 4096)]
-    count: Annotated[int, Int(0, 65536)]
-    bad: Annotated[tuple[tuple[int, str], ...], ListOf(Pair(Int(), Str()), MAX_BAD_REPORTS)] = ()
-    retry: Annotated[str, Str(), OMITTABLE] = ""
-
-
-@dataclass(frozen=True)
-class StopWorker(Message):
-    KIND: ClassVar[str] = "stop"
-
-
-# --- the codec ----------------------------------------------------------------------------------
-
-MESSAGE_TYPES: Final[tuple[type[Message], ...]] = (
-    Hello,
-    Start,
-    Want,
-    Release,
-    Heartbeat,
-    Bye,
-    Ack,
-    Welcome,
-    StatusRequest,
-    StatusReply,
-    BatchReady,
-    EpochEnd,
-    ErrorReply,
-    WorkerReady,
-    Task,
-    TaskDone,
-    StopWorker,
-)
-# Compiled once at import: a declaration the decoder cannot use fails here, not on the first frame.
-_RECORDS: Final[dict[str, Record]] = {cls.KIND: Record(cls, envelope=("v", "k")) for cls in MESSAGE_TYPES}
-
-M = TypeVar("M", bound=Message)
-
-
-def encode(message: Message) -> bytes:
-    """Pack ``message`` into one frame."""
-    body = _RECORDS[message.KIND].encode_into({"v": PROTOCOL_VERSION, "k": message.KIND}, message)
-    frame: bytes = msgpack.packb(body, use_bin_type=True)
-    if len(frame) > MAX_FRAME_BYTES:
-        raise ProtocolError(f"{message.KIND} message of {len(frame)} bytes exceeds {MAX_FRAME_BYTES}")
-    return frame
-
-
-def decode(frame: bytes | memoryview, expect: tuple[type[M], ...]) -> M:
-    """Unpack one frame, accepting only the message classes in ``expect``."""
-    d = _unpack(frame)
-    # The envelope is checked inline: this runs for every frame, and a call costs as much as a test.
-    version = d.get("v")
-    if type(version) is not int or version != PROTOCOL_VERSION:
-        raise ProtocolError(f"protocol version {version!r:.20} is not {PROTOCOL_VERSION}")
-    kind = d.get("k")
-    record = _RECORDS.get(kind) if type(kind) is str else None
-    if record is None or not issubclass(record.cls, expect):
-        raise ProtocolError(f"unexpected message kind {kind!r:.40}")
-    try:
-        message: M = record.build(d)
-    except ProtocolError:
-        raise
-    except (TypeError, ValueError, KeyError) as exc:  # never let a field check crash a receiver
-        raise ProtocolError(f"malformed {kind} message: {type(exc).__name__}") from None
-    return message
-
-
-MAX_MAP_LEN: Final = 256
-"""Keys in any one map of a frame: a message declares at most about twenty fields, and a status body
-has no wider map. msgpack refuses a longer map from its header, before building it (a 50 KB frame
-of 6000 keys cost about 1.7 ms to build and then refuse by name)."""
-
-
-def _unpack(frame: bytes | memoryview) -> dict[str, Any]:
-    # The size test comes first, so a hostile peer cannot make msgpack allocate for a huge frame.
-    if len(frame) > MAX_FRAME_BYTES:
-        raise ProtocolError(f"frame of {len(frame)} bytes exceeds {MAX_FRAME_BYTES}")
-    try:
-        d = msgpack.unpackb(
-            frame,
-            raw=False,
-            strict_map_key=True,
-            use_list=True,
-            max_map_len=MAX_MAP_LEN,
-            max_array_len=MAX_RELEASES,
-            max_ext_len=0,
-        )
-    except ValueError as exc:  # a length over a limit says which, in a few words
-        raise ProtocolError(f"not a msgpack frame: {type(exc).__name__}: {str(exc)[:80]}") from None
-    except Exception as exc:  # msgpack raises several unrelated types for garbage
-        raise ProtocolError(f"not a msgpack frame: {type(exc).__name__}") from None
-    if type(d) is not dict:
-        raise ProtocolError("a message must be a msgpack map")
-    return d

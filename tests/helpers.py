@@ -31,8 +31,9 @@ import zmq
 
 from curvekeys import ClientKeys
 from gpu_worker import ServiceLoader
+from protocol.codec import decode, encode
 from protocol.layout import SlotLayout
-from protocol.messages import StatusReply, StatusRequest, decode, encode
+from protocol.messages import StatusReply, StatusRequest
 
 SHM = Path("/dev/shm")
 REPO = Path(__file__).resolve().parents[1]

@@ -38,8 +38,10 @@ from loader_service.decode.sample import Sample
 from loader_service.decode.transforms import Recipe, decode_bytes, load_bytes_into, transform_into
 from loader_service.logs import configure_logging
 from loader_service.shm import Segment
+from protocol.codec import decode, encode
 from protocol.layout import SlotLayout, describe_fields, image_fields
-from protocol.messages import MAX_BAD_REPORTS, StopWorker, Task, TaskDone, WorkerReady, decode, encode
+from protocol.messages import MAX_BAD_REPORTS
+from protocol.workers import StopWorker, Task, TaskDone, WorkerReady
 
 log = logging.getLogger(__name__)
 POLL_MS = 500

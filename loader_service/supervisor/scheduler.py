@@ -28,7 +28,9 @@ from loader_service.supervisor.shardstream import ShardStream
 from loader_service.supervisor.streams import Stream
 from loader_service.supervisor.warm import WarmCache
 from loader_service.supervisor.worker_pool import WorkerHandle, WorkerSet
-from protocol.messages import Message, ProtocolError, Task, TaskDone, WorkerReady, decode
+from protocol.codec import decode
+from protocol.messages import Message, ProtocolError
+from protocol.workers import Task, TaskDone, WorkerReady
 
 log = logging.getLogger(__name__)
 MAX_TASK_ATTEMPTS = 3

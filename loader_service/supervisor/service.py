@@ -66,8 +66,10 @@ from loader_service.supervisor.sizing import Sample, Sizer
 from loader_service.supervisor.trainers import TrainerDesk
 from loader_service.supervisor.warm import WarmCache
 from loader_service.supervisor.worker_pool import WorkerSet
+from protocol.codec import encode
 from protocol.layout import SEGMENT_PREFIX
-from protocol.messages import MAX_FRAME_BYTES, Message, ProtocolError, StopWorker, encode
+from protocol.messages import MAX_FRAME_BYTES, Message, ProtocolError
+from protocol.workers import StopWorker
 
 log = logging.getLogger(__name__)
 TICK = 0.1

@@ -21,6 +21,7 @@ from loader_service.supervisor.sessions import Session, group_key
 from loader_service.supervisor.shardstream import ShardStream
 from loader_service.supervisor.streams import StartRefused, Stream
 from loader_service.supervisor.warm import WarmCache
+from protocol.codec import decode
 from protocol.messages import (
     Ack,
     Bye,
@@ -34,7 +35,6 @@ from protocol.messages import (
     StatusRequest,
     Want,
     Welcome,
-    decode,
 )
 from protocol.shares import shard_size
 

@@ -16,15 +16,8 @@ from typing import Any
 import zmq
 
 from curvekeys import ClientKeys
-from protocol.messages import (
-    ErrorReply,
-    Heartbeat,
-    ProtocolError,
-    StatusReply,
-    StatusRequest,
-    decode,
-    encode,
-)
+from protocol.codec import decode, encode
+from protocol.messages import ErrorReply, Heartbeat, ProtocolError, StatusReply, StatusRequest
 
 RECENT_BAD_FILES = 3  # paths shown per feed; the service keeps the last five
 SLOT_STATES = ("free", "filling", "ready", "leased")

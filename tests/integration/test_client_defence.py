@@ -10,21 +10,9 @@ import pytest
 import zmq
 
 from gpu_worker import ServiceError, ServiceLoader
+from protocol.codec import decode, encode
 from protocol.layout import SlotLayout
-from protocol.messages import (
-    Ack,
-    BatchReady,
-    Bye,
-    FeedInfo,
-    Heartbeat,
-    Hello,
-    Release,
-    Start,
-    Want,
-    Welcome,
-    decode,
-    encode,
-)
+from protocol.messages import Ack, BatchReady, Bye, FeedInfo, Heartbeat, Hello, Release, Start, Want, Welcome
 from tests.helpers import fake_segment
 
 pytestmark = pytest.mark.integration

@@ -23,6 +23,7 @@ import pytest
 import zmq
 
 from gpu_worker import Batch, ServiceLoader, connection
+from protocol.codec import decode, encode
 from protocol.layout import SlotLayout
 from protocol.messages import (
     Ack,
@@ -36,8 +37,6 @@ from protocol.messages import (
     Start,
     Want,
     Welcome,
-    decode,
-    encode,
 )
 from tests.helpers import fake_segment, in_background
 

@@ -21,7 +21,8 @@ from gpu_worker import ServiceLoader
 from loader_service.dataset.index import build_index
 from loader_service.supervisor.curve import CurveGuard, TrainerKeys
 from loader_service.tools.keys import KeyPair, make_keys
-from protocol.messages import Heartbeat, Hello, Start, Welcome, decode, encode
+from protocol.codec import decode, encode
+from protocol.messages import Heartbeat, Hello, Start, Welcome
 from tests.helpers import ServiceFactory, epoch_indices, in_threads, status, trainer_process, wait_until
 
 pytestmark = pytest.mark.integration

@@ -12,6 +12,7 @@ import pytest
 import zmq
 
 from gpu_worker import ServiceLoader
+from protocol.codec import decode, encode
 from protocol.messages import (
     MAX_FRAME_BYTES,
     MAX_RELEASES,
@@ -26,8 +27,6 @@ from protocol.messages import (
     StatusReply,
     StatusRequest,
     Welcome,
-    decode,
-    encode,
 )
 from tests.helpers import ServiceFactory, status
 

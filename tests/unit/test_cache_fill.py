@@ -23,7 +23,7 @@ from loader_service.decode.geometry import INTERPOLATIONS
 from loader_service.decode.worker import OpenFeed, WorkerFeed, fill_slot, open_feed, slot_views
 from loader_service.shm import Segment, new_segment_name
 from protocol.layout import FieldSpec, SlotLayout
-from protocol.messages import Task
+from protocol.workers import Task
 
 pytestmark = pytest.mark.usefixtures("restore_process_state")
 

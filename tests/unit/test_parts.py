@@ -26,8 +26,10 @@ from loader_service.supervisor.sessions import Session
 from loader_service.supervisor.slots import SlotPool, SlotState
 from loader_service.supervisor.streams import Stream
 from loader_service.supervisor.worker_pool import WorkerHandle, WorkerSet
+from protocol.codec import decode, encode
 from protocol.layout import FieldSpec, SlotLayout
-from protocol.messages import Hello, Message, Task, TaskDone, decode, encode
+from protocol.messages import Hello, Message
+from protocol.workers import Task, TaskDone
 from tests.helpers import shm_segment
 
 # --- planning parts -------------------------------------------------------------------------------

@@ -14,9 +14,9 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from protocol import layout
+from protocol.codec import MESSAGE_TYPES, decode, encode
 from protocol.messages import (
     MAX_FRAME_BYTES,
-    MESSAGE_TYPES,
     PROTOCOL_VERSION,
     Ack,
     BatchReady,
@@ -30,14 +30,8 @@ from protocol.messages import (
     ProtocolError,
     Release,
     Start,
-    StopWorker,
-    Task,
-    TaskDone,
     Want,
     Welcome,
-    WorkerReady,
-    decode,
-    encode,
 )
 from protocol.schema import (
     OMITTABLE,
@@ -54,6 +48,7 @@ from protocol.schema import (
     Rule,
     Str,
 )
+from protocol.workers import StopWorker, Task, TaskDone, WorkerReady
 
 FEED = FeedInfo(
     "train",

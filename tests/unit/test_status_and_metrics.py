@@ -22,7 +22,8 @@ from gpu_worker.metrics import MetricsUnavailable as TrainerMetricsUnavailable
 from gpu_worker.metrics import TrainerMetrics
 from loader_service.supervisor.metrics import MetricsUnavailable, ServiceMetrics
 from loader_service.tools.status_view import main_status, query_status, render
-from protocol.messages import Heartbeat, StatusReply, StatusRequest, decode, encode
+from protocol.codec import decode, encode
+from protocol.messages import Heartbeat, StatusReply, StatusRequest
 
 SAMPLE_BODY: dict[str, Any] = {
     "uptime": 12.3,

@@ -31,7 +31,7 @@ from loader_service.decode.transforms import load_into
 from loader_service.decode.worker import OpenFeed, WorkerFeed, fill_slot, open_feed, slot_views
 from loader_service.shm import Segment, new_segment_name
 from protocol.layout import FieldSpec, SlotLayout
-from protocol.messages import Task, TaskDone
+from protocol.workers import Task, TaskDone
 
 pytestmark = pytest.mark.usefixtures("restore_process_state")
 
