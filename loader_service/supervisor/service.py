@@ -42,33 +42,31 @@ from types import FrameType
 import zmq
 
 from loader_service.config import ServiceConfig
-from loader_service.config.checks import is_loopback_tcp
 from loader_service.config.options import ByteSize
-from loader_service.dataset.storage.cachedir import FetchCache
-from loader_service.dataset.storage.objectstore import FULL_ERRNOS, LocalDiskFull
+from loader_service.dataset.storage.cachedir import open_cache_folder
 from loader_service.decode.decoders import describe_decoder
 from loader_service.decode.pipeline import THREAD_ENV
 from loader_service.decode.progress import ProgressBoard
-from loader_service.decode.worker import BENCH_WRITE_NOTHING_ENV, FAULT_ENV, WorkerConfig
-from loader_service.shm import LOCK_NAME, SHM_DIR, hold_lock, remove_stale, restrict
+from loader_service.decode.worker import FAULT_ENV, WorkerConfig
+from loader_service.shm import LOCK_NAME, SHM_DIR, hold_lock, remove_stale
 from loader_service.supervisor import status, systemd
 from loader_service.supervisor.attachments import Attachments
+from loader_service.supervisor.autosize import WorkerSizing
 from loader_service.supervisor.curve import CurveGuard
-from loader_service.supervisor.endpoint import claim_ipc_path, ipc_path, release_ipc_path
+from loader_service.supervisor.endpoint import bind_trainer_endpoint, recv_bounded, release_ipc_path
 from loader_service.supervisor.feeds import Feed
 from loader_service.supervisor.lifeline import Lifeline
-from loader_service.supervisor.load import WorkerTime, demand, measure, step_seconds
+from loader_service.supervisor.load import WorkerTime, measure
 from loader_service.supervisor.metrics import ServiceMetrics
 from loader_service.supervisor.outbox import Outbox
 from loader_service.supervisor.scheduler import Scheduler
 from loader_service.supervisor.sends import CopiedSend, send_copied
-from loader_service.supervisor.sizing import Sample, Sizer
 from loader_service.supervisor.trainers import TrainerDesk
 from loader_service.supervisor.warm import WarmCache
-from loader_service.supervisor.worker_pool import WorkerSet
+from loader_service.supervisor.worker_pool import WorkerSet, write_nothing_from_env
 from protocol.codec import encode
 from protocol.layout import SEGMENT_PREFIX
-from protocol.messages import MAX_FRAME_BYTES, Message, ProtocolError
+from protocol.messages import Message, ProtocolError
 from protocol.workers import StopWorker
 
 log = logging.getLogger(__name__)
@@ -105,8 +103,8 @@ class LoaderService:
         self._last_report = 0.0
         self._worker_time = WorkerTime()
         """For the load a scaler reads (NOTE [ Fleet load ])."""
-        self._sizer: Sizer | None = None
-        """``--workers auto`` (NOTE [ Sizing workers ]); None when the count is pinned."""
+        self._sizing: WorkerSizing | None = None
+        """``--workers auto`` or pinned (NOTE [ Sizing workers ])."""
         self._next_housekeeping = 0.0
         self._outbox = Outbox(self._send, self._send_frames, self._attached, config.heartbeat_interval)
         self._desk = TrainerDesk(config, self.feeds, self._warm, self._attached, self._outbox, self.status)
@@ -155,7 +153,9 @@ class LoaderService:
         # first imports numpy, which is before any worker code can set them.
         for name in THREAD_ENV:
             os.environ[name] = "1"
-        if cfg.cache_dir and not self._open_cache_folder():
+        if cfg.cache_dir and (lock := open_cache_folder(cfg.cache_dir, cfg.cache_size)) is not None:
+            self._cache_lock = lock
+        elif cfg.cache_dir:
             cfg = self.config = replace(cfg, cache_dir="", cache_size=ByteSize(0))
         for feed_id, feed_config in enumerate(cfg.feeds()):
             self.feeds.append(
@@ -164,7 +164,8 @@ class LoaderService:
                 )
             )
         self._ctx = zmq.Context()
-        self._frontend = self._bind_frontend(self._ctx)
+        self._frontend, self._guard = bind_trainer_endpoint(self._ctx, cfg)
+        self._owns_endpoint = True
         backend_endpoint = f"ipc://{self._runtime_dir}/workers.sock"
         self._backend = self._ctx.socket(zmq.ROUTER)
         self._backend.setsockopt(zmq.LINGER, 0)
@@ -174,7 +175,7 @@ class LoaderService:
         self._workers = WorkerSet(
             self._worker_template(backend_endpoint), cfg.worker_processes, active=cfg.first_workers
         )
-        self._sizer = self._start_sizing()
+        self._sizing = WorkerSizing(cfg, self._workers)
         log.info("decoder: %s", describe_decoder(cfg.decoder))
         self._outbox.sends.limit = sum(feed.segment.size for feed in self.feeds)  # NOTE [ Remote sends ]
         self._warm.update({feed.id: WarmCache(feed) for feed in self.feeds})
@@ -191,43 +192,6 @@ class LoaderService:
         for feed in self.feeds:
             self._log_ready(feed)
         systemd.ready(status.summary(self.feeds, self._attached))
-
-    def _start_sizing(self) -> Sizer | None:
-        """NOTE [ Sizing workers ]: with ``--workers auto``, a controller over the workers started."""
-        cfg = self.config
-        if cfg.workers:
-            log.info("decode workers: %d (--workers)", cfg.workers)
-            return None
-        budget = cfg.budget
-        log.info(
-            "decode workers: auto, %d started, %d taking tasks; CPU budget %.2f cores (%s)",
-            cfg.worker_processes,
-            cfg.first_workers,
-            budget.cores,
-            budget.source,
-        )
-        return Sizer(cfg.first_workers, cfg.worker_processes, budget.cores)
-
-    def _size_workers(self, now: float, on_tasks: float) -> None:
-        """About once a second: the totals the controller reads (``on_tasks``: the workers' seconds
-        on tasks, as the load took them), and its decision applied."""
-        workers, sizer = self._workers, self._sizer
-        if workers is None or sizer is None:
-            return
-        images = sum(feed.counters.decoded.total for feed in self.feeds)
-        sample = Sample(now, on_tasks, workers.cpu_seconds(), images)
-        loops = [s.loop for s in self._attached.sessions.values()]
-        # A window with a worker booting (at start, or a replacement) measures the boot, not the work.
-        measured = len(loops) if workers.all_active_ready() else 0
-        steps = [s.steps for s in self._attached.sessions.values()]
-        changed = sizer.tick(
-            sample,
-            lambda since: max((demand(loop, since) for loop in loops), default=1.0),
-            measured,
-            lambda since: step_seconds(steps, since),
-        )
-        if changed is not None:
-            workers.active = changed
 
     def _start_metrics(self) -> None:
         cfg = self.config
@@ -253,59 +217,6 @@ class LoaderService:
             self.config.endpoint,
         )
 
-    def _open_cache_folder(self) -> bool:
-        """NOTE [ Fetch cache ]: the folder is this service's alone, and what killed writers left goes.
-        False where its disk is full: the cache only saves work, so the service runs without it."""
-        cfg = self.config
-        try:
-            cache = FetchCache(cfg.cache_dir, cfg.cache_size)
-            self._cache_lock = cache.claim()
-            used = cache.recount()
-        except (LocalDiskFull, OSError) as exc:
-            if isinstance(exc, OSError) and exc.errno not in FULL_ERRNOS:
-                raise
-            log.warning("cache folder %s: its disk is full (%s); serving without it", cfg.cache_dir, exc)
-            return False
-        log.info(
-            "cache folder %s: %.1f of %.1f GiB used", cfg.cache_dir, used / 2**30, cfg.cache_size / 2**30
-        )
-        return True
-
-    def _bind_frontend(self, ctx: zmq.Context[Socket]) -> Socket:
-        cfg = self.config
-        claim_ipc_path(cfg.endpoint)
-        sock = ctx.socket(zmq.ROUTER)
-        if cfg.curve_secret_key:
-            self._guard = CurveGuard(ctx, Path(cfg.curve_secret_key), Path(cfg.curve_authorized))
-            self._guard.secure(sock)
-        elif cfg.endpoint.startswith("tcp://"):
-            reach = "every user of this host" if is_loopback_tcp(cfg.endpoint) else "other hosts"
-            log.warning(
-                "%s is open to %s WITHOUT authentication or encryption (--insecure-tcp): "
-                "anyone who reaches it can attach; see docs/trainers.md, Trainers on other hosts",
-                cfg.endpoint,
-                reach,
-            )
-        sock.setsockopt(zmq.LINGER, 0)
-        sock.setsockopt(zmq.ROUTER_MANDATORY, 1)
-        # A trainer whose connection died without the service seeing it (a NAT that forgot the flow)
-        # reconnects under the same routing id: the new connection takes over the old one's place
-        # instead of being ignored while the dead one lingers (NOTE [ Acknowledged delivery ]).
-        sock.setsockopt(zmq.ROUTER_HANDOVER, 1)
-        sock.setsockopt(zmq.MAXMSGSIZE, MAX_FRAME_BYTES)
-        path = ipc_path(self.config.endpoint)
-        # The socket file is made with the umask's mode: closed to all but the owner from its first
-        # moment, then opened to the group (if any) by ``restrict``.
-        umask = os.umask(0o077)
-        try:
-            sock.bind(self.config.endpoint)
-        finally:
-            os.umask(umask)
-        self._owns_endpoint = True
-        if path is not None:
-            restrict(path, self.config.group)  # only the service's user (and group) may connect
-        return sock
-
     def _worker_template(self, backend: str) -> WorkerConfig:
         """Every decode worker's config, replacements included."""
         return WorkerConfig(
@@ -315,7 +226,7 @@ class LoaderService:
             feeds=tuple(feed.worker_feed() for feed in self.feeds),
             log_level=self.config.log_level,
             roi=self.config.roi,
-            write_nothing=_write_nothing(),
+            write_nothing=write_nothing_from_env(),
             progress=str(self._progress.path) if self._progress else "",
             workers=self.config.worker_processes,
         )
@@ -412,7 +323,7 @@ class LoaderService:
         # Bounded so that a flood on one socket cannot starve the other or the signal check.
         for _ in range(1000):
             try:
-                frames = _recv_bounded(sock)
+                frames = recv_bounded(sock)
             except zmq.Again:
                 return
             handle(frames)
@@ -458,7 +369,8 @@ class LoaderService:
         if self._workers is not None:
             on_tasks = self._workers.busy_seconds(now)
             self._worker_time.sample(now, on_tasks, self._workers.active)
-            self._size_workers(now, on_tasks)
+            if self._sizing is not None:
+                self._sizing.tick(now, on_tasks, self.feeds, self._attached.sessions.values())
         systemd.status(status.summary(self.feeds, self._attached))
         if self._metrics is not None:
             self._metrics.update(self.status())
@@ -472,39 +384,9 @@ class LoaderService:
         body = status.snapshot(
             self.feeds, self._attached, self._workers, self._started_at, rejected, sending, load
         )
-        body["sizing"] = self._sizing_status()
+        body["sizing"] = (
+            self._sizing.status()
+            if self._sizing is not None
+            else {"mode": "pinned", "active": 0, "started": 0}
+        )
         return body
-
-    def _sizing_status(self) -> dict[str, object]:
-        """NOTE [ Sizing workers ]: workers taking tasks and started, and why, for status and metrics."""
-        if self._sizer is not None:
-            return {"mode": "auto", **self._sizer.status(time.monotonic())}
-        count = 0 if self._workers is None else self._workers.active
-        return {"mode": "pinned", "active": count, "started": count}
-
-
-def _write_nothing() -> bool:
-    """The benchmark-only hook BENCH_WRITE_NOTHING_ENV, read once, where the workers' config is made."""
-    if os.environ.get(BENCH_WRITE_NOTHING_ENV) != "1":
-        return False
-    log.warning(
-        "%s=1: decode workers write nothing (a benchmark of the main loop); batches hold no pixels",
-        BENCH_WRITE_NOTHING_ENV,
-    )
-    return True
-
-
-MAX_PARTS = 3
-"""A routing id and one message frame, plus one part to tell a longer message apart."""
-
-
-def _recv_bounded(sock: Socket) -> list[bytes]:
-    """One multipart message, keeping at most ``MAX_PARTS`` parts; the rest are received as frames
-    and dropped at once, so a peer cannot make the loop hold a long message in Python."""
-    parts = [sock.recv(zmq.NOBLOCK)]
-    while sock.getsockopt(zmq.RCVMORE):
-        if len(parts) < MAX_PARTS:
-            parts.append(sock.recv())
-        else:
-            sock.recv(copy=False)
-    return parts

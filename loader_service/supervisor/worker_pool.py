@@ -16,7 +16,7 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 
-from loader_service.decode.worker import WORKER_BOOT_ERROR, WorkerConfig, run_worker
+from loader_service.decode.worker import BENCH_WRITE_NOTHING_ENV, WORKER_BOOT_ERROR, WorkerConfig, run_worker
 from loader_service.supervisor.rates import RateMeter
 
 log = logging.getLogger(__name__)
@@ -246,3 +246,14 @@ def _process_cpu(pid: int | None) -> float:
         return 0.0
     fields = raw.rsplit(")", 1)[1].split()
     return (int(fields[11]) + int(fields[12])) / _CLOCK_TICKS
+
+
+def write_nothing_from_env() -> bool:
+    """The benchmark-only hook BENCH_WRITE_NOTHING_ENV, read once, where the workers' config is made."""
+    if os.environ.get(BENCH_WRITE_NOTHING_ENV) != "1":
+        return False
+    log.warning(
+        "%s=1: decode workers write nothing (a benchmark of the main loop); batches hold no pixels",
+        BENCH_WRITE_NOTHING_ENV,
+    )
+    return True

@@ -46,7 +46,12 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-from loader_service.dataset.storage.objectstore import StorageConfig, local_write_error
+from loader_service.dataset.storage.objectstore import (
+    FULL_ERRNOS,
+    LocalDiskFull,
+    StorageConfig,
+    local_write_error,
+)
 from loader_service.dataset.tables import DatasetError
 
 log = logging.getLogger(__name__)
@@ -282,3 +287,23 @@ def _tree_bytes(folder: Path) -> int:
             with contextlib.suppress(OSError):
                 total += os.stat(os.path.join(base, name)).st_size
     return total
+
+
+def open_cache_folder(folder: str, size: int) -> int | None:
+    """A service's start with ``--cache-dir``: the folder claimed as this service's alone, what killed
+    writers left removed (NOTE [ Fetch cache ]); the claim's lock, held while the service runs. None
+    where its disk is full: the cache only saves work, so the service runs without it."""
+    lock = None
+    try:
+        cache = FetchCache(folder, size)
+        lock = cache.claim()
+        used = cache.recount()
+    except (LocalDiskFull, OSError) as exc:
+        if lock is not None:
+            os.close(lock)
+        if isinstance(exc, OSError) and exc.errno not in FULL_ERRNOS:
+            raise
+        log.warning("cache folder %s: its disk is full (%s); serving without it", folder, exc)
+        return None
+    log.info("cache folder %s: %.1f of %.1f GiB used", folder, used / 2**30, size / 2**30)
+    return lock

@@ -1,0 +1,66 @@
+"""The service's side of ``--workers auto`` (NOTE [ Sizing workers ] in sizing.py): the controller
+made from the config, fed about once a second from the workers, the feeds and the trainers'
+heartbeats, its decisions applied to the worker set, and what status shows of it."""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Iterable, Sequence
+
+from loader_service.config import ServiceConfig
+from loader_service.supervisor.feeds import Feed
+from loader_service.supervisor.load import demand, step_seconds
+from loader_service.supervisor.sessions import Session
+from loader_service.supervisor.sizing import Sample, Sizer
+from loader_service.supervisor.worker_pool import WorkerSet
+
+log = logging.getLogger(__name__)
+
+
+class WorkerSizing:
+    """The controller over ``workers`` (None: the count is pinned by ``--workers N``)."""
+
+    def __init__(self, config: ServiceConfig, workers: WorkerSet) -> None:
+        self.workers = workers
+        self.sizer: Sizer | None = None
+        if config.workers:
+            log.info("decode workers: %d (--workers)", config.workers)
+            return
+        budget = config.budget
+        log.info(
+            "decode workers: auto, %d started, %d taking tasks; CPU budget %.2f cores (%s)",
+            config.worker_processes,
+            config.first_workers,
+            budget.cores,
+            budget.source,
+        )
+        self.sizer = Sizer(config.first_workers, config.worker_processes, budget.cores)
+
+    def tick(self, now: float, on_tasks: float, feeds: Sequence[Feed], sessions: Iterable[Session]) -> None:
+        """The totals the controller reads (``on_tasks``: the workers' seconds on tasks, as the load
+        took them), and its decision applied."""
+        sizer, workers = self.sizer, self.workers
+        if sizer is None:
+            return
+        images = sum(feed.counters.decoded.total for feed in feeds)
+        sample = Sample(now, on_tasks, workers.cpu_seconds(), images)
+        attached = list(sessions)
+        loops, steps = [s.loop for s in attached], [s.steps for s in attached]
+        # A window with a worker booting (at start, or a replacement) measures the boot, not the work.
+        measured = len(loops) if workers.all_active_ready() else 0
+        changed = sizer.tick(
+            sample,
+            lambda since: max((demand(loop, since) for loop in loops), default=1.0),
+            measured,
+            lambda since: step_seconds(steps, since),
+        )
+        if changed is not None:
+            workers.active = changed
+
+    def status(self) -> dict[str, object]:
+        """Workers taking tasks and started, and why, for status and metrics."""
+        if self.sizer is not None:
+            return {"mode": "auto", **self.sizer.status(time.monotonic())}
+        count = self.workers.active
+        return {"mode": "pinned", "active": count, "started": count}
