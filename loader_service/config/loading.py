@@ -8,14 +8,8 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
-from loader_service.config.options import (
-    FEED_OPTIONS,
-    OPTIONS,
-    ConfigError,
-    FeedConfig,
-    ServiceConfig,
-    require,
-)
+from loader_service.config.options import FEED_OPTIONS, OPTIONS, FeedConfig, ServiceConfig
+from loader_service.config.values import ConfigError, require
 from protocol.layout import FieldSpec
 
 if sys.version_info >= (3, 11):

@@ -42,7 +42,7 @@ from types import FrameType
 import zmq
 
 from loader_service.config import ServiceConfig
-from loader_service.config.options import ByteSize
+from loader_service.config.values import ByteSize
 from loader_service.dataset.storage.cachedir import open_cache_folder
 from loader_service.decode.decoders import describe_decoder
 from loader_service.decode.pipeline import THREAD_ENV

@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 
 from loader_service.config.cpus import cpu_budget
-from loader_service.config.options import ConfigError, WorkerCount
+from loader_service.config.values import ConfigError, WorkerCount
 from loader_service.supervisor.sizing import HOLD, LONG, SHORT, Sample, Sizer
 
 CPUS = len(os.sched_getaffinity(0))

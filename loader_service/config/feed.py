@@ -1,0 +1,136 @@
+"""The options that describe one feed (NOTE in ``options``: at the top level they configure the first
+feed; each ``[feeds.NAME]`` table adds one), and what makes a feed's values whole."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from loader_service.config import checks
+from loader_service.config.checks import at_least, between
+from loader_service.config.option import option
+from loader_service.config.values import ByteSize, require
+from loader_service.dataset.index import FORMATS
+from loader_service.dataset.storage.objectstore import is_remote
+from loader_service.decode.geometry import INTERPOLATIONS
+from protocol.layout import FieldSpec
+
+AUGMENTS = ("train", "eval", "none")
+EXTRA_FEED_SLOTS = 10
+"""Pool size of a ``[feeds.NAME]`` feed whose ``slots`` is 0 (auto)."""
+
+
+@dataclass(frozen=True, kw_only=True)
+class FeedOptions:
+    """The options of one feed: the top-level ones make the first feed, ``[feeds.NAME]`` tables others."""
+
+    data: str = field(
+        metadata=option(
+            "the dataset: an ImageFolder root, a .csv or .jsonl list, a folder of .tar or .parquet "
+            "files, one such file or a brace pattern such as shards/train-{000000..000127}.tar (see "
+            "--format); all but an ImageFolder may be in an object store: s3://bucket/shards/, gs://, az://",
+            check=checks.data_source,
+        )
+    )
+    format: str = field(
+        default="auto",
+        metadata=option(
+            "what --data holds: imagefolder (one sub-folder per class), list (.csv or .jsonl: path, "
+            "label, metadata), tar (WebDataset-style shards), parquet (Hugging Face datasets' files), "
+            "or auto (told by --data)",
+            choices=FORMATS,
+        ),
+    )
+    image_column: str = field(
+        default="",
+        metadata=option(
+            "Parquet: the column holding each image (a struct of bytes and path, as datasets' Image "
+            "feature writes, or binary); default: the column datasets marks as an Image, else image"
+        ),
+    )
+    label_column: str = field(
+        default="label",
+        metadata=option("Parquet: the column holding each label (an integer); absent: every label is -1"),
+    )
+    pipeline: str = field(
+        default="",
+        metadata=option(
+            "FILE.py:FUNC or package.module:FUNC, called as FUNC(sample, rng) on every sample in the "
+            "decode workers instead of --augment; the fields it returns make the batch",
+            check=checks.pipeline,
+        ),
+    )
+    batch_size: int = field(default=64, metadata=option("images per batch", check=between(1, 4096)))
+    image_size: int = field(
+        default=224,
+        metadata=option("output side S in pixels: batches are 3 x S x S uint8", check=between(8, 2048)),
+    )
+    augment: str = field(
+        default="train",
+        metadata=option(
+            "train (RandomResizedCrop + flip), eval (resize + center crop) or none (resize)", choices=AUGMENTS
+        ),
+    )
+    interpolation: str = field(
+        default=INTERPOLATIONS[0],
+        metadata=option(
+            "the built-in transforms' resize filter: bilinear-antialias (torchvision's default), "
+            "bilinear (OpenCV's INTER_LINEAR, as a plain cv2.resize) or area (OpenCV's INTER_AREA)",
+            choices=INTERPOLATIONS,
+        ),
+    )
+    seed: int = field(
+        default=0,
+        metadata=option("seeds the epoch permutations and all augmentation randomness", check=checks.seed),
+    )
+    slots: int = field(
+        default=0,
+        metadata=option(
+            "batches in the shared-memory pool; 0 picks 2*workers+8 for the first feed, "
+            f"{EXTRA_FEED_SLOTS} for a [feeds.NAME] one",
+            check=between(0, 4096, "0 (auto)"),
+        ),
+    )
+    cache_memory: ByteSize = field(
+        default=ByteSize(0),
+        metadata=option(
+            "bytes of shared memory that keep this feed's decoded samples for later epochs (64G, 512M; "
+            "0: off): eval, none and a deterministic pipeline keep finished samples, train and other "
+            "pipelines the decoded images",
+            check=at_least(0),
+        ),
+    )
+    pipeline_deterministic: bool = field(
+        default=False,
+        metadata=option(
+            "the pipeline gives the same output for a sample in every epoch, so its cache keeps "
+            "finished samples (checked on sample 0 at start)"
+        ),
+    )
+    fields: tuple[FieldSpec, ...] = ()
+    """The batch a pipeline must return, from a ``[fields]`` or ``[feeds.NAME.fields]`` table of the
+    config file (not a flag); empty: inferred from the pipeline's output on sample 0."""
+
+
+def resolve_data(data: str | Path) -> str:
+    """A local path made absolute (workers need not share our cwd); an object store URL as given."""
+    return str(data) if is_remote(data) else str(Path(data).expanduser().resolve())
+
+
+def resolve_pipeline(spec: str) -> str:
+    """A FILE.py:FUNC pipeline with its file made absolute: workers need not share our cwd."""
+    module, _, func = spec.rpartition(":")
+    return f"{resolve_data(module)}:{func}" if module.endswith(".py") else spec
+
+
+def check_fields(config: FeedOptions, where: str) -> None:
+    require(
+        not config.pipeline_deterministic or bool(config.pipeline),
+        where + "pipeline_deterministic describes a pipeline: give pipeline too "
+        "(the built-in transforms' caches already keep what each can)",
+    )
+    require(
+        not config.fields or bool(config.pipeline),
+        where + "a [fields] table states what a pipeline returns: give pipeline too "
+        "(the built-in transforms always give image and label)",
+    )
