@@ -117,3 +117,17 @@ def test_no_import_circle_in_the_product() -> None:
     graph = {module_name(p): imports_of(p, modules) for p in paths}
     found = set(circles(graph))
     assert found <= KNOWN_CIRCLES, f"import circles: {[sorted(c) for c in found - KNOWN_CIRCLES]}"
+
+
+MAX_MODULE_LINES = 400
+
+
+def test_no_product_module_is_over_400_lines() -> None:
+    """A module that grows past this holds more than one job: split it along its own sections."""
+    long = {
+        str(p.relative_to(REPO)): n
+        for top in PRODUCT
+        for p in (REPO / top).rglob("*.py")
+        if (n := len(p.read_text().splitlines())) > MAX_MODULE_LINES
+    }
+    assert not long, f"modules over {MAX_MODULE_LINES} lines: {long}"
