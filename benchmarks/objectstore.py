@@ -15,7 +15,7 @@ whole epochs. The parts:
   (``warm``); the store through the 20 ms proxy, no cache folder. Ratios against the local shards'
   same epoch. Targets: cold >= 0.8x (epoch 1), warm >= 0.97x (epoch 2), 20 ms >= 0.7x (epoch 1).
 * ``reads``: requests per batch and bytes read per image byte, counted on the reader the workers run
-  (``RemoteFiles`` through ``SampleReader.prefetch``, in this process) over one epoch's batches.
+  (``ObjectFiles`` through ``SampleReader.prefetch``, in this process) over one epoch's batches.
 * ``index``: a saved index of ``--samples`` (default 1,000,000) tar samples: how long
   ``load_or_build`` takes to find it current and map it (target < 1 s), against indexing anew.
 

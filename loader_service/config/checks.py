@@ -11,7 +11,7 @@ from typing import Any
 
 import zmq.auth
 
-from loader_service.dataset.storage.objectstore import is_remote
+from loader_service.dataset.storage.objectstore import in_object_store
 from loader_service.decode.decoders import decoder_problem
 from loader_service.decode.pipeline import parse_spec
 
@@ -56,7 +56,7 @@ def decoder(name: str, value: Any) -> str | None:
 def data_source(name: str, value: Any) -> str | None:
     if not str(value):
         return f"{name} is empty"
-    if is_remote(value):
+    if in_object_store(value):
         return None  # the store is asked when the feed is indexed
     path = Path(value).expanduser()
     if "{" in path.name:  # a brace pattern of shards: its folder must exist, the index checks the rest

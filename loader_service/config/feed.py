@@ -11,7 +11,7 @@ from loader_service.config.checks import at_least, between
 from loader_service.config.option import option
 from loader_service.config.values import ByteSize, require
 from loader_service.dataset.index import FORMATS
-from loader_service.dataset.storage.objectstore import is_remote
+from loader_service.dataset.storage.objectstore import in_object_store
 from loader_service.decode.geometry import INTERPOLATIONS
 from protocol.layout import FieldSpec
 
@@ -114,7 +114,7 @@ class FeedOptions:
 
 def resolve_data(data: str | Path) -> str:
     """A local path made absolute (workers need not share our cwd); an object store URL as given."""
-    return str(data) if is_remote(data) else str(Path(data).expanduser().resolve())
+    return str(data) if in_object_store(data) else str(Path(data).expanduser().resolve())
 
 
 def resolve_pipeline(spec: str) -> str:

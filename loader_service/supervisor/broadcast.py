@@ -22,7 +22,7 @@ from __future__ import annotations
 from loader_service.supervisor.feeds import Feed
 from loader_service.supervisor.sessions import Session
 from loader_service.supervisor.streams import Member, StartRefused, Stream
-from loader_service.supervisor.warm import WarmCache
+from loader_service.supervisor.warm import EarlyBatches
 
 
 class BroadcastStream(Stream):
@@ -38,7 +38,7 @@ class BroadcastStream(Stream):
         session_id: str,
         epoch: int,
         position: int,
-        warm: WarmCache | None = None,
+        warm: EarlyBatches | None = None,
         picked: tuple[int, ...] | None = None,
         offset: int = 0,
     ) -> None:

@@ -1,6 +1,6 @@
 """What every batch producer shares: one plan of one feed, decoded batch by batch into the feed's slots.
 
-A producer is a shard or broadcast ``Stream`` (batches trainers asked for) or a ``WarmCache`` (batches
+A producer is a shard or broadcast ``Stream`` (batches trainers asked for) or a ``EarlyBatches`` (batches
 decoded before anyone asked). The scheduler asks a producer for its next batch (``plan_batch``), hands
 the task the producer itself, and gives the worker's report back to it (``complete``). A producer
 frees the slots it no longer needs itself, so no caller ever holds a bare list of slots to free.

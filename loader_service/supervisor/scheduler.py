@@ -26,7 +26,7 @@ from loader_service.supervisor.parts import SplitBatch, compact, plan_parts
 from loader_service.supervisor.producers import Producer
 from loader_service.supervisor.shardstream import ShardStream
 from loader_service.supervisor.streams import Stream
-from loader_service.supervisor.warm import WarmCache
+from loader_service.supervisor.warm import EarlyBatches
 from loader_service.supervisor.worker_pool import WorkerHandle, WorkerSet
 from protocol.codec import decode
 from protocol.messages import Message, ProtocolError
@@ -73,7 +73,7 @@ class Scheduler:
         config: ServiceConfig,
         workers: WorkerSet,
         attached: Attachments,
-        warm: dict[int, WarmCache],
+        warm: dict[int, EarlyBatches],
         send_worker: Callable[[bytes, Message], None],
         deliver: Callable[[Stream], None],
         progress: ProgressBoard | None = None,
@@ -350,7 +350,7 @@ def waited_for(producer: Producer) -> bool:
     with it, and splitting its next one would only add tasks."""
     if producer.filling or producer.lane == "ahead":
         return False  # a next epoch's first batches: planned while the trainer still holds batches
-    if isinstance(producer, WarmCache):
+    if isinstance(producer, EarlyBatches):
         return not producer.ready
     if isinstance(producer, Stream):
         return not any(gen == producer.gen for gen, _seq in producer.batches)

@@ -62,7 +62,7 @@ from loader_service.supervisor.outbox import Outbox
 from loader_service.supervisor.scheduler import Scheduler
 from loader_service.supervisor.sends import CopiedSend, send_copied
 from loader_service.supervisor.trainers import TrainerDesk
-from loader_service.supervisor.warm import WarmCache
+from loader_service.supervisor.warm import EarlyBatches
 from loader_service.supervisor.worker_pool import WorkerSet, write_nothing_from_env
 from protocol.codec import encode
 from protocol.layout import SEGMENT_PREFIX
@@ -90,7 +90,7 @@ class LoaderService:
         """SIGHUP was received: re-read the authorised trainer keys."""
         self._guard: CurveGuard | None = None
         self._attached = Attachments()
-        self._warm: dict[int, WarmCache] = {}
+        self._warm: dict[int, EarlyBatches] = {}
         self._runtime_dir: Path | None = None
         self._runtime_lock: int | None = None
         self._cache_lock: int | None = None
@@ -178,7 +178,7 @@ class LoaderService:
         self._sizing = WorkerSizing(cfg, self._workers)
         log.info("decoder: %s", describe_decoder(cfg.decoder))
         self._outbox.sends.limit = sum(feed.segment.size for feed in self.feeds)  # NOTE [ Remote sends ]
-        self._warm.update({feed.id: WarmCache(feed) for feed in self.feeds})
+        self._warm.update({feed.id: EarlyBatches(feed) for feed in self.feeds})
         self._scheduler = Scheduler(
             cfg,
             self._workers,

@@ -18,7 +18,7 @@ from collections.abc import Iterator
 from loader_service.supervisor.feeds import Feed
 from loader_service.supervisor.sessions import Session
 from loader_service.supervisor.streams import BatchKey, Member, SharedBatch, StartRefused, Stream
-from loader_service.supervisor.warm import Handover, WarmCache
+from loader_service.supervisor.warm import EarlyBatches, Handover
 
 log = logging.getLogger(__name__)
 
@@ -74,7 +74,7 @@ class ShardStream(Stream):
         session_id: str,
         epoch: int,
         position: int,
-        warm: WarmCache | None = None,
+        warm: EarlyBatches | None = None,
         picked: tuple[int, ...] | None = None,
         offset: int = 0,
     ) -> None:
@@ -87,7 +87,7 @@ class ShardStream(Stream):
         member: Member,
         epoch: int,
         position: int,
-        warm: WarmCache | None,
+        warm: EarlyBatches | None,
         picked: tuple[int, ...] | None,
         offset: int,
     ) -> None:
@@ -115,7 +115,7 @@ class ShardStream(Stream):
             )
         following = (epoch + 1, self.rank, self.world_size, self.remainder, 0)
         if self.ahead is None:
-            self.ahead = WarmCache(self.feed, self.window, following, lane="ahead")
+            self.ahead = EarlyBatches(self.feed, self.window, following, lane="ahead")
         else:
             self.ahead.retarget(following)
         if picked is not None:

@@ -24,7 +24,7 @@ from dataclasses import dataclass, field
 from loader_service.supervisor.feeds import Feed
 from loader_service.supervisor.producers import Producer
 from loader_service.supervisor.sessions import Session
-from loader_service.supervisor.warm import Handover, WarmCache
+from loader_service.supervisor.warm import EarlyBatches, Handover
 
 BatchKey = tuple[int, int]
 
@@ -76,7 +76,7 @@ class Stream(Producer):
         self.end = 0
         self.batches: dict[BatchKey, SharedBatch] = {}
         self.blocked_since: float | None = None
-        self.ahead: WarmCache | None = None
+        self.ahead: EarlyBatches | None = None
         """The next epoch's first batches, decoded early where the kind does (NOTE [ Warm start ])."""
 
     # --- membership -----------------------------------------------------------------------------
@@ -133,7 +133,7 @@ class Stream(Producer):
         session_id: str,
         epoch: int,
         position: int,
-        warm: WarmCache | None = None,
+        warm: EarlyBatches | None = None,
         picked: tuple[int, ...] | None = None,
         offset: int = 0,
     ) -> None:

@@ -20,7 +20,7 @@ from loader_service.supervisor.outbox import Outbox
 from loader_service.supervisor.sessions import Session, group_key
 from loader_service.supervisor.shardstream import ShardStream
 from loader_service.supervisor.streams import StartRefused, Stream
-from loader_service.supervisor.warm import WarmCache
+from loader_service.supervisor.warm import EarlyBatches
 from protocol.codec import decode
 from protocol.messages import (
     Ack,
@@ -47,7 +47,7 @@ class TrainerDesk:
         self,
         config: ServiceConfig,
         feeds: list[Feed],
-        warm: dict[int, WarmCache],
+        warm: dict[int, EarlyBatches],
         attached: Attachments,
         outbox: Outbox,
         status: Callable[[], dict[str, object]],

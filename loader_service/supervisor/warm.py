@@ -50,7 +50,7 @@ class _Forward:
     remaining: int
 
 
-class WarmCache(Producer):
+class EarlyBatches(Producer):
     """The first ``batches`` batches of one plan, decoded before anyone asked for them.
 
     Used for the feed's warm start (``WARM_PLAN``, lane ``warm``) and, per shard stream, for the

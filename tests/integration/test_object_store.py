@@ -381,7 +381,7 @@ def test_a_worker_holds_at_most_its_prefetch_budget_of_a_tasks_bytes(
     versions = {o.key: (o.size, o.etag) for o in bucket.list("budget/")}
     keys = list(blobs)
     for known in (versions, {}):
-        files = remotefiles.RemoteFiles(f"s3://{s3_server.bucket}", StorageConfig(), known, 8 << 20)
+        files = remotefiles.ObjectFiles(f"s3://{s3_server.bucket}", StorageConfig(), known, 8 << 20)
         try:
             with counted_store_reads() as reads:
                 files.prefetch([(key, 0, -1) for key in keys])

@@ -14,7 +14,7 @@ from loader_service.dataset.storage.objectstore import (
     SCAN_DEADLINE,
     Bucket,
     StorageConfig,
-    is_remote,
+    in_object_store,
     split_url,
 )
 from loader_service.dataset.tables import DatasetError
@@ -44,7 +44,7 @@ def detect_format(data: str | Path, storage: StorageConfig | None = None) -> str
     an ImageFolder); an existing file by its name; a path that does not exist by a pattern it is.
     """
     text = str(data)
-    if is_remote(text):
+    if in_object_store(text):
         return _remote_format(text, storage or StorageConfig())
     if os.path.isdir(text):
         return _one_of([s for s in SOURCES.values() if s.claims_folder(Path(text))], text)

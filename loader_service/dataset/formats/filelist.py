@@ -41,7 +41,7 @@ from loader_service.dataset.storage.objectstore import (
     SCAN_DEADLINE,
     Bucket,
     StorageConfig,
-    is_remote,
+    in_object_store,
     split_url,
 )
 from loader_service.dataset.tables import (
@@ -245,7 +245,7 @@ class ListSource(FilePerSample):
     def scan(
         self, data: str | Path, progress: Progress | None, storage: StorageConfig, columns: Columns
     ) -> Scanned:
-        if is_remote(data):
+        if in_object_store(data):
             return _scan_remote_list(str(data), progress, storage)
         path = Path(data)
         found = scan_list(path, progress)
@@ -254,7 +254,7 @@ class ListSource(FilePerSample):
     def inputs(self, data: str | Path, storage: StorageConfig) -> Any:
         """The list file's size and ETag (object store) or mtime; the listed files are not looked at,
         as the scan does not look at them."""
-        if is_remote(data):
+        if in_object_store(data):
             obj = Bucket(str(data), storage, SCAN_DEADLINE).head(split_url(str(data))[1])
             return [obj.size, obj.etag] if obj.etag else None
         info = os.stat(data)

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from loader_service.dataset.source import Indexed
 from loader_service.dataset.storage.local import Files, LocalFiles
-from loader_service.dataset.storage.objectfiles import RemoteFiles
+from loader_service.dataset.storage.objectfiles import ObjectFiles
 from loader_service.dataset.storage.objectstore import StorageConfig
 
 
@@ -12,5 +12,5 @@ def open_files(index: Indexed, storage: StorageConfig, max_bytes: int) -> Files:
     """The files of ``index``'s data, wherever they are; a whole file over ``max_bytes`` is refused
     having read no more than that (and one chunk)."""
     if index.url:
-        return RemoteFiles(index.url, storage, index.versions, max_bytes)
+        return ObjectFiles(index.url, storage, index.versions, max_bytes)
     return LocalFiles(index.root)

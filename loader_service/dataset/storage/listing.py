@@ -19,8 +19,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Protocol
 
-from loader_service.dataset.storage.objectfolder import remote_objects
-from loader_service.dataset.storage.objectstore import StorageConfig, is_remote
+from loader_service.dataset.storage.objectfolder import store_objects
+from loader_service.dataset.storage.objectstore import StorageConfig, in_object_store
 
 Stamps = list[list[Any]] | None
 """Each file's name and present state, as JSON; None when a state cannot be told (an object
@@ -113,7 +113,7 @@ def list_files(
     """The files ``data`` names: a store's ``suffix`` objects (one, a brace pattern of them, or
     those directly under a prefix), or what ``local`` lists on this host; ``what`` they are, for
     messages."""
-    if is_remote(data):
-        return remote_objects(str(data), storage, suffix, what)
+    if in_object_store(data):
+        return store_objects(str(data), storage, suffix, what)
     root, names = local(data)
     return LocalListing(root, names)

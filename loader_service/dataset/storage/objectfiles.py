@@ -43,7 +43,7 @@ FIRST_GUESS = PREFETCH_BYTES // 8
 first window holds eight such objects at most, whatever their size turns out to be."""
 
 
-class RemoteFiles:
+class ObjectFiles:
     """Objects under the folder URL ``root``. ``versions`` gives the (size, ETag) the index saw of
     the objects read by range; each read names that ETag, and only those objects are read from the
     cache folder."""

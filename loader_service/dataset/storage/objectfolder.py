@@ -50,7 +50,7 @@ temporary disk they take."""
 
 
 @dataclass(frozen=True)
-class RemoteObjects:
+class StoreObjects:
     """The objects a ``--data`` URL names, in the order their samples are numbered."""
 
     url: str
@@ -199,7 +199,7 @@ class RangedFile(io.RawIOBase):
         return len(data)
 
 
-def remote_objects(data: str, storage: StorageConfig, suffix: str, what: str) -> RemoteObjects:
+def store_objects(data: str, storage: StorageConfig, suffix: str, what: str) -> StoreObjects:
     """The objects of a URL: one object, a brace pattern of them, or the ``suffix`` objects directly
     under a prefix (as a local folder's, not its sub-folders'); ``what`` they are, for messages."""
     bucket = Bucket(data, storage, SCAN_DEADLINE)
@@ -220,7 +220,7 @@ def remote_objects(data: str, storage: StorageConfig, suffix: str, what: str) ->
         objects = _in_folder(bucket, folder, suffix, what)
     root = f"{bucket.url}/{folder}" if folder else bucket.url
     names = tuple(posixpath.relpath(o.key, folder or ".") for o in objects)
-    return RemoteObjects(root, names, tuple(objects), bucket, storage)
+    return StoreObjects(root, names, tuple(objects), bucket, storage)
 
 
 def _as_prefix(folder: str) -> str:

@@ -7,7 +7,7 @@ Credentials and endpoints come the standard way of each store (``AWS_ACCESS_KEY_
 cannot. Option values are never logged: they may hold secrets.
 
 NOTE [ Object store reads ]
-    A worker asks for every byte range its task needs at once (``RemoteFiles.prefetch``), so the
+    A worker asks for every byte range its task needs at once (``ObjectFiles.prefetch``), so the
     store's latency is paid about once a batch, not once a sample. Each read of a shard or Parquet
     file names the ETag the index saw (``If-Match``): an object replaced since is a bad sample named
     by its URL, as is one that is gone (404), and any answer asking again cannot change (403, 400, a
@@ -124,7 +124,7 @@ class StorageConfig:
         return f"StorageConfig(options=[{keys}], cache_dir={self.cache_dir!r}, cache_size={self.cache_size})"
 
 
-def is_remote(data: str | Path) -> bool:
+def in_object_store(data: str | Path) -> bool:
     """Does ``data`` name an object store (``s3://``, ``gs://``, ``az://``)?"""
     scheme, sep, _ = str(data).partition("://")
     return bool(sep) and scheme.lower() in REMOTE_SCHEMES
@@ -141,7 +141,7 @@ def split_url(url: str) -> tuple[str, str]:
 
 def join_url(root: str, name: str) -> str:
     """``name`` under the folder URL ``root``; a full URL stays itself."""
-    if is_remote(name):
+    if in_object_store(name):
         return name
     return root.rstrip("/") + "/" + name.lstrip("/")
 
