@@ -12,10 +12,9 @@ Files are not looked at here (a million stats cost seconds); a missing file is a
 
 from __future__ import annotations
 
+import contextlib
 import csv
 import json
-import os
-import posixpath
 from array import array
 from collections.abc import Callable, Iterator, Mapping
 from functools import partial
@@ -36,13 +35,10 @@ from loader_service.dataset.source import (
     Source,
 )
 from loader_service.dataset.storage.files import open_files
+from loader_service.dataset.storage.listing import list_files
 from loader_service.dataset.storage.local import Files
 from loader_service.dataset.storage.objectstore import (
-    SCAN_DEADLINE,
-    Bucket,
     StorageConfig,
-    in_object_store,
-    split_url,
 )
 from loader_service.dataset.tables import (
     I64,
@@ -54,11 +50,10 @@ from loader_service.dataset.tables import (
     encode_name,
     packed,
 )
-from loader_service.shm import scratch_folder
 
 LIST_SUFFIXES = {".csv": "csv", ".jsonl": "jsonl"}
-MAX_REMOTE_LIST_BYTES = 16 << 30
-"""A list file in a store is read whole at start: one larger than this is a mistake."""
+MAX_LIST_BYTES = 16 << 30
+"""A list file is read whole at start (a store's fetched first): one larger than this is a mistake."""
 NO_LABEL = -1
 _INT64 = (-(2**63), 2**63 - 1)
 
@@ -245,20 +240,24 @@ class ListSource(FilePerSample):
     def scan(
         self, data: str | Path, progress: Progress | None, storage: StorageConfig, columns: Columns
     ) -> Scanned:
-        if in_object_store(data):
-            return _scan_remote_list(str(data), progress, storage)
-        path = Path(data)
-        found = scan_list(path, progress)
-        return Scanned(path.parent, (), found.labels, found.paths, found.metadata)
+        """The list, local or in a store (fetched whole first: its rows name the files relative to
+        its folder, or by full URL)."""
+        listing = list_files(data, storage, "", "list file", _the_file)
+        name = listing.names[0]
+        size = listing.size(name)
+        if size is not None and size > MAX_LIST_BYTES:
+            raise DatasetError(
+                f"{listing.where(name)} has {size} bytes: a list over {MAX_LIST_BYTES} is a mistake"
+            )
+        with contextlib.closing(listing.local_copies()) as copies:  # a store's copy goes after
+            _, path = next(copies)
+            found = scan_list(path, progress, shown=listing.where(name))
+        return Scanned(listing.root, (), found.labels, found.paths, found.metadata, url=listing.url)
 
     def inputs(self, data: str | Path, storage: StorageConfig) -> Any:
         """The list file's size and ETag (object store) or mtime; the listed files are not looked at,
         as the scan does not look at them."""
-        if in_object_store(data):
-            obj = Bucket(str(data), storage, SCAN_DEADLINE).head(split_url(str(data))[1])
-            return [obj.size, obj.etag] if obj.etag else None
-        info = os.stat(data)
-        return [info.st_size, info.st_mtime_ns]
+        return list_files(data, storage, "", "list file", _the_file).stamps()
 
     def load_part(self, described: Mapping[str, Any], mapped: Mapped) -> IndexPart | None:
         facts = described.get("metadata")
@@ -272,20 +271,11 @@ class ListSource(FilePerSample):
         return ListReader(open_files(index, storage, max_bytes), index.names, max_bytes, metadata)
 
 
-def _scan_remote_list(url: str, progress: Progress | None, storage: StorageConfig) -> Scanned:
-    """A list in an object store: its rows name objects relative to its folder, or by full URL."""
-    bucket = Bucket(url, storage, SCAN_DEADLINE)
-    key = split_url(url)[1]
-    info = bucket.head(key)
-    if info.size > MAX_REMOTE_LIST_BYTES:
-        raise DatasetError(f"{url} has {info.size} bytes: a list over {MAX_REMOTE_LIST_BYTES} is a mistake")
-    with scratch_folder("list") as scratch:
-        copy = scratch / posixpath.basename(key)
-        bucket.download(info, copy)  # streamed to disk, as a local list is read from it
-        found = scan_list(copy, progress, shown=url)
-    folder = posixpath.dirname(key)
-    root = f"{bucket.url}/{folder}" if folder else bucket.url
-    return Scanned(Path("."), (), found.labels, found.paths, found.metadata, url=root)
+def _the_file(data: str | Path) -> tuple[Path, tuple[str, ...]]:
+    path = Path(data)
+    if not path.is_file():
+        raise DatasetError(f"list file {path} does not exist or is not a file")
+    return path.parent, (path.name,)
 
 
 class ListReader(SampleFiles):

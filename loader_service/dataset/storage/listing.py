@@ -54,6 +54,10 @@ class Listing(Protocol):
         """The file ``name`` as messages name it: a path, or a URL."""
         ...
 
+    def size(self, name: str) -> int | None:
+        """The file ``name``'s size in bytes; None if it cannot be looked at."""
+        ...
+
     def versions(self) -> dict[str, tuple[int, str]]:
         """What a worker's read of each object must find: (size, ETag); empty for local files."""
         ...
@@ -79,6 +83,9 @@ class LocalListing:
 
     def where(self, name: str) -> str:
         return str(self.root / name)
+
+    def size(self, name: str) -> int | None:
+        return _size_and_mtime(self.root / name)[0]
 
     @property
     def folder(self) -> str:

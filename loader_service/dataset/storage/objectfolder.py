@@ -71,6 +71,9 @@ class StoreObjects:
     def where(self, name: str) -> str:
         return f"{self.url}/{name}"
 
+    def size(self, name: str) -> int | None:
+        return self.objects[self.names.index(name)].size
+
     @property
     def folder(self) -> str:
         return self.url
