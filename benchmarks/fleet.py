@@ -19,7 +19,6 @@ The results go to ``fleet.json`` in ``--out`` and are printed one line each.
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import signal
 import subprocess
@@ -33,6 +32,8 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
+
+from benchmarks.module_output import say, write_results
 
 SAMPLE_SECONDS_ENV = "BENCH_SAMPLE_SECONDS"
 BATCH = 8
@@ -187,10 +188,6 @@ def recovery(data: Path, run_dir: Path, plan: Plan) -> dict[str, float]:
 PARTS = {"scaling": scaling, "cpu_bound": cpu_bound, "straggler": straggler, "recovery": recovery}
 
 
-def say(line: str) -> None:
-    print(line, flush=True)
-
-
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m benchmarks.fleet", description=__doc__.split("\n\n")[0])
     parser.add_argument("--out", default="", help="where fleet.json goes (default: a temporary folder)")
@@ -222,10 +219,7 @@ def main(argv: list[str] | None = None) -> int:
             if part not in PARTS:
                 parser.error(f"unknown part {part!r}: choose from {', '.join(PARTS)}")
             results[part] = PARTS[part](data, run_dir, plan)
-    out = Path(args.out) if args.out else Path(tempfile.mkdtemp(prefix="dataferry-fleet-results-"))
-    out.mkdir(parents=True, exist_ok=True)
-    (out / "fleet.json").write_text(json.dumps(results, indent=2))
-    say(f"results in {out / 'fleet.json'}")
+    write_results(args.out, "fleet", results)
     return 0
 
 

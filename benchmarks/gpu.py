@@ -27,7 +27,6 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import json
 import os
 import sys
 import tempfile
@@ -44,6 +43,7 @@ from torch.nn.functional import cross_entropy
 from torch.utils.data import DataLoader
 
 from benchmarks.datasets import OpenCVCrops, single_threaded_worker
+from benchmarks.module_output import say, write_results
 from benchmarks.proctree import cpu_seconds, tree
 from benchmarks.resnet import MODELS, make_model
 from benchmarks.service_process import serving
@@ -271,10 +271,6 @@ def table(rows: list[Row], rates: dict[str, float], plan: Plan, device: torch.de
     return "\n".join(lines)
 
 
-def say(line: str) -> None:
-    print(line, flush=True)
-
-
 def parse(argv: list[str] | None) -> tuple[Plan, argparse.Namespace]:
     parser = argparse.ArgumentParser(prog="python -m benchmarks.gpu", description=__doc__.split("\n\n")[0])
     parser.add_argument("--device", default="cuda", help="cuda (default), cuda:N or cpu")
@@ -329,11 +325,8 @@ def main(argv: list[str] | None = None) -> int:
     text = table(rows, rates, plan, device)
     say("")
     say(text)
-    out = Path(args.out) if args.out else Path(tempfile.mkdtemp(prefix="dataferry-gpu-results-"))
-    out.mkdir(parents=True, exist_ok=True)
     record = {"plan": asdict(plan), "rows": [asdict(r) for r in rows], "copy_gb_per_s": rates, "table": text}
-    (out / "gpu.json").write_text(json.dumps(record, indent=2))
-    say(f"results in {out / 'gpu.json'}")
+    write_results(args.out, "gpu", record)
     return 0
 
 

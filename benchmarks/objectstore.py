@@ -25,7 +25,6 @@ Every line printed is one measurement; all go to ``objectstore.json`` in ``--out
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import sys
 import tempfile
@@ -38,6 +37,7 @@ from typing import Any
 
 import numpy as np
 
+from benchmarks.module_output import say, write_results
 from benchmarks.service_process import serving
 from testkit.counting import CountingFiles, counted_store_reads
 
@@ -68,10 +68,6 @@ class Run:
     """CPU of the service's process tree per image, over both epochs: what the trainer's host pays."""
     store_cpu_ms: float = 0.0
     """CPU of the S3 server per image over both epochs: on this machine it shares the same cores."""
-
-
-def say(line: str) -> None:
-    print(line, flush=True)
 
 
 @contextmanager
@@ -354,10 +350,7 @@ def main(argv: list[str] | None = None) -> int:
         plan = prepare(work, server, plan, args.quick)
         for part in parts:
             results[part] = PARTS[part](work, server, plan)
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
-    (out / "objectstore.json").write_text(json.dumps(results, indent=2))
-    say(f"results in {out / 'objectstore.json'}")
+    write_results(args.out, "objectstore", results)
     return 0
 
 

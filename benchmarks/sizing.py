@@ -24,7 +24,6 @@ compared across runs. Results go to ``sizing.json`` in ``--out`` and are printed
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import sys
 import tempfile
@@ -36,6 +35,7 @@ from pathlib import Path
 from typing import Any
 
 from benchmarks.fleet import SAMPLE_SECONDS_ENV
+from benchmarks.module_output import say, write_results
 from benchmarks.service_process import serving
 
 BATCH = 8
@@ -160,10 +160,6 @@ def part(
     return out
 
 
-def say(line: str) -> None:
-    print(line, flush=True)
-
-
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m benchmarks.sizing", description=__doc__.split("\n\n")[0])
     parser.add_argument("--out", default="", help="where sizing.json goes (default: a temporary folder)")
@@ -190,10 +186,7 @@ def main(argv: list[str] | None = None) -> int:
         best = max(r["later"] for r in results["computing"]["runs"].values())
         step = 2 * BATCH / best  # the trainer takes half of what the best setting gave
         results["trainer_bound"] = part("trainer-bound", data, run_dir, computing_plan, builtin, {}, step)
-    out = Path(args.out) if args.out else Path(tempfile.mkdtemp(prefix="dataferry-sizing-results-"))
-    out.mkdir(parents=True, exist_ok=True)
-    (out / "sizing.json").write_text(json.dumps(results, indent=2))
-    say(f"results in {out / 'sizing.json'}")
+    write_results(args.out, "sizing", results)
     return 0
 
 
