@@ -50,7 +50,14 @@ from gpu_worker.checkpoint import Resume, resume_from, state_at
 from gpu_worker.connection import ServiceError, ServiceTimeout, make_hello
 from gpu_worker.device import resolve_device
 from gpu_worker.fields import ExpectedFields, as_expected, expected_fields, field_differences
-from gpu_worker.loader_config import ENDPOINTS_ENV, GROUP_SECRET_ENV, LoaderConfig, endpoints_of, shard_of
+from gpu_worker.loader_config import (
+    ENDPOINTS_ENV,
+    GROUP_SECRET_ENV,
+    LoaderConfig,
+    endpoints_from_env,
+    endpoints_of,
+    shard_of,
+)
 from gpu_worker.local import START_TIMEOUT, LocalService
 from gpu_worker.passes import EpochPass, PassSettings
 from gpu_worker.services import Fleet
@@ -164,15 +171,17 @@ class ServiceLoader:
         Where ``DATAFERRY_ENDPOINTS`` is set, no service is started: the loader attaches to those,
         so a script moves to a shared service without a change (``serve_options`` are then the
         shared service's business and ignored)."""
-        shared = os.environ.get(ENDPOINTS_ENV, "").strip()
-        if shared:
-            log.info("%s is set: attaching to %s, no private service", ENDPOINTS_ENV, shared)
-            return cls(None, device=device, credits=credits, timeout=timeout, fields=fields)
-        private = LocalService(data, serve_options, start_timeout)
+        private = None
+        if shared := endpoints_from_env():
+            log.info("%s is set: attaching to %s, no private service", ENDPOINTS_ENV, ", ".join(shared))
+        else:
+            private = LocalService(data, serve_options, start_timeout)
+        endpoint = None if private is None else private.endpoint
         try:
-            loader = cls(private.endpoint, device=device, credits=credits, timeout=timeout, fields=fields)
+            loader = cls(endpoint, device=device, credits=credits, timeout=timeout, fields=fields)
         except BaseException:
-            private.stop()
+            if private is not None:
+                private.stop()
             raise
         loader._private = private
         return loader

@@ -109,11 +109,16 @@ class LoaderConfig:
         return {name: getattr(self, name) for name in HELLO_FIELDS}
 
 
+def endpoints_from_env() -> tuple[str, ...]:
+    """The endpoints ``DATAFERRY_ENDPOINTS`` names; none when it is unset or empty."""
+    return tuple(part.strip() for part in os.environ.get(ENDPOINTS_ENV, "").split(",") if part.strip())
+
+
 def endpoints_of(given: str | Sequence[str] | None) -> tuple[str, ...]:
     """The endpoints to use: ``DATAFERRY_ENDPOINTS`` when set, else what the code gave."""
-    from_env = os.environ.get(ENDPOINTS_ENV, "").strip()
+    from_env = endpoints_from_env()
     if from_env:
-        return tuple(part.strip() for part in from_env.split(",") if part.strip())
+        return from_env
     if given is None:
         raise ValueError(f"no endpoint: name one (or several), or set {ENDPOINTS_ENV}")
     return (given,) if isinstance(given, str) else tuple(given)
