@@ -35,7 +35,7 @@ from loader_service.dataset.source import (
     Source,
 )
 from loader_service.dataset.storage.files import open_files
-from loader_service.dataset.storage.listing import list_files
+from loader_service.dataset.storage.listing import list_file
 from loader_service.dataset.storage.local import Files
 from loader_service.dataset.storage.objectstore import (
     StorageConfig,
@@ -242,7 +242,7 @@ class ListSource(FilePerSample):
     ) -> Scanned:
         """The list, local or in a store (fetched whole first: its rows name the files relative to
         its folder, or by full URL)."""
-        listing = list_files(data, storage, "", "list file", _the_file)
+        listing = list_file(data, storage, _the_file)
         name = listing.names[0]
         size = listing.size(name)
         if size is not None and size > MAX_LIST_BYTES:
@@ -257,7 +257,7 @@ class ListSource(FilePerSample):
     def inputs(self, data: str | Path, storage: StorageConfig) -> Any:
         """The list file's size and ETag (object store) or mtime; the listed files are not looked at,
         as the scan does not look at them."""
-        return list_files(data, storage, "", "list file", _the_file).stamps()
+        return list_file(data, storage, _the_file).stamps()
 
     def load_part(self, described: Mapping[str, Any], mapped: Mapped) -> IndexPart | None:
         facts = described.get("metadata")

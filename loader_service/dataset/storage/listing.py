@@ -19,7 +19,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Protocol
 
-from loader_service.dataset.storage.objectfolder import store_objects
+from loader_service.dataset.storage.objectfolder import store_object, store_objects
 from loader_service.dataset.storage.objectstore import StorageConfig, in_object_store
 
 Stamps = list[list[Any]] | None
@@ -122,5 +122,16 @@ def list_files(
     messages."""
     if in_object_store(data):
         return store_objects(str(data), storage, suffix, what)
+    root, names = local(data)
+    return LocalListing(root, names)
+
+
+def list_file(
+    data: str | Path, storage: StorageConfig, local: Callable[[str | Path], tuple[Path, tuple[str, ...]]]
+) -> Listing:
+    """The one file ``data`` names: the store's object of that key, or what ``local`` checks on this
+    host (a format whose data is a single file, such as a list)."""
+    if in_object_store(data):
+        return store_object(str(data), storage)
     root, names = local(data)
     return LocalListing(root, names)

@@ -216,11 +216,23 @@ def store_objects(data: str, storage: StorageConfig, suffix: str, what: str) -> 
             raise DatasetError(f"{what} {bucket.url}/{missing[0]} does not exist ({len(missing)} missing)")
         objects = [listed[k] for k in keys]
     elif key and not key.endswith("/") and posixpath.splitext(key)[1]:
-        folder = posixpath.dirname(key)
-        objects = [bucket.head(key)]
+        return _one(bucket, key, storage)
     else:
         folder = key.strip("/")
         objects = _in_folder(bucket, folder, suffix, what)
+    return _under(folder, objects, bucket, storage)
+
+
+def store_object(data: str, storage: StorageConfig) -> StoreObjects:
+    """The one object a URL names, whatever its name."""
+    return _one(Bucket(data, storage, SCAN_DEADLINE), split_url(data)[1], storage)
+
+
+def _one(bucket: Bucket, key: str, storage: StorageConfig) -> StoreObjects:
+    return _under(posixpath.dirname(key), [bucket.head(key)], bucket, storage)
+
+
+def _under(folder: str, objects: list[ObjectInfo], bucket: Bucket, storage: StorageConfig) -> StoreObjects:
     root = f"{bucket.url}/{folder}" if folder else bucket.url
     names = tuple(posixpath.relpath(o.key, folder or ".") for o in objects)
     return StoreObjects(root, names, tuple(objects), bucket, storage)
