@@ -229,15 +229,6 @@ class ShardStream(Stream):
             batch.holders.add(sid)
             yield key, batch
 
-    def undeliver(self, member: Member, key: BatchKey) -> None:
-        if self.picks is None:
-            super().undeliver(member, key)
-            return
-        sid = member.session.session_id
-        batch = self.batches[key]
-        batch.holders.discard(sid)
-        batch.pending.add(sid)
-
     def _forget(self, key: BatchKey) -> None:
         """Picked run: a batch the trainer has let go may be asked for again (it let a second copy
         go, or made room for the batch its loop waits for: NOTE [ A fleet ])."""

@@ -241,7 +241,8 @@ class Stream(Producer):
         batch = self.batches[key]
         batch.holders.discard(sid)
         batch.pending.add(sid)
-        member.next_send = key[1]
+        if not self.picked:  # a picked run announces what is ready in the order asked, not by position
+            member.next_send = key[1]
 
     def release(self, session_id: str, key: BatchKey) -> None:
         """A member let go of a batch; its slot is freed if nobody needs it any more."""
