@@ -35,9 +35,9 @@ def imported_packages(path: Path) -> set[str]:
 @pytest.mark.parametrize("package", sorted(FORBIDDEN))
 def test_a_package_never_imports_the_other_side(package: str) -> None:
     crossing = {
-        str(path.relative_to(REPO)): sorted(imported_packages(path) & FORBIDDEN[package])
+        str(path.relative_to(REPO)): sorted(crossed)
         for path in (REPO / package).rglob("*.py")
-        if imported_packages(path) & FORBIDDEN[package]
+        if (crossed := imported_packages(path) & FORBIDDEN[package])
     }
     assert not crossing, f"{package} imports across the boundary: {crossing}"
 
