@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from typing import Any, NamedTuple
 
-from protocol.messages import FeedInfo
+from protocol.messages import MAX_EPOCH, FeedInfo
 from protocol.shares import consumed
 
 STATE_VERSION = 2
@@ -57,8 +57,10 @@ def resume_from(state: dict[str, Any], info: FeedInfo, mode: str, world_size: in
     if mismatched:
         raise ValueError("state belongs to a different feed or setup: " + "; ".join(mismatched))
     epoch = state.get("epoch")
-    if type(epoch) is not int or epoch < 0:
-        raise ValueError(f"state has an invalid epoch: {epoch!r}")
+    if type(epoch) is not int or not 0 <= epoch < MAX_EPOCH:
+        raise ValueError(
+            f"state has an invalid epoch: {epoch!r} (an epoch is an integer in [0, {MAX_EPOCH}))"
+        )
     if mode == "broadcast":
         return Resume(epoch, _position_of(state, batches))
     taken = _taken_by_version_1(state, info) if state["version"] == 1 else _taken(state, info)

@@ -63,7 +63,7 @@ from gpu_worker.passes import EpochPass, PassSettings
 from gpu_worker.services import Fleet
 from gpu_worker.session import Service
 from protocol.layout import SlotLayout, describe_fields
-from protocol.messages import FeedInfo
+from protocol.messages import MAX_EPOCH, FeedInfo
 from protocol.shares import rank_batches
 
 log = logging.getLogger(__name__)
@@ -224,9 +224,30 @@ class ServiceLoader:
         return self._pass.last_endpoint if self._pass is not None else ""
 
     def set_epoch(self, epoch: int) -> None:
-        """The epoch the next ``iter()`` delivers (like DistributedSampler.set_epoch)."""
-        if epoch < 0:
-            raise ValueError("epoch must be >= 0")
+        """The epoch the next ``iter()`` delivers (like DistributedSampler.set_epoch).
+
+        NOTE [ Resume through set_epoch ]
+            A loop written for DistributedSampler calls ``set_epoch(epoch)`` at the top of every
+            epoch, the resumed one included, after ``load_state_dict``. A resume point loaded for
+            that very epoch is kept, so the loop continues where the state was taken; one for
+            another epoch is dropped with a warning that says which, since the caller then asked
+            for an epoch the state does not describe.
+        """
+        if type(epoch) is not int or not 0 <= epoch < MAX_EPOCH:
+            raise ValueError(f"epoch must be an integer in [0, {MAX_EPOCH}), got {epoch!r}")
+        resume = self._resume
+        if resume is not None and resume.epoch == epoch:
+            return
+        if resume is not None:
+            log.warning(
+                "set_epoch(%d) drops the resume point loaded for epoch %d (batch %d, offset %d): "
+                "epoch %d is delivered from its start",
+                epoch,
+                resume.epoch,
+                resume.position,
+                resume.offset,
+                epoch,
+            )
         self._next_epoch = epoch
         self._resume = None
 

@@ -105,6 +105,9 @@ MAX_RELEASES: Final = 4096
 MAX_CREDITS: Final = 1024
 MAX_BAD_REPORTS: Final = 256
 _LEASE = Int(0, 2**62 - 1)
+MAX_EPOCH: Final = 2**40
+"""The largest epoch a ``start`` may name; a checkpoint or ``set_epoch`` beyond it is refused where
+it is given, not 30 s later when the service refuses the start."""
 _SEQ = Int(0, 2**40)
 _MILLIS = Int(0, 2**53)
 
@@ -179,7 +182,7 @@ class Start(Message):
 
     KIND: ClassVar[str] = "start"
     run: Annotated[int, Int(0, 2**31)]
-    epoch: Annotated[int, Int(0, 2**40)]
+    epoch: Annotated[int, Int(0, MAX_EPOCH)]
     position: Annotated[int, Int(0, 2**40)] = 0
     transport: Annotated[str, OneOf(TRANSPORTS)] = "shm"
     """``tcp``: this trainer cannot map the segment; send each batch's bytes after its ``batch``."""

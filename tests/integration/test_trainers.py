@@ -226,6 +226,45 @@ def test_trainer_killed_mid_epoch_resumes_from_its_state(
     assert sorted(seen) == list(range(len(build_index(photos)))), "each image exactly once across both runs"
 
 
+def test_set_epoch_after_load_state_dict_keeps_the_resume_point(
+    photos: Path, start_service: ServiceFactory, caplog: pytest.LogCaptureFixture
+) -> None:
+    """NOTE [ Resume through set_epoch ]: the loop a DistributedSampler user writes calls
+    ``set_epoch`` at the top of the resumed epoch; the state taken after 2 batches must still
+    continue with the third (before the fix the epoch started again: 16 images twice)."""
+    n = len(build_index(photos))
+    service = start_service(photos, batch_size=8)
+    with ServiceLoader(service.endpoint, timeout=30) as loader:
+        loader.set_epoch(3)
+        first = iter(loader)
+        before = [i for _ in range(2) for i in next(first).indices.tolist()]
+        state = loader.state_dict()
+    with ServiceLoader(service.endpoint, timeout=30) as loader:
+        loader.load_state_dict(json.loads(json.dumps(state)))
+        loader.set_epoch(state["epoch"])  # the top of the resumed epoch, as a DDP loop does
+        after = [i for batch in loader for i in batch.indices.tolist()]
+    assert sorted(before + after) == list(range(n)), "each image of the resumed epoch exactly once"
+    assert after == epoch_permutation(0, 3, n)[len(before) :].tolist()
+    with ServiceLoader(service.endpoint, timeout=30) as loader, caplog.at_level("WARNING"):
+        loader.load_state_dict(state)
+        loader.set_epoch(4)
+        assert "drops the resume point loaded for epoch 3" in caplog.text
+        assert sorted(i for batch in loader for i in batch.indices.tolist()) == list(range(n))
+
+
+def test_a_checkpoint_epoch_beyond_the_protocol_is_refused_where_it_is_loaded(
+    photos: Path, start_service: ServiceFactory
+) -> None:
+    """Before: accepted, then a timeout or OverflowError 30 s later when the start was refused."""
+    service = start_service(photos, batch_size=8)
+    with ServiceLoader(service.endpoint, timeout=30) as loader:
+        state = {**loader.state_dict(), "epoch": 2**40}
+        with pytest.raises(ValueError, match="invalid epoch"):
+            loader.load_state_dict(state)
+        with pytest.raises(ValueError, match="epoch must be an integer"):
+            loader.set_epoch(2**41)
+
+
 def test_state_from_another_seed_or_dataset_is_refused(photos: Path, start_service: ServiceFactory) -> None:
     a = start_service(photos, seed=1, name="a")
     b = start_service(photos, seed=2, name="b")
