@@ -97,6 +97,7 @@ class ServiceLoader:
         fields: ExpectedFields | None = None,
         group_secret: str | None = None,
         resolve_interval: float = 5.0,
+        _private: LocalService | None = None,
     ) -> None:
         """``endpoint``: one service, or several (a fleet, NOTE [ A fleet ]); ``DATAFERRY_ENDPOINTS``
         (comma-separated), when set, takes the place of what the code names.
@@ -108,7 +109,8 @@ class ServiceLoader:
         An endpoint ``tcp://NAME:PORT`` whose NAME is a host name (a Kubernetes headless Service) is
         a fleet of every address NAME resolves to, looked up again every ``resolve_interval``
         seconds (0: once): addresses that appear join the epoch under way, gone ones leave it
-        (NOTE [ A fleet from a name ] in gpu_worker/names.py)."""
+        (NOTE [ A fleet from a name ] in gpu_worker/names.py). ``_private`` is ``local``'s: the
+        service it started, watched at every wait and stopped by ``close``."""
         rank, world_size = shard_of(mode, rank, world_size)
         self.config = LoaderConfig(
             endpoints_of(endpoint),
@@ -141,10 +143,11 @@ class ServiceLoader:
         self._counts: Counter[str] = Counter()
         """``EpochPass.counts`` of the passes before the current one."""
         self._closed = False
-        self._private: LocalService | None = None
+        self._private = _private
         """The service ``local`` started for this loader, stopped by ``close``."""
         hello = make_hello(**cfg.hello_fields())
-        self._fleet = Fleet(cfg, hello, keys, self.device)
+        watch = None if _private is None else _private.check  # NOTE [ A private service ]
+        self._fleet = Fleet(cfg, hello, keys, self.device, watch)
         try:
             self._fleet.attach(cfg.connect_timeout)
             self._check_fields()
@@ -178,13 +181,13 @@ class ServiceLoader:
             private = LocalService(data, serve_options, start_timeout)
         endpoint = None if private is None else private.endpoint
         try:
-            loader = cls(endpoint, device=device, credits=credits, timeout=timeout, fields=fields)
+            return cls(
+                endpoint, device=device, credits=credits, timeout=timeout, fields=fields, _private=private
+            )
         except BaseException:
             if private is not None:
                 private.stop()
             raise
-        loader._private = private
-        return loader
 
     # --- public API -----------------------------------------------------------------------------
 

@@ -29,6 +29,7 @@ import zmq
 from curvekeys import ClientKeys
 from gpu_worker.arrivals import Arrivals
 from gpu_worker.heartbeats import Heartbeats
+from gpu_worker.peer import Credentials, check_listener
 from protocol.codec import decode, encode
 from protocol.layout import MAX_FIELDS
 from protocol.messages import (
@@ -103,6 +104,9 @@ class Connection:
         self._hello_frame = b""
         self._hello_at = 0.0
         self._resuming = ""
+        self.peer: Credentials | None = None
+        """The process that answered on an ``ipc://`` endpoint, checked (NOTE [ A service's
+        identity ] in gpu_worker/peer.py); None over TCP."""
 
     @property
     def connecting(self) -> bool:
@@ -148,6 +152,10 @@ class Connection:
             self._lose(f"no word from the service for {now - self.last_heard:.0f} s")
 
     def _opened(self, msg: Welcome) -> None:
+        try:
+            self.peer = check_listener(self.endpoint)  # the process that answered, not a name
+        except ValueError as exc:
+            raise ServiceError(str(exc)) from None
         resumed = bool(self._resuming) and msg.token == self._resuming
         if resumed:
             self._inbox.extendleft(reversed(self._kept))  # taken before anything after the welcome

@@ -34,14 +34,15 @@ class Delivery:
         self.transport = "shm"
         """``shm`` (the slot mapped in place) or ``tcp`` (bytes over the socket)."""
 
-    def adopt(self, info: FeedInfo) -> None:
-        """A (new) session's pool: map it, or choose TCP; pin it for CUDA."""
+    def adopt(self, info: FeedInfo, owner: int | None = None) -> None:
+        """A (new) session's pool: map it, or choose TCP; pin it for CUDA. ``owner``: the uid the
+        pool's segment must have (the service's, where known: NOTE [ A service's identity ])."""
         old = self._slots
         try:
             self._layout = SlotLayout.from_wire(info.batch_size, info.fields)
         except ValueError as exc:
             raise ServiceError(f"the service announced an unusable slot layout: {exc}") from None
-        self._slots = self._map(info)
+        self._slots = self._map(info, owner)
         self.transport = "tcp" if self._slots is None else "shm"
         if old is not None:
             old.close()  # unmaps once the batches still viewing it are gone
@@ -49,12 +50,12 @@ class Delivery:
             self.stager = self.stager or CudaStager(self.device)
             self.stager.pin(self._slots.address, self._slots.nbytes)  # unregisters the old pool first
 
-    def _map(self, info: FeedInfo) -> SlotMap | None:
+    def _map(self, info: FeedInfo, owner: int | None) -> SlotMap | None:
         """The announced pool, mapped and checked; None where ``auto`` finds it cannot be (TCP)."""
         if self._want == "tcp":
             return None
         try:
-            return SlotMap(info.segment, self._layout, info.slots, info.check)
+            return SlotMap(info.segment, self._layout, info.slots, info.check, owner)
         except (ValueError, OSError) as exc:
             if self._want == "auto":
                 log.info("cannot map the service's pool here (%s); batches will come over the socket", exc)

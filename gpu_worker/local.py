@@ -1,20 +1,36 @@
 """A private service for one trainer process: what ``ServiceLoader.local`` starts and stops.
 
 The service runs as ``python -m loader_service serve`` (a separate process: the trainer side never
-imports the service side) on an ipc socket of its own in the temporary folder, with
-``--stop-with-stdin`` and a pipe on its stdin whose write end only this process holds, so it stops
-when the loader closes and also when this process dies by any means (NOTE [ Stop with stdin ] in
-loader_service/supervisor/lifeline.py). Readiness comes the way systemd gets it: ``READY=1`` on a
-datagram socket named in ``NOTIFY_SOCKET``, while the process is watched so that a service that
-refuses its options fails the call at once instead of after a timeout. Its log goes to this
-process's standard error.
+imports the service side) with ``--stop-with-stdin`` and a pipe on its stdin whose write end only
+this process holds, so it stops when the loader closes and also when this process dies by any means
+(NOTE [ Stop with stdin ] in loader_service/supervisor/lifeline.py). Its log goes to this process's
+standard error.
+
+NOTE [ A private service ]
+    Another local user must not be able to stand in for a trainer's private service (a review
+    did: it watched ``/proc`` for the command line, bound the socket path named there in the
+    shared temp folder 0.5 ms later, and answered READY on the abstract socket the trainer
+    listened on; the trainer trained an epoch on its batches). So:
+    * the socket is ``service.sock`` in a folder made 0700 by this process before the child
+      starts (``tempfile.mkdtemp``): only this user can bind or replace anything in it;
+    * readiness arrives on one end of a socket pair whose other end the child inherits
+      (``$DATAFERRY_NOTIFY_FD``), not on a name anyone could write to;
+    * once READY, the process listening on the socket must be the child itself (its pid, by
+      ``SO_PEERCRED``); every attach then checks the listener and the pool's owner as for any
+      service (NOTE [ A service's identity ] in gpu_worker/peer.py);
+    * after READY the child is watched: the loader's every wait asks whether it has exited, and
+      a dead child fails the loop at once with its exit code, not after the loader's ``timeout``.
+    The folder goes when the loader closes. It is named and flocked as a service's runtime folder
+    is (``dataferry-<pid>-local-*``, a held ``lock`` file), so one that a trainer killed with
+    SIGKILL leaves behind is removed by the next service that starts on the host.
 """
 
 from __future__ import annotations
 
+import fcntl
 import logging
 import os
-import secrets
+import shutil
 import socket
 import subprocess
 import sys
@@ -23,6 +39,7 @@ import time
 from collections.abc import Mapping
 
 from gpu_worker.connection import ServiceError
+from gpu_worker.peer import listener_of
 
 log = logging.getLogger(__name__)
 
@@ -31,6 +48,10 @@ START_TIMEOUT = 600.0
 STOP_TIMEOUT = 30.0
 """Seconds it may take to stop once its stdin has closed, before SIGTERM, then SIGKILL."""
 POLL = 0.2
+NOTIFY_FD_ENV = "DATAFERRY_NOTIFY_FD"
+"""The descriptor the child notifies on (``loader_service.supervisor.systemd`` reads it)."""
+CHILD_UNSET = ("NOTIFY_SOCKET", "WATCHDOG_USEC", "WATCHDOG_PID")
+"""A trainer under systemd must not have its private service speak to systemd for it."""
 
 
 def serve_flags(options: Mapping[str, object]) -> list[str]:
@@ -50,22 +71,43 @@ def serve_flags(options: Mapping[str, object]) -> list[str]:
     return flags
 
 
+def _hold_lock(path: str) -> int:
+    """A flocked file kept open while the folder is in use: a service that starts on this host
+    leaves the folder alone while it is held and removes it once its trainer is gone (NOTE
+    [ Shared-memory cleanup ] in loader_service/shm.py)."""
+    fd = os.open(path, os.O_CREAT | os.O_RDWR | os.O_CLOEXEC, 0o600)
+    fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    return fd
+
+
 class LocalService:
-    """One private ``loader-service serve``, ready on ``endpoint`` once constructed."""
+    """One private ``loader-service serve``, ready on ``endpoint`` once constructed (NOTE [ A private
+    service ])."""
 
     def __init__(self, data: str | os.PathLike[str], options: Mapping[str, object], start_timeout: float):
-        name = f"dataferry-local-{os.getpid()}-{secrets.token_hex(4)}"
-        self.endpoint = f"ipc://{os.path.join(tempfile.gettempdir(), name)}.sock"
+        self.ready = False
+        self.folder = tempfile.mkdtemp(prefix=f"dataferry-{os.getpid()}-local-")  # 0700: ours alone
+        self._lock = _hold_lock(os.path.join(self.folder, "lock"))
+        self.endpoint = f"ipc://{os.path.join(self.folder, 'service.sock')}"
         argv = [sys.executable, "-m", "loader_service", "serve", "--data", os.fspath(data)]
         argv += ["--endpoint", self.endpoint, "--stop-with-stdin", *serve_flags(options)]
-        with socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM) as ready:
-            ready.bind("\0" + name)  # abstract: nothing on disk to leave behind
-            env = {k: v for k, v in os.environ.items() if k not in ("WATCHDOG_USEC", "WATCHDOG_PID")}
-            env["NOTIFY_SOCKET"] = "@" + name
-            # Its own session: a Ctrl-C meant for the trainer reaches the trainer, which then closes.
-            self.process = subprocess.Popen(argv, stdin=subprocess.PIPE, env=env, start_new_session=True)
+        ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+        with ours, theirs:
+            env = {k: v for k, v in os.environ.items() if k not in CHILD_UNSET}
+            env[NOTIFY_FD_ENV] = str(theirs.fileno())
             try:
-                self._wait_ready(ready, start_timeout)
+                # Its own session: a Ctrl-C meant for the trainer reaches the trainer, which then closes.
+                self.process = subprocess.Popen(
+                    argv, stdin=subprocess.PIPE, env=env, start_new_session=True, pass_fds=(theirs.fileno(),)
+                )
+            except BaseException:
+                self._remove_folder()
+                raise
+            theirs.close()  # the child's alone now: end of file here means it is gone
+            try:
+                self._wait_ready(ours, start_timeout)
+                self._check_listener()
+                self.ready = True
             except BaseException:
                 self.stop()
                 raise
@@ -76,18 +118,48 @@ class LocalService:
         deadline = time.monotonic() + timeout
         while True:
             try:
-                if b"READY=1" in ready.recv(4096).split(b"\n"):
-                    return
+                said = ready.recv(4096)
             except TimeoutError:
-                pass
-            code = self.process.poll()
-            if code is not None:
-                raise ServiceError(
-                    f"the private service exited with code {code} before it was ready: "
-                    "its messages are above, on standard error"
-                )
+                said = None
+            if said is not None and b"READY=1" in said.split(b"\n"):
+                return
+            if said == b"":  # end of file: the child is gone, or closed the channel it was given
+                self._reap(POLL * 5)
+                self.check()
+                raise ServiceError("the private service closed its readiness channel without READY")
+            self.check()
             if time.monotonic() > deadline:
                 raise ServiceError(f"the private service was not ready within {timeout:.0f} s")
+
+    def _check_listener(self) -> None:
+        """The socket must be served by the child itself (NOTE [ A private service ])."""
+        path = self.endpoint[len("ipc://") :]
+        try:
+            pid = listener_of(path).pid
+        except OSError as exc:
+            raise ServiceError(
+                f"the private service said it was ready, but {path} does not answer: {exc}"
+            ) from None
+        if pid != self.process.pid:
+            raise ServiceError(
+                f"{path} is served by pid {pid}, not by the private service {self.process.pid}"
+            )
+
+    def _reap(self, timeout: float) -> None:
+        try:
+            self.process.wait(timeout)
+        except subprocess.TimeoutExpired:
+            pass
+
+    def check(self) -> None:
+        """ServiceError with its exit code if the service has exited (the loader asks at every wait)."""
+        code = self.process.poll()
+        if code is not None:
+            when = "while the loader used it" if self.ready else "before it was ready"
+            raise ServiceError(
+                f"the private service (pid {self.process.pid}) exited with code {code} {when}: "
+                "its messages are above, on standard error"
+            )
 
     def stop(self) -> int:
         """End of file on its stdin, the stop it is waiting for; SIGTERM, then SIGKILL, if it hangs.
@@ -108,4 +180,9 @@ class LocalService:
             code = process.wait()
         if code:
             log.warning("private service %d exited with code %d", process.pid, code)
+        self._remove_folder()
         return code
+
+    def _remove_folder(self) -> None:
+        shutil.rmtree(self.folder, ignore_errors=True)
+        os.close(self._lock)

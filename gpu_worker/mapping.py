@@ -14,6 +14,7 @@ import os
 import numpy as np
 import numpy.typing as npt
 
+from gpu_worker.peer import check_segment
 from protocol.layout import SlotLayout, validate_segment_name
 
 SHM_DIR = "/dev/shm"
@@ -22,9 +23,12 @@ SHM_DIR = "/dev/shm"
 class SlotMap:
     """The whole pool as one uint8 array, and fresh per-delivery views of single slots."""
 
-    def __init__(self, segment: str, layout: SlotLayout, slots: int, check: str = "") -> None:
+    def __init__(
+        self, segment: str, layout: SlotLayout, slots: int, check: str = "", owner: int | None = None
+    ) -> None:
         """Map the pool; with ``check`` (the hex the service announced), prove it is that service's
-        pool by the bytes after it (``protocol.layout``), or raise ValueError."""
+        pool by the bytes after it (``protocol.layout``), or raise ValueError. The segment must be
+        the service's, owned by ``owner`` (NOTE [ A service's identity ] in gpu_worker/peer.py)."""
         self.layout = layout
         self.slots = slots
         self.nbytes = layout.segment_bytes(slots)
@@ -32,6 +36,7 @@ class SlotMap:
         size = layout.mapped_bytes(slots) if expected else self.nbytes
         fd = os.open(os.path.join(SHM_DIR, validate_segment_name(segment)), os.O_RDWR | os.O_NOFOLLOW)
         try:
+            check_segment(fd, segment, owner)
             if os.fstat(fd).st_size < size:
                 raise ValueError(f"segment {segment} is smaller than the {size} bytes its pool needs")
             self._mmap = mmap.mmap(fd, size, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)

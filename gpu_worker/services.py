@@ -71,8 +71,16 @@ class Fleet:
     """Every service of one loader, their poller and their heartbeat thread."""
 
     def __init__(
-        self, config: LoaderConfig, hello: Hello, keys: ClientKeys | None, device: torch.device
+        self,
+        config: LoaderConfig,
+        hello: Hello,
+        keys: ClientKeys | None,
+        device: torch.device,
+        watch: Callable[[], None] | None = None,
     ) -> None:
+        """``watch`` is called at every wait and raises to end the loop (a private service that
+        exited: NOTE [ A private service ] in gpu_worker/local.py)."""
+        self._watch = watch
         self.clock = LoopClock()
         """The loop's waited and computed time (NOTE [ Exposed wait ]), sent with every heartbeat."""
         self._heartbeats = Heartbeats(self.clock)
@@ -147,6 +155,8 @@ class Fleet:
 
     def wait(self, deadline: float) -> None:
         """Wait until something arrives or ``deadline`` (at most POLL_SLICE), and take it in."""
+        if self._watch is not None:
+            self._watch()
         self._follow_names()
         remaining = max(0.0, min(deadline - time.monotonic(), POLL_SLICE))
         readable = dict(self._poller().poll(int(remaining * 1000) + 1 if remaining > 0 else 0))

@@ -75,7 +75,7 @@ class Service:
         self.info = welcome.feed
         self.batches = welcome.batches
         self.credits = min(self.credits_asked, welcome.credits)
-        self.delivery.adopt(welcome.feed)
+        self.delivery.adopt(welcome.feed, None if self.conn.peer is None else self.conn.peer.uid)
         self.conn.batch_bytes = self.delivery.batch_bytes
         self.unsent_start = self.last_start = None  # meaningless to a new session
 

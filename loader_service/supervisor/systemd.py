@@ -11,6 +11,11 @@ it is meant for in ``$WATCHDOG_PID``). Each notification is one datagram of ``KE
 
 Outside systemd ``$NOTIFY_SOCKET`` is unset and every call is a no-op returning False. A failed send
 is logged at debug level and returns False: notifications never stop the service.
+
+A trainer's private service (``ServiceLoader.local``) gets the same lines on an inherited socket
+instead, its descriptor in ``$DATAFERRY_NOTIFY_FD``: only the parent holds the other end, where a
+named socket could be bound or written to by another local user (NOTE [ A private service ] in
+gpu_worker/local.py). Sends to it never wait: a parent that stopped reading costs nothing.
 """
 
 from __future__ import annotations
@@ -24,8 +29,32 @@ log = logging.getLogger(__name__)
 SEND_TIMEOUT = 1.0  # seconds; a datagram to a live systemd never waits, a wedged one must not hang us
 
 
+NOTIFY_FD_ENV = "DATAFERRY_NOTIFY_FD"
+
+
 def notify(state: str) -> bool:
-    """Send ``state`` to ``$NOTIFY_SOCKET``; False when unset, unsupported or the send failed."""
+    """Send ``state`` to ``$NOTIFY_SOCKET`` and to the inherited ``$DATAFERRY_NOTIFY_FD``; False when
+    neither is set, or every send failed."""
+    sent = _notify_fd(state)
+    return _notify_socket(state) or sent
+
+
+def _notify_fd(state: str) -> bool:
+    fd_text = os.environ.get(NOTIFY_FD_ENV, "")
+    if not fd_text.isdigit():
+        return False
+    try:
+        fd = int(fd_text)
+        os.set_inheritable(fd, False)  # the parent's channel, not the decode workers'
+        with socket.socket(fileno=os.dup(fd)) as channel:
+            channel.send(state.encode(), socket.MSG_DONTWAIT)
+    except OSError as exc:
+        log.debug("notify on fd %s failed: %s", fd_text, exc)
+        return False
+    return True
+
+
+def _notify_socket(state: str) -> bool:
     address = os.environ.get("NOTIFY_SOCKET", "")
     if address.startswith("@"):
         address = "\0" + address[1:]

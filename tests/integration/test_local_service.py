@@ -8,6 +8,7 @@ import select
 import signal
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -15,6 +16,7 @@ import pytest
 
 from gpu_worker import ServiceError, ServiceLoader
 from gpu_worker.local import serve_flags
+from loader_service.shm import remove_stale
 from tests.helpers import REPO, ServiceFactory, epoch_indices, our_segments
 
 TRAINER = """
@@ -72,6 +74,8 @@ def test_a_sigkilled_trainer_leaves_no_service_and_no_shared_memory(photos: Path
                 os.kill(int(pid), signal.SIGTERM)  # a failed test leaves nothing behind either
     assert not [name for name in our_segments() if name.startswith(f"dataferry-{pid}-")]
     assert not socket_path(endpoint).exists()
+    folder = socket_path(endpoint).parent  # NOTE [ A private service ]: the next start removes it
+    assert folder in map(Path, remove_stale((Path(tempfile.gettempdir()),))) and not folder.exists()
 
 
 def test_options_the_service_refuses_fail_the_call_at_once(photos: Path) -> None:

@@ -24,6 +24,22 @@ def notify_socket(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[s
         yield sock
 
 
+def test_an_inherited_notify_fd_gets_every_line_and_never_waits(monkeypatch: pytest.MonkeyPatch) -> None:
+    """NOTE [ A private service ]: readiness on a socket pair only the parent holds; a parent that
+    stopped reading never blocks the service (the sends do not wait)."""
+    monkeypatch.delenv("NOTIFY_SOCKET", raising=False)
+    ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+    with ours, theirs:
+        monkeypatch.setenv("DATAFERRY_NOTIFY_FD", str(theirs.fileno()))
+        assert systemd.ready("up") is True
+        assert ours.recv(4096) == b"READY=1\nSTATUS=up"
+        assert not os.get_inheritable(theirs.fileno()), "the decode workers do not inherit it"
+        sent = [systemd.status("x" * 1000) for _ in range(10_000)]  # far more than the buffer holds
+        assert sent[0] and not sent[-1], "a full channel refuses at once instead of waiting"
+        ours.close()
+        assert systemd.stopping() is False, "a parent gone is no error"
+
+
 def test_notify_without_notify_socket_is_a_no_op(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.delenv("NOTIFY_SOCKET", raising=False)
     assert systemd.notify("READY=1") is False

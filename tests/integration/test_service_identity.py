@@ -1,0 +1,243 @@
+"""Nobody else's batches: a trainer believes only its own private service, a listener it may trust
+and a pool that listener owns (NOTE [ A private service ] in gpu_worker/local.py, NOTE [ A service's
+identity ] in gpu_worker/peer.py). Another local user is real here: ``runuser -u nobody`` for a
+script of the standard library, or a process of this test that drops to ``nobody`` after its imports
+(the project's interpreter may live where ``nobody`` cannot run it)."""
+
+from __future__ import annotations
+
+import json
+import os
+import pwd
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from gpu_worker import ServiceError, ServiceLoader
+from loader_service.shm import remove_stale
+from tests.helpers import REPO, epoch_indices
+
+pytestmark = pytest.mark.integration
+
+
+def _nobody() -> pwd.struct_passwd | None:
+    try:
+        return pwd.getpwnam("nobody")
+    except KeyError:
+        return None
+
+
+NOBODY = _nobody()
+needs_root = pytest.mark.skipif(
+    os.geteuid() != 0 or NOBODY is None, reason="needs root, to act as the user nobody"
+)
+SYSTEM_PYTHON = shutil.which("python3", path="/usr/bin:/bin")
+
+# What the review's attacker did: watch /proc for the private service's command line, bind the
+# endpoint named there and say READY where the trainer listened (an abstract name derived from it).
+ATTACKER = r"""
+import json, os, socket, sys, time
+marker = sys.argv[1].encode()
+print("watching", flush=True)
+deadline = time.monotonic() + 60
+while time.monotonic() < deadline:
+    for pid in os.listdir("/proc"):
+        if not pid.isdigit():
+            continue
+        try:
+            argv = open(f"/proc/{pid}/cmdline", "rb").read().split(b"\0")
+        except OSError:
+            continue
+        if b"loader_service" not in argv or marker not in argv or b"--endpoint" not in argv:
+            continue
+        path = argv[argv.index(b"--endpoint") + 1].decode()[len("ipc://"):]
+        report = {}
+        try:
+            held = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+            held.bind(path)
+            held.listen()
+            report["bound"] = True
+        except OSError as exc:
+            report["bound"] = exc.strerror
+        name = os.path.basename(path)[: -len(".sock")]
+        try:
+            note = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
+            note.sendto(b"READY=1", "\0" + name)
+            report["notified"] = True
+        except OSError as exc:
+            report["notified"] = exc.strerror
+        print(json.dumps(report), flush=True)
+        time.sleep(5)
+        sys.exit(0)
+print(json.dumps({"found": False}), flush=True)
+"""
+
+
+@needs_root
+@pytest.mark.skipif(
+    shutil.which("runuser") is None or SYSTEM_PYTHON is None, reason="needs runuser and python3"
+)
+def test_another_user_can_neither_bind_nor_announce_a_private_service(photos: Path) -> None:
+    """Before the fix the attacker bound the path and notified READY (the review's trainer then
+    trained on its batches); now the folder is 0700 and readiness comes on an inherited socket."""
+    assert SYSTEM_PYTHON is not None
+    marker = str(photos)
+    with subprocess.Popen(
+        ["runuser", "-u", "nobody", "--", SYSTEM_PYTHON, "-c", ATTACKER, marker],
+        stdout=subprocess.PIPE,
+        text=True,
+        start_new_session=True,
+    ) as attacker:
+        try:
+            assert attacker.stdout is not None
+            assert attacker.stdout.readline().strip() == "watching"
+            with ServiceLoader.local(photos, workers=1, batch_size=8, image_size=32) as loader:
+                seen, _ = epoch_indices(loader)
+                assert loader._private is not None
+                folder = os.path.dirname(loader._private.endpoint[len("ipc://") :])
+                folder_mode = os.stat(folder).st_mode & 0o7777
+            report = json.loads(attacker.stdout.readline())
+        finally:
+            os.killpg(attacker.pid, signal.SIGKILL)
+    assert report.get("found", True), "the attacker never saw the service's command line"
+    assert report["bound"] is not True, f"another user bound the private service's socket: {report}"
+    assert report["notified"] is not True, f"another user could announce READY: {report}"
+    assert sorted(seen) == list(range(90)), "the trainer got its own service's epoch"
+    assert folder_mode == 0o700, "the socket's folder is this user's alone"
+
+
+def test_a_private_service_that_dies_fails_the_loop_at_once_with_its_exit_code(photos: Path) -> None:
+    """Before: the loader reconnected to nothing until its ``timeout`` ran out."""
+    with ServiceLoader.local(photos, workers=1, batch_size=8, image_size=32, timeout=30) as loader:
+        batches = iter(loader)
+        next(batches)
+        assert loader._private is not None
+        os.kill(loader._private.process.pid, signal.SIGKILL)
+        start = time.monotonic()
+        with pytest.raises(ServiceError, match=r"exited with code -9 while the loader used it"):
+            for _ in batches:
+                pass
+        assert time.monotonic() - start < 5, "noticed at the next wait, not after the timeout"
+        remove_stale()  # what a SIGKILLed service leaves, as the next service to start removes it
+
+
+# A service of another user, as far as a trainer can tell: it drops to ``nobody`` after its imports,
+# binds the endpoint and welcomes every hello with a feed whose pool it made (or, with ``root-pool``,
+# one made before it dropped root).
+IMPOSTOR = r"""
+import secrets, sys
+import zmq
+from protocol.codec import decode, encode
+from protocol.layout import CHECK_BYTES, SlotLayout
+from protocol.messages import FeedInfo, Hello, Welcome
+from loader_service.shm import Segment, new_segment_name
+
+endpoint, pool_owner = sys.argv[1], sys.argv[2]
+layout = SlotLayout.images(8, 32)
+check = secrets.token_bytes(CHECK_BYTES)
+
+def make_pool():
+    segment = Segment.create(new_segment_name("impostor"), layout.mapped_bytes(4))
+    end = layout.segment_bytes(4)
+    segment.buf[end : end + CHECK_BYTES] = check
+    return segment
+
+pool = make_pool() if pool_owner == "root" else None
+import os
+os.setgid(65534)
+os.setuid(65534)
+pool = pool or make_pool()
+ctx = zmq.Context()
+sock = ctx.socket(zmq.ROUTER)
+sock.setsockopt(zmq.LINGER, 0)
+sock.bind(endpoint)
+print(pool.name, flush=True)
+while True:
+    peer, frame = sock.recv_multipart()
+    try:
+        decode(frame, (Hello,))
+    except Exception:
+        continue  # heartbeats and the like: an impostor need not answer them
+    feed = FeedInfo("train", 90, 1, 8, 32, 12, 0, "none", "ff" * 16, pool.name, 4, layout.wire(), check.hex())
+    welcome = Welcome("s1", feed, 1.0, 12, 90, token=secrets.token_hex(16), credits=4)
+    sock.send_multipart([peer, encode(welcome)])
+"""
+
+
+@pytest.fixture
+def folder() -> Iterator[Path]:
+    """A folder in the shared temp folder that the test hands to ``nobody`` as it needs."""
+    path = Path(tempfile.mkdtemp(prefix="dataferry-identity-", dir="/tmp"))
+    try:
+        yield path
+    finally:
+        shutil.rmtree(path, ignore_errors=True)
+
+
+class Impostor:
+    """``IMPOSTOR`` running; ``stop`` ends it and removes its pool (root may, in sticky /dev/shm)."""
+
+    def __init__(self, endpoint: str, pool_owner: str) -> None:
+        self.proc = subprocess.Popen(
+            [sys.executable, "-c", IMPOSTOR, endpoint, pool_owner],
+            cwd=REPO,
+            stdout=subprocess.PIPE,
+            text=True,
+            start_new_session=True,
+        )
+        assert self.proc.stdout is not None
+        self.pool = self.proc.stdout.readline().strip()
+        if not self.pool.startswith("dataferry-"):
+            self.stop()
+            raise AssertionError("the impostor did not start")
+
+    def stop(self) -> None:
+        self.proc.kill()
+        self.proc.wait(10)
+        if self.proc.stdout is not None:
+            self.proc.stdout.close()
+        if self.pool:
+            Path("/dev/shm", self.pool).unlink(missing_ok=True)
+
+
+@needs_root
+def test_a_listener_of_another_user_where_anyone_may_bind_is_refused(folder: Path) -> None:
+    """A folder like /tmp (1777, root's): a ``nobody`` process listening there is not believed.
+    Before the fix the trainer took its welcome and mapped the pool it named."""
+    folder.chmod(0o1777)
+    endpoint = f"ipc://{folder / 'train.sock'}"
+    impostor = Impostor(endpoint, "nobody")
+    try:
+        with pytest.raises(ServiceError, match=r"runs as uid 65534"):
+            ServiceLoader(endpoint, timeout=10, connect_timeout=10)
+    finally:
+        impostor.stop()
+
+
+@needs_root
+def test_a_pool_owned_by_another_user_than_the_listener_is_not_mapped(folder: Path) -> None:
+    """A service's own folder (``nobody``'s, 0750) is trusted, and so is the pool it owns; a pool it
+    names that another user owns is not mapped (a shrink of it would SIGBUS the trainer)."""
+    assert NOBODY is not None
+    os.chown(folder, NOBODY.pw_uid, NOBODY.pw_gid)
+    folder.chmod(0o750)
+    endpoint = f"ipc://{folder / 'train.sock'}"
+    impostor = Impostor(endpoint, "nobody")
+    try:
+        with ServiceLoader(endpoint, transport="shm", timeout=10, connect_timeout=10) as loader:
+            assert loader.transport == "shm", "its own pool, announced by a trusted listener, is mapped"
+    finally:
+        impostor.stop()
+    impostor = Impostor(endpoint, "root")
+    try:
+        with pytest.raises(ServiceError, match=r"owned by uid 0, not the service's uid 65534"):
+            ServiceLoader(endpoint, transport="shm", timeout=10, connect_timeout=10)
+    finally:
+        impostor.stop()
