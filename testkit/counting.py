@@ -28,8 +28,16 @@ def counted_store_reads() -> Iterator[list[int]]:
     fetched: list[int] = []
     real = remote.Bucket.read
 
-    async def counting(self: remote.Bucket, key: str, start: int, size: int, etag: str, limit: int) -> bytes:
-        data = await real(self, key, start, size, etag, limit)
+    async def counting(
+        self: remote.Bucket,
+        key: str,
+        start: int,
+        size: int,
+        etag: str,
+        limit: int,
+        admit: remote.Admit | None = None,
+    ) -> bytes:
+        data = await real(self, key, start, size, etag, limit, admit)
         fetched.append(len(data))
         return data
 

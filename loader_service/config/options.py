@@ -50,6 +50,9 @@ at most ``MAX_AUTO_WORKERS``): a feed whose workers wait on a store or in a pipe
 workers than cores. A parked worker costs its memory (OpenCV and numpy loaded), no CPU."""
 MIN_AUTO_WORKERS = 4
 MAX_AUTO_WORKERS = 256
+MAX_CPU_BUDGET = 65536
+"""The most cores ``--cpu-budget`` may give: more than any host has (Linux's NR_CPUS is at most
+8192), so a larger value is a mistake, and ``inf`` one the sizing cannot count with."""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -85,7 +88,9 @@ class ServiceConfig(FeedOptions):
         metadata=option(
             "cores the decode workers may use together; 0: what this process's affinity and cgroup CPU "
             "quota allow (NOTE [ CPU budget ]); less keeps cores for a trainer on the same host",
-            check=at_least(0),
+            # The comparison refuses nan and inf too: inf once crashed the worker sizing at start
+            # (exit 1, which systemd restarts for ever) where a bad value must stop it with exit 2.
+            check=between(0, MAX_CPU_BUDGET, "0 (the host's limits)"),
         ),
     )
     feed: str = field(

@@ -81,3 +81,16 @@ def test_parquet_metadata_nested_too_deeply_exits_2_naming_the_file(tmp_path: Pa
     assert result.returncode == 2, result.stderr
     assert "deep.parquet" in result.stderr and "nested too deeply" in result.stderr
     assert "Traceback" not in result.stderr
+
+
+@pytest.mark.parametrize("value", ["inf", "nan", "1e400", "1e308", "-2"])
+def test_a_cpu_budget_that_is_no_number_of_cores_exits_2_naming_the_flag(
+    photos: Path, tmp_path: Path, value: str
+) -> None:
+    """``--cpu-budget inf`` once crashed on start (exit 1, a traceback, restarted by systemd for ever):
+    a value no host has is a mistake in the configuration, refused in one line that names its flag."""
+    result = serve(photos, tmp_path, {}, "--workers", "auto", f"--cpu-budget={value}")
+    assert result.returncode == 2, result.stderr
+    assert "Traceback" not in result.stderr
+    (line,) = [line for line in result.stderr.splitlines() if "cpu_budget" in line]
+    assert "(set by --cpu-budget)" in line

@@ -413,3 +413,33 @@ def test_the_summary_names_storage_options_but_never_their_values(tmp_path: Path
     text = cfg.summary()
     assert "s3cr3t" not in text and "secret_access_key=*** session_token=***" in text
     assert "s3cr3t" not in repr(cfg.storage())
+
+
+# --- the CPU budget ---------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("text", ["inf", "-inf", "nan", "1e400", "1e308", "65537", "-0.5"])
+def test_a_cpu_budget_no_host_has_is_refused_naming_the_layer_that_set_it(tmp_path: Path, text: str) -> None:
+    """inf (or a value so large that counting workers with it overflows) crashed the start with a
+    traceback, exit 1; it is a bad value like any other, whichever layer gave it."""
+    cfg_file = tmp_path / "svc.toml"
+    # repr() of a float is TOML's spelling of it too: inf, nan, 1e+308.
+    cfg_file.write_text(
+        f'data = "{tmp_path}"\nendpoint = "ipc:///tmp/feed.sock"\ncpu_budget = {float(text)!r}\n'
+    )
+    refused = r"cpu_budget must be between 0 \(the host's limits\) and 65536 \(set by "
+    with pytest.raises(ConfigError, match=refused + r"--cpu-budget\)"):
+        load_config(None, {"data": tmp_path, "endpoint": "ipc:///tmp/feed.sock", "cpu_budget": float(text)})
+    with pytest.raises(ConfigError, match=refused + r"DATAFERRY_CPU_BUDGET\)"):
+        load_config(None, {}, environ={**base_env(tmp_path), "DATAFERRY_CPU_BUDGET": text})
+    with pytest.raises(ConfigError, match=refused + r".*svc.toml\)"):
+        load_config(cfg_file, {}, environ={})
+
+
+@pytest.mark.parametrize(("text", "cores"), [("0", None), ("0.5", 0.5), ("65536", 65536.0)])
+def test_a_cpu_budget_of_zero_means_the_hosts_limits_and_a_fraction_of_a_core_is_one(
+    tmp_path: Path, text: str, cores: float | None
+) -> None:
+    cfg = load_config(None, {}, environ={**base_env(tmp_path), "DATAFERRY_CPU_BUDGET": text})
+    assert cfg.budget.cores == cores if cores is not None else "--cpu-budget" not in cfg.budget.source
+    assert 1 <= cfg.first_workers <= cfg.worker_processes <= 256

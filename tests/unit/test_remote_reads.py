@@ -8,7 +8,8 @@ import time
 
 import pytest
 
-from loader_service.dataset.storage.objectstore import NotFetched, Requests, StoreUnavailable, sample_error
+from loader_service.dataset.storage.objectfiles import Deferred, NotFetched, Requests, Window
+from loader_service.dataset.storage.objectstore import StoreUnavailable, sample_error
 from loader_service.dataset.tables import DecodeError
 
 exceptions = pytest.importorskip("obstore.exceptions")
@@ -72,3 +73,47 @@ def test_reads_the_deadline_stopped_are_asked_again_and_none_at_all_is_the_store
         assert time.monotonic() - started < 5, "a stuck read is cut at the deadline"
     finally:
         requests.close()
+
+
+def _verdicts(window: Window, asks: list[tuple[int, int | None, float]]) -> list[bool | None]:
+    """Each read's answer, for reads that ask (position, size, after seconds) or settle having asked
+    nothing (size None); None for a read never answered within a second."""
+
+    async def one(position: int, size: int | None, delay: float) -> bool | None:
+        await asyncio.sleep(delay)
+        if size is None:
+            window.settle(position)
+            return None
+        try:
+            await asyncio.wait_for(window.admit(position, size), 1.0)
+        except Deferred:
+            return False
+        except TimeoutError:
+            return None
+        return True
+
+    async def all_of() -> list[bool | None]:
+        return list(await asyncio.gather(*(one(*ask) for ask in asks)))
+
+    return asyncio.run(all_of())
+
+
+def test_a_window_lets_reads_hold_their_bytes_in_the_tasks_order_while_they_fit() -> None:
+    """NOTE [ Prefetch budget ]: sizes learnt out of order are answered in order; the first read
+    with no room, and every read after it, wait for the next window, whatever their size."""
+    window = Window(5, budget=10)
+    found = _verdicts(window, [(0, 4, 0.02), (1, 4, 0.0), (2, 4, 0.01), (3, 1, 0.0), (4, 1, 0.03)])
+    assert found == [True, True, False, False, False]
+    assert window.held == 8 and window.closed
+
+
+def test_a_windows_first_read_holds_even_when_larger_than_the_budget() -> None:
+    window = Window(2, budget=10)
+    assert _verdicts(window, [(0, 25, 0.0), (1, 1, 0.0)]) == [True, False]
+    assert window.held == 25, "one object alone may exceed the budget, no two"
+
+
+def test_a_read_that_failed_before_asking_holds_nothing_and_stops_no_other() -> None:
+    window = Window(3, budget=10)
+    assert _verdicts(window, [(0, None, 0.01), (1, 6, 0.0), (2, 4, 0.0)]) == [None, True, True]
+    assert window.held == 10 and not window.closed

@@ -23,15 +23,14 @@ NOTE [ Object store reads ]
 
 from __future__ import annotations
 
-import asyncio
 import errno
 import os
 import re
-from collections.abc import Awaitable, Callable, Mapping, Sequence
+from collections.abc import Awaitable, Callable, Mapping
 from dataclasses import dataclass
 from datetime import timedelta
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import Any
 
 from loader_service.dataset.tables import DatasetError, DecodeError
 
@@ -60,13 +59,12 @@ ENV_PREFIXES = {"s3": "AWS_", "gs": "GOOGLE_", "az": "AZURE_"}
 """How each store's environment variables begin (``AWS_ALLOW_HTTP``)."""
 SCAN_DEADLINE = 120.0
 """Seconds the service's own requests (listing, fetching shards to index them) retry for."""
-MAX_CONCURRENT_READS = 64
-"""Requests one worker has in flight at once."""
 DOWNLOAD_CHUNK = 8 << 20
 READ_CHUNK = 256 << 10
-"""Bytes a worker's whole-object read takes at a time: it stops at the first past the limit."""
+"""Bytes a worker's whole-object read takes at a time."""
 
-T = TypeVar("T")
+Admit = Callable[[int], Awaitable[None]]
+"""Asked before a read holds this many bytes; raises to drop the read unread (``Bucket.read``)."""
 _LISTENERS: list[Callable[[], None]] = []
 """Called at every answer of the store to this process's reads (``on_answer``)."""
 
@@ -225,26 +223,30 @@ class Bucket:
         except Exception as exc:
             raise self.start_error(exc, key) from None
 
-    async def read(self, key: str, start: int, size: int, etag: str, limit: int) -> bytes:
-        """``size`` bytes from ``start``, or for ``size`` -1 the whole object, streamed and cut off
-        past ``limit`` bytes (whoever wrote the object decides its size); errors as obstore's."""
+    async def read(
+        self, key: str, start: int, size: int, etag: str, limit: int, admit: Admit | None = None
+    ) -> bytes:
+        """``size`` bytes from ``start``, or for ``size`` -1 the whole object, of no more than
+        ``limit`` bytes (whoever wrote the object decides its size); errors as obstore's. ``admit``
+        is asked before any byte is held: for a range before it is asked for, for a whole object
+        once the answer's headers state its size (NOTE [ Prefetch budget ] in storage/objectfiles.py)."""
         options: dict[str, Any] = _if_match(etag)
         if size >= 0:
             options["range"] = (start, start + size)
+            if admit is not None:
+                await admit(size)
         got = await self._obs.get_async(self.store, key, options=options)
         _heard()
         if size >= 0:
             data = bytes(await got.bytes_async())
             _heard()
             return data
-        parts, total = [], 0
-        async for chunk in got.stream(min_chunk_size=READ_CHUNK):
-            _heard()
-            parts.append(bytes(chunk))
-            total += len(parts[-1])
-            if total > limit:
-                break
-        return b"".join(parts)
+        stated = int(got.meta["size"])
+        if stated > limit:  # refused on the answer's word, its body unread
+            raise DecodeError(f"object of {stated} bytes is over --max-file-bytes {limit}")
+        if admit is not None:
+            await admit(stated)
+        return await _body(got, stated)
 
     def start_error(self, exc: Exception, key: str) -> DatasetError:
         """What an error met at start says: StorageError (exit 2) naming the bucket and the cause."""
@@ -263,6 +265,18 @@ class Bucket:
                 "or --storage-option allow_http=true"
             )
         return StorageError(f"{where}: {first_line(exc)}")
+
+
+async def _body(got: Any, stated: int) -> bytes:
+    """A whole object's body, never more than the ``stated`` size it was admitted at."""
+    parts, total = [], 0
+    async for chunk in got.stream(min_chunk_size=READ_CHUNK):
+        _heard()
+        parts.append(bytes(chunk))
+        total += len(parts[-1])
+        if total > stated:
+            raise DecodeError(f"the store sent more than the {stated} bytes it said the object has")
+    return b"".join(parts)
 
 
 def _open_store(obs: Any, url: str, storage: StorageConfig, deadline: float) -> Any:
@@ -351,47 +365,3 @@ def sample_error(exc: Exception, url: str) -> Exception:
     if 400 <= code < 500 and code not in _TRANSIENT_STATUS:
         return DecodeError(f"{url}: the store answered {status.group(0) if status else code}")
     return StoreUnavailable(f"{url}: {first_line(exc)}")
-
-
-class NotFetched(Exception):
-    """A read the deadline passed before it finished: not the sample's fault, asked for again alone."""
-
-
-class Requests:
-    """Runs a worker's reads concurrently on an event loop of its own, within one deadline."""
-
-    def __init__(self, deadline: float) -> None:
-        self.deadline = deadline
-        self._loop = asyncio.new_event_loop()
-
-    def run(self, jobs: Sequence[Callable[[], Awaitable[T]]]) -> list[T | BaseException]:
-        """Each job's result or exception, in order; ``NotFetched`` for those the deadline stopped.
-        StoreUnavailable if it stopped every one: a store that answers slowly still makes progress,
-        one that does not answer makes none."""
-        results = self._loop.run_until_complete(self._all(jobs))
-        if jobs and all(isinstance(r, NotFetched) for r in results):
-            raise StoreUnavailable(f"no read finished within {self.deadline:.0f} s")
-        return results
-
-    async def _all(self, jobs: Sequence[Callable[[], Awaitable[T]]]) -> list[T | BaseException]:
-        gate = asyncio.Semaphore(MAX_CONCURRENT_READS)
-
-        async def one(job: Callable[[], Awaitable[T]]) -> T:
-            async with gate:
-                return await job()
-
-        tasks = [asyncio.ensure_future(one(j)) for j in jobs]
-        done, pending = await asyncio.wait(tasks, timeout=self.deadline)
-        for task in pending:
-            task.cancel()
-        if pending:
-            await asyncio.wait(pending)  # let the cancelled ones finish unwinding on this loop
-        return [_outcome(t) if t in done else NotFetched() for t in tasks]
-
-    def close(self) -> None:
-        self._loop.close()
-
-
-def _outcome(task: asyncio.Task[T]) -> T | BaseException:
-    exc = task.exception()
-    return exc if exc is not None else task.result()
