@@ -19,6 +19,7 @@ import logging
 import os
 import secrets
 import socket
+import threading
 import time
 from collections import deque
 from dataclasses import replace
@@ -53,6 +54,8 @@ from protocol.messages import (
 log = logging.getLogger(__name__)
 SERVICE_MESSAGES = (Welcome, BatchReady, EpochEnd, Heartbeat, ErrorReply)
 BYE_LINGER_MS = 500
+"""Milliseconds a closing session's socket has to deliver its ``bye``: waited on a thread of its
+own (``Connection.close``), never by the loop, and by ``Fleet.close`` once for every service."""
 SILENCE_HEARTBEATS = 5
 """Missed service heartbeats after which the session counts as lost and is reopened."""
 SLOWEST_LINK = 10e6
@@ -284,14 +287,22 @@ class Connection:
             self.sock = None
         self.session = ""
 
-    def close(self) -> None:
-        # A short linger lets a final ``bye`` reach the service, so it frees this trainer's slots now
-        # rather than after its heartbeat timeout; it cannot hang: the service is local or gone.
-        self._close_session(linger_ms=BYE_LINGER_MS)
+    def close(self) -> threading.Thread:
+        """End the connection without blocking; the thread returned ends its context.
+
+        An open session's socket lingers up to ``BYE_LINGER_MS``, so that a ``bye`` just sent
+        reaches the service, which frees this trainer's slots now rather than after its heartbeat
+        timeout; a socket that never opened a session (a hello a silent address never took) has
+        nothing worth delivering and lingers not at all. The context's end, which waits out the
+        linger, runs on the thread returned: join it to wait for the bye, or let it go.
+        """
+        self._close_session(linger_ms=BYE_LINGER_MS if self.session else 0)
         self._inbox.clear()
         self.payloads.clear()
         self.arrivals.dropped_payloads()
-        self._ctx.term()
+        ending = threading.Thread(target=self._ctx.term, name="dataferry-close", daemon=True)
+        ending.start()
+        return ending
 
 
 def make_hello(**fields: Any) -> Hello:

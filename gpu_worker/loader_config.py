@@ -23,7 +23,10 @@ GROUP_SECRET_ENV = "DATAFERRY_GROUP_SECRET"
 ENDPOINTS_ENV = "DATAFERRY_ENDPOINTS"
 """Comma-separated endpoints that take the place of those the code names (a fleet, no code change)."""
 MAX_ENDPOINTS = 64
-"""Services of one fleet, given or found behind a name."""
+"""Places in one fleet: the endpoints given, and addresses found behind a name (NOTE [ A fleet
+from a name ] in gpu_worker/names.py: those that answer keep theirs, silent ones take turns)."""
+MAX_ADDRESSES = 1024
+"""Addresses of one name taken from an answer (the lowest), since the answer is a peer's word."""
 MIN_RESOLVE_INTERVAL = 0.1
 
 

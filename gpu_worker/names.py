@@ -9,15 +9,29 @@ NOTE [ A fleet from a name ]
     * An address that appears joins the pass under way as a new service of the fleet (its session
       opens, its feed is checked like any other's, and it is given batches as soon as it has a
       free credit).
+    * A fleet (``Fleet`` in gpu_worker/services.py) has ``MAX_ENDPOINTS`` places. A service that
+      has answered keeps its place; an address that has not answered holds one for a turn of
+      ``TURN`` seconds only while other addresses wait for a place, then makes room and waits for
+      its next turn (never tried ones go first, lowest first, then the one whose last turn is
+      oldest). So silent addresses, however many and wherever they sort, never hide the ones
+      that answer. At most ``MAX_ADDRESSES`` of an answer (the lowest) are taken, since the
+      answer is a peer's word.
+    * The attach needs one address of a name to answer, not all: the others get ``SETTLE``
+      seconds more, then keep trying while the loader runs and join when they answer. An address
+      serving another feed than the fleet's is left out (logged) and never fails the attach:
+      whether it answers before the attach returns is a matter of timing.
     * An address that is gone from the answer leaves: the batches it owed and those that arrived
       from it and wait for the loop go to the others (as for a lost service, NOTE [ A fleet ]);
       its session ends once the loop holds none of its batches, so a slot the loop still reads
-      is never given back early.
+      is never given back early. One left out (another feed, a refusal) leaves with its
+      address too, and is tried afresh when the address comes back.
+    * Leaving never blocks the loop: a service that never opened a session is dropped with no
+      bye and no linger; one that did is sent a bye, and its socket's linger runs on a thread of
+      its own (``Connection.close``). ``Fleet.close`` waits for every bye once, all together.
     * A lookup that fails (the name is unknown for a while, the resolver is down) changes
       nothing: the addresses known stay, and one whose service is really gone is lost through its
       heartbeats as always.
-    * IPv4 only, as ZeroMQ's sockets connect by default; at most ``MAX_ENDPOINTS`` addresses
-      (the lowest), since the answer is a peer's word.
+    * IPv4 only, as ZeroMQ's sockets connect by default.
     Every address is expected to serve the same feed with the same server key (one Kubernetes
     Secret for the services' key pair).
 """

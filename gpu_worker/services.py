@@ -3,13 +3,15 @@
 ``Fleet`` owns them with one ``zmq.Poller`` and one heartbeat thread (``gpu_worker.heartbeats``).
 It attaches to every endpoint at once, checks that they all serve the same feed (NOTE [ A fleet ] in
 ``gpu_worker/fleet.py``), and on every wait reads what arrived, reconnects lost sessions without
-blocking (NOTE [ Reconnecting ] in ``gpu_worker/client.py``) and reports what happened to each
-session to the pass under way, which decides what it means for its batches.
+blocking (NOTE [ Reconnecting ] in ``gpu_worker/client.py``), follows the addresses of endpoints
+that name hosts (NOTE [ A fleet from a name ] in ``gpu_worker/names.py``) and reports what happened
+to each session to the pass under way, which decides what it means for its batches.
 """
 
 from __future__ import annotations
 
 import logging
+import math
 import time
 from collections.abc import Callable
 from typing import Any
@@ -18,12 +20,12 @@ import torch
 import zmq
 
 from curvekeys import ClientKeys
-from gpu_worker.connection import Connection, ServiceError, ServiceTimeout
+from gpu_worker.connection import BYE_LINGER_MS, Connection, ServiceError, ServiceTimeout
 from gpu_worker.delivery import Delivery
 from gpu_worker.fleet import Pace
 from gpu_worker.heartbeats import Heartbeats
 from gpu_worker.leases import LeaseBook
-from gpu_worker.loader_config import MAX_ENDPOINTS, LoaderConfig
+from gpu_worker.loader_config import MAX_ADDRESSES, MAX_ENDPOINTS, LoaderConfig
 from gpu_worker.loop_clock import LoopClock
 from gpu_worker.names import Name, Resolver, name_of
 from gpu_worker.session import Service
@@ -33,6 +35,13 @@ log = logging.getLogger(__name__)
 POLL_SLICE = 0.1
 """Longest one wait on the poller: what could not be sent is offered again at least this often
 (NOTE [ Releases that could not be sent ]), and finished device copies are collected."""
+TURN = 3.0
+"""Seconds an address of a name that has not answered holds a place in the fleet while other
+addresses wait for one (NOTE [ A fleet from a name ] in gpu_worker/names.py): a service that can
+answer does so in milliseconds, and one cut short is tried again at its next turn."""
+SETTLE = 0.5
+"""Seconds the attach still waits for a name's other addresses once one service has answered
+(NOTE [ A fleet from a name ]); those that answer later join the pass under way."""
 SAME_FEED = ("fingerprint", "seed", "batch_size", "image_size", "augment", "fields", "samples")
 """FeedInfo fields every service of a fleet must have alike (the same data, order, transform and
 batch layout), and ``decoding`` word by word."""
@@ -87,8 +96,12 @@ class Fleet:
         self._config, self._hello, self._keys, self._device = config, hello, keys, device
         endpoints = config.endpoints
         names = tuple(name for name in map(name_of, endpoints) if name is not None)
-        self._resolver = Resolver(names, config.resolve_interval, MAX_ENDPOINTS)
+        self._resolver = Resolver(names, config.resolve_interval, MAX_ADDRESSES)
         """Follows the endpoints that name hosts (NOTE [ A fleet from a name ])."""
+        self._turns: dict[str, dict[str, float]] = {name.endpoint: {} for name in names}
+        """For each name, when each of its addresses last began a turn in the fleet."""
+        self._crowded: set[str] = set()
+        """Names whose addresses wait for a place (said once, not at every wait)."""
         named = {name.endpoint for name in names}
         self.services = [self._service(endpoint) for endpoint in endpoints if endpoint not in named]
         self._retiring: list[Service] = []
@@ -114,40 +127,56 @@ class Fleet:
 
     def attach(self, timeout: float) -> None:
         """Open a session with every service; wait up to ``timeout`` for all of them, or at least one.
+        A name's addresses are waited for only ``SETTLE`` seconds once one service has answered
+        (NOTE [ A fleet from a name ]).
 
-        Raises ServiceError naming every difference if a service serves another feed than the first
-        one to answer, and ServiceTimeout naming every endpoint if none answers.
+        Raises ServiceError naming every difference if an endpoint given serves another feed than
+        the first one to answer, and ServiceTimeout naming every endpoint if none answers.
         """
         for service in self.services:
             service.conn.connect()
         deadline = time.monotonic() + timeout
+        settled = math.inf  # a name's addresses are waited for until ``SETTLE`` after an answer
         self._attaching = True
         try:
-            while time.monotonic() < deadline and not self._all_answered():
+            while (now := time.monotonic()) < deadline and not self._all_answered(now >= settled):
                 self.wait(deadline)
+                if self.live:
+                    settled = min(settled, time.monotonic() + SETTLE)
         finally:
             self._attaching = False
         self._check_same_feed()
-        refused = [s for s in self.services if s.refused]
+        refused = [s for s in self.services if s.refused and not s.via]  # a name's: left out, logged
         if refused:
             raise ServiceError("; ".join(f"{s.endpoint} {s.refused}" for s in refused))
-        missing = [s.endpoint for s in self.services if not s.open]
-        failures = self._resolver.failures().items()
-        unresolved = [f"{name.host} (cannot be resolved: {why})" for name, why in failures]
+        missing = self._unanswered()
         if not self.live:
             raise ServiceTimeout(
-                f"no loader service answered at {', '.join(missing + unresolved)} within {timeout:.0f} s "
+                f"no loader service answered at {', '.join(missing)} within {timeout:.0f} s "
                 "(is `loader-service serve` running there?)"
             )
-        if missing or unresolved:
-            log.warning("no answer yet from %s; going on with the others", ", ".join(missing + unresolved))
+        if missing:
+            log.warning("no answer yet from %s; going on with the others", ", ".join(missing))
 
-    def _all_answered(self) -> bool:
-        """Every name resolved once (or failed to), and every service so far answered or refused."""
+    def _all_answered(self, settled: bool) -> bool:
+        """Every name resolved once (or failed to), and every service so far answered or refused;
+        once ``settled``, a name's addresses need not have."""
         if self._resolver.names and not self._resolver.rounds:
             return False
         self._follow_names()  # what the first round found is in the fleet before it is judged
-        return bool(self.services) and all(s.open or s.refused for s in self.services)
+        awaited = [s for s in self.services if not (settled and s.via)]
+        return bool(self.services) and all(s.open or s.refused for s in awaited)
+
+    def _unanswered(self) -> list[str]:
+        """Every endpoint given that has not answered, how many addresses of each name have not,
+        and every name that cannot be resolved."""
+        missing = [s.endpoint for s in self.services if not (s.via or s.open or s.refused)]
+        for name, addresses in self._resolver.answers().items():
+            silent = len(addresses) - sum(s.open for s in self.services if s.via == name.endpoint)
+            if silent > 0:
+                missing.append(f"{silent} of the {len(addresses)} addresses of {name.host}")
+        failures = self._resolver.failures().items()
+        return missing + [f"{name.host} (cannot be resolved: {why})" for name, why in failures]
 
     @property
     def live(self) -> list[Service]:
@@ -180,27 +209,73 @@ class Fleet:
     # --- names (NOTE [ A fleet from a name ] in gpu_worker/names.py) ----------------------------
 
     def _follow_names(self) -> None:
-        """Take in what the resolver last found: new addresses join, gone ones leave. An address
-        that comes back while its old service is still retiring joins once that one has closed."""
+        """Take in what the resolver last found: gone addresses leave, and the places free go to
+        the others in turns until they answer. An address that comes back while its old service
+        is still retiring joins once that one has closed."""
         self._close_retired()
+        now = time.monotonic()
         for name, addresses in self._resolver.answers().items():
-            wanted = {name.address(ip) for ip in addresses}
-            known = {s.endpoint for s in self.services}
-            for endpoint in sorted(wanted - known):
-                self._join(endpoint, name)
-            gone = [s for s in self.services if s.via == name.endpoint and s.endpoint not in wanted]
-            for service in gone:
-                if not service.refused:
-                    self._retire(service, f"is no longer an address of {name.host}")
+            wanted = [name.address(ip) for ip in addresses]  # lowest first
+            self._leave_gone(name, set(wanted))
+            self._take_turns(name, wanted, now)
 
-    def _join(self, endpoint: str, name: Name) -> None:
-        if len(self.services) >= MAX_ENDPOINTS:
-            log.warning("not using %s of %s: the fleet has %d services", endpoint, name.host, MAX_ENDPOINTS)
+    def _leave_gone(self, name: Name, wanted: set[str]) -> None:
+        """Services of addresses gone from the answer leave: one that never answered, or was left
+        out, at once; one in use once the loop holds none of its batches (``_retire``)."""
+        turns = self._turns[name.endpoint]
+        for endpoint in [endpoint for endpoint in turns if endpoint not in wanted]:
+            del turns[endpoint]
+        for service in [s for s in self.services if s.via == name.endpoint and s.endpoint not in wanted]:
+            if service in self._retiring:
+                continue
+            if service.info is None or service.refused:
+                self._drop(service)  # nothing of it is the loop's; a comeback is tried afresh
+            else:
+                self._retire(service, f"is no longer an address of {name.host}")
+
+    def _take_turns(self, name: Name, wanted: list[str], now: float) -> None:
+        """Give the places free to addresses waiting for one, never tried ones first, then the one
+        whose last turn is oldest; a silent one whose turn is over makes room for one waiting."""
+        turns = self._turns[name.endpoint]
+        known = {s.endpoint for s in self.services}
+        waiting = sorted((e for e in wanted if e not in known), key=lambda e: turns.get(e, -math.inf))
+        if not waiting:
+            self._crowded.discard(name.endpoint)
             return
-        log.info("%s now resolves to %s too: joining it", name.host, endpoint)
+        free = MAX_ENDPOINTS - sum(not s.refused for s in self.services)
+        mine = [s for s in self.services if s.via == name.endpoint and s.info is None and not s.refused]
+        over = sorted((s for s in mine if now - turns[s.endpoint] >= TURN), key=lambda s: turns[s.endpoint])
+        for service in over[: max(0, len(waiting) - free)]:
+            log.debug("%s has not answered in %.0f s: its place goes to another", service.endpoint, TURN)
+            self._drop(service)
+            free += 1
+        if free < len(waiting) and name.endpoint not in self._crowded:
+            self._crowded.add(name.endpoint)
+            log.info(
+                "%s resolves to %d addresses and a fleet has %d places: those not answering take turns",
+                name.host,
+                len(wanted),
+                MAX_ENDPOINTS,
+            )
+        for endpoint in waiting[: max(0, free)]:
+            self._join(endpoint, name, now)
+
+    def _join(self, endpoint: str, name: Name, now: float) -> None:
+        turns = self._turns[name.endpoint]
+        level = logging.DEBUG if endpoint in turns else logging.INFO  # a turn again, or new
+        log.log(level, "%s resolves to %s: joining it", name.host, endpoint)
+        turns[endpoint] = now
         service = self._service(endpoint, via=name.endpoint)
         self.services.append(service)
         service.conn.connect()
+
+    def _drop(self, service: Service) -> None:
+        """Forget a service none of whose batches is the loop's (it never answered, or was left
+        out and closed then); its socket ends off the loop's thread."""
+        self.services.remove(service)
+        self.paces.pop(service, None)
+        if not service.refused:
+            service.close()
 
     def _retire(self, service: Service, why: str) -> None:
         """Stop using ``service``: the pass gives its batches to the others; its session ends once
@@ -280,8 +355,11 @@ class Fleet:
         service.close()
 
     def close(self) -> None:
+        """Leave every service. The byes get ``BYE_LINGER_MS`` to go out all together, not one
+        after another; a service that never answered is sent none and not waited for."""
         self._resolver.close()
-        for service in self.services:
-            if not service.refused or service in self._retiring:
-                service.close()
+        endings = [s.close() for s in self.services if not s.refused or s in self._retiring]
+        deadline = time.monotonic() + BYE_LINGER_MS / 1000
+        for ending in endings:
+            ending.join(max(0.0, deadline - time.monotonic()))
         self._heartbeats.close()

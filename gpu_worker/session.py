@@ -4,6 +4,7 @@ loop holds, and the share of the pass it delivered (``Fleet``, in services.py, o
 from __future__ import annotations
 
 import logging
+import threading
 import time
 from dataclasses import dataclass, field
 
@@ -58,7 +59,8 @@ class Service:
     """When every batch it owes was last named to it together: again every heartbeat interval, so a
     ``want`` lost with a connection (or read before its run's start) costs at most that long."""
     refused: str = ""
-    """Why this service is left out (it serves another feed); '' while it is in use."""
+    """Why this service is left out (another feed, a refusal, its address gone from its name's
+    answer); '' while it is in use."""
     resume_held: tuple[int, ...] = ()
     """What the last resuming hello named as held: a resumed session keeps only those."""
     share: Share = field(default_factory=Share)
@@ -159,8 +161,10 @@ class Service:
             return self.delivery.empty(msg)
         return self.delivery.wrap(msg, lease, frames)
 
-    def close(self) -> None:
+    def close(self) -> threading.Thread:
+        """Leave the service without blocking; join the thread returned to wait for the bye."""
         if self.conn.session:  # a bye frees this trainer's slots now, not after its timeout
             self.conn.send(Bye())
-        self.conn.close()
+        ending = self.conn.close()
         self.delivery.close()
+        return ending

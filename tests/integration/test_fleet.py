@@ -7,10 +7,12 @@ processes and sockets; services are killed (SIGKILL) and frozen (SIGSTOP) for re
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import os
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -21,6 +23,8 @@ from typing import Any
 import pytest
 
 from gpu_worker import ServiceError, ServiceLoader
+from gpu_worker.loader_config import MAX_ENDPOINTS
+from gpu_worker.services import TURN
 from loader_service.decode.regions import roi_decoder_version
 from loader_service.tools.keys import make_keys
 from tests.helpers import REPO, ServiceFactory, ServiceProcess, free_port, private_shm_available
@@ -200,6 +204,132 @@ def test_a_fleet_named_by_a_host_follows_its_addresses_mid_epoch(
     assert set(after) == {kept, joins} and all(s["state"] == "attached" for s in after.values()), (
         f"a name that cannot be resolved keeps the addresses it had: {after}"
     )
+
+
+REAL = ["127.0.0.200", "127.0.0.201"]
+SILENT = [f"127.0.0.{k}" for k in range(2, 64)]
+"""62 addresses below ``REAL`` where no service answers: nothing listens on most of them, a socket
+that never speaks on a few (``mute``)."""
+
+
+@contextlib.contextmanager
+def mute(addresses: list[str], port: int) -> Iterator[None]:
+    """A TCP socket listening on each address that takes connections and never says a word."""
+    with contextlib.ExitStack() as stack:
+        for address in addresses:
+            listener = stack.enter_context(socket.socket())
+            listener.bind((address, port))
+            listener.listen(64)
+        yield
+
+
+def timed_epoch(
+    loader: ServiceLoader, at: int = -1, change: Callable[[], None] = lambda: None
+) -> tuple[Seen, float]:
+    """One epoch with a 50 ms step a batch, ``change()`` after the ``at``-th; and the longest the
+    loop waited for a batch."""
+    seen: Seen = []
+    longest = 0.0
+    pulled = time.monotonic()
+    for batch in loader:
+        longest = max(longest, time.monotonic() - pulled)
+        seen.append((batch.seq, batch.indices.tolist(), digest(batch.images)))
+        if len(seen) == at:
+            change()
+        time.sleep(0.05)
+        pulled = time.monotonic()
+    return seen, longest
+
+
+def train_until(loader: ServiceLoader, done: Callable[[dict[str, Any]], bool], limit: float = 15.0) -> float:
+    """Train (a 20 ms step a batch, epoch after epoch) until ``done(loader.stats()["endpoints"])``;
+    the seconds it took."""
+    began = time.monotonic()
+    while time.monotonic() - began < limit:
+        for _ in loader:
+            time.sleep(0.02)
+            if done(loader.stats()["endpoints"]):
+                return time.monotonic() - began
+    raise AssertionError(f"not within {limit:.0f} s: {loader.stats()['endpoints']}")
+
+
+def test_silent_addresses_of_a_name_never_hold_up_the_loop(
+    fleet: Fleet, host_name: tuple[str, Callable[[list[str]], None]]
+) -> None:
+    """NOTE [ A fleet from a name ]: a name gives 62 silent addresses beside two services. The
+    attach waits for the services, not the silent ones; a batch never waits while the silent ones
+    leave; and the loader closes at once with them back in the fleet. (Before: the attach took the
+    whole connect timeout, one batch waited 31 s and ``close()`` 31 s, 0.5 s for each silent
+    address.)"""
+    name, point = host_name
+    one = fleet.add(local=True, batch_size=4)
+    with fleet.loader([one]) as loader:
+        expected = [epoch(loader), epoch(loader)]
+    port = free_port()
+    for address in REAL:
+        fleet.add(endpoint=f"tcp://{address}:{port}", batch_size=4)
+    with mute(SILENT[::16], port):
+        point(SILENT + REAL)
+        began = time.monotonic()
+        loader = fleet.loader([f"tcp://{name}:{port}"], resolve_interval=0.2, connect_timeout=10, credits=2)
+        try:
+            attach = time.monotonic() - began
+            first, longest = timed_epoch(loader, at=3, change=lambda: point(REAL))
+            point(SILENT + REAL)
+            second, _ = timed_epoch(loader)
+            placed = loader.stats()["endpoints"]
+        finally:
+            began = time.monotonic()
+            loader.close()
+            closing = time.monotonic() - began
+    assert [first, second] == expected, "exactly once, in order, the same pixels, both epochs"
+    assert len(placed) == len(SILENT) + len(REAL), f"the silent addresses were back when it closed: {placed}"
+    figures = f"attach {attach:.1f} s, longest wait for a batch {longest:.1f} s, close {closing:.1f} s"
+    assert attach < 3 and longest < 2 and closing < 2, figures
+
+
+def test_silent_addresses_that_sort_first_do_not_hide_the_fleet(
+    fleet: Fleet, host_name: tuple[str, Callable[[list[str]], None]]
+) -> None:
+    """More silent addresses below the one service than a fleet has places (``MAX_ENDPOINTS``):
+    addresses take turns until they answer, so the service is found and serves the epoch. (Before:
+    only the lowest 64 addresses were used, all silent: no service answered.)"""
+    name, point = host_name
+    port = free_port()
+    fleet.add(endpoint=f"tcp://127.0.0.200:{port}")
+    silent = [f"127.0.0.{k}" for k in range(2, 2 + MAX_ENDPOINTS + 6)]
+    point([*silent, "127.0.0.200"])
+    began = time.monotonic()
+    with fleet.loader([f"tcp://{name}:{port}"], resolve_interval=0.2, connect_timeout=15) as loader:
+        attach = time.monotonic() - began
+        seen = epoch(loader)
+    assert {i for _, batch, _ in seen for i in batch} == set(range(90)), "every image of the epoch"
+    assert attach < TURN + 2.5, f"found after one turn of the silent addresses, not {attach:.1f} s"
+
+
+def test_a_refused_address_leaves_with_its_name_and_is_tried_again_when_it_comes_back(
+    fleet: Fleet, host_name: tuple[str, Callable[[list[str]], None]]
+) -> None:
+    """An address that serves another feed is left out; it leaves when the name no longer gives
+    it, and when the name gives it again it is tried afresh: now serving the fleet's feed, it is
+    taken in, and serves. (Before: it stayed left out for good, its address never tried again.)"""
+    name, point = host_name
+    port = free_port()
+    fleet.add(endpoint=f"tcp://127.0.0.2:{port}")
+    other = fleet.add(endpoint=f"tcp://127.0.0.3:{port}", seed=1)
+    point(["127.0.0.2"])
+    with fleet.loader([f"tcp://{name}:{port}"], resolve_interval=0.2) as loader:
+        point(["127.0.0.2", "127.0.0.3"])
+        train_until(loader, lambda endpoints: endpoints.get(other, {}).get("state") == "left out")
+        point(["127.0.0.2"])
+        train_until(loader, lambda endpoints: other not in endpoints)
+        fleet.services[-1].stop()
+        fleet.add(endpoint=other)  # the same address, now with the fleet's seed
+        point(["127.0.0.2", "127.0.0.3"])
+        train_until(loader, lambda endpoints: endpoints.get(other, {}).get("state") == "attached")
+        point(["127.0.0.3"])  # the name's only address now: it serves every batch
+        train_until(loader, lambda endpoints: endpoints.get(other, {}).get("batches", 0) > 0)
+        assert loader.stats()["endpoints"][other]["state"] == "attached"
 
 
 def test_a_checkpoint_taken_with_three_services_resumes_on_two(fleet: Fleet) -> None:
