@@ -10,7 +10,7 @@ from collections.abc import Iterable, Sequence
 
 from loader_service.config import ServiceConfig
 from loader_service.supervisor.feeds import Feed
-from loader_service.supervisor.load import demand, step_seconds
+from loader_service.supervisor.load import step_seconds, weighted_demand
 from loader_service.supervisor.sessions import Session
 from loader_service.supervisor.sizing import Sample, Sizer
 from loader_service.supervisor.worker_pool import WorkerSet
@@ -45,15 +45,14 @@ class WorkerSizing:
             return
         images = sum(feed.counters.decoded.total for feed in feeds)
         sample = Sample(now, on_tasks, workers.cpu_seconds(), images)
-        attached = list(sessions)
-        loops, steps = [s.loop for s in attached], [s.steps for s in attached]
+        loops = [s.loop for s in sessions]
         # A window with a worker booting (at start, or a replacement) measures the boot, not the work.
         measured = len(loops) if workers.all_active_ready() else 0
         changed = sizer.tick(
             sample,
-            lambda since: max((demand(loop, since) for loop in loops), default=1.0),
+            lambda since: weighted_demand(loops, since),
             measured,
-            lambda since: step_seconds(steps, since),
+            lambda since: step_seconds(loops, since),
         )
         if changed is not None:
             workers.active = changed

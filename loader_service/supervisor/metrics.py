@@ -201,7 +201,8 @@ LOAD_GAUGES = (
     ("dataferry_load", "Decode capacity the trainers ask for, in multiples of this service's "
      "(busy x demand; NOTE [ Fleet load ]): the autoscaling signal.", "load"),
     ("dataferry_decode_busy", "Share of the decode workers' time on tasks, last 10 s.", "busy"),
-    ("dataferry_demand", "Largest (waited + computed) / computed of the trainers, last 10 s.", "demand"),
+    ("dataferry_demand", "The trainers' (waited + computed) / computed, last 10 s, as far as the service "
+     "saw them wait, weighted by the batches each took (NOTE [ Fleet load ]).", "demand"),
 )  # fmt: skip
 
 
@@ -294,7 +295,8 @@ def _session_families(sessions: list[Mapping[str, Any]]) -> Iterator[Metric]:
         ),
         "demand": GaugeMetricFamily(
             "dataferry_trainer_loop_demand",
-            "A trainer's (waited + computed) / computed over the last 10 s (NOTE [ Exposed wait ]).",
+            "A trainer's (waited + computed) / computed over the last 10 s, as far as the service saw "
+            "it wait (NOTE [ Exposed wait ], NOTE [ Fleet load ]).",
             labels=SESSION_LABELS,
         ),
     }

@@ -311,10 +311,11 @@ class LoaderService:
             scheduler.schedule()
 
     def _housekeeping(self, scheduler: Scheduler, now: float) -> None:
-        """Replace dead workers, reclaim silent trainers, send heartbeats, report."""
+        """Replace dead workers, reclaim silent trainers, note who waits, send heartbeats, report."""
         scheduler.reap()
         self._desk.expire(now)
         self._desk.evict_laggards(now)
+        status.watch_waits(self._attached, now)
         self._outbox.heartbeat(now)
         self._report(now)
 

@@ -7,7 +7,7 @@ import hmac
 import secrets
 from dataclasses import dataclass, field
 
-from loader_service.supervisor.load import Totals
+from loader_service.supervisor.load import TrainerLoop
 from loader_service.supervisor.sends import Send
 from protocol.messages import BatchReady, Hello
 
@@ -59,10 +59,9 @@ class Session:
     token: str = field(default_factory=lambda: secrets.token_hex(16))
     opened_by: Hello | None = None
     """The hello that opened or last resumed the session: the same one again is a repeat."""
-    loop: Totals = field(default_factory=Totals)
-    """The trainer loop's waited and computed seconds, from its heartbeats (NOTE [ Fleet load ])."""
-    steps: Totals = field(default_factory=Totals)
-    """Its computed seconds and batches pulled: what a step costs it (NOTE [ Sizing workers ])."""
+    loop: TrainerLoop = field(default_factory=TrainerLoop)
+    """The trainer loop's waits, compute and pulls from its heartbeats, and what the service saw of
+    them (NOTE [ Fleet load ], NOTE [ Sizing workers ])."""
 
     def presents(self, token: str) -> bool:
         """Is ``token`` this session's? Compared in constant time."""

@@ -1,6 +1,8 @@
 """The service's status: the ``status?`` reply, systemd's one-line STATUS= and the metrics source.
 
-Every list is bounded so a reply always fits one frame (``protocol.MAX_FRAME_BYTES``).
+Every list is bounded so a reply always fits one frame (``protocol.MAX_FRAME_BYTES``). What the
+service sees of each trainer from its streams is read here too: its ``lag``, and whether it is
+``starved``, which the load's demand is bounded by (NOTE [ Fleet load ]).
 """
 
 from __future__ import annotations
@@ -9,8 +11,9 @@ import time
 
 from loader_service.supervisor.attachments import Attachments
 from loader_service.supervisor.feeds import Feed
-from loader_service.supervisor.load import Load, demand
+from loader_service.supervisor.load import Load
 from loader_service.supervisor.sessions import Session
+from loader_service.supervisor.shardstream import ShardStream
 from loader_service.supervisor.worker_pool import WorkerSet
 
 STATUS_SESSIONS = 100
@@ -39,6 +42,30 @@ def lag(attached: Attachments, session: Session) -> int:
     return max(0, stream.next_produce - stream.filling - member.next_send)
 
 
+def starved(attached: Attachments, session: Session) -> bool | None:
+    """Could this trainer's loop be waiting on this service's data now (NOTE [ Fleet load ])? None
+    if it is in no epoch here. In one, it is starved if it has a credit free and a batch it asked
+    for is not ready: in a run in order, the next one; in a picked run, any it named that is still
+    queued or decoding. With every credit out it has its batches (or waits on its own releases);
+    one ready and not yet announced waits on its connection; neither is decoding's to answer."""
+    stream = attached.streams.get(session.stream_key())
+    member = None if stream is None else stream.members.get(session.session_id)
+    if stream is None or member is None or not member.active:
+        return None
+    if len(session.leases) >= session.credits:
+        return False
+    if isinstance(stream, ShardStream) and stream.picks is not None:
+        return bool(stream.picks) or stream.filling > 0
+    return member.next_send < stream.end and (stream.gen, member.next_send) not in stream.batches
+
+
+def watch_waits(attached: Attachments, now: float) -> None:
+    """Note whether each trainer is ``starved`` now: every housekeeping round, so a window's starved
+    seconds are right to a round's length (NOTE [ Fleet load ])."""
+    for session in attached.sessions.values():
+        session.loop.watch(now, starved(attached, session))
+
+
 def _session(feeds: list[Feed], attached: Attachments, s: Session, now: float) -> dict[str, object]:
     return {
         "session": s.session_id,
@@ -56,7 +83,7 @@ def _session(feeds: list[Feed], attached: Attachments, s: Session, now: float) -
         "credits": s.credits,
         "lag": lag(attached, s),
         "idle_seconds": round(now - s.last_seen, 1),
-        "demand": round(demand(s.loop), 3),
+        "demand": round(s.loop.demand(), 3),
     }
 
 

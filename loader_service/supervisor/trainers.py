@@ -90,8 +90,7 @@ class TrainerDesk:
             beating = self._attached.by_token(msg.token)
             if beating is not None:
                 beating.last_seen = time.monotonic()
-                beating.loop.add(beating.last_seen, msg.waited / 1000, msg.computed / 1000)
-                beating.steps.add(beating.last_seen, msg.computed / 1000, msg.pulls)
+                beating.loop.heard(beating.last_seen, msg, beating.delivered)
                 self._note_beat(routing_id, beating.last_seen)
             return
         session = self._attached.sessions.get(routing_id)

@@ -78,10 +78,12 @@ def test_a_feed_that_computes_stays_in_the_budget_and_backs_off_when_the_trainer
 ) -> None:
     service = auto(start_service, photos, image_size=128)
     with ServiceLoader(service.endpoint, timeout=30) as loader:
-        train(loader, 5.0)
+        # Long enough for an addition and its check (one more window) to be over before the
+        # trainer changes its own step, which the check would take for the workers'.
+        train(loader, 8.0)
         busy = sizing(service)
         assert busy["active"] <= max(1, round(busy["budget"])), f"a core per worker at most: {busy}"
-        train(loader, 14.0, step=0.3)  # now the trainer is the bottleneck
+        train(loader, 16.0, step=0.3)  # now the trainer is the bottleneck: fewer after SETTLE calm
         idle = sizing(service)
     if CPUS < 2:
         pytest.skip("one CPU: one worker from the start, nothing to back off from")
