@@ -149,6 +149,17 @@ def restrict(target: int | str, group: str) -> None:
     os.chmod(target, 0o660)
 
 
+def process_start(pid: int) -> str:
+    """When process ``pid`` started (``/proc/PID/stat``), "" once it is gone: what a decode worker
+    watches the service by, its parent being the template (NOTE [ Workers from a template ] in
+    supervisor/worker_pool.py); a recycled pid does not share it."""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return ""
+    return stat.rsplit(")", 1)[1].split()[19]
+
+
 def _owner_alive(pid: int) -> bool:
     """Is ``pid`` a running loader service? (A recycled pid running something else is not.)"""
     try:

@@ -45,9 +45,10 @@ from loader_service.dataset.storage.objectstore import StorageConfig
 from loader_service.decode.decoders import DECODERS, uses_roi
 
 AUTO_MAX_WORKERS_PER_CORE = 4
-"""``--workers auto`` starts this many workers per core of the budget (at least ``MIN_AUTO_WORKERS``,
+"""``--workers auto`` may use this many workers per core of the budget (at least ``MIN_AUTO_WORKERS``,
 at most ``MAX_AUTO_WORKERS``): a feed whose workers wait on a store or in a pipeline may use more
-workers than cores. A parked worker costs its memory (OpenCV and numpy loaded), no CPU."""
+workers than cores. They are forked when the controller asks (NOTE [ Workers from a template ]);
+one parked after a decrease costs the pages it wrote, no CPU."""
 MIN_AUTO_WORKERS = 4
 MAX_AUTO_WORKERS = 256
 MAX_CPU_BUDGET = 65536
@@ -77,7 +78,7 @@ class ServiceConfig(FeedOptions):
     max_workers: int = field(
         default=0,
         metadata=option(
-            "with --workers auto, the most workers it may use (all started, the unused ones parked); "
+            "with --workers auto, the most workers it may use (started as the sizing asks); "
             f"0: {AUTO_MAX_WORKERS_PER_CORE} per core of the CPU budget (at least {MIN_AUTO_WORKERS}, "
             f"at most {MAX_AUTO_WORKERS})",
             check=between(0, 1024),

@@ -37,7 +37,7 @@ from loader_service.decode.reading import SampleReader
 from loader_service.decode.sample import Sample
 from loader_service.decode.transforms import Recipe, decode_bytes, load_bytes_into, transform_into
 from loader_service.logs import configure_logging
-from loader_service.shm import Segment
+from loader_service.shm import Segment, process_start
 from protocol.codec import decode, encode
 from protocol.layout import SlotLayout, describe_fields, image_fields
 from protocol.messages import MAX_BAD_REPORTS
@@ -347,9 +347,10 @@ def _serve_tasks(
     if board is not None:
         progress = functools.partial(board.finished, cfg.worker)
         on_answer(functools.partial(board.answered, cfg.worker))
+    service = process_start(cfg.parent_pid)
     while True:
         if not sock.poll(POLL_MS):
-            if os.getppid() != cfg.parent_pid:
+            if process_start(cfg.parent_pid) != service:
                 log.warning("service process %d is gone; exiting", cfg.parent_pid)
                 return
             continue
@@ -385,7 +386,7 @@ def _injected_hang(feed: OpenFeed, idx: int) -> None:
     if fault[len(HANG_ON) :] not in str(feed.index.path(idx)):
         return
     log.warning("sample %d: stalling, fault injected by %s=%s", idx, FAULT_ENV, fault)
-    parent = os.getppid()
+    parent = os.getppid()  # the template, which ends with the service
     while os.getppid() == parent:
         time.sleep(POLL_MS / 1000)  # a stall, not a wait for anything: only a kill ends it
     sys.exit(0)

@@ -29,9 +29,9 @@ class WorkerSizing:
             return
         budget = config.budget
         log.info(
-            "decode workers: auto, %d started, %d taking tasks; CPU budget %.2f cores (%s)",
-            config.worker_processes,
+            "decode workers: auto, %d taking tasks, up to %d; CPU budget %.2f cores (%s)",
             config.first_workers,
+            config.worker_processes,
             budget.cores,
             budget.source,
         )
@@ -47,7 +47,7 @@ class WorkerSizing:
         sample = Sample(now, on_tasks, workers.cpu_seconds(), images)
         loops = [s.loop for s in sessions]
         # A window with a worker booting (at start, or a replacement) measures the boot, not the work.
-        measured = len(loops) if workers.all_active_ready() else 0
+        measured = len(loops) if workers.all_active_ready(now) else 0
         changed = sizer.tick(
             sample,
             lambda since: weighted_demand(loops, since),
@@ -60,6 +60,6 @@ class WorkerSizing:
     def status(self) -> dict[str, object]:
         """Workers taking tasks and started, and why, for status and metrics."""
         if self.sizer is not None:
-            return {"mode": "auto", **self.sizer.status(time.monotonic())}
+            return {"mode": "auto", **self.sizer.status(time.monotonic()), "started": self.workers.started}
         count = self.workers.active
-        return {"mode": "pinned", "active": count, "started": count}
+        return {"mode": "pinned", "active": count, "started": self.workers.started, "most": count}

@@ -2,9 +2,11 @@
 service feeds it totals about once a second and applies what it decides.
 
 NOTE [ Sizing workers ]
-    With ``--workers auto`` the service starts ``worker_processes`` workers (four per core of the CPU
-    budget, NOTE [ CPU budget ]) and lets ``active`` of them take tasks, one per core at first; the
-    others are parked, so a change takes effect at the next task. Over each window it measures
+    With ``--workers auto`` the service may run up to ``worker_processes`` workers (four per core of
+    the CPU budget, NOTE [ CPU budget ]) and lets ``active`` of them take tasks, one per core at
+    first; more are forked from the template when it asks (NOTE [ Workers from a template ] in
+    supervisor/worker_pool.py), in milliseconds, and those it lets go are parked, so a change takes
+    effect at once. Over each window it measures
     * ``demand``: its trainers' ``(waited + computed) / computed`` over the window (their
       heartbeats, NOTE [ Exposed wait ]), each wait counted only while the service saw the trainer
       starved, weighted by the batches each took (NOTE [ Fleet load ]); 1.0: nobody waited;
@@ -50,8 +52,8 @@ NOTE [ Sizing workers ]
        not need).
     With no trainer attached it holds (a warm start's few batches say nothing of the next trainer),
     and its first window starts when one attaches; likewise while a worker taking tasks is still
-    booting (the service's start, a replacement), whose window would measure the boot. A parked
-    worker's CPU is never counted: it is its boot's, not a task's.
+    booting or warming up (the service's start, an addition, a replacement: ``all_active_ready``),
+    whose window would measure the boot. A parked worker's CPU is never counted.
     A window is ``SHORT`` seconds after a change or while trainers wait, and ``LONG`` once the
     count has settled and nobody waits, so it moves fast when it must and is quiet otherwise. In a
     fleet each service sizes itself on its own trainers' waits and its own workers, while the
@@ -154,7 +156,7 @@ class Sizer:
 
     active: int
     most: int
-    """Workers started: the most that can be active."""
+    """The most workers that can be active (``--max-workers``, or four per core of the budget)."""
     budget: float
     """Cores the workers may use together (NOTE [ CPU budget ])."""
     decisions: deque[Decision] = field(default_factory=lambda: deque(maxlen=DECISIONS))
@@ -273,7 +275,7 @@ class Sizer:
         w = self.last
         return {
             "active": self.active,
-            "started": self.most,
+            "most": self.most,
             "budget": round(self.budget, 2),
             "window": None if w is None else {
                 "busy": round(w.busy, 3), "cost": round(w.cost, 3), "rate": round(w.rate, 1),

@@ -119,13 +119,14 @@ def _summary(body: Mapping[str, Any]) -> str:
 
 
 def _sizing_line(sizing: object) -> str:
-    """NOTE [ Sizing workers ]: workers taking tasks of those started, and the last decision."""
+    """NOTE [ Sizing workers ]: workers taking tasks of those started (and the most there may be),
+    and the last decision."""
     if not isinstance(sizing, Mapping):
         return ""
     line = f"\nworkers: {_cell(sizing.get('active'))} of {_cell(sizing.get('started'))} taking tasks"
     if sizing.get("mode") != "auto":
         return line + " (--workers)"
-    line += f" (auto, CPU budget {_cell(sizing.get('budget'))} cores)"
+    line += f" (auto, up to {_cell(sizing.get('most'))}, CPU budget {_cell(sizing.get('budget'))} cores)"
     decisions = sizing.get("decisions")
     last = decisions[-1] if isinstance(decisions, list) and decisions else None
     if isinstance(last, Mapping):

@@ -29,7 +29,10 @@ import numpy as np
 
 
 def make(sample, rng):
-    time.sleep(0.01)  # a second read, a remote lookup: the worker waits, it does not compute
+    # A second read, a remote lookup: the worker waits, it does not compute. 30 ms, so that 8 such
+    # workers (270 images/s) stay under what this 2-core host's main loop and trainer can carry
+    # (measured: about 450 images/s of these batches), where the addition's gain is not linear.
+    time.sleep(0.03)
     return {"image": np.zeros((3, 8, 8), np.uint8), "label": np.int64(sample["label"])}
 """
 
@@ -62,7 +65,15 @@ def test_a_feed_whose_workers_wait_gets_more_workers_than_cores(
 ) -> None:
     pipeline = tmp_path / "waiting.py"
     pipeline.write_text(textwrap.dedent(WAITING_PIPELINE))
-    service = auto(start_service, photos, pipeline=f"{pipeline}:make", batch_size=8)
+    # 450 samples: 56 tasks an epoch keep 8 workers busy (90 would leave a round of 12 tasks a
+    # third idle, and an addition's gain short of what it promised for that reason alone).
+    data = tmp_path / "data"
+    for copy in range(5):
+        for photo in photos.rglob("*.jpg"):
+            target = data / photo.parent.name / f"{copy}-{photo.name}"
+            target.parent.mkdir(parents=True, exist_ok=True)
+            target.symlink_to(photo)
+    service = auto(start_service, data, pipeline=f"{pipeline}:make", batch_size=8)
     first = sizing(service)
     assert first["mode"] == "auto" and first["active"] == max(1, int(first["budget"]))
     with ServiceLoader(service.endpoint, timeout=30) as loader:
@@ -143,7 +154,7 @@ def test_the_budget_is_the_affinity_mask_the_service_runs_under(
         service = auto(start_service, photos)
     line = service.wait_for(r"CPU budget ([\d.]+) cores \(([^)]*)").group(0)
     got = sizing(service)
-    assert got["budget"] == 1.0 and got["active"] == 1 and got["started"] == 4, (line, got)
+    assert got["budget"] == 1.0 and got["active"] == 1 and got["most"] == 4, (line, got)
     with ServiceLoader(service.endpoint, timeout=30) as loader:
         train(loader, 5.0)
     assert sizing(service)["active"] == 1, "one core: one worker of a core, however long it waits"
@@ -157,25 +168,45 @@ def test_the_budget_is_the_cgroup_quota_the_service_runs_under(
         service.wait_for(r"CPU budget 1\.50 cores \(cgroup v1")
         got = sizing(service)
         service.stop()
-    assert got["budget"] == 1.5 and got["active"] == 1 and got["started"] == 6, got
+    assert got["budget"] == 1.5 and got["active"] == 1 and got["most"] == 6, got
 
 
-def test_a_worker_killed_while_parked_or_active_costs_nothing(
-    photos: Path, start_service: ServiceFactory
-) -> None:
+def running(pid: int) -> bool:
+    """Alive and not a zombie (an orphan's exit waits for whatever reaps orphans here)."""
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
+    except OSError:
+        return False
+
+
+def template_of(service: ServiceProcess) -> int:
+    """The pid of the process the service's workers are forked from (NOTE [ Workers from a template ])."""
+    children = Path(f"/proc/{service.proc.pid}/task/{service.proc.pid}/children").read_text().split()
+    for child in map(int, children):
+        if b"forkserver" in Path(f"/proc/{child}/cmdline").read_bytes():
+            return child
+    raise AssertionError(f"no template among the service's children {children}")
+
+
+def test_a_worker_or_the_template_killed_costs_nothing(photos: Path, start_service: ServiceFactory) -> None:
+    """NOTE [ Workers from a template ]: a worker killed is replaced and its batch redone; a killed
+    template takes what the service knows of its workers with it, so they are all ended and
+    replaced from a new template, none left running beside its replacement."""
     service = auto(start_service, photos)
     with ServiceLoader(service.endpoint, timeout=30) as loader:
         seen: list[int] = []
         for i, batch in enumerate(loader):
             seen += batch.indices.tolist()
             if i == 2:
-                body = query_status(service.endpoint, 10)
-                active = body["sizing"]["active"]
-                workers = body["worker_list"]
-                os.kill(workers[-1]["pid"], signal.SIGKILL)  # parked: its index is past the active ones
+                workers = query_status(service.endpoint, 10)["worker_list"]
+                template = template_of(service)
+                os.kill(template, signal.SIGKILL)
                 os.kill(workers[0]["pid"], signal.SIGKILL)  # taking tasks
-                assert workers[-1]["worker"] >= active
         again = loader.stats()
+        now = query_status(service.endpoint, 10)["worker_list"]
+        assert template_of(service) != template
+    assert not {w["pid"] for w in now} & {w["pid"] for w in workers}, "every worker replaced"
+    assert not [w for w in workers if running(w["pid"])], "none left running"
     assert sorted(seen) == list(range(90)), "every image once"
     assert again["reassigned"] == 0
     service.wait_for(r"started decode worker 0 ", count=2)

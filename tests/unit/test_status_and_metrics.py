@@ -78,7 +78,8 @@ SAMPLE_BODY: dict[str, Any] = {
     "sizing": {
         "mode": "auto",
         "active": 6,
-        "started": 16,
+        "started": 8,
+        "most": 16,
         "budget": 4.0,
         "decisions": [{"seconds_ago": 3.2, "from": 4, "to": 6, "reason": "trainers wait: ..."}],
     },
@@ -117,8 +118,8 @@ def test_render_shows_what_an_operator_looks_for() -> None:
     assert table_row(text, "ab12") == cells("ab12 host:123 train shard 0/1 3 100 2 6 4 1.5 0.2 s")
     assert "load 1.35 (workers busy 0.90 x trainers' demand 1.50, last 10 s)" in text
     assert (
-        "workers: 6 of 16 taking tasks (auto, CPU budget 4.0 cores); 4 -> 6 3.2 s ago: trainers wait: ..."
-        in text
+        "workers: 6 of 8 taking tasks (auto, up to 16, CPU budget 4.0 cores); 4 -> 6 3.2 s ago: "
+        "trainers wait: ..." in text
     )
 
 
