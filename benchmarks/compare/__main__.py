@@ -134,7 +134,7 @@ def compare(
         outcome = judge(scenario, pairs)
         say(f"[{scenario}] B vs A {outcome.ratio:.3f} ± {outcome.spread:.3f}: {outcome.verdict}")
         outcomes.append(outcome)
-        record[scenario] = {"rounds": [{"a": pa, "b": pb} for pa, pb in pairs], **outcome.row()}
+        record[scenario] = {**outcome.row(), "per_round": [{"a": pa, "b": pb} for pa, pb in pairs]}
     return outcomes, record
 
 

@@ -27,6 +27,8 @@ def test_compare_quick_builds_a_commit_and_reports_each_scenario(tmp_path: Path)
     assert 0 < row["a"] < 30 and 0 < row["b"] < 30 and row["ratio"] > 0
     record = json.loads((tmp_path / "out" / "compare.json").read_text())
     assert record["b"] == "WORKTREE" and record["a"].startswith("HEAD (")
+    (only,) = record["scenarios"]["cold"]["per_round"]
+    assert only["a"]["value"] == row["a"] and only["b"]["value"] == row["b"]
     built = list((tmp_path / "cache" / "revisions").glob("*/src/loader_service/__init__.py"))
     assert len(built) == 1, "HEAD exported into its own folder"
 
