@@ -45,7 +45,7 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
         "--scenarios", default=",".join(SCENARIOS), help="comma-separated, of: " + ", ".join(SCENARIOS)
     )
     parser.add_argument("--rounds", type=int, default=0, help="A-B pairs per scenario (default 3; --quick 2)")
-    parser.add_argument("--images", type=int, default=0, help="generated photos (default 512; --quick 128)")
+    parser.add_argument("--images", type=int, default=0, help="generated photos (default 512; --quick 256)")
     parser.add_argument("--workers", type=int, default=2, help="decode processes for both contenders")
     parser.add_argument(
         "--quick", action="store_true", help="small data, few rounds: checks the path, not for quoting"
@@ -64,7 +64,7 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
     if args.rounds < 0 or args.images < 0 or args.workers < 1:
         parser.error("--rounds and --images must be positive, --workers at least 1")
     args.rounds = args.rounds or (2 if args.quick else 3)
-    args.images = args.images or (128 if args.quick else 512)
+    args.images = args.images or (256 if args.quick else 512)
     args.a = args.a or default_base()
     args.cache, args.out = args.cache.resolve(), args.out.resolve()  # probes run from another folder
     return args
