@@ -66,18 +66,10 @@ def service(
     # In the system's temp folder, not ``work``: an ipc path may not be longer than 107 characters.
     endpoint = endpoint or f"ipc://{tempfile.mkdtemp(prefix='dataferry-probe-')}/s.sock"
     log = open(work / f"service-{time.monotonic_ns()}.log", "wb")  # noqa: SIM115 - closed below
+    command = [sys.executable, "-m", "loader_service", "serve"]
+    command += ["--data", str(data), "--endpoint", endpoint, *flags]
     proc = subprocess.Popen(
-        [
-            sys.executable,
-            "-m",
-            "loader_service",
-            "serve",
-            "--data",
-            str(data),
-            "--endpoint",
-            endpoint,
-            *flags,
-        ],
+        command,
         stdout=log,
         stderr=subprocess.STDOUT,
         start_new_session=True,
