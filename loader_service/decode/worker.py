@@ -87,6 +87,9 @@ class WorkerFeed:
 class WorkerConfig:
     worker: int
     parent_pid: int
+    parent_start: str
+    """The service's start time (``shm.process_start``), taken by the service itself: a worker
+    forked after the service died (a replacement started as it stopped) knows it is gone."""
     backend: str
     feeds: tuple[WorkerFeed, ...]
     log_level: str
@@ -347,10 +350,9 @@ def _serve_tasks(
     if board is not None:
         progress = functools.partial(board.finished, cfg.worker)
         on_answer(functools.partial(board.answered, cfg.worker))
-    service = process_start(cfg.parent_pid)
     while True:
         if not sock.poll(POLL_MS):
-            if process_start(cfg.parent_pid) != service:
+            if process_start(cfg.parent_pid) != cfg.parent_start:
                 log.warning("service process %d is gone; exiting", cfg.parent_pid)
                 return
             continue

@@ -48,7 +48,7 @@ from loader_service.decode.decoders import describe_decoder
 from loader_service.decode.pipeline import THREAD_ENV
 from loader_service.decode.progress import ProgressBoard
 from loader_service.decode.worker import FAULT_ENV, WorkerConfig
-from loader_service.shm import LOCK_NAME, SHM_DIR, hold_lock, remove_stale
+from loader_service.shm import LOCK_NAME, SHM_DIR, hold_lock, process_start, remove_stale
 from loader_service.supervisor import status, systemd
 from loader_service.supervisor.attachments import Attachments
 from loader_service.supervisor.autosize import WorkerSizing
@@ -222,6 +222,7 @@ class LoaderService:
         return WorkerConfig(
             worker=0,
             parent_pid=os.getpid(),
+            parent_start=process_start(os.getpid()),
             backend=backend,
             feeds=tuple(feed.worker_feed() for feed in self.feeds),
             log_level=self.config.log_level,

@@ -220,7 +220,9 @@ class Rig:
     ) -> None:
         self.feed = FeedStub(segment)
         self.processes: list[StandIn] = []
-        template = WorkerConfig(worker=0, parent_pid=1, backend="ipc://unused", feeds=(), log_level="INFO")
+        template = WorkerConfig(
+            worker=0, parent_pid=1, parent_start="", backend="ipc://unused", feeds=(), log_level="INFO"
+        )
         self.workers = WorkerSet(template, workers, spawn=self._spawn)
         for handle in self.workers:
             self.workers.mark_ready(handle, f"w{handle.worker}".encode())

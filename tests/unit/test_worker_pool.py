@@ -7,14 +7,20 @@ be produced on demand without root-only tricks; ``Unkillable`` stands in for one
 from __future__ import annotations
 
 import logging
+import os
+import subprocess
+import sys
 from typing import Any, cast
 
 import pytest
 
 from loader_service.decode.worker import WorkerConfig
+from loader_service.shm import process_start
 from loader_service.supervisor.worker_pool import WorkerSet
 
-TEMPLATE = WorkerConfig(worker=0, parent_pid=1, backend="ipc://unused", feeds=(), log_level="INFO")
+TEMPLATE = WorkerConfig(
+    worker=0, parent_pid=1, parent_start="", backend="ipc://unused", feeds=(), log_level="INFO"
+)
 
 
 class Unkillable:
@@ -87,3 +93,14 @@ def test_a_worker_that_cannot_die_is_replaced_and_its_task_given_back_once(
         workers.reap(40.0)
     assert workers.lost == 0 and spawned[0].closed
     assert any("finally exited" in r.message for r in caplog.records)
+
+
+def test_a_worker_knows_the_service_by_a_start_time_the_service_took_itself() -> None:
+    """NOTE [ Workers from a template ]: a worker compares the service's start time now with the one
+    the service put in its config; a service gone (even before the worker booted) reads as ""."""
+    me = process_start(os.getpid())
+    assert me and process_start(os.getpid()) == me
+    gone = subprocess.Popen([sys.executable, "-c", "pass"])
+    taken = process_start(gone.pid)
+    gone.wait(10)
+    assert taken and process_start(gone.pid) != taken, "a reaped process no longer answers to its start"
