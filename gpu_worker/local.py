@@ -88,7 +88,8 @@ class LocalService:
         self.ready = False
         self.folder = tempfile.mkdtemp(prefix=f"dataferry-{os.getpid()}-local-")  # 0700: ours alone
         self._lock = _hold_lock(os.path.join(self.folder, "lock"))
-        self.endpoint = f"ipc://{os.path.join(self.folder, 'service.sock')}"
+        self.socket_path = os.path.join(self.folder, "service.sock")
+        self.endpoint = f"ipc://{self.socket_path}"
         argv = [sys.executable, "-m", "loader_service", "serve", "--data", os.fspath(data)]
         argv += ["--endpoint", self.endpoint, "--stop-with-stdin", *serve_flags(options)]
         ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
@@ -133,7 +134,7 @@ class LocalService:
 
     def _check_listener(self) -> None:
         """The socket must be served by the child itself (NOTE [ A private service ])."""
-        path = self.endpoint[len("ipc://") :]
+        path = self.socket_path
         try:
             pid = listener_of(path).pid
         except OSError as exc:

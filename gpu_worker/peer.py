@@ -64,7 +64,7 @@ def _folder_is_theirs(path: str, uid: int) -> bool:
     return folder.st_uid == uid and not folder.st_mode & (stat.S_IWGRP | stat.S_IWOTH)
 
 
-def trusted_uids(uid: int, path: str) -> bool:
+def trusted_listener(uid: int, path: str) -> bool:
     """NOTE [ A service's identity ]: may a listener running as ``uid`` on ``path`` be believed?"""
     return uid in (os.geteuid(), 0) or _folder_is_theirs(path, uid)
 
@@ -78,7 +78,7 @@ def check_listener(endpoint: str) -> Credentials | None:
         return None
     try:
         peer = listener_of(path)
-        trusted = trusted_uids(peer.uid, path)
+        trusted = trusted_listener(peer.uid, path)
     except OSError as exc:
         raise ValueError(f"cannot tell who listens on {endpoint} ({exc}); not trusting it") from None
     if not trusted:

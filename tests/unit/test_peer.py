@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from gpu_worker.peer import check_listener, check_segment, listener_of, trusted_uids
+from gpu_worker.peer import check_listener, check_segment, listener_of, trusted_listener
 
 OTHER_UID = 65534
 
@@ -31,19 +31,19 @@ def test_another_user_is_trusted_only_in_a_folder_of_theirs_nobody_else_writes_i
     folder = tmp_path / "run"
     folder.mkdir()
     path = str(folder / "train.sock")
-    assert trusted_uids(os.geteuid(), path) and trusted_uids(0, path)
+    assert trusted_listener(os.geteuid(), path) and trusted_listener(0, path)
     if os.geteuid() != 0:
-        assert not trusted_uids(OTHER_UID, path), "a folder of ours is no proof of theirs"
+        assert not trusted_listener(OTHER_UID, path), "a folder of ours is no proof of theirs"
         return
     os.chown(folder, OTHER_UID, -1)
     folder.chmod(0o750)
-    assert trusted_uids(OTHER_UID, path), "/run/dataferry: theirs, 0750"
+    assert trusted_listener(OTHER_UID, path), "/run/dataferry: theirs, 0750"
     for open_to_others in (0o770, 0o1777, 0o757):
         folder.chmod(open_to_others)
-        assert not trusted_uids(OTHER_UID, path), f"mode {open_to_others:o}: anyone could have bound it"
+        assert not trusted_listener(OTHER_UID, path), f"mode {open_to_others:o}: anyone could have bound it"
     os.chown(folder, 0, -1)
     folder.chmod(0o750)
-    assert not trusted_uids(OTHER_UID, path), "root's folder proves nothing of another user"
+    assert not trusted_listener(OTHER_UID, path), "root's folder proves nothing of another user"
 
 
 def _segment(tmp_path: Path, mode: int) -> int:
