@@ -12,7 +12,11 @@ seed and reads it with one trainer:
   half of what the best setting of the computing part gave: images/s and the workers still
   taking tasks at the end;
 * convergence (from the waiting part's auto run): seconds from the first batch until one second's
-  rate first reaches 95 % of the later epochs' rate.
+  rate first reaches 95 % of the later epochs' rate;
+* attach (issue 36): a trainer attaches to an idle service whose pipeline waits 10 ms a sample,
+  batches of 16; status is polled ten times a second, so auto's run also says when the first
+  workers came (seconds after the attach) and when it first reached its final count, beside its
+  first epoch against the best fixed count's and the time to 95 %.
 
 The trainer attaches once every worker the service started is ready, as it does to a service that
 runs for days: its first epoch includes the controller's ramp, not the workers' boot.
@@ -24,9 +28,11 @@ compared across runs. Results go to ``sizing.json`` in ``--out`` and are printed
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
 import sys
 import tempfile
+import threading
 import time
 from collections.abc import Iterator
 from contextlib import ExitStack, contextmanager
@@ -39,6 +45,7 @@ from benchmarks.module_output import say, write_results
 from benchmarks.service_process import serving
 
 BATCH = 8
+ATTACH_BATCH = 16
 WAIT_SECONDS = 0.01
 
 
@@ -60,6 +67,10 @@ class Run:
     """Seconds from the first batch until a one-second rate first reached 95 % of ``later``."""
     active: int
     """Workers taking tasks at the end (the status' figure)."""
+    first_add_s: float = float("nan")
+    """Seconds from the attach until status first showed more workers than at the attach."""
+    final_count_s: float = float("nan")
+    """Seconds from the attach until status first showed the count it ended with."""
 
 
 @contextmanager
@@ -78,13 +89,17 @@ def burn(seconds: float) -> None:
         pass
 
 
-def read(endpoint: str, plan: Plan, step: float, busy_step: bool) -> Run:
+def read(endpoint: str, plan: Plan, step: float, busy_step: bool, watch: bool = False) -> Run:
     from gpu_worker import ServiceLoader
     from loader_service.tools.status_view import query_status
 
     stamps: list[tuple[float, int]] = []
+    counts: list[tuple[float, int]] = []
     wait_booted(endpoint)
-    with ServiceLoader(endpoint, connect_timeout=120, timeout=120) as loader:
+    with ExitStack() as stack:
+        if watch:
+            stack.enter_context(watching(endpoint, counts))
+        loader = stack.enter_context(ServiceLoader(endpoint, connect_timeout=120, timeout=120))
         start = time.perf_counter()
         ends = []
         for _ in range(1 + plan.epochs):
@@ -98,7 +113,33 @@ def read(endpoint: str, plan: Plan, step: float, busy_step: bool) -> Run:
     per_epoch = sum(n for _, n in stamps) / (1 + plan.epochs)
     first = per_epoch / (ends[0] - start)
     later = per_epoch * plan.epochs / (ends[-1] - ends[0])
-    return Run(first, later, _converged(stamps, start, later), active)
+    run = Run(first, later, _converged(stamps, start, later), active)
+    if counts:
+        run.first_add_s = next((t - start for t, n in counts if n > counts[0][1]), float("nan"))
+        run.final_count_s = next((t - start for t, n in counts if t >= start and n == active), float("nan"))
+    return run
+
+
+@contextmanager
+def watching(endpoint: str, counts: list[tuple[float, int]]) -> Iterator[None]:
+    """Poll the workers taking tasks ten times a second into ``counts`` (when, how many)."""
+    from loader_service.tools.status_view import query_status
+
+    stop = threading.Event()
+
+    def poll() -> None:
+        while not stop.is_set():
+            with contextlib.suppress(TimeoutError, RuntimeError):
+                counts.append((time.perf_counter(), int(query_status(endpoint, 5)["sizing"]["active"])))
+            stop.wait(0.1)
+
+    thread = threading.Thread(target=poll, daemon=True)
+    thread.start()
+    try:
+        yield
+    finally:
+        stop.set()
+        thread.join()
 
 
 def wait_booted(endpoint: str, timeout: float = 120.0) -> None:
@@ -131,12 +172,12 @@ def _converged(stamps: list[tuple[float, int]], start: float, target: float) -> 
 
 def part(
     name: str, data: Path, run_dir: Path, plan: Plan, extra: list[str], env: dict[str, str], step: float,
-    busy_step: bool = False,
+    busy_step: bool = False, watch: bool = False,
 ) -> dict[str, Any]:  # fmt: skip
     runs: dict[str, Run] = {}
     for workers in ("auto", *map(str, plan.fixed)):
         with service(data, run_dir, workers, extra, env) as endpoint:
-            runs[workers] = read(endpoint, plan, step, busy_step)
+            runs[workers] = read(endpoint, plan, step, busy_step, watch and workers == "auto")
         r = runs[workers]
         say(
             f"{name}, --workers {workers}: first epoch {r.first_epoch:.0f} images/s, later "
@@ -157,6 +198,12 @@ def part(
         f"{out['auto_over_best_first_epoch']:.2f}x in the first epoch; auto at 95 % after "
         f"{auto.converged_s:.1f} s, {auto.active} workers at the end"
     )
+    if watch:
+        out["auto_first_add_s"], out["auto_final_count_s"] = auto.first_add_s, auto.final_count_s
+        say(
+            f"{name}: auto's first workers {auto.first_add_s:.2f} s after the attach, its final "
+            f"count ({auto.active}) after {auto.final_count_s:.2f} s"
+        )
     return out
 
 
@@ -180,6 +227,8 @@ def main(argv: list[str] | None = None) -> int:
         waiting = ["--pipeline", "benchmarks.fleet:sleepy"]
         env = {SAMPLE_SECONDS_ENV: str(WAIT_SECONDS)}
         results["waiting"] = part("waiting", data, run_dir, plan, waiting, env, 0.0)
+        attach = [*waiting, "--batch-size", str(ATTACH_BATCH)]  # the later flag wins
+        results["attach"] = part("attach", data, run_dir, plan, attach, env, 0.0, watch=True)
         builtin = ["--image-size", "160"]
         computing_plan = Plan(plan.images, plan.epochs, tuple(sorted({1, cores, cores + 1})))
         results["computing"] = part("computing", data, run_dir, computing_plan, builtin, {}, 0.01, True)

@@ -31,6 +31,8 @@ class Delivery:
         self._leases = leases
         self._slots: SlotMap | None = None
         self.stager: CudaStager | None = None
+        self._pinned_slots = 0
+        """Slots ``[0, this)`` are pinned for CUDA copies."""
         self.transport = "shm"
         """``shm`` (the slot mapped in place) or ``tcp`` (bytes over the socket)."""
 
@@ -46,9 +48,11 @@ class Delivery:
         self.transport = "tcp" if self._slots is None else "shm"
         if old is not None:
             old.close()  # unmaps once the batches still viewing it are gone
+        if self.stager is not None:
+            self.stager.unpin()  # the old pool's ranges, before its mapping can go
+        self._pinned_slots = 0
         if self._slots is not None and self.device.type == "cuda":
             self.stager = self.stager or CudaStager(self.device)
-            self.stager.pin(self._slots.address, self._slots.nbytes)  # unregisters the old pool first
 
     def _map(self, info: FeedInfo, owner: int | None) -> SlotMap | None:
         """The announced pool, mapped and checked; None where ``auto`` finds it cannot be (TCP)."""
@@ -86,9 +90,20 @@ class Delivery:
         fields, indices = slot_fields(memoryview(owner), self._slots.layout, msg.count)
         del owner  # from here on only the views keep the slot (and so the lease)
         if self.stager is not None:
+            self._pin_through(self.stager, self._slots, msg.slot)
             host = tuple(fields.values())
             fields = dict(zip(fields, self.stager.stage(host, keep_alive=host), strict=True))
         return Batch(fields, indices, msg.epoch, msg.seq)
+
+    def _pin_through(self, stager: CudaStager, slots: SlotMap, slot: int) -> None:
+        """Pin the slots up to ``slot``: every slot below an announced one is backed by memory (NOTE
+        [ A pool as large as what is in flight ] in loader_service/supervisor/slots.py), and the
+        ones above it may not be yet, so registering them would make tmpfs allocate them."""
+        if slot < self._pinned_slots:
+            return
+        stride = slots.layout.stride
+        stager.pin(slots.address + self._pinned_slots * stride, (slot + 1 - self._pinned_slots) * stride)
+        self._pinned_slots = slot + 1
 
     def empty(self, msg: BatchReady) -> Batch:
         """A batch whose every sample was bad (NOTE [ Empty batches ] in gpu_worker/passes.py): the

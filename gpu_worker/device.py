@@ -3,8 +3,10 @@
 CPU: nothing moves; the trainer gets zero-copy views of shared memory.
 
 CUDA (chosen at run time, never on a CPU-only machine; tests/gpu runs it where a GPU is visible):
-    * the whole slot segment is pinned once per process with ``cudaHostRegister``, so copies from it
-      are true asynchronous DMA; it is unregistered before the segment is unmapped. Both calls are
+    * the slots are pinned with ``cudaHostRegister`` as the pool grows (each range once, up to the
+      highest slot announced: NOTE [ A pool as large as what is in flight ] in
+      loader_service/supervisor/slots.py), so copies from them are true asynchronous DMA; every
+      range is unregistered before the segment is unmapped. Both calls are
       checked (``check_cudart``); a failed registration only costs speed (pageable copies), as long
       as CUDA's last error could be cleared (torch's binding, or the runtime torch loaded, through
       ctypes), and is an error otherwise;
@@ -114,15 +116,10 @@ class CudaStager:
         self.device = device
         self._stream = torch.cuda.Stream(device)
         self._in_flight: deque[tuple[torch.cuda.Event, Any]] = deque()
-        self._pinned: int | None = None
+        self._pinned: list[int] = []
 
     def pin(self, address: int, nbytes: int) -> None:
-        """Register the mapped segment once; a failure only costs speed (pageable copies).
-
-        After a reconnect the new pool replaces the old one: copies from the old one are finished
-        and it is unregistered first, before its mapping can go away.
-        """
-        self._unpin()
+        """Register one more range of the mapped pool; a failure only costs speed (pageable copies)."""
         try:
             with torch.cuda.device(self.device):  # not a context on GPU 0 for every rank
                 cudart = torch.cuda.cudart()
@@ -133,7 +130,7 @@ class CudaStager:
                 raise  # going on would let the next kernel launch fail with this error
             log.warning("%s; copies will not overlap compute", exc)
             return
-        self._pinned = address
+        self._pinned.append(address)
 
     def stage(self, tensors: Sequence[torch.Tensor], keep_alive: object) -> list[torch.Tensor]:
         """Start copying every tensor; return device tensors the current stream may use in order.
@@ -158,17 +155,20 @@ class CudaStager:
         while self._in_flight and self._in_flight[0][0].query():
             self._in_flight.popleft()
 
-    def _unpin(self) -> None:
-        if self._pinned is None:
+    def unpin(self) -> None:
+        """Unregister every range, once the copies from them are finished: before a reconnect's new
+        pool replaces the old one, whose mapping may then go away."""
+        if not self._pinned:
             return
-        address, self._pinned = self._pinned, None  # a failed unregister is not tried again
+        pinned, self._pinned = self._pinned, []  # a failed unregister is not tried again
         self._stream.synchronize()
         self._in_flight.clear()
         with torch.cuda.device(self.device):
             cudart = torch.cuda.cudart()
-            check_cudart(cudart, cudart.cudaHostUnregister(address), "cudaHostUnregister")
+            for address in pinned:
+                check_cudart(cudart, cudart.cudaHostUnregister(address), "cudaHostUnregister")
 
     def close(self) -> None:
         self._stream.synchronize()
         self._in_flight.clear()
-        self._unpin()
+        self.unpin()

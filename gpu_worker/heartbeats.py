@@ -4,6 +4,13 @@ A ZeroMQ socket belongs to one thread, so this thread owns one heartbeat socket 
 loader's thread only records what should beat (``beat``, ``stop``) and the thread applies it at its
 next wake-up. A heartbeat carries the session's token, so it keeps alive only that session, and
 the loop's waited and computed totals (NOTE [ Exposed wait ] in gpu_worker/loop_clock.py).
+
+NOTE [ Early heartbeat ]
+    A session's first heartbeat goes at once, its second ``EARLY`` seconds later (or at the interval,
+    if that is shorter), then one every interval. The first carries no wait of this session yet; the
+    second tells the service whether a trainer that just attached is waiting, so an idle service
+    sizes its workers for it within a second instead of a whole interval later (NOTE [ Sizing
+    workers ] in loader_service/supervisor/sizing.py). One extra message per session, not per step.
 """
 
 from __future__ import annotations
@@ -24,6 +31,8 @@ from protocol.messages import Heartbeat
 log = logging.getLogger(__name__)
 RETRY = 1.0
 """Seconds before a heartbeat socket that could not be opened is tried again."""
+EARLY = 0.25
+"""Seconds after a session's first heartbeat that its second goes (NOTE [ Early heartbeat ])."""
 
 
 @dataclass(frozen=True)
@@ -32,6 +41,16 @@ class Beat:
     token: str
     interval: float
     keys: ClientKeys | None
+
+
+@dataclass
+class _Live:
+    """A session's open heartbeat socket, when its next beat is due and how many it has sent."""
+
+    beat: Beat
+    sock: zmq.Socket[bytes]
+    due: float
+    sent: int = 0
 
 
 class Heartbeats:
@@ -63,7 +82,7 @@ class Heartbeats:
 
     def _run(self) -> None:
         ctx: zmq.Context[zmq.Socket[bytes]] = zmq.Context()
-        live: dict[object, tuple[Beat, zmq.Socket[bytes], float]] = {}
+        live: dict[object, _Live] = {}
         try:
             while not self._closing.is_set():
                 self._changed.clear()  # before reading: a change made after this wakes the wait below
@@ -71,29 +90,33 @@ class Heartbeats:
                     wanted = dict(self._wanted)
                 _apply(ctx, live, wanted)
                 now = time.monotonic()
-                for key, (beat, sock, due) in list(live.items()):
-                    if now >= due:
-                        _send(sock, beat, self._clock)
-                        live[key] = (beat, sock, now + beat.interval)
-                soonest = min((due for _, _, due in live.values()), default=None)
+                for one in live.values():
+                    if now >= one.due:
+                        _send(one.sock, one.beat, self._clock)
+                        one.sent += 1
+                        # NOTE [ Early heartbeat ]: the second beat a quarter second after the first.
+                        one.due = now + (
+                            min(EARLY, one.beat.interval) if one.sent == 1 else one.beat.interval
+                        )
+                soonest = min((one.due for one in live.values()), default=None)
                 if len(live) < len(wanted):  # a socket could not be opened: try again soon
                     soonest = min(soonest or now + RETRY, now + RETRY)
                 # Sleeps until the next beat is due; ``beat``, ``stop`` and ``close`` wake it early.
                 self._changed.wait(None if soonest is None else max(0.0, soonest - time.monotonic()))
         finally:
-            for _, sock, _ in live.values():
-                sock.close(linger=0)
+            for one in live.values():
+                one.sock.close(linger=0)
             ctx.term()
 
 
 def _apply(
     ctx: zmq.Context[zmq.Socket[bytes]],
-    live: dict[object, tuple[Beat, zmq.Socket[bytes], float]],
+    live: dict[object, _Live],
     wanted: dict[object, Beat],
 ) -> None:
     """Open a socket for each new or changed session, close the ones no longer wanted."""
-    for key in [key for key, (beat, _, _) in live.items() if wanted.get(key) != beat]:
-        live.pop(key)[1].close(linger=0)
+    for key in [key for key, one in live.items() if wanted.get(key) != one.beat]:
+        live.pop(key).sock.close(linger=0)
     for key, beat in wanted.items():
         if key not in live:
             try:
@@ -105,7 +128,7 @@ def _apply(
             if beat.keys is not None:
                 beat.keys.apply(sock)
             sock.connect(beat.endpoint)
-            live[key] = (beat, sock, time.monotonic())
+            live[key] = _Live(beat, sock, time.monotonic())
 
 
 def _send(sock: zmq.Socket[Any], beat: Beat, clock: LoopClock) -> None:

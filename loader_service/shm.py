@@ -7,8 +7,11 @@ that unlinks the segment when an unrelated process exits (CPython gh-82300).
 NOTE [ Shared-memory cleanup ]
     * Names start with ``dataferry-`` and carry the creating service's pid, so whatever a crashed
       service left behind is recognisable.
-    * Space is reserved with ``posix_fallocate`` at creation: an undersized /dev/shm fails at start-up
-      with a message saying how much is needed, instead of a SIGBUS when a page is first touched.
+    * Space is reserved with ``posix_fallocate`` before any of it is used: at creation (an undersized
+      /dev/shm fails at start-up with a message saying how much is needed, instead of a SIGBUS when a
+      page is first touched), and for a pool that grows, each range before it is handed out (NOTE
+      [ A pool as large as what is in flight ] in loader_service/supervisor/slots.py). A segment's
+      size beyond what is reserved is a hole: address space, no memory, never touched.
     * Mode 0600: only the service's user (and the trainers running as it) can map the pool; with
       ``group`` set, 0660 and owned by that group, for trainers running as other users in it.
     * At start, ``remove_stale`` removes what services killed with SIGKILL left behind. A live
@@ -91,15 +94,25 @@ class Segment:
         """The creator keeps the segment open with an exclusive flock: the proof it is alive."""
 
     @classmethod
-    def create(cls, name: str, size: int, group: str = "", purpose: str = SLOT_POOL) -> Segment:
-        """A new segment of ``size`` bytes, all reserved now; SharedMemoryError naming ``purpose``
-        (one of ``REMEDIES``) and what to change if /dev/shm cannot hold it."""
+    def create(
+        cls,
+        name: str,
+        size: int,
+        group: str = "",
+        purpose: str = SLOT_POOL,
+        reserve: tuple[tuple[int, int], ...] | None = None,
+    ) -> Segment:
+        """A new segment of ``size`` bytes with the ``(offset, bytes)`` ranges of ``reserve`` (default:
+        all of it) reserved now; SharedMemoryError naming ``purpose`` (one of ``REMEDIES``) and what
+        to change if /dev/shm cannot hold them."""
         path = SHM_DIR / validate_segment_name(name)
         fd = os.open(path, os.O_CREAT | os.O_EXCL | os.O_RDWR, 0o600)
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
             restrict(fd, group)
-            _reserve(fd, size, purpose)
+            os.ftruncate(fd, size)
+            ranges = ((0, size),) if reserve is None else reserve
+            _reserve(fd, ranges, purpose)
             mapping = mmap.mmap(fd, size, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
         except BaseException:
             os.unlink(path)
@@ -118,6 +131,18 @@ class Segment:
         finally:
             os.close(fd)
         return cls(name, size, mapping, owner=False)
+
+    def reserve(self, offset: int, nbytes: int) -> bool:
+        """Reserve memory for one more range of the creator's segment; False if /dev/shm cannot
+        hold it (nothing of the range may then be touched)."""
+        assert self._lock_fd is not None, "only the creator reserves"
+        try:
+            os.posix_fallocate(self._lock_fd, offset, nbytes)
+        except OSError as exc:
+            if exc.errno not in (errno.ENOSPC, errno.EFBIG):
+                raise
+            return False
+        return True
 
     def close(self) -> None:
         try:
@@ -326,13 +351,15 @@ def _empty_folder(fd: int) -> None:
             os.rmdir(entry.name, dir_fd=fd)
 
 
-def _reserve(fd: int, size: int, purpose: str) -> None:
+def _reserve(fd: int, ranges: tuple[tuple[int, int], ...], purpose: str) -> None:
     try:
-        os.posix_fallocate(fd, 0, size)
+        for offset, nbytes in ranges:
+            os.posix_fallocate(fd, offset, nbytes)
     except OSError as exc:
         if exc.errno not in (errno.ENOSPC, errno.EFBIG):
             raise
         free = _free_bytes(SHM_DIR)
+        size = sum(nbytes for _, nbytes in ranges)
         raise SharedMemoryError(
             f"/dev/shm has {free / 2**20:.0f} MiB free but {purpose} needs {size / 2**20:.0f} MiB. "
             f"{REMEDIES[purpose]}, or enlarge /dev/shm "

@@ -16,8 +16,10 @@ from loader_service.decode.geometry import INTERPOLATIONS
 from protocol.layout import FieldSpec
 
 AUGMENTS = ("train", "eval", "none")
-EXTRA_FEED_SLOTS = 10
-"""Pool size of a ``[feeds.NAME]`` feed whose ``slots`` is 0 (auto)."""
+FIRST_SLOTS = 8
+"""Slots an automatic pool reserves at start: the warm start's 2 batches and one trainer's default 6
+credits. It grows by what its trainers hold (NOTE [ A pool as large as what is in flight ] in
+loader_service/supervisor/slots.py)."""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -86,8 +88,8 @@ class FeedOptions:
     slots: int = field(
         default=0,
         metadata=option(
-            "batches in the shared-memory pool; 0 picks 2*workers+8 for the first feed, "
-            f"{EXTRA_FEED_SLOTS} for a [feeds.NAME] one",
+            "batches in the shared-memory pool, all reserved at start; 0 (auto): reserve "
+            f"{FIRST_SLOTS} and grow to what the trainers hold, up to 2 x the most workers + 8",
             check=between(0, 4096, "0 (auto)"),
         ),
     )

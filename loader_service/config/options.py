@@ -31,7 +31,7 @@ from loader_service.config import checks
 from loader_service.config.checks import at_least, between, positive
 from loader_service.config.cpus import Budget, cpu_budget
 from loader_service.config.feed import (
-    EXTRA_FEED_SLOTS,
+    FIRST_SLOTS,
     FeedOptions,
     check_fields,
     resolve_data,
@@ -210,8 +210,10 @@ class ServiceConfig(FeedOptions):
     """Further feeds from ``[feeds.NAME]`` tables of the config file (not an option of its own)."""
 
     @property
-    def pool_slots(self) -> int:
-        return self.slots or 2 * self.first_workers + 8
+    def auto_slots(self) -> int:
+        """The most slots an automatic pool may grow to: every worker ``auto`` may start filling a
+        batch while as many wait ready or leased (NOTE [ A pool as large as what is in flight ])."""
+        return 2 * self.worker_processes + 8
 
     @property
     def budget(self) -> Budget:
@@ -240,11 +242,13 @@ class ServiceConfig(FeedOptions):
     def feeds(self) -> tuple[FeedConfig, ...]:
         """Every feed this service serves; the first one is what a trainer gets by default."""
         shared = {f.name: getattr(self, f.name) for f in fields(FeedOptions)}
-        main = FeedConfig(name=self.feed, **{**shared, "slots": self.pool_slots})
+        main = FeedConfig(name=self.feed, **shared)
         storage = self.storage()
         return tuple(
             replace(
                 f,
+                slots=f.slots or self.auto_slots,
+                first_slots=f.slots or min(FIRST_SLOTS, self.auto_slots),
                 max_file_bytes=self.max_file_bytes,
                 max_pixels=self.max_pixels,
                 roi=self.roi,
@@ -262,7 +266,7 @@ class ServiceConfig(FeedOptions):
         """Return a copy with the data path resolved, or raise ConfigError naming the bad value."""
         if found := _first_problem(self, OPTIONS):
             raise ConfigError(found[1], key=found[0])
-        require(self.pool_slots >= 2, "slots must be at least 2", key="slots")
+        require(self.slots != 1, "slots must be 0 (auto) or at least 2", key="slots")
         require(
             self.client_timeout >= 2 * self.heartbeat_interval,
             "client_timeout must be at least twice heartbeat_interval",
@@ -300,7 +304,7 @@ class ServiceConfig(FeedOptions):
         feeds = [{k: v for k, v in asdict(feed).items() if k != "storage"} for feed in self.extra_feeds]
         secret = " ".join(f"{k}=***" for k, _ in self.storage_options)
         text = " ".join(f"{k}={v}" for k, v in shown.items())
-        return f"{text} extra_feeds={feeds} pool_slots={self.pool_slots} {secret}".rstrip()
+        return f"{text} extra_feeds={feeds} {secret}".rstrip()
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -308,6 +312,9 @@ class FeedConfig(FeedOptions):
     """One feed: a dataset and how its batches are made. The service may serve several."""
 
     name: str
+    first_slots: int = 0
+    """Slots reserved at start, set by ``ServiceConfig.feeds()``: all ``slots`` when they were given,
+    fewer for an automatic pool, which grows (NOTE [ A pool as large as what is in flight ])."""
     max_file_bytes: int = DEFAULT_MAX_FILE_BYTES
     """The service-wide ``max_file_bytes``, set by ``ServiceConfig.feeds()``; its workers apply it."""
     max_pixels: int = 0
@@ -324,17 +331,14 @@ class FeedConfig(FeedOptions):
             raise ConfigError(where + problem)
         if found := _first_problem(self, FEED_OPTIONS):
             raise ConfigError(where + found[1])
-        slots = self.slots or EXTRA_FEED_SLOTS
-        require(slots >= 2, where + "slots must be at least 2")
+        require(self.slots != 1, where + "slots must be 0 (auto) or at least 2")
         check_fields(self, where)
-        return replace(
-            self, data=resolve_data(self.data), pipeline=resolve_pipeline(self.pipeline), slots=slots
-        )
+        return replace(self, data=resolve_data(self.data), pipeline=resolve_pipeline(self.pipeline))
 
 
 @functools.cache
 def _host_budget() -> Budget:
-    """The host's CPU budget, read once: ``pool_slots``, ``worker_processes``, ``first_workers`` and
+    """The host's CPU budget, read once: ``auto_slots``, ``worker_processes``, ``first_workers`` and
     the log all ask for it at start-up, and must agree."""
     return cpu_budget()
 

@@ -22,7 +22,7 @@ from loader_service.decode.worker import WorkerFeed
 from loader_service.shm import Segment, new_segment_name
 from loader_service.supervisor.rates import RateMeter
 from loader_service.supervisor.slots import SlotPool
-from protocol.layout import CHECK_BYTES, SlotLayout, describe_fields
+from protocol.layout import CHECK_BYTES, PAGE, SlotLayout, describe_fields
 from protocol.messages import FeedInfo
 from protocol.shares import rank_batches
 
@@ -97,7 +97,12 @@ class Feed:
         # Keep the saved copy, mapped: its pages are the ones every worker maps, held once.
         index = DatasetIndex.load(index_dir)
         layout = batch_layout(config, index_dir, probe_timeout)
-        segment = Segment.create(new_segment_name(config.name), layout.mapped_bytes(config.slots), group)
+        pool_end = layout.segment_bytes(config.slots)
+        # NOTE [ A pool as large as what is in flight ]: the first slots and the check page now.
+        reserve = ((0, layout.segment_bytes(config.first_slots or config.slots)), (pool_end, PAGE))
+        segment = Segment.create(
+            new_segment_name(config.name), layout.mapped_bytes(config.slots), group, reserve=reserve
+        )
         try:
             cache = _cache(config, len(index), workers, index_dir)
         except BaseException:
@@ -105,11 +110,27 @@ class Feed:
             segment.unlink()
             raise
         check = secrets.token_bytes(CHECK_BYTES)
-        pool_end = layout.segment_bytes(config.slots)
         segment.buf[pool_end : pool_end + CHECK_BYTES] = check  # NOTE in protocol.layout
-        pool = SlotPool(config.slots)
+        pool = SlotPool(config.first_slots or config.slots, config.slots)
         fingerprint = index.fingerprint()
         return cls(feed_id, config, index, layout, segment, pool, index_dir, fingerprint, check.hex(), cache)
+
+    def grow_pool(self) -> bool:
+        """One more slot for a trainer's batch, if the pool may grow and /dev/shm holds it (NOTE
+        [ A pool as large as what is in flight ]); a /dev/shm that cannot ends the growth."""
+        if self.pool.full:
+            return False
+        if not self.segment.reserve(self.layout.segment_bytes(len(self.pool)), self.layout.stride):
+            log.warning(
+                "feed %s: /dev/shm cannot hold more than %d slots of %.1f MiB; trainers share them",
+                self.name,
+                len(self.pool),
+                self.layout.stride / 2**20,
+            )
+            self.pool.capacity = len(self.pool)
+            return False
+        self.pool.add()
+        return True
 
     @property
     def image_size(self) -> int:
@@ -210,6 +231,7 @@ class Feed:
             "name": self.name,
             "samples": len(self.index),
             "slots": self.pool.counts(),
+            "slots_most": self.pool.capacity,
             "decoded": self.counters.decoded.total,
             "images_per_second": round(self.counters.decoded.rate(), 1),
             "warm_decoded": self.counters.warm_decoded,

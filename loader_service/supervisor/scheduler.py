@@ -294,7 +294,7 @@ class Scheduler:
         order.rotate(-1)
         wanting = [streams[key] for key in order if streams[key].wants_batch()]
         for stream in sorted(wanting, key=lambda s: s.in_flight):
-            if not stream.feed.pool.free:
+            if not stream.feed.pool.free and not stream.feed.grow_pool():
                 self._warm[stream.feed.id].drop()  # NOTE [ Warm start ]: a trainer's batch goes first
             if not stream.feed.pool.free and isinstance(stream, ShardStream) and stream.picked:
                 stream.drop_kept()  # NOTE [ Kept batches ]: a batch asked for goes before them

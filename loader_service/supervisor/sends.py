@@ -9,7 +9,7 @@ NOTE [ Remote sends ]
     and its session. What the copies cost is memory, bounded here:
     * per session: at most ``credits`` batches being sent (an announcement sent again waits until
       its earlier copy is done);
-    * in all: ``limit`` bytes (the size of every feed's pool); past it, announcements wait (NOTE
+    * in all: ``limit`` bytes (what every feed's pool may grow to); past it, announcements wait (NOTE
       [ Owed messages ]) until ZeroMQ lets copies go;
     * a session whose oldest copy has not gone out within the client timeout has stopped reading:
       it is dropped and its slots return (trainers.py ``expire``);

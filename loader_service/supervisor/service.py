@@ -76,6 +76,9 @@ HOUSEKEEPING = 0.05
 heartbeat interval if that is shorter). Their deadlines are seconds with the defaults, and running
 them on every turn cost the loop about a tenth of its time at thousands of batches a second
 (``python -m benchmarks.loop_cost``)."""
+SIZING_TICK = 0.25
+"""Seconds between the totals the worker-count controller is fed: a trainer's waiting heartbeat is
+acted on within this much (NOTE [ Sizing workers ]); status and metrics stay at once a second."""
 STOP_GRACE = 5.0
 Socket = zmq.Socket[bytes]
 
@@ -101,6 +104,7 @@ class LoaderService:
         self._watchdog = systemd.Watchdog()
         self._metrics: ServiceMetrics | None = None
         self._last_report = 0.0
+        self._last_sizing = 0.0
         self._worker_time = WorkerTime()
         """For the load a scaler reads (NOTE [ Fleet load ])."""
         self._sizing: WorkerSizing | None = None
@@ -204,14 +208,15 @@ class LoaderService:
     def _log_ready(self, feed: Feed) -> None:
         log.info(
             "ready: feed %r, %d samples (%s) in %d classes, %d batches/epoch of %d, "
-            "pool %d slots x %.1f MiB (%s), listening on %s",
+            "pool %d of at most %d slots x %.1f MiB (%s), listening on %s",
             feed.name,
             len(feed.index),
             feed.index.kind,
             feed.index.num_classes,
             feed.shard_batches(1, "pad"),
             feed.config.batch_size,
-            feed.config.slots,
+            len(feed.pool),
+            feed.pool.capacity,
             feed.layout.stride / 2**20,
             feed.segment.name,
             self.config.endpoint,
@@ -365,14 +370,16 @@ class LoaderService:
         """Watchdog pings while healthy; STATUS= and metrics about once a second."""
         if self._fatal() is None and self._watchdog.due(now):
             self._watchdog.ping(now)
+        if self._sizing is not None and self._workers is not None and now - self._last_sizing >= SIZING_TICK:
+            self._last_sizing = now
+            self._sizing.tick(
+                now, self._workers.busy_seconds(now), self.feeds, self._attached.sessions.values()
+            )
         if now - self._last_report < 1.0:
             return
         self._last_report = now
         if self._workers is not None:
-            on_tasks = self._workers.busy_seconds(now)
-            self._worker_time.sample(now, on_tasks, self._workers.active)
-            if self._sizing is not None:
-                self._sizing.tick(now, on_tasks, self.feeds, self._attached.sessions.values())
+            self._worker_time.sample(now, self._workers.busy_seconds(now), self._workers.active)
         systemd.status(status.summary(self.feeds, self._attached))
         if self._metrics is not None:
             self._metrics.update(self.status())

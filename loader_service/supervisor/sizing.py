@@ -51,7 +51,12 @@ NOTE [ Sizing workers ]
        test of the rate: the trainers took what they wanted (rule 2 removes what they then do
        not need).
     With no trainer attached it holds (a warm start's few batches say nothing of the next trainer),
-    and its first window starts when one attaches; likewise while a worker taking tasks is still
+    and its first window starts when one attaches. That window ends as soon as the trainers are seen
+    waiting, after ``FIRST`` seconds rather than ``SHORT`` (a trainer's second heartbeat comes a
+    quarter of a second after it attaches: NOTE [ Early heartbeat ] in gpu_worker/heartbeats.py),
+    so a trainer that attaches to an idle service gets workers within a second; the rules are
+    the same, so a CPU-bound feed at its budget still adds nothing, and the next window checks the
+    gain. It holds likewise while a worker taking tasks is still
     booting or warming up (the service's start, an addition, a replacement: ``all_active_ready``),
     whose window would measure the boot. A parked worker's CPU is never counted.
     A window is ``SHORT`` seconds after a change or while trainers wait, and ``LONG`` once the
@@ -103,6 +108,8 @@ BACKOFF = 3
 """An undo in a row doubles the hold, up to ``2 ** BACKOFF`` times ``HOLD`` windows."""
 SHORT = 2.0
 LONG = 10.0
+FIRST = 0.5
+"""Seconds the first window after trainers attach lasts at least, if they wait (NOTE [ Sizing workers ])."""
 MIN_COST = 0.05
 """Cores a worker is taken to cost at least: a worker that seems free is never free."""
 CPU_BOUND = 0.5
@@ -173,6 +180,8 @@ class Sizer:
     """Seconds of calm before a removal (rule 2)."""
     _removed_at: float = -math.inf
     """When rule 2 last removed workers."""
+    _first: bool = True
+    """The window runs from when trainers attached to a service that had none: it may end early."""
     last: Window | None = None
 
     def tick(
@@ -186,15 +195,18 @@ class Sizer:
         (NOTE [ Fleet load ]), ``step_since(t)`` their compute per batch. A new count, or None."""
         base = self._base
         if not trainers:  # nothing to size for; the first window starts when a trainer attaches
+            self._base, self._first = sample, True
+            return None
+        if base is None:
             self._base = sample
             return None
-        if base is None or sample.at - base.at < SHORT:
-            self._base = base or sample
+        elapsed = sample.at - base.at
+        if elapsed < (FIRST if self._first else SHORT):
             return None
         demand = demand_since(base.at)
-        if sample.at - base.at < self._window and demand <= WAITING:
-            return None  # settled and nobody waits: the long window runs on
-        self._base = sample
+        if elapsed < (SHORT if self._first else self._window) and demand <= WAITING:
+            return None  # nobody waits: the window runs on
+        self._base, self._first = sample, False
         window = _measure(base, sample, self.active, demand, step_since(base.at))
         self.last = window
         after, reason = self._decide(window, sample.at)

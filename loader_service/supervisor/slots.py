@@ -20,6 +20,20 @@ NOTE [ Slot lifecycle ]
     A slot is reused only from FREE, so no trainer can be handed memory that another still reads.
     * remote trainers (TCP) are sent a copy of the slot's bytes, never the slot itself (NOTE
       [ Remote sends ] in sends.py), so nothing but a lease keeps a slot out of FREE.
+
+NOTE [ A pool as large as what is in flight ]
+    A slot is only ever taken for a batch some trainer asked for (its stream's window of credits,
+    the next epoch's first batches inside that window) or for the feed's few warm-start batches, so
+    the slots a feed needs are what its trainers can hold, not what its host has cores for. The
+    segment is sized for ``capacity`` slots (address space only: a file's size on tmpfs costs no
+    memory), and memory is reserved (``posix_fallocate``) for the first ``len(pool)`` slots. When a
+    trainer's batch finds no free slot, the pool grows by one reserved slot, up to the capacity;
+    it never shrinks while the service runs. So:
+    * slots ``0 .. len(pool) - 1`` are backed by memory, and no other slot is ever handed out: a
+      worker or a trainer never touches a page that is not reserved (no SIGBUS on a full /dev/shm);
+    * a trainer that sees slot ``s`` may take every slot below it as backed (it pins them for CUDA);
+    * a /dev/shm too small for one more slot stops the growth, with one warning: trainers then share
+      the slots there are, as they shared a fixed pool.
 """
 
 from __future__ import annotations
@@ -40,13 +54,29 @@ class SlotStateError(RuntimeError):
 
 
 class SlotPool:
-    def __init__(self, slots: int) -> None:
+    """The slots that exist (``len``), of at most ``capacity`` (NOTE [ A pool as large as what is in
+    flight ])."""
+
+    def __init__(self, slots: int, capacity: int = 0) -> None:
+        self.capacity = max(capacity, slots)
         self._states = [SlotState.FREE] * slots
         self._free = list(range(slots - 1, -1, -1))
         self._ready_since: dict[int, float] = {}
 
     def __len__(self) -> int:
         return len(self._states)
+
+    @property
+    def full(self) -> bool:
+        """Whether the pool has every slot it may have."""
+        return len(self._states) >= self.capacity
+
+    def add(self) -> None:
+        """One more FREE slot, the next one, whose memory the caller has reserved."""
+        if self.full:
+            raise SlotStateError(f"the pool already has its {self.capacity} slots")
+        self._states.append(SlotState.FREE)
+        self._free.append(len(self._states) - 1)
 
     @property
     def free(self) -> int:

@@ -25,7 +25,7 @@ def summary(feeds: list[Feed], attached: Attachments) -> str:
     """One line for systemd's STATUS= (``systemctl status``)."""
     per_feed = "; ".join(
         f"{f.name}: {f.counters.decoded.rate():.0f} img/s, "
-        f"{f.pool.counts()['leased']}/{len(f.pool)} slots leased"
+        f"{f.pool.counts()['leased']}/{len(f.pool)} slots leased (up to {f.pool.capacity})"
         for f in feeds
     )
     return f"{len(attached.sessions)} trainers; {per_feed}"

@@ -153,10 +153,12 @@ def _feeds(feeds: list[Mapping[str, Any]]) -> str:
         return "no feeds reported"
     columns: list[Column] = [
         ("FEED", "<"), ("SAMPLES", ">"), ("IMAGES/S", ">"), ("DECODED", ">"), ("BATCHES", ">"),
-        ("FREE", ">"), ("FILLING", ">"), ("READY", ">"), ("LEASED", ">"), ("BAD FILES", ">"),
+        ("FREE", ">"), ("FILLING", ">"), ("READY", ">"), ("LEASED", ">"), ("MOST", ">"), ("BAD FILES", ">"),
     ]  # fmt: skip
     keys = ("name", "samples", "images_per_second", "decoded", "batches")
-    rows = [[*(f.get(k) for k in keys), *_slot_counts(f), f.get("bad_files")] for f in feeds]
+    rows = [
+        [*(f.get(k) for k in keys), *_slot_counts(f), f.get("slots_most"), f.get("bad_files")] for f in feeds
+    ]
     lines = _table(columns, rows)
     for f in feeds:
         if f.get("fields"):

@@ -20,6 +20,7 @@ import torch
 
 from gpu_worker import ServiceLoader
 from gpu_worker.device import CudaStager, last_error_clearer
+from protocol.layout import SlotLayout
 from tests.helpers import ServiceFactory, status
 
 pytestmark = pytest.mark.skipif(
@@ -160,7 +161,7 @@ def wait_until_no_slot_is_leased(endpoint: str, timeout: float = 10.0) -> dict[s
 
 
 @pytest.mark.integration
-def test_a_thousand_batches_pin_once_and_leak_nothing(
+def test_a_thousand_batches_pin_each_slot_once_and_leak_nothing(
     photos: Path, start_service: ServiceFactory, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     pins: list[tuple[int, int]] = []
@@ -184,10 +185,15 @@ def test_a_thousand_batches_pin_once_and_leak_nothing(
                     allocated.append(torch.cuda.memory_allocated(loader.device))
                 batches += 1
         assert batches >= BATCHES
-        assert len(pins) == 1, f"the pool is registered once per process, not per batch: {len(pins)}"
-        address, nbytes = pins[0]
-        pool = torch.frombuffer((ctypes.c_uint8 * nbytes).from_address(address), dtype=torch.uint8)
+        # NOTE [ A pool as large as what is in flight ]: ranges registered as slots appear, each once.
+        ends = [address + nbytes for address, nbytes in pins]
+        assert all(pins[i + 1][0] == ends[i] for i in range(len(pins) - 1)), f"ranges overlap: {pins}"
+        body = wait_until_no_slot_is_leased(service.endpoint)  # while the session lasts: closing returns all
+        slots = sum(body["feeds"][0]["slots"].values())
+        assert len(pins) <= slots, f"registered per batch, not per new slot: {len(pins)} ranges"
+        first, whole = pins[0][0], ends[-1] - pins[0][0]
+        assert whole <= slots * SlotLayout.images(8, 32).stride, "pinned beyond the slots backed by memory"
+        pool = torch.frombuffer((ctypes.c_uint8 * whole).from_address(first), dtype=torch.uint8)
         assert pool.is_pinned(), "the pool stayed registered"
         del pool
-        wait_until_no_slot_is_leased(service.endpoint)  # while the session lasts: closing returns all
     assert allocated[1:] == [allocated[1]] * (len(allocated) - 1), f"device memory grew: {allocated}"

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import hashlib
+import os
 import signal
 import threading
 from pathlib import Path
@@ -13,10 +14,12 @@ import pytest
 import torch
 
 from gpu_worker import ServiceError, ServiceLoader, ServiceTimeout
+from loader_service.config import FIRST_SLOTS
 from loader_service.dataset.index import build_index
 from loader_service.dataset.sampler import sample_rng
 from loader_service.decode.geometry import INTERPOLATIONS, eval_geometry, random_resized_crop_params
 from loader_service.decode.regions import ROI_HEADROOM, roi_decoder_version, roi_scale
+from protocol.layout import PAGE, SlotLayout
 from tests.helpers import ServiceFactory, in_background, our_segments, status
 
 pytestmark = pytest.mark.integration
@@ -284,3 +287,38 @@ def test_an_older_pass_resumed_after_a_newer_one_began_says_so(
         with pytest.raises(ServiceError, match="a newer iter"):
             next(older)
         assert next(newer).seq == 1, "the newer pass goes on"
+
+
+def pool_bytes(service_pid: int) -> int:
+    """Memory backing the service's slot pool now (blocks of its segment, not its size)."""
+    (name,) = [n for n in our_segments() if n.startswith(f"dataferry-{service_pid}-train-")]
+    return os.stat(f"/dev/shm/{name}").st_blocks * 512
+
+
+def test_an_automatic_pool_grows_to_what_its_trainer_holds(
+    photos: Path, start_service: ServiceFactory
+) -> None:
+    # NOTE [ A pool as large as what is in flight ]: 8 slots reserved at start, 2 x 2 workers + 8 at most.
+    service = start_service(photos, workers=2)
+    stride = SlotLayout.images(8, 32).stride
+    feed = status(service.endpoint)["feeds"][0]
+    assert (sum(feed["slots"].values()), feed["slots_most"]) == (FIRST_SLOTS, 12)
+    assert pool_bytes(service.proc.pid) == FIRST_SLOTS * stride + PAGE, "more than the first slots reserved"
+    with ServiceLoader(service.endpoint, credits=11, timeout=30) as loader:
+        it = iter(loader)
+        held = [next(it) for _ in range(10)]  # ten slots held: more than the pool had
+        grown = sum(status(service.endpoint)["feeds"][0]["slots"].values())
+        assert 10 <= grown <= 12
+        assert pool_bytes(service.proc.pid) == grown * stride + PAGE
+        assert all(int(b.images.float().std()) > 0 for b in held), "the added slots hold decoded images"
+        del held
+        for _batch in it:  # the epoch finishes in the slots there are
+            pass
+    assert sum(status(service.endpoint)["feeds"][0]["slots"].values()) == grown, "a pool never shrinks"
+
+
+def test_a_given_pool_is_reserved_whole_at_start(photos: Path, start_service: ServiceFactory) -> None:
+    service = start_service(photos, slots=20)
+    assert pool_bytes(service.proc.pid) == 20 * SlotLayout.images(8, 32).stride + PAGE
+    feed = status(service.endpoint)["feeds"][0]
+    assert (sum(feed["slots"].values()), feed["slots_most"]) == (20, 20)

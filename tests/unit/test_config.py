@@ -6,8 +6,8 @@ from pathlib import Path
 import pytest
 
 from loader_service.config import (
-    EXTRA_FEED_SLOTS,
     FEED_OPTIONS,
+    FIRST_SLOTS,
     OPTIONS,
     ConfigError,
     Option,
@@ -25,7 +25,7 @@ def test_file_then_flags_precedence(tmp_path: Path) -> None:
     )
     cfg = load_config(cfg_file, {"batch_size": 16, "workers": None})
     assert cfg.batch_size == 16 and cfg.workers == 3 and cfg.data == str(tmp_path.resolve())
-    assert cfg.pool_slots == 2 * 3 + 8
+    assert (cfg.feeds()[0].slots, cfg.feeds()[0].first_slots) == (2 * 3 + 8, FIRST_SLOTS)
 
 
 @pytest.mark.parametrize(
@@ -247,7 +247,9 @@ def test_feed_slots_are_not_inherited_and_zero_means_auto(tmp_path: Path) -> Non
         f'[feeds.x]\ndata = "{tmp_path}"\n[feeds.y]\ndata = "{tmp_path}"\nslots = 0\n'
     )
     main, x, y = load_config(cfg_file, {}, environ={}).feeds()
-    assert (main.slots, x.slots, y.slots) == (30, EXTRA_FEED_SLOTS, EXTRA_FEED_SLOTS)
+    assert (main.slots, main.first_slots) == (30, 30)  # given: all reserved at start
+    auto = 2 * 4 + 8
+    assert (x.slots, x.first_slots, y.slots, y.first_slots) == (auto, FIRST_SLOTS, auto, FIRST_SLOTS)
 
 
 @pytest.mark.parametrize(

@@ -10,7 +10,17 @@ import pytest
 
 from loader_service.config.cpus import cpu_budget
 from loader_service.config.values import ConfigError, WorkerCount
-from loader_service.supervisor.sizing import BACKOFF, HOLD, LONG, MIN_STEP, SETTLE, SHORT, Sample, Sizer
+from loader_service.supervisor.sizing import (
+    BACKOFF,
+    FIRST,
+    HOLD,
+    LONG,
+    MIN_STEP,
+    SETTLE,
+    SHORT,
+    Sample,
+    Sizer,
+)
 
 CPUS = len(os.sched_getaffinity(0))
 
@@ -182,10 +192,37 @@ def test_a_count_stands_a_settle_time_before_it_goes_down() -> None:
 def test_no_trainer_no_change_and_no_decision_before_a_window() -> None:
     sizer = Sizer(active=2, most=8, budget=2.0)
     feed = Feed(sizer)
-    assert sizer.tick(Sample(SHORT / 2, 0, 0, 0), lambda since: 10.0) is None, "too soon to tell"
-    feed.now = SHORT / 2
+    assert sizer.tick(Sample(FIRST / 2, 0, 0, 0), lambda since: 10.0) is None, "too soon to tell"
+    feed.now = FIRST / 2
     assert sizer.tick(Sample(2 * SHORT, 0, 0, 0), lambda since: 1.0, trainers=0) is None
     assert sizer.active == 2 and not sizer.decisions
+
+
+def test_trainers_that_attach_and_wait_get_workers_after_the_first_half_second() -> None:
+    feed = Feed(Sizer(active=2, most=16, budget=2.0))
+    assert feed.run(busy=1.0, cost=0.1, rate=200, demand=3.0, seconds=FIRST / 2) is None, "too soon"
+    assert feed.run(busy=1.0, cost=0.1, rate=200, demand=3.0, seconds=FIRST / 2) == 6, (
+        "the first window ends early"
+    )
+    assert feed.run(busy=1.0, cost=0.1, rate=600, demand=2.0, seconds=FIRST) is None, "later ones do not"
+    assert feed.run(busy=1.0, cost=0.1, rate=600, demand=2.0, seconds=SHORT - FIRST) == 12
+    # Trainers leave, and the next one to attach gets a first window again.
+    feed.sizer.tick(feed.sample(), feed.demand_since, 0)
+    assert feed.run(busy=1.0, cost=0.1, rate=1200, demand=2.0, seconds=FIRST) == 16
+
+
+def test_a_first_window_in_which_nobody_waits_runs_its_full_length() -> None:
+    feed = Feed(Sizer(active=2, most=16, budget=2.0))
+    assert feed.run(busy=1.0, cost=0.1, rate=200, demand=1.0, seconds=FIRST) is None
+    assert feed.sizer.last is None, "no window was measured: it runs on"
+    assert feed.run(busy=1.0, cost=0.1, rate=200, demand=1.0, seconds=SHORT - FIRST) is None
+    assert feed.sizer.last is not None and feed.sizer.last.seconds == SHORT
+
+
+def test_a_cpu_bound_feed_at_its_budget_adds_nothing_in_its_first_window() -> None:
+    feed = Feed(Sizer(active=2, most=8, budget=2.0))
+    assert feed.run(busy=1.0, cost=0.95, rate=400, demand=8.0, seconds=FIRST) is None
+    assert feed.sizer.active == 2
 
 
 # --- the budget ------------------------------------------------------------------------------------

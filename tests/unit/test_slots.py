@@ -29,3 +29,16 @@ def test_forbidden_edges_raise() -> None:
         pool.release(slot)
     with pytest.raises(SlotStateError):
         pool.filled(slot)
+
+
+def test_a_pool_grows_one_slot_at_a_time_up_to_its_capacity() -> None:
+    pool = SlotPool(1, capacity=3)
+    assert (len(pool), pool.capacity, pool.full) == (1, 3, False)
+    assert pool.acquire() == 0 and pool.acquire() is None
+    pool.add()
+    assert pool.acquire() == 1, "the slot added is the next one, and free"
+    pool.add()
+    assert pool.full and len(pool) == 3
+    with pytest.raises(SlotStateError):
+        pool.add()
+    assert pool.counts() == {"free": 1, "filling": 2, "ready": 0, "leased": 0}

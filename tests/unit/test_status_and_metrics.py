@@ -40,6 +40,7 @@ SAMPLE_BODY: dict[str, Any] = {
             "name": "train",
             "samples": 90,
             "slots": {"free": 8, "filling": 2, "ready": 0, "leased": 2},
+            "slots_most": 24,
             "decoded": 640,
             "images_per_second": 400.1,
             "batches": 80,
@@ -104,8 +105,8 @@ def test_render_shows_what_an_operator_looks_for() -> None:
     assert "up 12.3 s" in text and "2 trainer(s) attached" in text and "0 worker restart(s)" in text
     header = table_row(text, "FEED")
     assert header[:5] == ["FEED", "SAMPLES", "IMAGES/S", "DECODED", "BATCHES"]
-    assert header[5:9] == ["FREE", "FILLING", "READY", "LEASED"]
-    assert table_row(text, "train") == cells("train 90 400.1 640 80 8 2 0 2 3")
+    assert header[5:10] == ["FREE", "FILLING", "READY", "LEASED", "MOST"]
+    assert table_row(text, "train") == cells("train 90 400.1 640 80 8 2 0 2 24 3")
     assert "a/2.jpg, a/3.jpg, b/x.jpg" in text and "a/1.jpg" not in text  # the last few bad files
     assert (
         "train: sample cache (decoded): 812 entries, 3.00 of 4.00 GiB, full; 2436 hits, 812 misses (75% hits)"
@@ -126,7 +127,7 @@ def test_render_shows_what_an_operator_looks_for() -> None:
 def test_render_copes_with_older_or_partial_bodies() -> None:
     text = render({"uptime": 7200, "feeds": [{"name": "val"}], "sessions": "?", "worker_list": [1, None]})
     assert "up 2 h 00 min" in text
-    assert table_row(text, "val") == ["val", *["-"] * 9]
+    assert table_row(text, "val") == ["val", *["-"] * 10]
     assert "no trainers attached" in text and "no decode workers reported" in text
     assert "no feeds reported" in render({})
 
