@@ -3,15 +3,18 @@ with 2 workers, each time an epoch nothing decoded ahead.
 
     python -m benchmarks.cold [--attaches N] [--out DIR]
 
-For each attach it times, on the trainer's side, opening the session (``iter``: hello, welcome, the
-pool mapped) and then the first ``next()``; and, in this process afterwards, the decode of that
-batch's very samples with the service's own per-sample work (``load_into`` with its recipe, one
-process, page cache warm). The service splits a batch that a trainer waits for between its idle
-workers (NOTE [ Split batches ]), so the decode's share of the wait is about the slower half: the
-per-image times of the batch, in the order of its rows, summed by the part each worker took.
-The rest of ``next()`` is the service's and the wire's: planning, two task messages, the workers'
-``done``, the announcement, the trainer's mapping of the slot. Medians over the attaches; every
-attach's figures in ``cold.json``.
+For each attach it times, on the trainer's side, the first ``next()`` (the session opens there:
+hello, welcome, the pool mapped, the epoch started, the batch decoded and announced); and, in this
+process afterwards, once the service is idle again, the decode of that batch's very samples with
+the service's own per-sample work (``load_into`` with its recipe, one process, page cache warm,
+the fastest of ``REPEATS`` for each sample). The service splits a batch that a trainer waits for
+between its idle workers (NOTE [ Split batches ]), so the decode's share of the wait is the slower
+part (``plan_parts``, the service's own split). The rest of ``next()`` is the service's and the
+wire's: the session, planning, the task messages, the workers' ``done``, the announcement, the
+mapping of the slot. After each, an attach to epoch 0, whose first batches the service keeps
+decoded (NOTE [ Warm start ]), times the session and the delivery without any decode: what is left
+of the rest is the dispatch to the workers and back. Medians over the attaches; every attach's
+figures in ``cold.json``.
 """
 
 from __future__ import annotations
@@ -36,6 +39,9 @@ from benchmarks.sizing import wait_booted
 BATCH = 64
 SIZE = 224
 WORKERS = 2
+REPEATS = 3
+IDLE = 1.0
+"""Seconds to let the service finish what the last attach started, before timing anything."""
 
 
 def decode_seconds(data: Path, epoch: int, indices: list[int]) -> list[float]:
@@ -51,35 +57,48 @@ def decode_seconds(data: Path, epoch: int, indices: list[int]) -> list[float]:
     out = np.empty((3, SIZE, SIZE), np.uint8)
     times = []
     for idx in indices:
-        start = time.perf_counter()
-        load_into(str(index.path(idx)), out, recipe, _sample_rng(0, epoch, idx))
-        times.append(time.perf_counter() - start)
+        path = str(index.path(idx))
+        best = float("inf")
+        for _ in range(REPEATS):
+            start = time.perf_counter()
+            load_into(path, out, recipe, _sample_rng(0, epoch, idx))
+            best = min(best, time.perf_counter() - start)
+        times.append(best)
     return times
 
 
-def attach(endpoint: str, data: Path, epoch: int) -> dict[str, float]:
+def first_batch(endpoint: str, epoch: int) -> tuple[float, list[int]]:
+    """Seconds to the first batch of ``epoch`` from a new loader, and that batch's samples."""
     from gpu_worker import ServiceLoader
 
     with ServiceLoader(endpoint, timeout=60) as loader:
         loader.set_epoch(epoch)
         start = time.perf_counter()
-        it = iter(loader)
-        opened = time.perf_counter()
-        batch = next(it)
-        first = time.perf_counter()
-        indices = batch.indices.tolist()
-        del batch
+        indices = next(iter(loader)).indices.tolist()
+        return time.perf_counter() - start, indices
+
+
+def attach(endpoint: str, data: Path, epoch: int) -> dict[str, float]:
+    from loader_service.supervisor.parts import plan_parts
+
+    first, indices = first_batch(endpoint, epoch)
+    time.sleep(IDLE)  # the service decoded ahead for that trainer meanwhile: not while timing here
+    warm, _ = first_batch(endpoint, 0)
+    time.sleep(IDLE)
     per_image = decode_seconds(data, epoch, indices)
-    half = -(-len(per_image) // WORKERS)
-    parts = [sum(per_image[i : i + half]) for i in range(0, len(per_image), half)]
+    parts = [sum(per_image[at : at + rows]) for at, rows in plan_parts(len(indices), WORKERS)]
     return {
-        "session_s": opened - start,
-        "first_next_s": first - opened,
-        "total_s": first - start,
+        "first_next_s": first,
         "decode_sum_s": sum(per_image),
         "decode_slower_part_s": max(parts),
-        "rest_s": (first - opened) - max(parts),
+        "rest_s": first - max(parts),
+        "warm_first_next_s": warm,
+        "dispatch_s": first - max(parts) - warm,
     }
+
+
+def ms(seconds: float) -> str:
+    return f"{seconds * 1000:.1f}"
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -104,16 +123,16 @@ def main(argv: list[str] | None = None) -> int:
         wait_booted(endpoint)
         runs = []
         for epoch in range(3, 3 + args.attaches):
-            time.sleep(1.0)  # idle: whatever the last attach started has finished
+            time.sleep(IDLE)
             runs.append(attach(endpoint, data, epoch))
-            say(" ".join(f"{k} {v * 1000:.1f} ms" for k, v in runs[-1].items()))
+            say(" ".join(f"{k} {ms(v)} ms" for k, v in runs[-1].items()))
     medians: dict[str, Any] = {k: statistics.median(r[k] for r in runs) for k in runs[0]}
     say(
-        f"cold first batch (median of {len(runs)}): {medians['total_s'] * 1000:.1f} ms = session "
-        f"{medians['session_s'] * 1000:.1f} + first next() {medians['first_next_s'] * 1000:.1f}, of "
-        f"which decode (slower of {WORKERS} parts) {medians['decode_slower_part_s'] * 1000:.1f} and the "
-        f"rest {medians['rest_s'] * 1000:.1f}; the batch's decode in one process "
-        f"{medians['decode_sum_s'] * 1000:.1f}"
+        f"cold first batch (median of {len(runs)}): {ms(medians['first_next_s'])} ms, of which decode "
+        f"(the slower of {WORKERS} parts) {ms(medians['decode_slower_part_s'])} and the rest "
+        f"{ms(medians['rest_s'])}: a warm first batch (session and delivery) "
+        f"{ms(medians['warm_first_next_s'])}, dispatch {ms(medians['dispatch_s'])}; the batch's decode in "
+        f"one process {ms(medians['decode_sum_s'])}"
     )
     write_results(args.out, "cold", {"median": medians, "attaches": runs})
     return 0
