@@ -161,6 +161,7 @@ class ServiceLoader:
         data: str | os.PathLike[str],
         *,
         device: str = "cpu",
+        feed: str = "",
         credits: int = 6,
         timeout: float = 60.0,
         fields: ExpectedFields | None = None,
@@ -169,20 +170,31 @@ class ServiceLoader:
     ) -> ServiceLoader:
         """A loader over a private service of its own: ``loader-service serve --data DATA`` with
         ``serve_options`` as its flags (``batch_size=64`` is ``--batch-size 64``; workers sized to
-        this host unless ``workers=`` pins them). The service stops when the loader closes, and
-        when this process ends however it ends, SIGKILL included (NOTE [ Stop with stdin ]).
-        Where ``DATAFERRY_ENDPOINTS`` is set, no service is started: the loader attaches to those,
-        so a script moves to a shared service without a change (``serve_options`` are then the
-        shared service's business and ignored)."""
+        this host unless ``workers=`` pins them; ``feed`` names its feed). The service stops when
+        the loader closes, and when this process ends however it ends, SIGKILL included (NOTE
+        [ Stop with stdin ]). Where ``DATAFERRY_ENDPOINTS`` is set, no service is started: the
+        loader attaches to ``feed`` of those, so a script moves to a shared service without a
+        change. The options that shape a batch (``batch_size``, ``image_size``) are then what the
+        loader expects: a shared service that serves other batches fails the attach, before any
+        batch, naming both; the others are the shared service's business and ignored."""
+        batch_size, image_size = (_expected(serve_options, key) for key in ("batch_size", "image_size"))
         private = None
         if shared := endpoints_from_env():
             log.info("%s is set: attaching to %s, no private service", ENDPOINTS_ENV, ", ".join(shared))
         else:
-            private = LocalService(data, serve_options, start_timeout)
+            private = LocalService(data, {**serve_options, "feed": feed or None}, start_timeout)
         endpoint = None if private is None else private.endpoint
         try:
             return cls(
-                endpoint, device=device, credits=credits, timeout=timeout, fields=fields, _private=private
+                endpoint,
+                device=device,
+                feed=feed,
+                batch_size=batch_size,
+                image_size=image_size,
+                credits=credits,
+                timeout=timeout,
+                fields=fields,
+                _private=private,
             )
         except BaseException:
             if private is not None:
@@ -362,3 +374,13 @@ class ServiceLoader:
                 f"feed {self.info.name!r} does not serve the fields this trainer expects: "
                 f"{'; '.join(differences)} (it serves {describe_fields(served)})"
             )
+
+
+def _expected(serve_options: dict[str, object], key: str) -> int | None:
+    """A batch-shaping ``local`` option as the loader's expectation; None where it was not given."""
+    value = serve_options.get(key)
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise TypeError(f"serve option {key}: a whole number, not {value!r}")
+    return value

@@ -96,6 +96,23 @@ def test_with_dataferry_endpoints_set_it_attaches_to_the_shared_service(
     assert sorted(seen) == list(range(90))
 
 
+def test_a_shared_service_serving_other_batches_fails_the_attach_naming_both(
+    photos: Path, start_service: ServiceFactory, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # The script asks for batches of 16 at 48 px; the shared service serves 8 at 32 (before: it
+    # trained on those without a word).
+    shared = start_service(photos, name="shared", feed="main")
+    monkeypatch.setenv("DATAFERRY_ENDPOINTS", shared.endpoint)
+    with pytest.raises(
+        ServiceError, match=r"serves batches of 8 samples of 32px images; this trainer asked for 16 of 48px"
+    ):
+        ServiceLoader.local("/no/such/data", batch_size=16, image_size=48, feed="main")
+    with pytest.raises(ServiceError, match="main"):  # the feed is the one named, not the first
+        ServiceLoader.local("/no/such/data", batch_size=8, feed="other")
+    with ServiceLoader.local("/no/such/data", batch_size=8, image_size=32, feed="main") as loader:
+        assert (loader.info.name, loader.info.batch_size) == ("main", 8)
+
+
 def test_keyword_options_become_serve_flags() -> None:
     flags = serve_flags(
         {"batch_size": 64, "strict": True, "insecure_tcp": False, "seed": None, "data_dir": Path("/d")}
