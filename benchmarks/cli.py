@@ -30,8 +30,8 @@ from benchmarks.progress import say
 from benchmarks.report import format_table, markdown, to_json
 from benchmarks.results import BenchResults, evaluate_targets
 from benchmarks.service_process import BenchError
+from loader_service.decode.contract import INTERPOLATIONS
 from loader_service.decode.decoders import DECODERS
-from loader_service.decode.geometry import INTERPOLATIONS
 
 T = TypeVar("T")
 

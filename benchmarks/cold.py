@@ -47,8 +47,8 @@ IDLE = 1.0
 def decode_seconds(data: Path, epoch: int, indices: list[int]) -> list[float]:
     """Each sample's time through the service's per-sample work, in the order of the batch's rows."""
     from loader_service.dataset.index import build_index
+    from loader_service.decode.decoders import roi_decoder_version
     from loader_service.decode.geometry import prepare
-    from loader_service.decode.regions import roi_decoder_version
     from loader_service.decode.transforms import Recipe, load_into
 
     index = build_index(data)

@@ -11,8 +11,8 @@ import math
 from dataclasses import dataclass, replace
 from pathlib import Path
 
+from loader_service.decode.contract import INTERPOLATIONS
 from loader_service.decode.decoders import decoder_problem, uses_roi
-from loader_service.decode.geometry import INTERPOLATIONS
 
 SCENARIOS = ("a", "b", "c", "d", "e", "f", "g", "h", "i", "j", "k", "l")
 SCENARIO_TITLES = {

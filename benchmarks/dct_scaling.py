@@ -30,7 +30,7 @@ import cv2
 import numpy as np
 
 from loader_service.decode import decoders, geometry, regions
-from loader_service.decode.geometry import INTERPOLATIONS
+from loader_service.decode.contract import INTERPOLATIONS
 from loader_service.decode.regions import ROI_HEADROOM, SHARPNESS_TOLERANCE
 from loader_service.decode.transforms import Recipe, decode_bytes, load_bytes_into, transform_into
 from loader_service.tools.synthetic_photos import render_photo

@@ -40,7 +40,7 @@ from typing import Any
 
 from benchmarks.proctree import PROC, parse_stat, parse_status_kib
 from benchmarks.service_process import BenchError, ServiceProcess, ServiceSpec, running_service
-from loader_service.decode.worker import BENCH_WRITE_NOTHING_ENV
+from loader_service.decode.contract import BENCH_WRITE_NOTHING_ENV
 from loader_service.tools.status_view import query_status
 
 IMAGENET_SAMPLES = 1_281_167

@@ -34,7 +34,8 @@ import torch
 from PIL import Image
 
 from benchmarks.dct_scaling import folder_set, synthetic_set
-from loader_service.decode.geometry import INTERPOLATIONS, random_resized_crop_params
+from loader_service.decode.contract import INTERPOLATIONS
+from loader_service.decode.geometry import random_resized_crop_params
 from loader_service.decode.transforms import Recipe, decode_bytes, transform_into
 
 Reference = Callable[[bytes, np.random.Generator, int, str], np.ndarray]

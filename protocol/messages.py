@@ -7,23 +7,26 @@ Every message is one ZeroMQ frame holding one msgpack map, keys in this order::
 
 A ``batch`` names a slot of the feed's shared-memory segment (see ``protocol.layout``). A trainer on
 the service's host maps the segment and reads the slot in place; a trainer that cannot (another
-host: its ``start`` says ``transport=tcp``) gets three raw frames after the ``batch`` frame: the
-slot's images, labels and indices, rows ``[0, count)`` only, sent from shared memory without a
-copy. Either way the trainer releases the batch by its lease. A trainer's session::
+host: its ``start`` says ``transport=tcp``) gets raw frames after the ``batch`` frame, one per field
+of the feed's layout in its order and then one of the indices (``SlotLayout.parts``), rows
+``[0, count)`` only, each a copy of the slot's bytes (NOTE [ Remote sends ]). Either way the
+trainer releases the batch by its lease. A trainer's session (the fields each message may carry;
+``tests/unit/test_protocol.py`` keeps every name below a field of its kind)::
 
     trainer (DEALER)                         service (ROUTER)
-      hello{feed, credits[, resume=token, held, have]} ->
-                           <---------------- welcome{session label, token, feed info, credits}
+      hello{feed, credits, mode, rank, world_size, batch_size, image_size[, resume, held, have]} ->
+                           <---------------- welcome{session, token, feed, credits, heartbeat_interval}
       start{run, epoch, position, transport, picked, want, token, offset} ->
       want{run, seqs, token} -------------->   (a picked start only: these batches too)
                            <---------------- batch{run, epoch, seq, lease, slot, count}   (<= credits
-                           <---------------- batch ... [+ images | labels | indices]       unreleased)
+                           <---------------- batch ... [+ each field | indices]          unreleased)
       release{leases, token} -------------->
                            <---------------- heartbeat{sent, run}  (every heartbeat interval)
       ack{have, missing, held, token} ----->
                            <---------------- batch ... (again: each lease named in ``missing``)
                            <---------------- end{run, epoch, batches}
-      heartbeat{token}  (from a second socket, every heartbeat interval)
+      heartbeat{token, waited, computed, pulls}  (from a second socket, every heartbeat interval;
+                                                  NOTE [ Early heartbeat ])
       bye{token} --------------------------->
 
 Leases are numbered per session, 1, 2, 3, ... in the order they are announced, so a trainer knows
@@ -39,7 +42,7 @@ Decode workers talk to the service on a private socket::
     decode worker (DEALER)                   service (ROUTER)
       w_ready{worker, pid} ---------------->
                            <---------------- task{task, feed, slot, epoch, indices, row}
-      done{task, worker, count, bad} ------>
+      done{task, worker, count, bad, retry} ->
                            <---------------- stop
 
 Each message below is a frozen dataclass whose fields declare their wire rule beside them (type and

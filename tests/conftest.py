@@ -114,7 +114,7 @@ def restore_process_state(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
 
     import torch
 
-    from loader_service.decode.pipeline import THREAD_ENV
+    from loader_service.decode.contract import THREAD_ENV
 
     monkeypatch.setattr(sys, "path", list(sys.path))
     for name in THREAD_ENV:

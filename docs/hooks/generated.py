@@ -61,8 +61,30 @@ def flags_page() -> str:
         if o.per_feed:
             meaning += " *Per feed.*"
         meaning += f" <br>`{o.name}`, `{o.env}`"
-        lines.append(f"| `{o.flag}` | {_default(o.default)} | {meaning} |")
+        forms = f"`{o.flag}`" + (f"<br>`--no-{o.flag[2:]}`" if o.type is bool else "")
+        lines.append(f"| {forms} | {_default(o.default)} | {meaning} |")
+    lines += ["", "Beside its options, `serve` takes:", "", "| flag | meaning |", "| --- | --- |"]
+    for flag, meaning in _other_serve_flags():
+        lines.append(f"| `{flag}` | {_cell(meaning.rstrip('.'))}. |")
     return "\n".join(lines) + "\n"
+
+
+def _other_serve_flags() -> list[tuple[str, str]]:
+    """``serve``'s flags that are no option of the config (``--config``, ``--dry-run``...), as
+    ``serve --help`` has them."""
+    import argparse
+
+    from loader_service.config.options import OPTIONS
+    from loader_service.tools.cli import build_parser
+
+    parser = build_parser()
+    commands = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction))
+    known = {o.flag for o in OPTIONS.values()}
+    return [
+        (action.option_strings[-1], action.help or "")
+        for action in commands.choices["serve"]._actions
+        if action.option_strings and action.option_strings[-1] not in known and action.dest != "help"
+    ]
 
 
 def _default(value: Any) -> str:

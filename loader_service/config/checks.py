@@ -12,8 +12,8 @@ from typing import Any
 import zmq.auth
 
 from loader_service.dataset.storage.objectstore import in_object_store
+from loader_service.decode.contract import parse_spec
 from loader_service.decode.decoders import decoder_problem
-from loader_service.decode.pipeline import parse_spec
 
 LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR")
 

@@ -12,7 +12,7 @@ from loader_service.config.option import option
 from loader_service.config.values import ByteSize, require
 from loader_service.dataset.index import FORMATS
 from loader_service.dataset.storage.objectstore import in_object_store
-from loader_service.decode.geometry import INTERPOLATIONS
+from loader_service.decode.contract import INTERPOLATIONS
 from protocol.layout import FieldSpec
 
 AUGMENTS = ("train", "eval", "none")

@@ -1,11 +1,26 @@
-"""Which decoder the train and eval transforms use (``--decoder``), and what to say about it."""
+"""Which decoder the train and eval transforms use (``--decoder``), and what to say about it; free of
+OpenCV, so config and the service's main process may ask (NOTE [ The worker contract ])."""
 
 from __future__ import annotations
 
-from loader_service.decode.regions import roi_decoder_version
+from types import ModuleType
+
+_jpegcrop: ModuleType | None
+try:
+    from loader_service.decode import _jpegcrop
+except ImportError:  # built only where libjpeg-turbo's headers were found at install time
+    _jpegcrop = None
 
 DECODERS = ("auto", "opencv", "jpeg-roi")
 """``auto``: the region decoder when it is built, else OpenCV; ``jpeg-roi`` insists on it."""
+
+
+def roi_decoder_version() -> str | None:
+    """The libjpeg-turbo version the region decoder was built against, or None if it is not built."""
+    if _jpegcrop is None:
+        return None
+    number = int(getattr(_jpegcrop, "LIBJPEG_TURBO_VERSION_NUMBER", 0))
+    return f"{number // 1000000}.{number // 1000 % 1000}.{number % 1000}"
 
 
 def decoder_problem(choice: str) -> str | None:

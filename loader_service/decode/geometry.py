@@ -1,5 +1,5 @@
 """Where a transform takes its pixels from, and how it resizes them: RandomResizedCrop's draw, eval's
-geometry, and the resize filters (``INTERPOLATIONS``), each exactly as torchvision computes it."""
+geometry, and the resize filters (``contract.INTERPOLATIONS``), each exactly as torchvision computes it."""
 
 from __future__ import annotations
 
@@ -22,12 +22,6 @@ except ImportError:  # built wherever a C compiler was found at install time
 
 SCALE = (0.08, 1.0)
 RATIO = (3 / 4, 4 / 3)
-
-INTERPOLATIONS = ("bilinear-antialias", "bilinear", "area")
-"""The resize filters, default first. ``bilinear-antialias`` is torchvision's default (its tensor
-resize, ``antialias=True``; PIL's bilinear is within one level of it); ``bilinear`` is OpenCV's
-``INTER_LINEAR``, what a plain ``cv2.resize`` pipeline does; ``area`` is OpenCV's ``INTER_AREA`` when
-shrinking (bilinear when enlarging)."""
 
 
 @dataclass(frozen=True)

@@ -34,7 +34,6 @@ import importlib
 import importlib.util
 import os
 import random
-import re
 import sys
 import traceback
 from collections.abc import Callable, Mapping
@@ -49,34 +48,19 @@ import numpy.typing as npt
 from loader_service.dataset.sampler import sample_rng
 from loader_service.dataset.storage.objectstore import StoreUnavailable
 from loader_service.dataset.tables import DecodeError
+from loader_service.decode.contract import PIPELINE_REASON, THREAD_ENV, PipelineError, parse_spec
 from loader_service.decode.sample import Sample
 from protocol.layout import DTYPES, FieldSpec
 
 Pipeline = Callable[["Sample", np.random.Generator], object]
 """What ``--pipeline`` names: ``FUNC(sample, rng) -> {name: array or tensor}``."""
 
-PIPELINE_REASON = "pipeline: "
-"""How the reason of a sample the pipeline itself failed on starts (the service logs each such
-reason once, however many samples share it)."""
-
 MAX_REASON = 200
 """Characters of a bad-sample reason: one short line, as for undecodable files."""
 
-THREAD_ENV = ("OMP_NUM_THREADS", "MKL_NUM_THREADS", "OPENBLAS_NUM_THREADS")
-
-_IDENTIFIER = r"[A-Za-z_][A-Za-z0-9_]*"
-_MODULE_SPEC = re.compile(rf"^{_IDENTIFIER}(\.{_IDENTIFIER})*$")
-_FUNC = re.compile(rf"^{_IDENTIFIER}$")
 _HERE = Path(__file__).resolve().parent
 _GLOBAL_SEEDS = 0x610B
 """Mixed into the global generators' SeedSequence, so their streams differ from ``rng``'s."""
-
-
-class PipelineError(Exception):
-    """A pipeline that cannot run at all (import failure, or failure on sample 0 at start).
-
-    ``str()`` is what the operator reads, with the user's traceback; the service exits 2 with it.
-    """
 
 
 class OutputError(Exception):
@@ -84,17 +68,6 @@ class OutputError(Exception):
 
 
 # --- loading --------------------------------------------------------------------------------------
-
-
-def parse_spec(spec: str) -> tuple[str, str]:
-    """``FILE.py:FUNC`` or ``package.module:FUNC`` -> (file or module, function); ValueError if neither."""
-    target, _, func = spec.rpartition(":")
-    # One colon: a file path holding another would be read differently by the reader of the spec.
-    if not target or ":" in target or not _FUNC.match(func):
-        raise ValueError(f"pipeline must be FILE.py:FUNC or package.module:FUNC, got {spec!r}")
-    if not target.endswith(".py") and not _MODULE_SPEC.match(target):
-        raise ValueError(f"pipeline {spec!r}: {target!r} is neither a .py file nor a module name")
-    return target, func
 
 
 def single_threaded() -> None:

@@ -45,14 +45,6 @@ def built() -> bool:
     return _jpegcrop is not None
 
 
-def roi_decoder_version() -> str | None:
-    """The libjpeg-turbo version the region decoder was built against, or None if it is not built."""
-    if _jpegcrop is None:
-        return None
-    number = int(getattr(_jpegcrop, "LIBJPEG_TURBO_VERSION_NUMBER", 0))
-    return f"{number // 1000000}.{number // 1000 % 1000}.{number % 1000}"
-
-
 def eval_region(height: int, width: int, size: int, num: int = 8) -> Crop:
     """The source pixels eval's centre crop depends on, whatever the filter (NOTE [ Eval regions ]):
     the crop mapped back to the image, widened by the filter's support (at most the scale factor,

@@ -19,9 +19,9 @@ import logging
 import os
 
 from loader_service.decode import worker as _worker  # noqa: F401 - imported for the workers forked from here
-from loader_service.decode.pipeline import PipelineError, load_pipeline
+from loader_service.decode.contract import PIPELINES_ENV, PipelineError
+from loader_service.decode.pipeline import load_pipeline
 
-PIPELINES_ENV = "DATAFERRY_TEMPLATE_PIPELINES"
 log = logging.getLogger(__name__)
 
 

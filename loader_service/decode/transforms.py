@@ -23,8 +23,8 @@ import numpy as np
 from loader_service.dataset.storage.local import DEFAULT_MAX_FILE_BYTES, read_file
 from loader_service.dataset.tables import DecodeError
 from loader_service.decode import regions
+from loader_service.decode.contract import INTERPOLATIONS
 from loader_service.decode.geometry import (
-    INTERPOLATIONS,
     U8,
     eval_geometry,
     random_resized_crop_params,

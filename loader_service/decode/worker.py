@@ -18,18 +18,26 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
 
 import cv2
 import numpy as np
 import numpy.typing as npt
 import zmq
 
-from loader_service.dataset.index import LOCAL, DatasetIndex
+from loader_service.dataset.index import DatasetIndex
 from loader_service.dataset.sampler import sample_rng
-from loader_service.dataset.storage.objectstore import StorageConfig, StoreUnavailable, on_answer
+from loader_service.dataset.storage.objectstore import StoreUnavailable, on_answer
 from loader_service.dataset.tables import DecodeError
-from loader_service.decode.cache import CacheKind, CacheSpec, SampleCache
+from loader_service.decode.cache import CacheKind, SampleCache
+from loader_service.decode.contract import (
+    FAULT_ENV,
+    HANG_ON,
+    WORKER_BOOT_ERROR,
+    SlotViews,
+    WorkerConfig,
+    WorkerFeed,
+    slot_views,
+)
 from loader_service.decode.geometry import prepare
 from loader_service.decode.pipeline import Pipeline, load_pipeline, run_into
 from loader_service.decode.progress import PREFETCHING, ProgressBoard
@@ -45,62 +53,6 @@ from protocol.workers import StopWorker, Task, TaskDone, WorkerReady
 
 log = logging.getLogger(__name__)
 POLL_MS = 500
-WORKER_BOOT_ERROR = 3
-"""Exit code of a worker that could not start; the supervisor backs off instead of looping."""
-FAULT_ENV = "DATAFERRY_INJECT_FAULT"
-"""Fault injection for tests: ``worker-boot`` makes every decode worker fail at start-up;
-``main-loop`` makes the service's main loop raise as it begins; ``hang-on:TEXT`` makes a worker
-stall, as on a read that never returns, on every task holding a path that contains TEXT."""
-HANG_ON = "hang-on:"
-BENCH_WRITE_NOTHING_ENV = "DATAFERRY_BENCH_WRITE_NOTHING"
-"""Benchmark-only hook (``benchmarks.loop_cost``): ``1`` makes every decode worker answer each task
-at once, writing only the slot's sample indices, so a run measures the service's main loop with
-decoding taken out. Read once by the supervisor (``service``), which logs a warning; never set
-it for training: the batches hold whatever pixels the slot held before."""
-
-
-@dataclass(frozen=True)
-class WorkerFeed:
-    """What a worker needs to fill slots for one feed."""
-
-    segment: str
-    slots: int
-    layout: SlotLayout
-    index_dir: Path
-    """Where the service saved the feed's index (``DatasetIndex.load``)."""
-    seed: int
-    augment: str
-    """The built-in transform (train, eval, none); unused with a pipeline."""
-    interpolation: str
-    """The built-in transforms' resize filter (``geometry.INTERPOLATIONS``)."""
-    pipeline: str
-    """``FILE.py:FUNC`` or ``package.module:FUNC`` (``decode.pipeline``); "" for the built-in transforms."""
-    max_file_bytes: int
-    """A larger file or tar member is a bad sample (``dataset.storage.read_file``)."""
-    storage: StorageConfig = LOCAL
-    """How to reach the data's object store, if it is in one."""
-    cache: CacheSpec | None = None
-    """The feed's decoded-sample cache (NOTE [ Sample cache ]), if it has one."""
-
-
-@dataclass(frozen=True)
-class WorkerConfig:
-    worker: int
-    parent_pid: int
-    parent_start: str
-    """The service's start time (``shm.process_start``), taken by the service itself: a worker
-    forked after the service died (a replacement started as it stopped) knows it is gone."""
-    backend: str
-    feeds: tuple[WorkerFeed, ...]
-    log_level: str
-    roi: bool = False
-    """Decode train and eval crops with the region decoder (``transforms.load_bytes_into``)."""
-    write_nothing: bool = False
-    """Answer every task without reading or decoding anything (BENCH_WRITE_NOTHING_ENV)."""
-    progress: str = ""
-    """The service's progress page (NOTE [ Per-sample progress ]); "" writes none."""
-    workers: int = 1
-    """How many workers the page has room for."""
 
 
 @dataclass
@@ -132,25 +84,6 @@ class OpenFeed:
         return self.cache if self.cache is not None and self.cache.kind is CacheKind.DECODED else None
 
 
-@dataclass(frozen=True)
-class SlotViews:
-    fields: dict[str, npt.NDArray[Any]]
-    """Each field's ``[capacity, *shape]`` rows, by name."""
-    indices: npt.NDArray[np.int64]
-
-
-def slot_views(segment: Segment, layout: SlotLayout, slot: int, slots: int) -> SlotViews:
-    base = layout.slot_offset(slot, slots)
-    cap = layout.capacity
-    return SlotViews(
-        fields={
-            f.name: np.ndarray((cap, *f.shape), f.dtype, segment.buf, base + offset)
-            for f, offset in zip(layout.fields, layout.offsets, strict=True)
-        },
-        indices=np.ndarray((cap,), np.int64, segment.buf, base + layout.indices_offset),
-    )
-
-
 Progress = Callable[[int], None]
 """Called with the number of the task's samples finished so far (NOTE [ Per-sample progress ])."""
 
@@ -162,12 +95,14 @@ def fill_slot(worker: int, feed: OpenFeed, task: Task, progress: Progress | None
     row = task.row
     bad: list[tuple[int, str]] = []
     indices = np.frombuffer(task.indices, dtype="<i8").tolist()
+    hang = _hang_text()
     try:
         _prefetch(feed, indices)
         if progress is not None:
             progress(0)  # from here a death is its first sample's (NOTE [ Waiting on the store ])
         for done, idx in enumerate(indices, start=1):
-            _injected_hang(feed, idx)
+            if hang:
+                _injected_hang(feed, idx, hang)
             reason = fill_row(feed, views, row, idx, task.epoch)
             if reason is not None:
                 bad.append((idx, reason))
@@ -379,15 +314,18 @@ def indices_only(worker: int, feed: OpenFeed, task: Task) -> TaskDone:
     return TaskDone(task.task, worker, len(indices), ())
 
 
-def _injected_hang(feed: OpenFeed, idx: int) -> None:
-    """``hang-on:TEXT`` (FAULT_ENV): stall on reaching a sample whose path contains TEXT, as on a
-    read that never returns, until the service kills this worker (``--task-timeout``) or is gone."""
+def _hang_text() -> str:
+    """The TEXT of an injected ``hang-on:TEXT`` (FAULT_ENV), "" without one; read once a task."""
     fault = os.environ.get(FAULT_ENV, "")
-    if not fault.startswith(HANG_ON) or not 0 <= idx < len(feed.index):
+    return fault[len(HANG_ON) :] if fault.startswith(HANG_ON) else ""
+
+
+def _injected_hang(feed: OpenFeed, idx: int, text: str) -> None:
+    """Stall on reaching a sample whose path contains ``text``, as on a read that never returns,
+    until the service kills this worker (``--task-timeout``) or is gone."""
+    if not 0 <= idx < len(feed.index) or text not in str(feed.index.path(idx)):
         return
-    if fault[len(HANG_ON) :] not in str(feed.index.path(idx)):
-        return
-    log.warning("sample %d: stalling, fault injected by %s=%s", idx, FAULT_ENV, fault)
+    log.warning("sample %d: stalling, fault injected by %s=%s%s", idx, FAULT_ENV, HANG_ON, text)
     parent = os.getppid()  # the template, which ends with the service
     while os.getppid() == parent:
         time.sleep(POLL_MS / 1000)  # a stall, not a wait for anything: only a kill ends it

@@ -16,9 +16,8 @@ from loader_service.dataset.index import DatasetIndex, load_or_build
 from loader_service.dataset.sampler import ShardOrder, shard_order
 from loader_service.dataset.source import Columns
 from loader_service.decode.cache import LOCK_NAME, CacheKind, CacheSegment, CacheTooSmall, cache_kind
-from loader_service.decode.pipeline import PIPELINE_REASON
-from loader_service.decode.probe import PipelineError, probe_fields
-from loader_service.decode.worker import WorkerFeed
+from loader_service.decode.contract import PIPELINE_REASON, PipelineError, WorkerFeed
+from loader_service.decode.probe import probe_fields
 from loader_service.shm import Segment, new_segment_name
 from loader_service.supervisor.rates import RateMeter
 from loader_service.supervisor.slots import SlotPool

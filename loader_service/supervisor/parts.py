@@ -29,7 +29,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
-from loader_service.decode.worker import SlotViews
+from loader_service.decode.contract import SlotViews
 
 MIN_PART_ROWS = 8
 """Fewer samples per task would cost more in messages and waiting than a second worker saves."""

@@ -18,8 +18,8 @@ import numpy as np
 import numpy.typing as npt
 
 from loader_service.config import ServiceConfig
+from loader_service.decode.contract import slot_views
 from loader_service.decode.progress import PREFETCHING, ProgressBoard
-from loader_service.decode.worker import slot_views
 from loader_service.supervisor.attachments import Attachments
 from loader_service.supervisor.feeds import Feed
 from loader_service.supervisor.parts import SplitBatch, compact, plan_parts

@@ -44,10 +44,9 @@ import zmq
 from loader_service.config import ServiceConfig
 from loader_service.config.values import ByteSize
 from loader_service.dataset.storage.cachedir import open_cache_folder
+from loader_service.decode.contract import FAULT_ENV, THREAD_ENV, WorkerConfig
 from loader_service.decode.decoders import describe_decoder
-from loader_service.decode.pipeline import THREAD_ENV
 from loader_service.decode.progress import ProgressBoard
-from loader_service.decode.worker import FAULT_ENV, WorkerConfig
 from loader_service.shm import LOCK_NAME, SHM_DIR, hold_lock, process_start, remove_stale
 from loader_service.supervisor import status, systemd
 from loader_service.supervisor.attachments import Attachments

@@ -35,8 +35,13 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 
-from loader_service.decode.template import PIPELINES_ENV
-from loader_service.decode.worker import BENCH_WRITE_NOTHING_ENV, WORKER_BOOT_ERROR, WorkerConfig, run_worker
+from loader_service.decode.contract import (
+    BENCH_WRITE_NOTHING_ENV,
+    PIPELINES_ENV,
+    WORKER_BOOT_ERROR,
+    WorkerConfig,
+)
+from loader_service.decode.entry import worker_main
 from loader_service.supervisor.rates import RateMeter
 
 log = logging.getLogger(__name__)
@@ -317,7 +322,7 @@ def prepare_template(template: WorkerConfig) -> None:
 
 def _spawn_process(cfg: WorkerConfig) -> multiprocessing.process.BaseProcess:
     process = _TEMPLATE.Process(
-        target=run_worker, args=(cfg,), name=f"dataferry-worker-{cfg.worker}", daemon=True
+        target=worker_main, args=(cfg,), name=f"dataferry-worker-{cfg.worker}", daemon=True
     )
     process.start()
     return process

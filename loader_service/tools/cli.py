@@ -70,7 +70,7 @@ def _flag_help(opt: Option) -> str:
 
 
 def _cmd_serve(args: argparse.Namespace) -> int:
-    from loader_service.decode.probe import PipelineError
+    from loader_service.decode.contract import PipelineError
     from loader_service.shm import SharedMemoryError
     from loader_service.supervisor.metrics import MetricsUnavailable
     from loader_service.supervisor.service import LoaderService  # keeps `index` and `--help` fast

@@ -17,8 +17,10 @@ from gpu_worker import ServiceError, ServiceLoader, ServiceTimeout
 from loader_service.config import FIRST_SLOTS
 from loader_service.dataset.index import build_index
 from loader_service.dataset.sampler import sample_rng
-from loader_service.decode.geometry import INTERPOLATIONS, eval_geometry, random_resized_crop_params
-from loader_service.decode.regions import ROI_HEADROOM, roi_decoder_version, roi_scale
+from loader_service.decode.contract import INTERPOLATIONS
+from loader_service.decode.decoders import roi_decoder_version
+from loader_service.decode.geometry import eval_geometry, random_resized_crop_params
+from loader_service.decode.regions import ROI_HEADROOM, roi_scale
 from protocol.layout import PAGE, SlotLayout
 from tests.helpers import ServiceFactory, in_background, our_segments, status
 

@@ -25,7 +25,7 @@ import pytest
 from gpu_worker import ServiceError, ServiceLoader
 from gpu_worker.loader_config import MAX_ENDPOINTS
 from gpu_worker.services import TURN
-from loader_service.decode.regions import roi_decoder_version
+from loader_service.decode.decoders import roi_decoder_version
 from loader_service.tools.keys import make_keys
 from tests.helpers import REPO, ServiceFactory, ServiceProcess, free_port, private_shm_available
 

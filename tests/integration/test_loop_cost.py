@@ -10,7 +10,7 @@ import pytest
 from benchmarks import loop_cost
 from gpu_worker import ServiceLoader
 from loader_service.dataset.sampler import shard_order
-from loader_service.decode.worker import BENCH_WRITE_NOTHING_ENV
+from loader_service.decode.contract import BENCH_WRITE_NOTHING_ENV
 from tests.helpers import ServiceFactory
 
 pytestmark = pytest.mark.integration

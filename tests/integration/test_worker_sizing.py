@@ -82,9 +82,10 @@ def test_a_feed_whose_workers_wait_gets_more_workers_than_cores(
         now, asked = sizing(service), time.monotonic()
     assert now["active"] > now["budget"] >= 1, f"more workers than cores: {now}"
     adds = [asked - d["seconds_ago"] - attached for d in now["decisions"] if "trainers wait" in d["reason"]]
-    # NOTE [ Early heartbeat ]: the first waiting heartbeat comes 0.25 s after the attach; workers
-    # within a second of it (a first window of 2 s made it 1 to 2 s after the attach).
-    assert adds and adds[0] < 1.25, f"the first addition came {adds[0] if adds else None} s after attaching"
+    # NOTE [ Early heartbeat ]: the first waiting heartbeat comes 0.25 s after the attach and the
+    # first window ends 0.5 s after it (measured: 0.5 s, benchmarks.sizing); 2 s leaves a busy
+    # machine its slack and still fails the 8 s a trainer once waited (tests/unit has the rule).
+    assert adds and adds[0] < 2.0, f"the first addition came {adds[0] if adds else None} s after attaching"
     service.wait_for(r"decode workers \d+ -> \d+: trainers wait")
 
 

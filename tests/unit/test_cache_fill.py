@@ -18,8 +18,8 @@ import pytest
 
 from loader_service.dataset.index import build_index
 from loader_service.decode.cache import CacheKind, CacheSegment, cache_kind, overhead_bytes
+from loader_service.decode.contract import INTERPOLATIONS
 from loader_service.decode.decoders import uses_roi
-from loader_service.decode.geometry import INTERPOLATIONS
 from loader_service.decode.worker import OpenFeed, WorkerFeed, fill_slot, open_feed, slot_views
 from loader_service.shm import Segment, new_segment_name
 from protocol.layout import FieldSpec, SlotLayout

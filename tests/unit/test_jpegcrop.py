@@ -18,9 +18,10 @@ from PIL import Image
 
 from loader_service.config import ConfigError, load_config
 from loader_service.dataset.tables import DecodeError
-from loader_service.decode import regions
+from loader_service.decode import decoders, regions
+from loader_service.decode.decoders import roi_decoder_version
 from loader_service.decode.geometry import Crop, random_resized_crop_params
-from loader_service.decode.regions import roi_decoder_version, roi_scale
+from loader_service.decode.regions import roi_scale
 from loader_service.decode.transforms import Recipe, load_into
 from loader_service.tools.sample_data import render_photo
 from tests.helpers import CountingDecoder
@@ -329,7 +330,7 @@ def test_decoder_choice(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None
     assert load_config(None, base).roi == (jc is not None)
     with pytest.raises(ConfigError, match="decoder must be one of"):
         load_config(None, {**base, "decoder": "turbo"})
-    monkeypatch.setattr(regions, "_jpegcrop", None)
+    monkeypatch.setattr(decoders, "_jpegcrop", None)
     with pytest.raises(ConfigError, match=r"region decoder .* is not built"):
         load_config(None, {**base, "decoder": "jpeg-roi"})
     assert not load_config(None, base).roi

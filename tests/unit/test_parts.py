@@ -15,8 +15,8 @@ import numpy as np
 import pytest
 
 from loader_service.config import ServiceConfig
+from loader_service.decode.contract import WorkerConfig, slot_views
 from loader_service.decode.progress import PREFETCHING, ProgressBoard
-from loader_service.decode.worker import WorkerConfig, slot_views
 from loader_service.shm import Segment
 from loader_service.supervisor.attachments import Attachments
 from loader_service.supervisor.feeds import Feed, FeedCounters

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import itertools
+import re
 import typing
 from dataclasses import dataclass
 from typing import Annotated, Any
@@ -13,8 +14,9 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from protocol import layout
+from protocol import layout, messages, workers
 from protocol.codec import MESSAGE_TYPES, decode, encode
+from protocol.layout import SlotLayout, image_fields
 from protocol.messages import (
     MAX_FRAME_BYTES,
     PROTOCOL_VERSION,
@@ -558,3 +560,24 @@ def test_a_wide_map_is_refused_from_its_header_not_built_and_checked() -> None:
     wide = {"v": PROTOCOL_VERSION, "k": "release", **{str(i): i for i in range(6000)}}
     with pytest.raises(ProtocolError, match="exceeds max_map_len"):
         decode(msgpack.packb(wide), ALL)
+
+
+def test_the_diagrams_name_only_fields_their_messages_have() -> None:
+    """The session diagram of ``protocol.messages`` against the dataclasses (``done`` once lacked
+    ``retry``, ``heartbeat`` its loop totals, and ``welcome`` named fields that do not exist)."""
+    kinds = {
+        cls.KIND: {f.name for f in dataclasses.fields(cls)}
+        for module in (messages, workers)
+        for cls in vars(module).values()
+        if isinstance(cls, type) and issubclass(cls, messages.Message) and cls.KIND
+    }
+    doc = messages.__doc__ or ""
+    named = re.findall(r"\b(\w+\??)\{([^}]*)\}", doc)
+    assert {kind for kind, _ in named} >= {"hello", "welcome", "start", "batch", "heartbeat", "task", "done"}
+    for kind, inside in named:
+        names = {re.sub(r"[\[\]]|=.*", "", n).strip() for n in inside.split(",")} - {""}
+        assert names <= kinds[kind], f"{kind}{{...}} names {sorted(names - kinds[kind])}, not its fields"
+    frames = len(SlotLayout.images(4, 8).parts(4))
+    assert "one per field" in doc and frames == len(image_fields(8)) + 1, (
+        "a frame per field, then the indices"
+    )

@@ -23,8 +23,8 @@ import torch
 
 from loader_service.dataset.index import build_index
 from loader_service.dataset.sampler import sample_rng
+from loader_service.decode.contract import INTERPOLATIONS
 from loader_service.decode.decoders import uses_roi
-from loader_service.decode.geometry import INTERPOLATIONS
 from loader_service.decode.pipeline import PipelineError, call_pipeline
 from loader_service.decode.sample import Sample
 from loader_service.decode.transforms import load_into

@@ -14,7 +14,7 @@ from typing import Any, cast
 
 import pytest
 
-from loader_service.decode.worker import WorkerConfig
+from loader_service.decode.contract import WorkerConfig
 from loader_service.shm import process_start
 from loader_service.supervisor.worker_pool import WorkerSet
 
