@@ -79,7 +79,7 @@ def first_batch(endpoint: str, epoch: int) -> tuple[float, list[int]]:
 
 
 def attach(endpoint: str, data: Path, epoch: int) -> dict[str, float]:
-    from loader_service.supervisor.parts import plan_parts
+    from loader_service.supervisor.workers.parts import plan_parts
 
     first, indices = first_batch(endpoint, epoch)
     time.sleep(IDLE)  # the service decoded ahead for that trainer meanwhile: not while timing here

@@ -24,7 +24,7 @@ from benchmarks.results import Measurement, Timeline
 from benchmarks.service_process import BenchError
 from benchmarks.stats import overlap_ratio, rate
 from gpu_worker import ServiceLoader
-from loader_service.supervisor.warm import WARM_PLAN
+from loader_service.supervisor.streams.early import WARM_PLAN
 from loader_service.tools.status_view import query_status
 
 FILL_MARGIN = 1.5

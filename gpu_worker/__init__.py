@@ -28,4 +28,12 @@ def __getattr__(name: str) -> Any:
     module = _WHERE.get(name)
     if module is None:
         raise AttributeError(f"module 'gpu_worker' has no attribute {name!r}")
-    return getattr(importlib.import_module(module), name)
+    try:
+        return getattr(importlib.import_module(module), name)
+    except ModuleNotFoundError as exc:
+        if exc.name != "torch":
+            raise
+        raise ImportError(
+            f"gpu_worker.{name} needs torch, which is not installed here: install a CPU or CUDA build "
+            "of torch >= 2.1 (pip install 'dataferry[trainer]' takes PyPI's); a service host needs none"
+        ) from exc

@@ -6,8 +6,8 @@
                 ...
 
 Several endpoints make a fleet: each batch of the trainer's share is decoded by one of them (NOTE
-[ A fleet ] in ``gpu_worker/fleet.py``). Split as torch's DataLoader is: this class holds the
-configuration and the public API; ``gpu_worker.services`` the sessions (one non-blocking
+[ A fleet ] in ``gpu_worker/fleet_pass.py``). Split as torch's DataLoader is: this class holds the
+configuration and the public API; ``gpu_worker.fleet`` the sessions (one non-blocking
 ``Connection`` per service, one poller, one heartbeat thread); ``gpu_worker.passes`` the state of
 one pass over an epoch. The leases the loop holds and their releases are ``gpu_worker.leases``; what
 the loop receives is ``gpu_worker.batch``. Only the iterating thread touches the sockets: it sends
@@ -50,6 +50,7 @@ from gpu_worker.checkpoint import Resume, resume_from, state_at
 from gpu_worker.connection import ServiceError, ServiceTimeout, make_hello
 from gpu_worker.device import resolve_device
 from gpu_worker.fields import ExpectedFields, as_expected, expected_fields, field_differences
+from gpu_worker.fleet import Fleet
 from gpu_worker.loader_config import (
     ENDPOINTS_ENV,
     GROUP_SECRET_ENV,
@@ -60,8 +61,7 @@ from gpu_worker.loader_config import (
 )
 from gpu_worker.local import START_TIMEOUT, LocalService
 from gpu_worker.passes import EpochPass, PassSettings
-from gpu_worker.services import Fleet
-from gpu_worker.session import Service
+from gpu_worker.service import Service
 from protocol.layout import SlotLayout, describe_fields
 from protocol.messages import MAX_EPOCH, FeedInfo
 from protocol.shares import rank_batches
@@ -114,20 +114,20 @@ class ServiceLoader:
         rank, world_size = shard_of(mode, rank, world_size)
         self.config = LoaderConfig(
             endpoints_of(endpoint),
-            device,
-            feed,
-            credits,
-            timeout,
-            connect_timeout,
-            mode,
-            rank,
-            world_size,
-            remainder,
-            group,
-            group_size,
-            batch_size or 0,
-            image_size or 0,
-            transport,
+            device=device,
+            feed=feed,
+            credits=credits,
+            timeout=timeout,
+            connect_timeout=connect_timeout,
+            mode=mode,
+            rank=rank,
+            world_size=world_size,
+            remainder=remainder,
+            group=group,
+            group_size=group_size,
+            batch_size=batch_size or 0,
+            image_size=image_size or 0,
+            transport=transport,
             fields=() if fields is None else expected_fields(fields),
             group_secret=os.environ.get(GROUP_SECRET_ENV, "") if group_secret is None else group_secret,
             resolve_interval=resolve_interval,

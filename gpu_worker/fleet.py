@@ -1,311 +1,365 @@
-"""Which service of a fleet decodes which batch of a pass, and the order the loop gets them in.
+"""The services a loader is fed by: one ``Service`` each (session, pool, leases), polled together.
 
-Pure bookkeeping, no sockets: ``gpu_worker.passes`` feeds it what arrived and sends what it assigns.
-
-NOTE [ A fleet ]
-    A trainer may be fed by several services with the same data (``ServiceLoader([...])``). The
-    epoch plan is a pure function of (seed, epoch, rank, world_size, remainder), so any of them can
-    decode any batch of the trainer's share, and no central dispatcher (a process that hands the
-    batches out) is needed; the trainer's own ``FleetPass`` shares them:
-
-    * Every service must serve the same feed: dataset fingerprint, seed, batch size, image size,
-      transform and fields, and make its samples alike (``FeedInfo.decoding``: resize filter, DCT
-      scaling, file limits), as the first endpoint given that answers does. One that differs is
-      refused at attach, with every difference named; one that comes back different later is
-      left out, and its batches go to the others.
-    * Each service runs a *picked* run (``Start.picked``): it decodes only the batches the trainer
-      names, the lowest first. The trainer names a batch to a service only while that service has
-      a free credit (its credits minus batches it owes, batches waiting here, and batches the loop
-      holds), so a service never has more out than its credits and a slow one is never sent more
-      than it can do.
-    * Among services with a free credit, the next batch (lowest seq not yet assigned) goes to the
-      one expected to deliver it first, ``(owed + 1) * pace``, where ``pace`` is the service's
-      measured seconds per batch. It goes nowhere yet if even that one would deliver it after the
-      ``horizon``: the time the loop could need it at the earliest (when the last batch owed now
-      has arrived, plus one batch of the fastest service); a faster service will have a credit
-      free before then. So a straggler receives a batch only when it can deliver it in time, and
-      never holds the others back; until a service has delivered once, its pace is a guess and it
-      is given at most ``TRIAL`` batches.
-    * Batches reach the loop in plan order, each once: what arrives early waits here (bounded by
-      the credits); a second copy of a batch (after a reassignment) is released unread.
-    * The batch the loop waits for, owed by a service that will deliver it more than
-      ``BACKUP_MARGIN`` times later than another with a free credit would, and over
-      ``BACKUP_FLOOR`` seconds from now (a straggler's trial
-      batch, a service that slowed down), is asked of that other one too, once (``_backup``): the
-      first copy to arrive is the loop's. A service decodes the lowest seq it was asked for first
-      (``Stream.picks``), so the backup costs that one a batch time, not its whole queue. The
-      owner's time left is what its pace says of the batches it owes up to that one, counted
-      from its last delivery; past that, or while its pace is unknown, as long again as it has
-      taken. Without this a straggler's two trial batches held the loop up for five
-      batch times at every pass's start, and its last batch at every pass's end.
-    * A service that misses its heartbeats, or restarted, loses its unfinished batches to the
-      others (``lost``); they go out first, since the loop waits for the lowest. If it comes back
-      having kept its session, what it still delivers of them arrives as second copies.
-    * Progress never waits on credits held by batches waiting here: when the batch the loop needs is
-      unassigned and no service has a free credit, the latest waiting batch is let go unread and
-      assigned again later (``make_room``).
-    A fleet of one service runs the same picked runs. A checkpoint (``state_dict``) names the
-    trainer's position in the plan, not the services, so it resumes on any fleet with the same data.
+``Fleet`` owns them with one ``zmq.Poller`` and one heartbeat thread (``gpu_worker.heartbeats``).
+It attaches to every endpoint at once, checks that they all serve the same feed (NOTE [ A fleet ] in
+``gpu_worker/fleet_pass.py``), and on every wait reads what arrived, reconnects lost sessions without
+blocking (NOTE [ Reconnecting ] in ``gpu_worker/client.py``), follows the addresses of endpoints
+that name hosts (NOTE [ A fleet from a name ] in ``gpu_worker/names.py``) and reports what happened
+to each session to the pass under way, which decides what it means for its batches.
 """
 
 from __future__ import annotations
 
-import heapq
-from collections.abc import Hashable
-from dataclasses import dataclass, field
-from typing import Generic, TypeVar
+import logging
+import math
+import time
+from collections.abc import Callable
+from typing import Any
 
-ItemT = TypeVar("ItemT")
-ServiceT = TypeVar("ServiceT", bound=Hashable)
-TRIAL = 2
-"""Batches a service of a fleet is given before its pace is known."""
-PACE_WEIGHT = 0.3
-"""Weight of the newest sample in a service's pace (an exponential moving average)."""
-BACKUP_MARGIN = 2.0
-"""How many times later than another service a batch's owner must be expected to deliver the batch
-the loop waits for before that other one is asked for it too (NOTE [ A fleet ])."""
-BACKUP_FLOOR = 1.0
-"""Seconds a batch's owner may still take before a second service is asked for it, at least: a
-service's first batch of a pass is slower than its pace (a fresh connection, cold caches), and a
-backup decodes a batch twice. Below a second of the loop's wait that is not worth it; with fast
-batches the margin alone fired at every pass's start and left services of a fleet no share."""
+import torch
+import zmq
+
+from curvekeys import ClientKeys
+from gpu_worker.connection import BYE_LINGER_MS, Connection, ServiceError, ServiceTimeout
+from gpu_worker.delivery import Delivery
+from gpu_worker.fleet_pass import Pace
+from gpu_worker.heartbeats import Heartbeats
+from gpu_worker.leases import LeaseBook
+from gpu_worker.loader_config import MAX_ADDRESSES, MAX_ENDPOINTS, LoaderConfig
+from gpu_worker.loop_clock import LoopClock
+from gpu_worker.names import Name, Resolver, name_of
+from gpu_worker.service import Service
+from protocol.messages import FeedInfo, Hello, Welcome
+
+log = logging.getLogger(__name__)
+POLL_SLICE = 0.1
+"""Longest one wait on the poller: what could not be sent is offered again at least this often
+(NOTE [ Releases that could not be sent ]), and finished device copies are collected."""
+TURN = 3.0
+"""Seconds an address of a name that has not answered holds a place in the fleet while other
+addresses wait for one (NOTE [ A fleet from a name ] in gpu_worker/names.py): a service that can
+answer does so in milliseconds, and one cut short is tried again at its next turn."""
+SETTLE = 0.5
+"""Seconds the attach still waits for a name's other addresses once one service has answered
+(NOTE [ A fleet from a name ]); those that answer later join the pass under way."""
+SAME_FEED = ("fingerprint", "seed", "batch_size", "image_size", "augment", "fields", "samples")
+"""FeedInfo fields every service of a fleet must have alike (the same data, order, transform and
+batch layout), and ``decoding`` word by word."""
+Event = Callable[["Service", str, Any], None]
+"""What a pass is told: (service, "opened" | "resumed" | "lost" | "refused", welcome or why)."""
 
 
-@dataclass
-class Pace:
-    """A service's seconds per batch, measured from its deliveries."""
-
-    seconds: float | None = None
-    last_arrival: float | None = None
-
-    def update(self, now: float, busy_since: float) -> None:
-        """A batch arrived at ``now``; the service has been working on it since ``busy_since``."""
-        start = busy_since if self.last_arrival is None else max(busy_since, self.last_arrival)
-        sample = max(now - start, 1e-6)
-        self.seconds = (
-            sample if self.seconds is None else (1 - PACE_WEIGHT) * self.seconds + PACE_WEIGHT * sample
-        )
-        self.last_arrival = now
+def _another_feed(differences: list[str]) -> str:
+    return (
+        f"serves another feed than the rest of the fleet: {'; '.join(differences)} "
+        "(every service of a fleet needs the same data, seed, batch size, transform, fields, resize "
+        "filter, decoder scaling and file limits)"
+    )
 
 
-@dataclass
-class FleetPass(Generic[ServiceT, ItemT]):
-    """One pass over batches ``[position, end)`` of a trainer's share, across a fleet."""
+def feed_differences(reference: FeedInfo, other: FeedInfo) -> list[str]:
+    """Every way ``other`` serves something else than ``reference`` (NOTE [ A fleet ])."""
+    found = [
+        f"{name} {getattr(other, name)!r}, not {getattr(reference, name)!r}"
+        for name in SAME_FEED
+        if getattr(other, name) != getattr(reference, name)
+    ]
+    theirs, ours = _words(other.decoding), _words(reference.decoding)
+    for key in sorted(ours.keys() | theirs.keys()):
+        if theirs.get(key) != ours.get(key):
+            found.append(f"{key} {theirs.get(key, '(not said)')!r}, not {ours.get(key, '(not said)')!r}")
+    return found
 
-    position: int
-    end: int
-    reassigned: int = 0
-    """Batches taken from a lost service and assigned again."""
-    backups: int = 0
-    """Batches the loop waited for, asked of a second service too (NOTE [ A fleet ])."""
-    _backed: set[int] = field(default_factory=set)
-    _next_fresh: int = -1
-    _returned: list[int] = field(default_factory=list)
-    """A heap of seqs given back by lost services, assigned before fresh ones."""
-    _owner: dict[int, ServiceT] = field(default_factory=dict)
-    """seq -> the service it is assigned to, until it arrives from anyone."""
-    _assigned_at: dict[tuple[ServiceT, int], float] = field(default_factory=dict)
-    _owed: dict[ServiceT, set[int]] = field(default_factory=dict)
-    """What each service will still deliver (it counts against its credits until it arrives)."""
-    _ready: dict[int, tuple[ServiceT, ItemT]] = field(default_factory=dict)
-    _paces: dict[ServiceT, Pace] = field(default_factory=dict)
-    """Shared with the loader's later passes: a service's pace outlives a pass."""
-    _live: set[ServiceT] = field(default_factory=set)
 
-    def __post_init__(self) -> None:
-        self._next_fresh = self.position
+def _words(decoding: str) -> dict[str, str]:
+    """``FeedInfo.decoding`` as a dict of its ``KEY=VALUE`` words."""
+    return dict(word.partition("=")[::2] for word in decoding.split())
 
-    # --- services -------------------------------------------------------------------------------
 
-    def joined(self, service: ServiceT) -> None:
-        """A service can take batches (it attached, or came back)."""
-        self._live.add(service)
-        self._owed.setdefault(service, set())
-        self._paces.setdefault(service, Pace())
+class Fleet:
+    """Every service of one loader, their poller and their heartbeat thread."""
 
-    def lost(self, service: ServiceT) -> list[int]:
-        """A service stopped answering: its unfinished batches go to the others. Returns them."""
-        self._live.discard(service)
-        self._owed.setdefault(service, set())  # it may never have joined this pass
-        gone = sorted(seq for seq, owner in self._owner.items() if owner == service)
-        for seq in gone:
-            del self._owner[seq]
-            heapq.heappush(self._returned, seq)
-        self.reassigned += len(gone)
-        self._paces.setdefault(service, Pace()).seconds = None  # it may come back at another speed
-        return gone
+    def __init__(
+        self,
+        config: LoaderConfig,
+        hello: Hello,
+        keys: ClientKeys | None,
+        device: torch.device,
+        watch: Callable[[], None] | None = None,
+    ) -> None:
+        """``watch`` is called at every wait and raises to end the loop (a private service that
+        exited: NOTE [ A private service ] in gpu_worker/local.py)."""
+        self._watch = watch
+        self.clock = LoopClock()
+        """The loop's waited and computed time (NOTE [ Exposed wait ]), sent with every heartbeat."""
+        self._heartbeats = Heartbeats(self.clock)
+        self._config, self._hello, self._keys, self._device = config, hello, keys, device
+        endpoints = config.endpoints
+        names = tuple(name for name in map(name_of, endpoints) if name is not None)
+        self._resolver = Resolver(names, config.resolve_interval, MAX_ADDRESSES)
+        """Follows the endpoints that name hosts (NOTE [ A fleet from a name ])."""
+        self._turns: dict[str, dict[str, float]] = {name.endpoint: {} for name in names}
+        """For each name, when each of its addresses last began a turn in the fleet."""
+        self._crowded: set[str] = set()
+        """Names whose addresses wait for a place (said once, not at every wait)."""
+        named = {name.endpoint for name in names}
+        self.services = [self._service(endpoint) for endpoint in endpoints if endpoint not in named]
+        self._retiring: list[Service] = []
+        """Services whose address is gone from their name's answer, closed once the loop holds
+        none of their batches."""
+        self.paces: dict[Service, Pace] = {}
+        """Each service's measured seconds per batch, kept from pass to pass (NOTE [ A fleet ])."""
+        self.reference: FeedInfo | None = None
+        """The feed every service must serve: the first one's to answer."""
+        self.on_event: Event | None = None
+        """The pass under way, told what happens to each session."""
+        self.waiting_leases: Callable[[Service], tuple[int, ...]] = lambda service: ()
+        """Leases of batches taken from a service that wait for the loop (the pass's)."""
+        self._attaching = False
+        self._poll = zmq.Poller()
+        self._polled: tuple[zmq.Socket[bytes], ...] = ()
 
-    def forget(self, service: ServiceT) -> None:
-        """The service no longer knows this trainer (a new session): it owes nothing any more."""
-        self.lost(service)
-        self._owed[service] = set()
-        self._assigned_at = {key: t for key, t in self._assigned_at.items() if key[0] != service}
+    def _service(self, endpoint: str, via: str = "") -> Service:
+        leases = LeaseBook()
+        conn = Connection(endpoint, self._hello, self._keys, self._heartbeats)
+        delivery = Delivery(self._device, self._config.transport, leases)
+        return Service(endpoint, conn, leases, delivery, self._config.credits, via=via)
 
-    def drop_waiting(self, service: ServiceT) -> list[ItemT]:
-        """Forget what arrived from ``service`` and waits for the loop (its session is gone, and its
-        pool with it): those batches are assigned again. The caller lets the items go."""
-        seqs = [seq for seq, (owner, _) in self._ready.items() if owner == service]
-        for seq in seqs:
-            heapq.heappush(self._returned, seq)
-        return [self._ready.pop(seq)[1] for seq in seqs]
+    def attach(self, timeout: float) -> None:
+        """Open a session with every service; wait up to ``timeout`` for all of them, or at least one.
+        A name's addresses are waited for only ``SETTLE`` seconds once one service has answered
+        (NOTE [ A fleet from a name ]).
 
-    def owed(self, service: ServiceT) -> set[int]:
-        return self._owed.get(service, set())
+        Raises ServiceError naming every difference if an endpoint given serves another feed than
+        the first one to answer, and ServiceTimeout naming every endpoint if none answers.
+        """
+        for service in self.services:
+            service.conn.connect()
+        deadline = time.monotonic() + timeout
+        settled = math.inf  # a name's addresses are waited for until ``SETTLE`` after an answer
+        self._attaching = True
+        try:
+            while (now := time.monotonic()) < deadline and not self._all_answered(now >= settled):
+                self.wait(deadline)
+                if self.live:
+                    settled = min(settled, time.monotonic() + SETTLE)
+        finally:
+            self._attaching = False
+        self._check_same_feed()
+        refused = [s for s in self.services if s.refused and not s.via]  # a name's: left out, logged
+        if refused:
+            raise ServiceError("; ".join(f"{s.endpoint} {s.refused}" for s in refused))
+        missing = self._unanswered()
+        if not self.live:
+            raise ServiceTimeout(
+                f"no loader service answered at {', '.join(missing)} within {timeout:.0f} s "
+                "(is `loader-service serve` running there?)"
+            )
+        if missing:
+            log.warning("no answer yet from %s; going on with the others", ", ".join(missing))
 
-    def waiting(self, service: ServiceT) -> list[ItemT]:
-        """Items that arrived from ``service`` and wait for the loop."""
-        return [item for owner, item in self._ready.values() if owner == service]
-
-    # --- assigning ------------------------------------------------------------------------------
-
-    def assign(self, free: dict[ServiceT, int], now: float) -> dict[ServiceT, list[int]]:
-        """Give out batches to services with a free credit (NOTE [ A fleet ]); ``free`` is updated."""
-        out: dict[ServiceT, list[int]] = {}
-        self._backup(free, now, out)  # the batch the loop waits for comes before new ones
-        while (seq := self._peek()) is not None:
-            service = self._choose(free, urgent=seq == self.position)
-            if service is None:
-                break
-            self._pop()
-            free[service] -= 1
-            self._owner[seq] = service
-            self._owed[service].add(seq)
-            self._assigned_at[(service, seq)] = now
-            out.setdefault(service, []).append(seq)
-        return out
-
-    def _backup(self, free: dict[ServiceT, int], now: float, out: dict[ServiceT, list[int]]) -> None:
-        """Ask a second service for the batch the loop waits for, where its owner is far behind
-        (NOTE [ A fleet ])."""
-        seq = self.position
-        owner = self._owner.get(seq)
-        if owner is None or seq in self._ready or seq in self._backed:
-            return
-        others = [
-            s for s in self._live if s != owner and free.get(s, 0) > 0 and self._paces[s].seconds is not None
-        ]
-        if not others:
-            return
-        # A service decodes the lowest seq it was asked for first, so a backup costs one batch time.
-        best = min(others, key=self._pace)
-        if self._remaining(owner, seq, now) <= max(BACKUP_MARGIN * self._pace(best), BACKUP_FLOOR):
-            return
-        free[best] -= 1
-        self._owed[best].add(seq)
-        self._assigned_at[(best, seq)] = now
-        out.setdefault(best, []).append(seq)
-        self._backed.add(seq)
-        self.backups += 1
-
-    def _remaining(self, service: ServiceT, seq: int, now: float) -> float:
-        """How long ``service`` may still take to deliver ``seq``, counted from when it last
-        delivered (or was asked, if later): what its pace says is left of the batches it owes up
-        to ``seq``; past that, or with no pace known, as long again as it has taken so far."""
-        pace = self._paces[service]
-        since = self._assigned_at.get((service, seq), now)
-        if pace.last_arrival is not None:
-            since = max(since, pace.last_arrival)
-        if pace.seconds is not None:
-            ahead = sum(1 for s in self._owed.get(service, ()) if s <= seq)
-            left = since + ahead * pace.seconds - now
-            if left > 0:
-                return left
-        return now - since
-
-    def _choose(self, free: dict[ServiceT, int], urgent: bool) -> ServiceT | None:
-        """The service expected to deliver a new batch first, if it is worth giving it one now.
-
-        Until a service has delivered once, its pace is a guess: in a fleet it is given at most
-        ``TRIAL`` batches, so a straggler shows itself before it holds a whole window."""
-        alone = len(self._live) == 1
-        candidates = [
-            s
-            for s in self._live
-            if free.get(s, 0) > 0
-            and (alone or self._paces[s].seconds is not None or len(self._owed[s]) < TRIAL)
-        ]
-        if not candidates:
-            return None
-        best = min(candidates, key=self._expected)
-        if urgent or self._expected(best) <= self._horizon():
-            return best
-        return None
-
-    def _pace(self, service: ServiceT) -> float:
-        known = [p.seconds for p in self._paces.values() if p.seconds is not None]
-        own = self._paces[service].seconds
-        return own if own is not None else (min(known) if known else 1.0)
-
-    def _expected(self, service: ServiceT) -> float:
-        return (len(self._owed[service]) + 1) * self._pace(service)
-
-    def _horizon(self) -> float:
-        """The earliest the loop can need a batch assigned now: once the last of the batches owed
-        (all before it in the plan) has arrived, plus one batch of the fastest service."""
-        live = self._live
-        latest = max((len(self._owed[s]) * self._pace(s) for s in live), default=0.0)
-        return latest + min((self._pace(s) for s in live), default=0.0)
-
-    def _peek(self) -> int | None:
-        while self._returned and (self._returned[0] in self._ready or self._returned[0] < self.position):
-            heapq.heappop(self._returned)
-        if self._returned:
-            return self._returned[0]
-        while self._next_fresh < self.end and self._next_fresh in self._ready:
-            self._next_fresh += 1
-        return self._next_fresh if self._next_fresh < self.end else None
-
-    def _pop(self) -> None:
-        if self._returned:
-            heapq.heappop(self._returned)
-        else:
-            self._next_fresh += 1
-
-    # --- arriving -------------------------------------------------------------------------------
-
-    def arrived(self, service: ServiceT, seq: int, item: ItemT, now: float) -> bool:
-        """Take batch ``seq`` from ``service``; False for one the loop must not see (a second copy,
-        or one outside the pass): the caller lets it go unread."""
-        owed = self._owed.setdefault(service, set())
-        was_owed = seq in owed
-        owed.discard(seq)
-        assigned_at = self._assigned_at.pop((service, seq), None)
-        if was_owed and assigned_at is not None:
-            self._paces.setdefault(service, Pace()).update(now, assigned_at)
-        if not self.position <= seq < self.end or seq in self._ready:
+    def _all_answered(self, settled: bool) -> bool:
+        """Every name resolved once (or failed to), and every service so far answered or refused;
+        once ``settled``, a name's addresses need not have."""
+        if self._resolver.names and not self._resolver.rounds:
             return False
-        self._owner.pop(seq, None)
-        self._ready[seq] = (service, item)
-        return True
+        self._follow_names()  # what the first round found is in the fleet before it is judged
+        awaited = [s for s in self.services if not (settled and s.via)]
+        return bool(self.services) and all(s.open or s.refused for s in awaited)
 
-    def take(self) -> tuple[ServiceT, ItemT] | None:
-        """The batch the loop needs next, if it is here."""
-        got = self._ready.pop(self.position, None)
-        if got is not None:
-            self.position += 1
-        return got
-
-    def make_room(self, free: dict[ServiceT, int]) -> tuple[ServiceT, ItemT] | None:
-        """When the batch the loop needs is unassigned and no live service has a free credit, let the
-        latest waiting batch of a live service go, to be assigned again. The caller releases it."""
-        if self._peek() != self.position or any(free.get(s, 0) > 0 for s in self._live):
-            return None
-        waiting = [
-            seq for seq, (owner, _) in self._ready.items() if owner in self._live and seq > self.position
-        ]
-        if not waiting:
-            return None
-        seq = max(waiting)
-        got = self._ready.pop(seq)
-        heapq.heappush(self._returned, seq)
-        return got
+    def _unanswered(self) -> list[str]:
+        """Every endpoint given that has not answered, how many addresses of each name have not,
+        and every name that cannot be resolved."""
+        missing = [s.endpoint for s in self.services if not (s.via or s.open or s.refused)]
+        for name, addresses in self._resolver.answers().items():
+            silent = len(addresses) - sum(s.open for s in self.services if s.via == name.endpoint)
+            if silent > 0:
+                missing.append(f"{silent} of the {len(addresses)} addresses of {name.host}")
+        failures = self._resolver.failures().items()
+        return missing + [f"{name.host} (cannot be resolved: {why})" for name, why in failures]
 
     @property
-    def done(self) -> bool:
-        return self.position >= self.end
+    def live(self) -> list[Service]:
+        return [s for s in self.services if s.open]
 
-    def drain(self) -> list[tuple[ServiceT, ItemT]]:
-        """Everything still waiting (the pass ends early): the caller lets it go."""
-        items = list(self._ready.values())
-        self._ready.clear()
-        return items
+    def wait(self, deadline: float) -> None:
+        """Wait until something arrives or ``deadline`` (at most POLL_SLICE), and take it in."""
+        if self._watch is not None:
+            self._watch()
+        self._follow_names()
+        remaining = max(0.0, min(deadline - time.monotonic(), POLL_SLICE))
+        readable = dict(self._poller().poll(int(remaining * 1000) + 1 if remaining > 0 else 0))
+        now = time.monotonic()
+        for service in self.services:
+            if service.refused:
+                continue
+            try:
+                if service.conn.sock is not None and service.conn.sock in readable:
+                    service.conn.read()
+            except ServiceError as exc:
+                if len(self.services) == 1:
+                    raise
+                self._leave_out(service, str(exc))  # one service refusing ends not the fleet
+                continue
+            service.conn.tick(now)
+            self._handle_events(service)
+        if self.services and all(s.refused for s in self.services):
+            raise ServiceError("; ".join(f"{s.endpoint} {s.refused}" for s in self.services))
+
+    # --- names (NOTE [ A fleet from a name ] in gpu_worker/names.py) ----------------------------
+
+    def _follow_names(self) -> None:
+        """Take in what the resolver last found: gone addresses leave, and the places free go to
+        the others in turns until they answer. An address that comes back while its old service
+        is still retiring joins once that one has closed."""
+        self._close_retired()
+        now = time.monotonic()
+        for name, addresses in self._resolver.answers().items():
+            wanted = [name.address(ip) for ip in addresses]  # lowest first
+            self._leave_gone(name, set(wanted))
+            self._take_turns(name, wanted, now)
+
+    def _leave_gone(self, name: Name, wanted: set[str]) -> None:
+        """Services of addresses gone from the answer leave: one that never answered, or was left
+        out, at once; one in use once the loop holds none of its batches (``_retire``)."""
+        turns = self._turns[name.endpoint]
+        for endpoint in [endpoint for endpoint in turns if endpoint not in wanted]:
+            del turns[endpoint]
+        for service in [s for s in self.services if s.via == name.endpoint and s.endpoint not in wanted]:
+            if service in self._retiring:
+                continue
+            if service.info is None or service.refused:
+                self._drop(service)  # nothing of it is the loop's; a comeback is tried afresh
+            else:
+                self._retire(service, f"is no longer an address of {name.host}")
+
+    def _take_turns(self, name: Name, wanted: list[str], now: float) -> None:
+        """Give the places free to addresses waiting for one, never tried ones first, then the one
+        whose last turn is oldest; a silent one whose turn is over makes room for one waiting."""
+        turns = self._turns[name.endpoint]
+        known = {s.endpoint for s in self.services}
+        waiting = sorted((e for e in wanted if e not in known), key=lambda e: turns.get(e, -math.inf))
+        if not waiting:
+            self._crowded.discard(name.endpoint)
+            return
+        free = MAX_ENDPOINTS - sum(not s.refused for s in self.services)
+        mine = [s for s in self.services if s.via == name.endpoint and s.info is None and not s.refused]
+        over = sorted((s for s in mine if now - turns[s.endpoint] >= TURN), key=lambda s: turns[s.endpoint])
+        for service in over[: max(0, len(waiting) - free)]:
+            log.debug("%s has not answered in %.0f s: its place goes to another", service.endpoint, TURN)
+            self._drop(service)
+            free += 1
+        if free < len(waiting) and name.endpoint not in self._crowded:
+            self._crowded.add(name.endpoint)
+            log.info(
+                "%s resolves to %d addresses and a fleet has %d places: those not answering take turns",
+                name.host,
+                len(wanted),
+                MAX_ENDPOINTS,
+            )
+        for endpoint in waiting[: max(0, free)]:
+            self._join(endpoint, name, now)
+
+    def _join(self, endpoint: str, name: Name, now: float) -> None:
+        turns = self._turns[name.endpoint]
+        level = logging.DEBUG if endpoint in turns else logging.INFO  # a turn again, or new
+        log.log(level, "%s resolves to %s: joining it", name.host, endpoint)
+        turns[endpoint] = now
+        service = self._service(endpoint, via=name.endpoint)
+        self.services.append(service)
+        service.conn.connect()
+
+    def _drop(self, service: Service) -> None:
+        """Forget a service none of whose batches is the loop's (it never answered, or was left
+        out and closed then); its socket ends off the loop's thread."""
+        self.services.remove(service)
+        self.paces.pop(service, None)
+        if not service.refused:
+            service.close()
+
+    def _retire(self, service: Service, why: str) -> None:
+        """Stop using ``service``: the pass gives its batches to the others; its session ends once
+        the loop holds none of its batches (their slots stay the loop's until then)."""
+        log.info("leaving %s: it %s", service.endpoint, why)
+        service.refused = why
+        if self.on_event is not None:
+            self.on_event(service, "refused", why)
+        self._retiring.append(service)
+        self._close_retired()
+
+    def _close_retired(self) -> None:
+        for service in [s for s in self._retiring if not s.leases.held()]:
+            self._retiring.remove(service)
+            self.services.remove(service)
+            self.paces.pop(service, None)
+            service.close()
+
+    def _poller(self) -> zmq.Poller:
+        """One poller over every session's socket, made again only when a socket changed."""
+        socks = tuple(s.conn.sock for s in self.services if s.conn.sock is not None and not s.refused)
+        if socks != self._polled:
+            self._polled, self._poll = socks, zmq.Poller()
+            for sock in socks:
+                self._poll.register(sock, zmq.POLLIN)
+        return self._poll
+
+    def _handle_events(self, service: Service) -> None:
+        conn = service.conn
+        while conn.events:
+            what, detail = conn.events.popleft()
+            if what == "opened" and not self._same_feed(service, detail):
+                return
+            if what == "opened":
+                service.adopt(detail)
+            elif what == "resumed":
+                service.leases.resumed(conn.generation, service.resume_held)
+                log.warning("resumed session %s with %s", conn.session, service.endpoint)
+            elif what == "lost":
+                log.warning("lost the loader service at %s (%s); reconnecting", service.endpoint, detail)
+                service.resume_held = service.held(self.waiting_leases(service))
+                conn.connect(service.resume_held)
+            if self.on_event is not None:
+                self.on_event(service, what, detail)
+
+    def _check_same_feed(self) -> None:
+        """NOTE [ A fleet ]: after attaching, the first endpoint (in the order given) that answered
+        sets the feed, whichever answered first; every other one serving another feed is left out."""
+        answered = [s for s in self.services if s.info is not None and not s.refused]
+        if not answered:
+            return
+        reference = self.reference = answered[0].info
+        assert reference is not None
+        for service in answered[1:]:
+            assert service.info is not None
+            differences = feed_differences(reference, service.info)
+            if differences:
+                self._leave_out(service, _another_feed(differences))
+
+    def _same_feed(self, service: Service, welcome: Welcome) -> bool:
+        """NOTE [ A fleet ]: a service that answers after the attach must serve the fleet's feed."""
+        if self._attaching:
+            return True  # compared all together once everyone answered (``_check_same_feed``)
+        assert self.reference is not None  # set by ``attach``, which fails if no service answered
+        differences = feed_differences(self.reference, welcome.feed)
+        if not differences:
+            return True
+        self._leave_out(service, _another_feed(differences))
+        return False
+
+    def _leave_out(self, service: Service, why: str) -> None:
+        """Stop using ``service`` for good; the pass under way gives its batches to the others."""
+        service.refused = why
+        log.error("leaving %s out: it %s", service.endpoint, why)
+        if self.on_event is not None:
+            self.on_event(service, "refused", why)
+        service.close()
+
+    def close(self) -> None:
+        """Leave every service. The byes get ``BYE_LINGER_MS`` to go out all together, not one
+        after another; a service that never answered is sent none and not waited for."""
+        self._resolver.close()
+        endings = [s.close() for s in self.services if not s.refused or s in self._retiring]
+        deadline = time.monotonic() + BYE_LINGER_MS / 1000
+        for ending in endings:
+            ending.join(max(0.0, deadline - time.monotonic()))
+        self._heartbeats.close()

@@ -10,7 +10,8 @@ NOTE [ Early heartbeat ]
     if that is shorter), then one every interval. The first carries no wait of this session yet; the
     second tells the service whether a trainer that just attached is waiting, so an idle service
     sizes its workers for it within a second instead of a whole interval later (NOTE [ Sizing
-    workers ] in loader_service/supervisor/sizing.py). One extra message per session, not per step.
+    workers ] in loader_service/supervisor/workers/sizing/rule.py). One extra message per session,
+    not per step.
 """
 
 from __future__ import annotations

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import os
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import KW_ONLY, dataclass, field
 from typing import Any
 
 from gpu_worker.names import name_of
@@ -35,7 +35,8 @@ class LoaderConfig:
     """Everything a ``ServiceLoader`` is asked for, validated once."""
 
     endpoints: tuple[str, ...]
-    """One service, or a fleet of them (NOTE [ A fleet ] in gpu_worker/fleet.py)."""
+    """One service, or a fleet of them (NOTE [ A fleet ] in gpu_worker/fleet_pass.py)."""
+    _: KW_ONLY  # the rest by name: too many to pass in order
     device: str = "cpu"
     feed: str = ""
     credits: int = 6
@@ -52,8 +53,6 @@ class LoaderConfig:
     transport: str = "auto"
     """``shm`` maps the service's segment, ``tcp`` receives each batch's bytes over the socket, ``auto``
     maps the segment where it can really be opened and checked (the service's host), else ``tcp``."""
-    server_key: str = ""
-    client_key: str = ""
     fields: tuple[FieldSpec, ...] = ()
     """The fields the trainer expects, in order (``gpu_worker.fields``); () takes what the feed has."""
     group_secret: str = field(default="", repr=False)

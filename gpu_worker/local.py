@@ -3,7 +3,7 @@
 The service runs as ``python -m loader_service serve`` (a separate process: the trainer side never
 imports the service side) with ``--stop-with-stdin`` and a pipe on its stdin whose write end only
 this process holds, so it stops when the loader closes and also when this process dies by any means
-(NOTE [ Stop with stdin ] in loader_service/supervisor/lifeline.py). Its log goes to this process's
+(NOTE [ Stop with stdin ] in loader_service/supervisor/edges/lifeline.py). Its log goes to this process's
 standard error.
 
 NOTE [ A private service ]
@@ -49,7 +49,7 @@ STOP_TIMEOUT = 30.0
 """Seconds it may take to stop once its stdin has closed, before SIGTERM, then SIGKILL."""
 POLL = 0.2
 NOTIFY_FD_ENV = "DATAFERRY_NOTIFY_FD"
-"""The descriptor the child notifies on (``loader_service.supervisor.systemd`` reads it)."""
+"""The descriptor the child notifies on (``loader_service.supervisor.edges.systemd`` reads it)."""
 CHILD_UNSET = ("NOTIFY_SOCKET", "WATCHDOG_USEC", "WATCHDOG_PID")
 """A trainer under systemd must not have its private service speak to systemd for it."""
 

@@ -7,7 +7,7 @@ NOTE [ Exposed wait ]
     thread, and reported in every heartbeat (cumulative milliseconds, so a lost heartbeat loses
     nothing), with the number of batches pulled (a service divides compute by it to see a step
     get slower), to every service the loader is attached to: the services' load (NOTE [ Fleet load ]
-    in loader_service/supervisor/load.py) comes from it. Time outside an epoch's iteration (between
+    in loader_service/supervisor/trainers/load.py) comes from it. Time outside an epoch's iteration (between
     epochs, evaluation, a loop that stopped pulling) counts as neither. ``loader.stats()`` shows the
     same two figures.
 """

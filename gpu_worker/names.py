@@ -9,7 +9,7 @@ NOTE [ A fleet from a name ]
     * An address that appears joins the pass under way as a new service of the fleet (its session
       opens, its feed is checked like any other's, and it is given batches as soon as it has a
       free credit).
-    * A fleet (``Fleet`` in gpu_worker/services.py) has ``MAX_ENDPOINTS`` places. A service that
+    * A fleet (``Fleet`` in gpu_worker/fleet.py) has ``MAX_ENDPOINTS`` places. A service that
       has answered keeps its place; an address that has not answered holds one for a turn of
       ``TURN`` seconds only while other addresses wait for a place, then makes room and waits for
       its next turn (never tried ones go first, lowest first, then the one whose last turn is

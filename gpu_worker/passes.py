@@ -1,8 +1,8 @@
 """One pass of the loop over an epoch (or what is left of it): the pass owns its state, the loader
-owns the configuration and the sessions (``gpu_worker.services``).
+owns the configuration and the sessions (``gpu_worker.fleet``).
 
 A shard pass hands its batches out across the fleet and puts them back in plan order (NOTE [ A
-fleet ] in ``gpu_worker/fleet.py``); a broadcast pass takes what its one service plans for the
+fleet ] in ``gpu_worker/fleet_pass.py``); a broadcast pass takes what its one service plans for the
 group. Either way the loop gets each batch of the pass once, in order.
 
 NOTE [ Empty batches ]
@@ -28,13 +28,13 @@ from typing import Any
 
 from gpu_worker.batch import Batch
 from gpu_worker.connection import ServiceError, ServiceTimeout
-from gpu_worker.fleet import FleetPass
-from gpu_worker.services import Fleet
-from gpu_worker.session import Service
+from gpu_worker.fleet import Fleet
+from gpu_worker.fleet_pass import FleetPass
+from gpu_worker.service import Service
 from protocol.messages import BatchReady, EpochEnd, Start
 
 Arrived = tuple[int, BatchReady]
-"""(session generation, announcement): what waits in the dispatcher."""
+"""(session generation, announcement): what waits in the fleet pass."""
 
 
 @dataclass
@@ -63,7 +63,7 @@ class EpochPass:
         """Iterating: started and neither finished nor abandoned (``state_dict`` names its position)."""
         self.last_endpoint = ""
         """The endpoint of the service that delivered the batch handed out last."""
-        self._dispatcher: FleetPass[Service, Arrived] = FleetPass(
+        self._fleet_pass: FleetPass[Service, Arrived] = FleetPass(
             settings.position, settings.batches, _paces=fleet.paces
         )
         self.empty = 0
@@ -82,7 +82,7 @@ class EpochPass:
     def counts(self) -> Counter[str]:
         """What ``loader.stats()`` adds up over passes: batches assigned again after a service was
         lost, asked of a second service (backups), and with no sample left (empty)."""
-        d = self._dispatcher
+        d = self._fleet_pass
         return Counter(reassigned=d.reassigned, backups=d.backups, empty=self.empty)
 
     def __iter__(self) -> Iterator[Batch]:
@@ -93,7 +93,7 @@ class EpochPass:
         fleet.waiting_leases = self._waiting_leases
         try:
             for service in fleet.live:
-                self._dispatcher.joined(service)
+                self._fleet_pass.joined(service)
             self._begin_all()
             while self.position < self._settings.batches:
                 clock.waiting()  # NOTE [ Exposed wait ]: only the pull counts as waiting
@@ -120,12 +120,12 @@ class EpochPass:
         self.active = False
         if self._fleet.on_event == self._on_event:
             self._fleet.on_event = None
-        for service, (generation, msg) in self._dispatcher.drain():
+        for service, (generation, msg) in self._fleet_pass.drain():
             service.unread(msg, generation)
 
     def _waiting_leases(self, service: Service) -> tuple[int, ...]:
         gen = service.conn.generation
-        return tuple(msg.lease for g, msg in self._dispatcher.waiting(service) if g == gen)
+        return tuple(msg.lease for g, msg in self._fleet_pass.waiting(service) if g == gen)
 
     # --- runs -----------------------------------------------------------------------------------
 
@@ -156,20 +156,20 @@ class EpochPass:
 
     def _on_event(self, service: Service, what: str, detail: Any) -> None:
         """What happened to a session means for this pass's batches (NOTE [ A fleet ])."""
-        dispatcher = self._dispatcher
+        fleet_pass = self._fleet_pass
         if what == "lost":
-            dispatcher.lost(service)
+            fleet_pass.lost(service)
         elif what == "resumed":
-            dispatcher.joined(service)
+            fleet_pass.joined(service)
             if id(service) not in self._started:  # it was lost before this pass began
                 self._begin([service])
         elif what in ("refused", "opened"):
             # Left out for good, or a new session: it owes nothing, and what came from it is gone.
-            for generation, msg in dispatcher.drop_waiting(service):
+            for generation, msg in fleet_pass.drop_waiting(service):
                 service.unread(msg, generation)
-            dispatcher.forget(service)
+            fleet_pass.forget(service)
             if what == "opened":
-                dispatcher.joined(service)
+                fleet_pass.joined(service)
                 self._begin([service])
 
     # --- waiting --------------------------------------------------------------------------------
@@ -205,11 +205,11 @@ class EpochPass:
     def _take(self) -> tuple[Service, BatchReady | None] | None:
         if self._settings.broadcast:
             return self._broadcast_take()
-        got = self._dispatcher.take()
+        got = self._fleet_pass.take()
         return None if got is None else (got[0], got[1][1])
 
     def _collect(self, now: float) -> None:
-        """Move what arrived from each session into the dispatcher (shard mode)."""
+        """Move what arrived from each session into the fleet pass (shard mode)."""
         if self._settings.broadcast:
             return
         for service in self._fleet.live:
@@ -218,12 +218,12 @@ class EpochPass:
                     continue  # an ``end`` of a run before this one
                 arrived = (service.conn.generation, msg)
                 mine = msg.run == service.run and id(service) in self._started
-                if not mine or not self._dispatcher.arrived(service, msg.seq, arrived, now):
+                if not mine or not self._fleet_pass.arrived(service, msg.seq, arrived, now):
                     service.unread(msg, service.conn.generation)
 
     def _broadcast_take(self) -> tuple[Service, BatchReady | None] | None:
         """A broadcast member takes what its group's service planned, in order, from where the group
-        is (NOTE [ Broadcast epochs ] in loader_service/supervisor/streams.py)."""
+        is (NOTE [ Broadcast epochs ] in loader_service/supervisor/streams/stream.py)."""
         for service in self._fleet.live:
             while (msg := service.conn.next_message()) is not None:
                 if isinstance(msg, EpochEnd) and msg.run == service.run:
@@ -237,17 +237,17 @@ class EpochPass:
     def _assign(self, now: float, starting: list[Service] | None = None) -> dict[Service, list[int]]:
         """Hand out batches to services with a free credit and name them (``want``); or, for
         ``starting`` services, only hand them out: their start names them."""
-        dispatcher = self._dispatcher
+        fleet_pass = self._fleet_pass
         services = (
             starting if starting is not None else [s for s in self._fleet.live if id(s) in self._started]
         )
-        free = {s: s.credits - s.in_use(self._waiting_leases(s)) - len(dispatcher.owed(s)) for s in services}
+        free = {s: s.credits - s.in_use(self._waiting_leases(s)) - len(fleet_pass.owed(s)) for s in services}
         if starting is None:
-            room = dispatcher.make_room(free)
+            room = fleet_pass.make_room(free)
             if room is not None:
                 service, (generation, msg) = room
                 service.unread(msg, generation)
-        out = dispatcher.assign(free, now)
+        out = fleet_pass.assign(free, now)
         if starting is None:
             for service, seqs in out.items():
                 service.want(seqs)
@@ -255,7 +255,7 @@ class EpochPass:
 
     def _send_pending(self, now: float) -> None:
         for service in self._fleet.live:
-            service.send_pending(self._dispatcher.owed(service), self._waiting_leases(service), now)
+            service.send_pending(self._fleet_pass.owed(service), self._waiting_leases(service), now)
 
     def _check_not_starved(self) -> None:
         """Fail at once, not after the timeout, when batches the loop holds use up every credit of

@@ -177,7 +177,7 @@ def restrict(target: int | str, group: str) -> None:
 def process_start(pid: int) -> str:
     """When process ``pid`` started (``/proc/PID/stat``), "" once it is gone: what a decode worker
     watches the service by, its parent being the template (NOTE [ Workers from a template ] in
-    supervisor/worker_pool.py); a recycled pid does not share it. The service takes its own, so a
+    supervisor/workers/pool.py); a recycled pid does not share it. The service takes its own, so a
     worker that boots after the service is gone does not take "" for the service."""
     try:
         stat = Path(f"/proc/{pid}/stat").read_text()

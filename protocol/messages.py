@@ -192,7 +192,7 @@ class Start(Message):
     picked: Annotated[bool, Bool()] = False
     """Shard mode: decode only the batches this trainer names (``want`` here and in ``want``
     messages), the lowest first, and send no ``end``: a fleet's trainer hands each batch of its
-    share to one of several services (NOTE [ A fleet ] in ``gpu_worker/fleet.py``)."""
+    share to one of several services (NOTE [ A fleet ] in ``gpu_worker/fleet_pass.py``)."""
     want: Annotated[tuple[int, ...], ListOf(_SEQ, MAX_CREDITS)] = ()
     token: Annotated[str, _TOKEN] = ""
     offset: Annotated[int, Int(0, 2**40), OMITTABLE] = 0

@@ -59,20 +59,28 @@ class ServiceProcess:
     """``loader-service serve`` as a child process, with its stderr collected line by line."""
 
     def __init__(
-        self, args: list[str], endpoint: str, env: dict[str, str] | None = None, private_shm: bool = False
+        self,
+        args: list[str],
+        endpoint: str,
+        env: dict[str, str] | None = None,
+        private_shm: bool = False,
+        python: str = sys.executable,
+        cwd: Path = REPO,
     ) -> None:
         """``private_shm``: the service gets its own empty /dev/shm, as on another host (the same
-        process: ``unshare`` and ``sh`` exec it, so signals reach it; its segments go with it)."""
+        process: ``unshare`` and ``sh`` exec it, so signals reach it; its segments go with it).
+        ``python`` and ``cwd``: another install's interpreter, run where the checkout is not on its
+        path."""
         self.args = args
         self.endpoint = endpoint
         isolate = ["unshare", "--mount", "--propagation", "private", "sh", "-c", PRIVATE_SHM]
         self.proc = subprocess.Popen(
-            [*(isolate if private_shm else []), sys.executable, "-m", "loader_service", *args],
+            [*(isolate if private_shm else []), python, "-m", "loader_service", *args],
             stdout=subprocess.DEVNULL,
             stderr=subprocess.PIPE,
             text=True,
             start_new_session=True,
-            cwd=REPO,
+            cwd=cwd,
             env={**os.environ, **(env or {})},
         )
         self.lines: list[str] = []

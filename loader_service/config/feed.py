@@ -13,6 +13,7 @@ from loader_service.config.values import ByteSize, require
 from loader_service.dataset.index import FORMATS
 from loader_service.dataset.storage.objectstore import in_object_store
 from loader_service.decode.contract import INTERPOLATIONS
+from loader_service.decode.decoders import antialias_problem
 from protocol.layout import FieldSpec
 
 AUGMENTS = ("train", "eval", "none")
@@ -136,3 +137,6 @@ def check_fields(config: FeedOptions, where: str) -> None:
         where + "a [fields] table states what a pipeline returns: give pipeline too "
         "(the built-in transforms always give image and label)",
     )
+    if not config.pipeline and config.interpolation == "bilinear-antialias":
+        problem = antialias_problem()
+        require(problem is None, where + (problem or ""))

@@ -69,9 +69,9 @@ class DatasetIndex:
     flaws: Mapping[int, str] = field(default_factory=dict)
     """Samples found unreadable while indexing (tar: a damaged header, a bad ``.cls``), and why."""
     url: str = ""
-    """The object store folder names are relative to, for remote data (``root`` is then unused)."""
+    """The object store folder names are relative to, for data in a store (``root`` is then unused)."""
     versions: Mapping[str, tuple[int, str]] = field(default_factory=dict)
-    """Remote objects read by range (tar shards), by name: their (size, ETag) when indexed."""
+    """Objects in a store read by range (tar shards), by name: their (size, ETag) when indexed."""
 
     def __len__(self) -> int:
         return len(self.labels)
@@ -163,7 +163,7 @@ class DatasetIndex:
             **dict.fromkeys(PART_KEYS),
             **(self.part.describe() if self.part is not None else {}),
             "flaws": {str(k): v for k, v in sorted(self.flaws.items())},
-            # Only for remote data: the descriptions (and fingerprints) of local indexes stay as they were.
+            # Only for data in a store: local indexes keep their descriptions (and fingerprints).
             **({"storage": {"url": self.url, "versions": self.versions}} if self.url else {}),
         }
 

@@ -65,7 +65,7 @@ class Scanned(NamedTuple):
     url: str = ""
     """The object store folder the names are relative to (``root`` is then unused); "" for local data."""
     versions: Mapping[str, tuple[int, str]] = {}
-    """Remote objects the reader reads by range, by name: (size, ETag) as indexed."""
+    """Objects in a store the reader reads by range, by name: (size, ETag) as indexed."""
 
 
 class Indexed(Protocol):
@@ -123,7 +123,7 @@ class Source(Protocol):
         ...
 
     @property
-    def remote(self) -> str:
+    def in_store(self) -> str:
         """What of an object store ``--data`` may name: "" nothing, "files" objects by name or
         pattern, "folder" a prefix holding them too."""
         ...

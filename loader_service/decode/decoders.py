@@ -3,6 +3,7 @@ OpenCV, so config and the service's main process may ask (NOTE [ The worker cont
 
 from __future__ import annotations
 
+import importlib.util
 from types import ModuleType
 
 _jpegcrop: ModuleType | None
@@ -21,6 +22,23 @@ def roi_decoder_version() -> str | None:
         return None
     number = int(getattr(_jpegcrop, "LIBJPEG_TURBO_VERSION_NUMBER", 0))
     return f"{number // 1000000}.{number // 1000 % 1000}.{number % 1000}"
+
+
+def installed(module: str) -> bool:
+    """Whether ``module`` could be imported here, without importing it."""
+    return importlib.util.find_spec(module) is not None
+
+
+def antialias_problem() -> str | None:
+    """Why ``bilinear-antialias`` cannot run here, or None: it needs the C resampler (built at
+    install where a compiler was found) or, without it, torch (``geometry.prepare``)."""
+    if installed("loader_service.decode._resample") or installed("torch"):
+        return None
+    return (
+        "interpolation bilinear-antialias needs the C resampler, which was not built (no C compiler "
+        "at install), or torch, which is not installed: reinstall with a compiler (gcc), install "
+        "torch, or use --interpolation bilinear"
+    )
 
 
 def decoder_problem(choice: str) -> str | None:

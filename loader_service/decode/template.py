@@ -1,7 +1,7 @@
 """What the workers' template imports once, so that every worker forked from it starts with it done.
 
 Imported by multiprocessing's forkserver when it starts (``set_forkserver_preload``; NOTE [ Workers
-from a template ] in supervisor/worker_pool.py), never by the service itself: the decode worker
+from a template ] in supervisor/workers/pool.py), never by the service itself: the decode worker
 module (numpy, OpenCV, ZeroMQ, the formats) and, for feeds with a ``--pipeline``, the pipelines
 named in ``$DATAFERRY_TEMPLATE_PIPELINES`` (one a line: a spec holds a colon), after
 ``single_threaded`` (torch and the BLAS pools at one thread). A pipeline that imports torch then

@@ -1,1 +1,2 @@
-"""The service process: main loop, trainer sessions, task scheduling, slot pools and worker supervision."""
+"""The service's main process: the loop (service.py), the feeds and their slot pools, and its rooms:
+trainers/, streams/, workers/ (with sizing/), edges/."""

@@ -41,7 +41,7 @@ class FeedCounters:
     batches: int = 0
     bad_files: int = 0
     warm_decoded: int = 0
-    """Images decoded for the warm cache (NOTE [ Warm start ]), included in ``decoded``."""
+    """Images decoded for the warm start (NOTE [ Warm start ]), included in ``decoded``."""
     split_batches: int = 0
     """Batches decoded in parts by several workers at once (NOTE [ Split batches ])."""
 

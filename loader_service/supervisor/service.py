@@ -1,8 +1,8 @@
 """The loader service's lifecycle: start-up, the main loop, shutdown.
 
 The main thread runs one loop (NOTE [ Main loop ]); nothing else touches sockets or slot states.
-What the loop dispatches to: ``trainers.py`` (trainer messages and sessions), ``scheduler.py`` (decode
-tasks and worker reports), ``outbox.py`` (what goes to trainers), ``status.py``.
+What the loop dispatches to: ``trainers/`` (trainer messages and sessions, what goes to them),
+``workers/`` (decode tasks, worker reports, their count), ``edges/`` (status, systemd, metrics).
 
 NOTE [ Main loop ]
     Each turn, in this order: poll both sockets (at most ``TICK`` seconds); handle trainer messages
@@ -48,21 +48,21 @@ from loader_service.decode.contract import FAULT_ENV, THREAD_ENV, WorkerConfig
 from loader_service.decode.decoders import describe_decoder
 from loader_service.decode.progress import ProgressBoard
 from loader_service.shm import LOCK_NAME, SHM_DIR, hold_lock, process_start, remove_stale
-from loader_service.supervisor import status, systemd
-from loader_service.supervisor.attachments import Attachments
-from loader_service.supervisor.autosize import WorkerSizing
-from loader_service.supervisor.curve import CurveGuard
-from loader_service.supervisor.endpoint import bind_trainer_endpoint, recv_bounded, release_ipc_path
+from loader_service.supervisor.edges import status, systemd
+from loader_service.supervisor.edges.curve import CurveGuard
+from loader_service.supervisor.edges.endpoint import bind_trainer_endpoint, recv_bounded, release_ipc_path
+from loader_service.supervisor.edges.lifeline import Lifeline
+from loader_service.supervisor.edges.metrics import ServiceMetrics
 from loader_service.supervisor.feeds import Feed
-from loader_service.supervisor.lifeline import Lifeline
-from loader_service.supervisor.load import WorkerTime, measure
-from loader_service.supervisor.metrics import ServiceMetrics
-from loader_service.supervisor.outbox import Outbox
-from loader_service.supervisor.scheduler import Scheduler
-from loader_service.supervisor.sends import CopiedSend, send_copied
-from loader_service.supervisor.trainers import TrainerDesk
-from loader_service.supervisor.warm import EarlyBatches
-from loader_service.supervisor.worker_pool import WorkerSet, write_nothing_from_env
+from loader_service.supervisor.streams.early import EarlyBatches
+from loader_service.supervisor.trainers.attachments import Attachments
+from loader_service.supervisor.trainers.desk import TrainerDesk
+from loader_service.supervisor.trainers.load import WorkerTime, measure
+from loader_service.supervisor.trainers.outbox import Outbox
+from loader_service.supervisor.trainers.sends import CopiedSend, send_copied
+from loader_service.supervisor.workers.pool import WorkerSet, write_nothing_from_env
+from loader_service.supervisor.workers.scheduler import Scheduler
+from loader_service.supervisor.workers.sizing.controller import WorkerSizing
 from protocol.codec import encode
 from protocol.layout import SEGMENT_PREFIX
 from protocol.messages import Message, ProtocolError
@@ -75,9 +75,6 @@ HOUSEKEEPING = 0.05
 heartbeat interval if that is shorter). Their deadlines are seconds with the defaults, and running
 them on every turn cost the loop about a tenth of its time at thousands of batches a second
 (``python -m benchmarks.loop_cost``)."""
-SIZING_TICK = 0.25
-"""Seconds between the totals the worker-count controller is fed: a trainer's waiting heartbeat is
-acted on within this much (NOTE [ Sizing workers ]); status and metrics stay at once a second."""
 STOP_GRACE = 5.0
 Socket = zmq.Socket[bytes]
 
@@ -103,7 +100,6 @@ class LoaderService:
         self._watchdog = systemd.Watchdog()
         self._metrics: ServiceMetrics | None = None
         self._last_report = 0.0
-        self._last_sizing = 0.0
         self._worker_time = WorkerTime()
         """For the load a scaler reads (NOTE [ Fleet load ])."""
         self._sizing: WorkerSizing | None = None
@@ -320,7 +316,7 @@ class LoaderService:
         scheduler.reap()
         self._desk.expire(now)
         self._desk.evict_laggards(now)
-        status.watch_waits(self._attached, now)
+        self._attached.watch_waits(now)
         self._outbox.heartbeat(now)
         self._report(now)
 
@@ -369,11 +365,8 @@ class LoaderService:
         """Watchdog pings while healthy; STATUS= and metrics about once a second."""
         if self._fatal() is None and self._watchdog.due(now):
             self._watchdog.ping(now)
-        if self._sizing is not None and self._workers is not None and now - self._last_sizing >= SIZING_TICK:
-            self._last_sizing = now
-            self._sizing.tick(
-                now, self._workers.busy_seconds(now), self.feeds, self._attached.sessions.values()
-            )
+        if self._sizing is not None:
+            self._sizing.tick(now, self.feeds, self._attached.sessions.values())
         if now - self._last_report < 1.0:
             return
         self._last_report = now

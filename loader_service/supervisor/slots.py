@@ -19,7 +19,7 @@ NOTE [ Slot lifecycle ]
       freed when that task reports (the worker may still be writing until then), a READY one at once.
     A slot is reused only from FREE, so no trainer can be handed memory that another still reads.
     * remote trainers (TCP) are sent a copy of the slot's bytes, never the slot itself (NOTE
-      [ Remote sends ] in sends.py), so nothing but a lease keeps a slot out of FREE.
+      [ Remote sends ] in trainers/sends.py), so nothing but a lease keeps a slot out of FREE.
 
 NOTE [ A pool as large as what is in flight ]
     A slot is only ever taken for a batch some trainer asked for (its stream's window of credits,

@@ -72,7 +72,7 @@ def _flag_help(opt: Option) -> str:
 def _cmd_serve(args: argparse.Namespace) -> int:
     from loader_service.decode.contract import PipelineError
     from loader_service.shm import SharedMemoryError
-    from loader_service.supervisor.metrics import MetricsUnavailable
+    from loader_service.supervisor.edges.metrics import MetricsUnavailable
     from loader_service.supervisor.service import LoaderService  # keeps `index` and `--help` fast
 
     try:

@@ -9,7 +9,6 @@ trainer Job names for the loaders the StatefulSet runs.
 from __future__ import annotations
 
 import re
-from pathlib import Path
 from typing import Any
 
 import pytest
@@ -98,7 +97,7 @@ def test_the_autoscaler_scales_the_fleet_on_the_load_the_pods_export() -> None:
     (rule,) = yaml.safe_load(by_kind("ConfigMap")["data"]["config.yaml"])["rules"]
     assert rule["name"]["as"] == name and rule["seriesQuery"].startswith(name + "{")
     assert set(rule["resources"]["overrides"]) == {"namespace", "pod"}
-    assert f'"{name}"' in (REPO / "loader_service" / "supervisor" / "metrics.py").read_text()
+    assert f'"{name}"' in (REPO / "loader_service" / "supervisor" / "edges" / "metrics.py").read_text()
 
     pod = fleet["spec"]["template"]
     loader = pod["spec"]["containers"][0]
@@ -109,11 +108,20 @@ def test_the_autoscaler_scales_the_fleet_on_the_load_the_pods_export() -> None:
     assert int(served["metrics-port"]) == ports["metrics"] == scraped
 
 
-def test_the_image_installs_what_scripts_setup_installs() -> None:
+def test_the_image_holds_the_service_and_its_extras_and_nothing_to_build_or_test_with() -> None:
+    """Two stages: wheels built where a compiler is; the image installs them alone. Before, it ran
+    scripts/setup: gcc, pytest, mypy, mkdocs, SeaweedFS and torch shipped to production."""
     dockerfile = (FOLDER / "Dockerfile").read_text()
-    assert re.search(r"^RUN scripts/setup\b", dockerfile, re.MULTILINE)
-    assert "/opt/dataferry/.venv/bin" in dockerfile
-    assert Path(REPO / "scripts" / "setup").exists()
+    stages = re.split(r"^FROM ", dockerfile, flags=re.MULTILINE)[1:]
+    assert len(stages) == 2 and stages[0].split()[2] == "build"
+    build, image = stages
+    assert (
+        "gcc" in build and 'pip wheel --no-cache-dir --wheel-dir /wheels ".[cloud,parquet,metrics]"' in build
+    )
+    assert "--no-index --find-links /wheels" in image and '"dataferry[cloud,parquet,metrics]"' in image
+    for word in ("gcc", "-dev", "scripts/setup", "torch", "dev]", "docs]"):
+        assert word not in image, f"the image stage holds {word}"
+    assert "/opt/dataferry/.venv/bin" in image
 
 
 def mounted_keys(pod: dict[str, Any], path: str) -> set[str]:
@@ -152,13 +160,16 @@ def test_the_image_copies_what_the_install_needs_and_no_secret() -> None:
     """``COPY . .`` with no .dockerignore baked a ``keys/`` folder into the image: the Dockerfile
     names what it copies, and the build context leaves key files and venvs out besides."""
     dockerfile = (FOLDER / "Dockerfile").read_text()
-    sources = [line.split()[1:-1] for line in dockerfile.splitlines() if line.startswith("COPY ")]
+    sources = [
+        line.split()[1:-1]
+        for line in dockerfile.splitlines()
+        if line.startswith("COPY ") and not line.startswith("COPY --from=")
+    ]
     copied = {source.rstrip("/") for group in sources for source in group}
     assert "." not in copied
     assert copied == {
         "pyproject.toml",
         "README.md",
-        "scripts",
         "protocol",
         "curvekeys",
         "loader_service",

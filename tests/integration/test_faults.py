@@ -14,7 +14,7 @@ import pytest
 
 from gpu_worker import ServiceLoader
 from loader_service.dataset.index import build_index
-from loader_service.supervisor.warm import WARM_BATCHES
+from loader_service.supervisor.streams.early import WARM_BATCHES
 from tests.helpers import (
     DIE_AFTER,
     SHM,
@@ -94,7 +94,7 @@ def test_dead_trainer_leases_are_reclaimed_and_others_never_stall(
     service.wait_for(r"detached: no heartbeat for 2 s; \d+ leases returned", 10)
     slots = status(service.endpoint)["feeds"][0]["slots"]
     assert slots["leased"] == 0 and sum(slots.values()) == 8, "the pool is whole again"
-    assert slots["ready"] + slots["filling"] <= WARM_BATCHES, "only the warm cache holds slots"
+    assert slots["ready"] + slots["filling"] <= WARM_BATCHES, "only the warm start holds slots"
 
 
 def test_too_little_shared_memory_fails_at_start_with_the_size_needed(photos: Path, tmp_path: Path) -> None:

@@ -240,7 +240,7 @@ def test_stop_signal_exits_zero_and_removes_shared_memory(
     assert "stopped cleanly" in service.log
 
 
-def test_first_batches_come_from_the_warm_cache_and_match_a_cold_start(
+def test_first_batches_come_from_the_warm_start_and_match_a_cold_start(
     photos: Path, start_service: ServiceFactory
 ) -> None:
     service = start_service(photos, log_level="DEBUG")
@@ -250,12 +250,12 @@ def test_first_batches_come_from_the_warm_cache_and_match_a_cold_start(
         warm = [(b.indices.tolist(), b.images.clone()) for _, b in zip(range(3), loader, strict=False)]
     body = status(service.endpoint)["feeds"][0]
     assert body["warm_decoded"] >= warm_before
-    # remainder="drop" is the same plan for one trainer but never served from the cache: a cold start
+    # remainder="drop" is the same plan for one trainer but never served early: a cold start
     with ServiceLoader(service.endpoint, remainder="drop", timeout=30) as loader:
         cold = [(b.indices.tolist(), b.images.clone()) for _, b in zip(range(3), loader, strict=False)]
     for (wi, wp), (ci, cp) in zip(warm, cold, strict=True):
         assert wi == ci and torch.equal(wp, cp), "a warm batch is the batch a cold start decodes"
-    service.wait_for(r"took 2 batches of epoch 0 from the warm cache")
+    service.wait_for(r"took 2 batches of epoch 0 decoded early \(warm\)")
 
 
 def test_next_epoch_starts_from_batches_decoded_ahead(photos: Path, start_service: ServiceFactory) -> None:
@@ -267,7 +267,7 @@ def test_next_epoch_starts_from_batches_decoded_ahead(photos: Path, start_servic
         # the step a real trainer would run here leaves the service time to decode ahead
         service.wait_for(r"warm start: batch 0 of epoch 1 of feed 'train' ready \(ahead\)")
         ahead = [(b.indices.tolist(), b.images.clone()) for _, b in zip(range(3), loader, strict=False)]
-    service.wait_for(r"took [1-9]\d* batches of epoch 1 from the ahead cache")
+    service.wait_for(r"took [1-9]\d* batches of epoch 1 decoded early \(ahead\)")
     with ServiceLoader(service.endpoint, remainder="drop", timeout=30) as loader:  # same plan, cold
         loader.set_epoch(1)
         cold = [(b.indices.tolist(), b.images.clone()) for _, b in zip(range(3), loader, strict=False)]

@@ -1,4 +1,4 @@
-"""One trainer fed by several services at once (NOTE [ A fleet ] in gpu_worker/fleet.py).
+"""One trainer fed by several services at once (NOTE [ A fleet ] in gpu_worker/fleet_pass.py).
 
 As on several hosts: the TCP services each run in their own private /dev/shm and take only CURVE
 clients, so every batch they give comes over the socket; one more service is local, on ipc. Real
@@ -23,8 +23,8 @@ from typing import Any
 import pytest
 
 from gpu_worker import ServiceError, ServiceLoader
+from gpu_worker.fleet import TURN
 from gpu_worker.loader_config import MAX_ENDPOINTS
-from gpu_worker.services import TURN
 from loader_service.decode.decoders import roi_decoder_version
 from loader_service.tools.keys import make_keys
 from tests.helpers import REPO, ServiceFactory, ServiceProcess, free_port, private_shm_available

@@ -9,7 +9,7 @@ from collections.abc import Iterator
 import pytest
 import zmq
 
-from loader_service.supervisor.sends import SendBudget, send_copied
+from loader_service.supervisor.trainers.sends import SendBudget, send_copied
 
 pytestmark = pytest.mark.integration
 IMAGES = 64 * 2**20

@@ -19,7 +19,7 @@ from gpu_worker import Batch, ServiceLoader
 from gpu_worker.client import LoaderConfig
 from loader_service.dataset.index import build_index
 from loader_service.dataset.sampler import shard_order
-from loader_service.supervisor.warm import WARM_BATCHES
+from loader_service.supervisor.streams.early import WARM_BATCHES
 from protocol.messages import FeedInfo
 from protocol.shares import batches_per_epoch, shard_size
 from tests.helpers import DIE_AFTER, ServiceFactory, in_threads, our_segments, status, trainer_process
@@ -176,7 +176,7 @@ def test_hundred_trainers_come_and_go(photos: Path, start_service: ServiceFactor
     assert body["attached"] == 0
     slots = body["feeds"][0]["slots"]
     assert slots["leased"] == 0 and sum(slots.values()) == 12, "the pool is whole"
-    assert slots["ready"] + slots["filling"] <= WARM_BATCHES, "only the warm cache holds slots"
+    assert slots["ready"] + slots["filling"] <= WARM_BATCHES, "only the warm start holds slots"
     assert body["worker_restarts"] == 0
     growth = rss_kib(service.proc.pid) - warm
     print(f"soak: service + workers RSS {warm} KiB after warm-up, grew by {growth} KiB")

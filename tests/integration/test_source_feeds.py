@@ -240,7 +240,7 @@ def test_a_damaged_tar_member_makes_only_its_sample_bad(
         seen = sorted(i for batch in loader for i in batch.indices.tolist())
     assert seen == sorted(set(range(n)) - {5, n - 1})
     feed = status(service.endpoint)["feeds"][0]
-    assert feed["bad_files"] >= 2  # a sample the warm cache also decoded counts twice
+    assert feed["bad_files"] >= 2  # a sample the warm start also decoded counts twice
     assert set(feed["recent_bad_files"]) == {
         f"{shards[0].name}:sample000005",
         f"{shards[-1].name}:{last_key}",

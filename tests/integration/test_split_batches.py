@@ -1,6 +1,6 @@
 """A cold first batch decoded by every worker at once (NOTE [ Split batches ]), through a real service.
 
-Each test attaches one trainer with a plan the warm cache never serves (``remainder="drop"``), once
+Each test attaches one trainer with a plan the warm start never serves (``remainder="drop"``), once
 the service is idle. Its first batch must be decoded in parts by both workers (the service logs each
 part at DEBUG), and must be the batch a single worker decodes whole, pixel for pixel, with every
 pixel the transform's output for the index in its row.

@@ -103,7 +103,7 @@ def test_broadcast_group_decodes_once_and_every_member_sees_every_image(
             assert sorted(seen) == list(range(n))
         assert epochs == results[0], "members see the same batches in the same order"
     feed = status(service.endpoint)["feeds"][0]
-    decoded = feed["decoded"] - feed["warm_decoded"]  # the warm cache decodes for shard trainers only
+    decoded = feed["decoded"] - feed["warm_decoded"]  # the warm start decodes for shard trainers only
     assert decoded == 2 * n, f"{decoded} decodes for 2 epochs of {n} images across 4 members"
 
 

@@ -5,8 +5,10 @@ neither, and ``loader-service status`` starts without torch."""
 from __future__ import annotations
 
 import ast
+import io
 import subprocess
 import sys
+import tokenize
 from pathlib import Path
 
 import pytest
@@ -174,3 +176,28 @@ def test_no_product_module_is_over_400_code_lines() -> None:
         if (n := code_lines(p.read_text())) > MAX_MODULE_LINES
     }
     assert not long, f"modules over {MAX_MODULE_LINES} code lines: {long}"
+
+
+RETIRED = {
+    "dispatcher": "the fleet pass (FleetPass, gpu_worker/fleet_pass.py)",
+    "_dispatcher": "the fleet pass",
+    "REMOTE_SCHEMES": "STORE_SCHEMES: remote means a trainer on another host",
+    "worker_pool": "supervisor/workers/pool.py",
+    "shardstream": "supervisor/streams/shard.py",
+    "autosize": "supervisor/workers/sizing/controller.py",
+    "pool_slots": "FeedConfig.slots and first_slots",
+    "EXTRA_FEED_SLOTS": "automatic pools (FIRST_SLOTS)",
+}
+"""Names a rename retired, and what took their place: no identifier of the product may use them again
+(comments and strings may, where the word means something else)."""
+
+
+def test_retired_names_stay_out_of_the_product() -> None:
+    found = {}
+    for top in PRODUCT:
+        for path in (REPO / top).rglob("*.py"):
+            tokens = tokenize.generate_tokens(io.StringIO(path.read_text()).readline)
+            names = {t.string for t in tokens if t.type == tokenize.NAME}
+            if hit := sorted(names & RETIRED.keys()):
+                found[str(path.relative_to(REPO))] = hit
+    assert not found, f"retired names in use ({RETIRED}): {found}"

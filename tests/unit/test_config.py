@@ -15,6 +15,7 @@ from loader_service.config import (
     load_config,
 )
 from loader_service.config.values import ByteSize, WorkerCount, parse_bytes
+from loader_service.decode import decoders
 from loader_service.tools.cli import build_parser
 
 
@@ -445,3 +446,18 @@ def test_a_cpu_budget_of_zero_means_the_hosts_limits_and_a_fraction_of_a_core_is
     cfg = load_config(None, {}, environ={**base_env(tmp_path), "DATAFERRY_CPU_BUDGET": text})
     assert cfg.budget.cores == cores if cores is not None else "--cpu-budget" not in cfg.budget.source
     assert 1 <= cfg.first_workers <= cfg.worker_processes <= 256
+
+
+def test_the_default_filter_without_its_resampler_or_torch_is_refused_naming_both(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A service host installed without torch where no compiler built the C resampler: before, its
+    workers failed to start one after another (no module named torch) until the service gave up."""
+    monkeypatch.setattr(decoders, "installed", lambda module: False)
+    base = {"data": tmp_path, "endpoint": "ipc:///tmp/feed.sock"}
+    with pytest.raises(ConfigError, match=r"C resampler.*or torch.*--interpolation bilinear"):
+        load_config(None, base)
+    assert load_config(None, {**base, "interpolation": "bilinear"}).interpolation == "bilinear"
+    pipeline = tmp_path / "aug.py"
+    pipeline.write_text("def f(sample, rng):\n    return {}\n")
+    assert load_config(None, {**base, "pipeline": f"{pipeline}:f"}).pipeline, "a pipeline resizes its own way"

@@ -12,7 +12,7 @@ import zmq.auth
 from curvekeys import ClientKeys, in_the_clear
 from loader_service.config import ConfigError, load_config
 from loader_service.config.checks import is_loopback_tcp
-from loader_service.supervisor.limits import RateGate
+from loader_service.supervisor.trainers.limits import RateGate
 from loader_service.tools.keys import KeysError, make_keys
 
 

@@ -7,7 +7,7 @@ import math
 
 import pytest
 
-from loader_service.supervisor.load import (
+from loader_service.supervisor.trainers.load import (
     MAX_DEMAND,
     WINDOW,
     TrainerLoop,

@@ -6,12 +6,12 @@ from dataclasses import dataclass, field
 from typing import Any, cast
 
 from loader_service.dataset.sampler import ShardOrder, shard_order
-from loader_service.supervisor.attachments import Attachments
 from loader_service.supervisor.feeds import Feed, FeedCounters
-from loader_service.supervisor.outbox import Outbox
-from loader_service.supervisor.sessions import Session
 from loader_service.supervisor.slots import SlotPool, SlotState
-from loader_service.supervisor.streams import Stream
+from loader_service.supervisor.streams.stream import Stream
+from loader_service.supervisor.trainers.attachments import Attachments
+from loader_service.supervisor.trainers.outbox import Outbox
+from loader_service.supervisor.trainers.sessions import Session
 from protocol.messages import BatchReady, EpochEnd, Hello, Message
 
 

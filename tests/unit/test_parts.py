@@ -18,14 +18,14 @@ from loader_service.config import ServiceConfig
 from loader_service.decode.contract import WorkerConfig, slot_views
 from loader_service.decode.progress import PREFETCHING, ProgressBoard
 from loader_service.shm import Segment
-from loader_service.supervisor.attachments import Attachments
 from loader_service.supervisor.feeds import Feed, FeedCounters
-from loader_service.supervisor.parts import MIN_PART_ROWS, SplitBatch, compact, plan_parts
-from loader_service.supervisor.scheduler import MAX_TASK_ATTEMPTS, Scheduler
-from loader_service.supervisor.sessions import Session
 from loader_service.supervisor.slots import SlotPool, SlotState
-from loader_service.supervisor.streams import Stream
-from loader_service.supervisor.worker_pool import WorkerHandle, WorkerSet
+from loader_service.supervisor.streams.stream import Stream
+from loader_service.supervisor.trainers.attachments import Attachments
+from loader_service.supervisor.trainers.sessions import Session
+from loader_service.supervisor.workers.parts import MIN_PART_ROWS, SplitBatch, compact, plan_parts
+from loader_service.supervisor.workers.pool import WorkerHandle, WorkerSet
+from loader_service.supervisor.workers.scheduler import MAX_TASK_ATTEMPTS, Scheduler
 from protocol.codec import decode, encode
 from protocol.layout import FieldSpec, SlotLayout
 from protocol.messages import Hello, Message

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from loader_service.supervisor.sends import SendBudget
+from loader_service.supervisor.trainers.sends import SendBudget
 
 
 class SendStub:

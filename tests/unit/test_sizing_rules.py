@@ -10,7 +10,7 @@ import pytest
 
 from loader_service.config.cpus import cpu_budget
 from loader_service.config.values import ConfigError, WorkerCount
-from loader_service.supervisor.sizing import (
+from loader_service.supervisor.workers.sizing.rule import (
     BACKOFF,
     FIRST,
     HOLD,

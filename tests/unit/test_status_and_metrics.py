@@ -20,7 +20,7 @@ import zmq
 
 from gpu_worker.metrics import MetricsUnavailable as TrainerMetricsUnavailable
 from gpu_worker.metrics import TrainerMetrics
-from loader_service.supervisor.metrics import MetricsUnavailable, ServiceMetrics
+from loader_service.supervisor.edges.metrics import MetricsUnavailable, ServiceMetrics
 from loader_service.tools.status_view import main_status, query_status, render
 from protocol.codec import decode, encode
 from protocol.messages import Heartbeat, StatusReply, StatusRequest

@@ -8,11 +8,11 @@ from typing import Any, cast
 import pytest
 
 from loader_service.dataset.sampler import ShardOrder, shard_order
-from loader_service.supervisor.broadcast import BroadcastStream
 from loader_service.supervisor.feeds import Feed
-from loader_service.supervisor.sessions import Session
-from loader_service.supervisor.shardstream import ShardStream
-from loader_service.supervisor.streams import StartRefused, Stream
+from loader_service.supervisor.streams.broadcast import BroadcastStream
+from loader_service.supervisor.streams.shard import ShardStream
+from loader_service.supervisor.streams.stream import StartRefused, Stream
+from loader_service.supervisor.trainers.sessions import Session
 from protocol.messages import Hello
 
 
@@ -28,7 +28,7 @@ class PoolStub:
 
 @dataclass
 class FeedStub:
-    """What a Stream (and its ahead cache) asks of its feed."""
+    """What a Stream (and its early batches ahead) asks of its feed."""
 
     batch_size: int = 4
     samples: int = 10
@@ -232,7 +232,7 @@ def test_members_waiting_for_the_next_epoch_still_begin_it_when_the_laggard_leav
     assert stream.epoch == 1 and stream.wants_batch(), "a and b go on to epoch 1 without c"
 
 
-# --- picked runs (NOTE [ A fleet ] in gpu_worker/fleet.py) ------------------------------------------
+# --- picked runs (NOTE [ A fleet ] in gpu_worker/fleet_pass.py) ------------------------------------------
 
 
 def picked(samples: int = 40, credits: int = 3) -> ShardStream:
@@ -287,7 +287,7 @@ def test_a_batch_let_go_may_be_asked_for_again() -> None:
 
 
 def decoded_ahead(samples: int = 12, credits: int = 3) -> tuple[Stream, list[tuple[int, int, Any]]]:
-    """A picked stream that asked for the whole of epoch 0 (3 batches), whose ahead cache then
+    """A picked stream that asked for the whole of epoch 0 (3 batches), whose early batches ahead then
     planned the first two of epoch 1; nothing of epoch 1 decoded yet."""
     stream = picked(samples=samples, credits=credits)
     stream.on_start("a", 0, 0, picked=(0, 1, 2))
@@ -352,7 +352,7 @@ def test_kept_batches_give_their_slots_back_when_room_is_needed_or_the_plan_chan
 
 def test_batches_decoded_ahead_never_keep_a_picked_run_from_what_it_asks_for() -> None:
     """The trainer cannot see what a service decodes ahead: a batch it asks for later (another
-    service of its fleet was lost) must still be decoded, whatever the ahead cache holds."""
+    service of its fleet was lost) must still be decoded, whatever the batches decoded ahead hold."""
     stream = picked(samples=12, credits=2)  # 3 batches an epoch, a window of 2
     stream.on_start("a", 0, 0, picked=(2,))  # the last batch: the next epoch may be decoded ahead
     decode_all(stream)
@@ -362,5 +362,5 @@ def test_batches_decoded_ahead_never_keep_a_picked_run_from_what_it_asks_for() -
         gen, seq, _ = ahead.plan_batch()
         assert ahead.filled(gen, seq, slot=50 + seq, count=4)
     stream.want((0,), limit=2)
-    assert stream.wants_batch(), "the batch asked for is decoded, not held back by the ahead cache"
+    assert stream.wants_batch(), "the batch asked for is decoded, not held back by the batches decoded ahead"
     assert decode_all(stream) == [0]

@@ -1,4 +1,4 @@
-"""sd_notify and the watchdog (``loader_service.supervisor.systemd``) on real datagram sockets."""
+"""sd_notify and the watchdog (``loader_service.supervisor.edges.systemd``) on real datagram sockets."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from loader_service.supervisor import systemd
+from loader_service.supervisor.edges import systemd
 
 
 @pytest.fixture

@@ -16,7 +16,7 @@ import pytest
 
 from loader_service.decode.contract import WorkerConfig
 from loader_service.shm import process_start
-from loader_service.supervisor.worker_pool import WorkerSet
+from loader_service.supervisor.workers.pool import WorkerSet
 
 TEMPLATE = WorkerConfig(
     worker=0, parent_pid=1, parent_start="", backend="ipc://unused", feeds=(), log_level="INFO"

@@ -63,11 +63,11 @@ def detect_format(data: str | Path, storage: StorageConfig | None = None) -> str
 def _remote_format(url: str, storage: StorageConfig) -> str:
     """An object store URL's format: by the name or pattern it gives, else (a prefix) by the names of
     the objects directly under it, as a local folder's files tell."""
-    readable = [s for s in SOURCES.values() if s.remote]
+    readable = [s for s in SOURCES.values() if s.in_store]
     for s in readable:
         if s.claims_pattern(url) or s.claims_file(url.lower()):
             return s.name
-    folders = [s for s in readable if s.remote == "folder"]
+    folders = [s for s in readable if s.in_store == "folder"]
     prefix = split_url(url)[1].strip("/")
     prefix = f"{prefix}/" if prefix else ""
     names = [o.key[len(prefix) :].lower() for o in Bucket(url, storage, SCAN_DEADLINE).list(prefix)]

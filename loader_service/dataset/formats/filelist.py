@@ -226,7 +226,7 @@ class ListSource(FilePerSample):
     name = "list"
     what = "a .csv or .jsonl list"
     holds = ".csv or .jsonl files (a list?)"
-    remote = "files"
+    in_store = "files"
 
     def claims_folder(self, root: Path) -> bool:
         return False

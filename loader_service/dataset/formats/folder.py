@@ -106,7 +106,7 @@ class FolderSource(FilePerSample):
     name = "imagefolder"
     what = "a folder of class sub-folders"
     holds = "sub-folders (an ImageFolder?)"
-    remote = ""  # a store has no folders to list cheaply: shards or a list there
+    in_store = ""  # a store has no folders to list cheaply: shards or a list there
 
     def claims_folder(self, root: Path) -> bool:
         return holds_class_folders(root)

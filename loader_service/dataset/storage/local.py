@@ -122,7 +122,7 @@ Want = tuple[str, int, int]
 
 class Files(Protocol):
     """Where a format's files are: the local disk (``LocalFiles``) or an object store
-    (``remote.ObjectFiles``). Names are relative to the data's root; failures are ``DecodeError``s
+    (``objectfiles.ObjectFiles``). Names are relative to the data's root; failures are ``DecodeError``s
     (or OSErrors, from ``read_range``) that cost the sample only."""
 
     def read(self, name: str, max_bytes: int) -> bytes:

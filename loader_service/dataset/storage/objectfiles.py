@@ -1,4 +1,4 @@
-"""A decode worker's reads from an object store (``storage.Files`` for remote data; NOTE [ Object
+"""A decode worker's reads from an object store (``storage.Files`` for data in a store; NOTE [ Object
 store reads ]), through the cache folder when it holds the object (NOTE [ Fetch cache ]).
 
 NOTE [ Prefetch budget ]

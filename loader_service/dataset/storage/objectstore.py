@@ -34,7 +34,7 @@ from typing import Any
 
 from loader_service.dataset.tables import DatasetError, DecodeError
 
-REMOTE_SCHEMES = ("s3", "gs", "az")
+STORE_SCHEMES = ("s3", "gs", "az")
 CLIENT_KEYS = frozenset(
     {
         "allow_http",
@@ -125,7 +125,7 @@ class StorageConfig:
 def in_object_store(data: str | Path) -> bool:
     """Does ``data`` name an object store (``s3://``, ``gs://``, ``az://``)?"""
     scheme, sep, _ = str(data).partition("://")
-    return bool(sep) and scheme.lower() in REMOTE_SCHEMES
+    return bool(sep) and scheme.lower() in STORE_SCHEMES
 
 
 def split_url(url: str) -> tuple[str, str]:

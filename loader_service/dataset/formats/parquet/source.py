@@ -80,7 +80,7 @@ class ParquetSource:
     name = "parquet"
     what = "a .parquet file, a folder of them or a brace pattern"
     holds = ".parquet files"
-    remote = "folder"
+    in_store = "folder"
 
     def claims_folder(self, root: Path) -> bool:
         with os.scandir(root) as it:

@@ -35,7 +35,7 @@ class TarSource:
     name = "tar"
     what = "a folder of .tar shards, one .tar file or a brace pattern of them"
     holds = ".tar files (shards?)"
-    remote = "folder"
+    in_store = "folder"
 
     def claims_folder(self, root: Path) -> bool:
         return holds_shards(root)

@@ -15,6 +15,7 @@ NOTE [ Plan generations ]
 
 from __future__ import annotations
 
+import enum
 import itertools
 from collections.abc import Iterable
 
@@ -25,6 +26,19 @@ from loader_service.dataset.sampler import ShardOrder
 from loader_service.supervisor.feeds import Feed
 
 GENERATIONS = itertools.count(1)
+
+
+class Lane(enum.Enum):
+    """What a producer decodes for, as status and the log count its batches."""
+
+    STREAM = "stream"
+    """Batches a trainer's stream asked for."""
+    AHEAD = "ahead"
+    """The next epoch's first batches of a shard stream, while its trainer ends the current one."""
+    WARM = "warm"
+    """The feed's warm start: the first batches of its default plan, while the service is idle."""
+
+
 PlanKey = tuple[int, int, int, str, int]
 """(epoch, rank, world_size, remainder, offset): a plan is a pure function of these and the feed's
 seed (offset: where a resumed epoch's shared-out part begins, NOTE [ Elastic epochs ])."""
@@ -33,8 +47,7 @@ seed (offset: where a resumed epoch's shared-out part begins, NOTE [ Elastic epo
 class Producer:
     """One plan's batches, planned in order; subclasses decide what a decoded batch is for."""
 
-    lane = "stream"
-    """How the batch counts in status: ``stream``, ``ahead`` or ``warm``."""
+    lane = Lane.STREAM
 
     def __init__(self, feed: Feed, plan_key: PlanKey) -> None:
         self.feed = feed

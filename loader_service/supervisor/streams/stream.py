@@ -2,7 +2,7 @@
 
 Two kinds, chosen once, when a stream's first member attaches (``attachments.make_stream``):
 
-* ``ShardStream`` (shardstream.py): one per trainer, planned from (seed, epoch, rank, world_size,
+* ``ShardStream`` (shard.py): one per trainer, planned from (seed, epoch, rank, world_size,
   remainder). A ``start`` at any epoch and position restarts it there (set_epoch, resume, breaking
   out of a loop). A fleet's trainer picks the batches it decodes (NOTE [ Kept batches ]).
 * ``BroadcastStream`` (broadcast.py): one per (feed, group), every member receiving every batch;
@@ -22,9 +22,9 @@ from collections.abc import Iterator
 from dataclasses import dataclass, field
 
 from loader_service.supervisor.feeds import Feed
-from loader_service.supervisor.producers import Producer
-from loader_service.supervisor.sessions import Session
-from loader_service.supervisor.warm import EarlyBatches, Handover
+from loader_service.supervisor.streams.early import EarlyBatches, Handover
+from loader_service.supervisor.streams.producers import Producer
+from loader_service.supervisor.trainers.sessions import Session
 
 BatchKey = tuple[int, int]
 

@@ -10,7 +10,7 @@ NOTE [ Broadcast epochs ]
     still held, so it may miss the batches before that: exactly-once holds for members that stay.
     When the last member in the epoch leaves and none is waiting for the next, the epoch is
     abandoned and the group begins afresh with whoever starts next (``Stream._abandon_epoch``).
-    A member that holds the group up for longer than the lag timeout is evicted (trainers.py), and so
+    A member that holds the group up for longer than the lag timeout is evicted (trainers/desk.py), and so
     is one that attached and never started while the others wait to begin: it gets no further
     batches, but keeps the slots of those it holds until it releases them, so a slow step never sees
     its batch overwritten. A dead member is dropped after its heartbeat timeout, and its
@@ -20,9 +20,9 @@ NOTE [ Broadcast epochs ]
 from __future__ import annotations
 
 from loader_service.supervisor.feeds import Feed
-from loader_service.supervisor.sessions import Session
-from loader_service.supervisor.streams import Member, StartRefused, Stream
-from loader_service.supervisor.warm import EarlyBatches
+from loader_service.supervisor.streams.early import EarlyBatches
+from loader_service.supervisor.streams.stream import Member, StartRefused, Stream
+from loader_service.supervisor.trainers.sessions import Session
 
 
 class BroadcastStream(Stream):

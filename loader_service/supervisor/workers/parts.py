@@ -2,7 +2,7 @@
 
 NOTE [ Split batches ]
     A batch its reader is waiting for (none of its producer's plan is decoding, decoded, or held
-    by a trainer: a trainer's first batch of a plan that nothing warm served, or the warm cache's
+    by a trainer: a trainer's first batch of a plan that nothing warm served, or the warm start's
     first batch) is split into up to one part per worker, each of at least ``MIN_PART_ROWS``
     samples. Part k is the k-th consecutive slice of the plan's indices, decoded by its own task
     into the same slot from its own first row (``Task.row``): the number of samples in the parts

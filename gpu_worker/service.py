@@ -1,5 +1,5 @@
 """One service as the loader sees it: its connection and session, the pool it maps, the leases the
-loop holds, and the share of the pass it delivered (``Fleet``, in services.py, owns one per endpoint)."""
+loop holds, and the share of the pass it delivered (``Fleet``, in fleet.py, owns one per endpoint)."""
 
 from __future__ import annotations
 

@@ -20,7 +20,7 @@ NOTE [ Fleet load ]
     A trainer's heartbeats are its own word, so they count only as far as the service saw them
     (measured before: one trainer that pulled nothing and claimed it waited 100 s a second raised
     the load from 0.24-0.46 to 3.7-4.4, about ten times the pods needed). At every housekeeping
-    round (``status.watch_waits``) the service notes whether each trainer is in an epoch here and,
+    round (``Attachments.watch_waits``) the service notes whether each trainer is in an epoch here and,
     if so, whether it is ``starved``: a credit free and the batch it asked for next (a picked run:
     any it named) not ready. A trainer waits on this service's data only then. So, over a window:
     * its wait counts at most the seconds it was seen starved, and its compute at least the rest

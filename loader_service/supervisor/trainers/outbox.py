@@ -18,12 +18,12 @@ import time
 from collections.abc import Callable, Iterable
 
 from loader_service.logs import LogLimiter
-from loader_service.supervisor.attachments import Attachments
-from loader_service.supervisor.sends import Send as SlotSend
-from loader_service.supervisor.sends import SendBudget
-from loader_service.supervisor.sessions import Leased, Session
 from loader_service.supervisor.slots import SlotState
-from loader_service.supervisor.streams import Member, Stream
+from loader_service.supervisor.streams.stream import Member, Stream
+from loader_service.supervisor.trainers.attachments import Attachments
+from loader_service.supervisor.trainers.sends import Send as SlotSend
+from loader_service.supervisor.trainers.sends import SendBudget
+from loader_service.supervisor.trainers.sessions import Leased, Session
 from protocol.messages import BatchReady, EpochEnd, ErrorReply, Heartbeat, Message
 
 log = logging.getLogger(__name__)

@@ -12,15 +12,15 @@ import time
 from collections.abc import Callable
 
 from loader_service.config import ServiceConfig
-from loader_service.supervisor.attachments import Attachments
-from loader_service.supervisor.broadcast import BroadcastStream
 from loader_service.supervisor.feeds import Feed
-from loader_service.supervisor.limits import RateGate
-from loader_service.supervisor.outbox import Outbox
-from loader_service.supervisor.sessions import Session, group_key
-from loader_service.supervisor.shardstream import ShardStream
-from loader_service.supervisor.streams import StartRefused, Stream
-from loader_service.supervisor.warm import EarlyBatches
+from loader_service.supervisor.streams.broadcast import BroadcastStream
+from loader_service.supervisor.streams.early import EarlyBatches
+from loader_service.supervisor.streams.shard import ShardStream
+from loader_service.supervisor.streams.stream import StartRefused, Stream
+from loader_service.supervisor.trainers.attachments import Attachments
+from loader_service.supervisor.trainers.limits import RateGate
+from loader_service.supervisor.trainers.outbox import Outbox
+from loader_service.supervisor.trainers.sessions import Session, group_key
 from protocol.codec import decode
 from protocol.messages import (
     Ack,

@@ -4,11 +4,11 @@ from __future__ import annotations
 
 from collections import deque
 
-from loader_service.supervisor.broadcast import BroadcastStream
 from loader_service.supervisor.feeds import Feed
-from loader_service.supervisor.sessions import Session, StreamKey
-from loader_service.supervisor.shardstream import ShardStream
-from loader_service.supervisor.streams import Stream
+from loader_service.supervisor.streams.broadcast import BroadcastStream
+from loader_service.supervisor.streams.shard import ShardStream
+from loader_service.supervisor.streams.stream import Stream
+from loader_service.supervisor.trainers.sessions import Session, StreamKey
 
 
 class Attachments:
@@ -66,6 +66,28 @@ class Attachments:
         stream.close()
         del self.streams[stream.key]
         self.order.remove(stream.key)
+
+    def starved(self, session: Session) -> bool | None:
+        """Could this trainer's loop be waiting on this service's data now (NOTE [ Fleet load ])? None
+        if it is in no epoch here. In one, it is starved if it has a credit free and a batch it asked
+        for is not ready: in a run in order, the next one; in a picked run, any it named that is still
+        queued or decoding. With every credit out it has its batches (or waits on its own releases);
+        one ready and not yet announced waits on its connection; neither is decoding's to answer."""
+        stream = self.streams.get(session.stream_key())
+        member = None if stream is None else stream.members.get(session.session_id)
+        if stream is None or member is None or not member.active:
+            return None
+        if len(session.leases) >= session.credits:
+            return False
+        if isinstance(stream, ShardStream) and stream.picks is not None:
+            return bool(stream.picks) or stream.filling > 0
+        return member.next_send < stream.end and (stream.gen, member.next_send) not in stream.batches
+
+    def watch_waits(self, now: float) -> None:
+        """Note whether each trainer is ``starved`` now: every housekeeping round, so a window's starved
+        seconds are right to a round's length (NOTE [ Fleet load ])."""
+        for session in self.sessions.values():
+            session.loop.watch(now, self.starved(session))
 
 
 def make_stream(key: tuple[object, ...], feed: Feed, session: Session) -> Stream:

@@ -1,25 +1,25 @@
 """``FleetPass``: which service of a fleet decodes which batch, and the order the loop gets them in
-(NOTE [ A fleet ] in gpu_worker/fleet.py). Pure: services are names, time is a number."""
+(NOTE [ A fleet ] in gpu_worker/fleet_pass.py). Pure: services are names, time is a number."""
 
 from __future__ import annotations
 
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from gpu_worker.fleet import BACKUP_MARGIN, FleetPass
+from gpu_worker.fleet_pass import BACKUP_MARGIN, FleetPass
 
 CREDITS = 4
 
 
 def fleet(*services: str, position: int = 0, end: int = 40) -> FleetPass[str, str]:
-    dispatcher: FleetPass[str, str] = FleetPass(position, end)
+    fleet_pass: FleetPass[str, str] = FleetPass(position, end)
     for service in services:
-        dispatcher.joined(service)
-    return dispatcher
+        fleet_pass.joined(service)
+    return fleet_pass
 
 
-def free_of(dispatcher: FleetPass[str, str], services: tuple[str, ...], waiting: int = 0) -> dict[str, int]:
-    return {s: CREDITS - len(dispatcher.owed(s)) - waiting for s in services}
+def free_of(fleet_pass: FleetPass[str, str], services: tuple[str, ...], waiting: int = 0) -> dict[str, int]:
+    return {s: CREDITS - len(fleet_pass.owed(s)) - waiting for s in services}
 
 
 def test_batches_reach_the_loop_in_plan_order_each_once() -> None:

@@ -9,12 +9,11 @@ from __future__ import annotations
 
 import time
 
-from loader_service.supervisor.attachments import Attachments
 from loader_service.supervisor.feeds import Feed
-from loader_service.supervisor.load import Load
-from loader_service.supervisor.sessions import Session
-from loader_service.supervisor.shardstream import ShardStream
-from loader_service.supervisor.worker_pool import WorkerSet
+from loader_service.supervisor.trainers.attachments import Attachments
+from loader_service.supervisor.trainers.load import Load
+from loader_service.supervisor.trainers.sessions import Session
+from loader_service.supervisor.workers.pool import WorkerSet
 
 STATUS_SESSIONS = 100
 STATUS_WORKERS = 64
@@ -40,30 +39,6 @@ def lag(attached: Attachments, session: Session) -> int:
     if stream.picked:  # a picked run: decoded, asked for, not yet announced to it
         return sum(1 for batch in stream.batches.values() if session.session_id in batch.pending)
     return max(0, stream.next_produce - stream.filling - member.next_send)
-
-
-def starved(attached: Attachments, session: Session) -> bool | None:
-    """Could this trainer's loop be waiting on this service's data now (NOTE [ Fleet load ])? None
-    if it is in no epoch here. In one, it is starved if it has a credit free and a batch it asked
-    for is not ready: in a run in order, the next one; in a picked run, any it named that is still
-    queued or decoding. With every credit out it has its batches (or waits on its own releases);
-    one ready and not yet announced waits on its connection; neither is decoding's to answer."""
-    stream = attached.streams.get(session.stream_key())
-    member = None if stream is None else stream.members.get(session.session_id)
-    if stream is None or member is None or not member.active:
-        return None
-    if len(session.leases) >= session.credits:
-        return False
-    if isinstance(stream, ShardStream) and stream.picks is not None:
-        return bool(stream.picks) or stream.filling > 0
-    return member.next_send < stream.end and (stream.gen, member.next_send) not in stream.batches
-
-
-def watch_waits(attached: Attachments, now: float) -> None:
-    """Note whether each trainer is ``starved`` now: every housekeeping round, so a window's starved
-    seconds are right to a round's length (NOTE [ Fleet load ])."""
-    for session in attached.sessions.values():
-        session.loop.watch(now, starved(attached, session))
 
 
 def _session(feeds: list[Feed], attached: Attachments, s: Session, now: float) -> dict[str, object]:

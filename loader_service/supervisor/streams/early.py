@@ -6,15 +6,16 @@ NOTE [ Warm start ]
     nothing else to do, the service decodes the first ``WARM_BATCHES`` batches of exactly that plan
     into ordinary slots (FILLING -> READY, NOTE [ Slot lifecycle ]). A session whose start matches
     takes the ready prefix into its own stream, where they are announced like any other batch; the
-    cache then refills. Warm batches are the lowest priority: they are decoded only when no trainer
-    wants a batch, and dropped (their slots freed) when a trainer needs a slot and the pool is full.
+    warm start then decodes them again. Warm batches are the lowest priority: they are decoded only
+    when no trainer wants a batch, and dropped (their slots freed) when a trainer needs a slot and
+    the pool is full.
     The plan is the same pure function of (seed, epoch, rank, world_size) as every other, so what a
-    trainer receives does not depend on whether it came from the cache.
+    trainer receives does not depend on whether it was decoded early.
     The same mechanism keeps a shard trainer fed across epoch boundaries: once its stream has decoded
     the whole epoch and has credit left, it decodes the first batches of the next epoch ahead, and a
     start of exactly that epoch at position 0 takes them. Any other start drops them.
-    A start takes the batches still being decoded too (``take``): their tasks keep the cache's lane
-    and old generation, and the cache forwards their completions to the stream that took them,
+    A start takes the batches still being decoded too (``take``): their tasks keep the early
+    batches' lane and old generation, which forward their completions to the stream that took them,
     which counts them as filling. Dropping them instead would throw away work at
     every epoch boundary, just when the trainer is about to wait for exactly those batches.
 """
@@ -25,7 +26,7 @@ import logging
 from dataclasses import dataclass, field
 
 from loader_service.supervisor.feeds import Feed
-from loader_service.supervisor.producers import PlanKey, Producer
+from loader_service.supervisor.streams.producers import Lane, PlanKey, Producer
 
 log = logging.getLogger(__name__)
 WARM_BATCHES = 2
@@ -53,13 +54,13 @@ class _Forward:
 class EarlyBatches(Producer):
     """The first ``batches`` batches of one plan, decoded before anyone asked for them.
 
-    Used for the feed's warm start (``WARM_PLAN``, lane ``warm``) and, per shard stream, for the
-    first batches of the next epoch while the trainer finishes the current one (lane ``ahead``,
+    Used for the feed's warm start (``WARM_PLAN``, ``Lane.WARM``) and, per shard stream, for the
+    first batches of the next epoch while the trainer finishes the current one (``Lane.AHEAD``,
     NOTE [ Warm start ]).
     """
 
     def __init__(
-        self, feed: Feed, batches: int = WARM_BATCHES, plan: PlanKey = WARM_PLAN, lane: str = "warm"
+        self, feed: Feed, batches: int = WARM_BATCHES, plan: PlanKey = WARM_PLAN, lane: Lane = Lane.WARM
     ) -> None:
         super().__init__(feed, plan)
         self.lane = lane
@@ -97,7 +98,7 @@ class EarlyBatches(Producer):
             seq,
             self.epoch,
             self.feed.name,
-            self.lane,
+            self.lane.value,
         )
         return True
 

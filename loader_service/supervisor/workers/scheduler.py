@@ -20,14 +20,14 @@ import numpy.typing as npt
 from loader_service.config import ServiceConfig
 from loader_service.decode.contract import slot_views
 from loader_service.decode.progress import PREFETCHING, ProgressBoard
-from loader_service.supervisor.attachments import Attachments
 from loader_service.supervisor.feeds import Feed
-from loader_service.supervisor.parts import SplitBatch, compact, plan_parts
-from loader_service.supervisor.producers import Producer
-from loader_service.supervisor.shardstream import ShardStream
-from loader_service.supervisor.streams import Stream
-from loader_service.supervisor.warm import EarlyBatches
-from loader_service.supervisor.worker_pool import WorkerHandle, WorkerSet
+from loader_service.supervisor.streams.early import EarlyBatches
+from loader_service.supervisor.streams.producers import Lane, Producer
+from loader_service.supervisor.streams.shard import ShardStream
+from loader_service.supervisor.streams.stream import Stream
+from loader_service.supervisor.trainers.attachments import Attachments
+from loader_service.supervisor.workers.parts import SplitBatch, compact, plan_parts
+from loader_service.supervisor.workers.pool import WorkerHandle, WorkerSet
 from protocol.codec import decode
 from protocol.messages import Message, ProtocolError
 from protocol.workers import Task, TaskDone, WorkerReady
@@ -130,7 +130,7 @@ class Scheduler:
                 record.feed.name,
                 record.seq,
                 record.epoch,
-                record.producer.lane,
+                record.producer.lane.value,
                 record.row,
                 msg.count,
                 msg.worker,
@@ -142,7 +142,7 @@ class Scheduler:
         for idx, reason in bad:
             self._report_bad(feed, idx, reason)
         feed.counters.decoded.add(count)
-        if record.producer.lane == "warm":
+        if record.producer.lane is Lane.WARM:
             feed.counters.warm_decoded += count
         if record.split is not None:
             if not record.split.report(record.row, count):
@@ -339,7 +339,7 @@ class Scheduler:
                 seq,
                 producer.epoch,
                 len(ranges),
-                producer.lane,
+                producer.lane.value,
             )
         return records[0]
 
@@ -348,7 +348,7 @@ def waited_for(producer: Producer) -> bool:
     """Will the producer's reader wait for its next batch (NOTE [ Split batches ])? True when none
     of its plan is decoding, decoded, or held by a trainer: a trainer that holds a batch is busy
     with it, and splitting its next one would only add tasks."""
-    if producer.filling or producer.lane == "ahead":
+    if producer.filling or producer.lane is Lane.AHEAD:
         return False  # a next epoch's first batches: planned while the trainer still holds batches
     if isinstance(producer, EarlyBatches):
         return not producer.ready

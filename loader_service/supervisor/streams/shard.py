@@ -3,7 +3,7 @@
 A ``start`` at any epoch and position restarts it there (set_epoch, resume, breaking out of a loop);
 the next epoch's first batches are decoded ahead once this one is all planned (NOTE [ Warm start ]).
 
-A picked run (a fleet's trainer, NOTE [ A fleet ] in gpu_worker/fleet.py): the trainer names the
+A picked run (a fleet's trainer, NOTE [ A fleet ] in gpu_worker/fleet_pass.py): the trainer names the
 batches of the plan this service decodes (``Start.want`` and ``want`` messages); nothing else is
 decoded for it, what is ready is announced in the order asked, and no ``end`` is sent. Whether a run
 is picked is chosen at each start; ``picks`` is None for a run in plan order.
@@ -16,9 +16,10 @@ import logging
 from collections.abc import Iterator
 
 from loader_service.supervisor.feeds import Feed
-from loader_service.supervisor.sessions import Session
-from loader_service.supervisor.streams import BatchKey, Member, SharedBatch, StartRefused, Stream
-from loader_service.supervisor.warm import EarlyBatches, Handover
+from loader_service.supervisor.streams.early import EarlyBatches, Handover
+from loader_service.supervisor.streams.producers import Lane
+from loader_service.supervisor.streams.stream import BatchKey, Member, SharedBatch, StartRefused, Stream
+from loader_service.supervisor.trainers.sessions import Session
 
 log = logging.getLogger(__name__)
 
@@ -31,7 +32,7 @@ class ShardStream(Stream):
         self.picks: list[int] | None = None
         """Picked run: seqs asked for and not yet planned, a heap: the lowest is decoded next, so a
         batch the trainer waits for, asked again of this service (a backup, NOTE [ A fleet ] in
-        gpu_worker/fleet.py), goes before those asked ahead of it. None for a run in plan order."""
+        gpu_worker/fleet_pass.py), goes before those asked ahead of it. None for a run in plan order."""
         self.wanted: set[int] = set()
         """Picked run: every seq of this plan the trainer asked for."""
         self.planned: set[int] = set()
@@ -93,29 +94,29 @@ class ShardStream(Stream):
     ) -> None:
         """(Re)start the plan; take batches decoded early (ahead, or warm) if they are its first ones."""
         plan = (epoch, self.rank, self.world_size, self.remainder, offset)
-        cache = next((c for c in (self.ahead, warm) if c is not None and c.serves(plan, position)), None)
+        early = next((e for e in (self.ahead, warm) if e is not None and e.serves(plan, position)), None)
         self._begin(epoch, position, offset)
         self.picks, self.wanted, self.planned = (None if picked is None else []), set(), set()
         self.last_asked = False
         self._activate(member, 0 if picked is not None else position)
         if picked is not None:
             member.end_sent = True  # a picked run has no end: the trainer counts its batches
-        if cache is not None:
-            handover = cache.take(self)
+        if early is not None:
+            handover = early.take(self)
             self.adopt(handover)
             if picked is not None:
                 self._keep_picked(handover, picked)
             log.debug(
-                "%s took %d batches of epoch %d from the %s cache, %d of them still decoding",
+                "%s took %d batches of epoch %d decoded early (%s), %d of them still decoding",
                 self.key[1],
                 len(handover.ready) + len(handover.filling),
                 epoch,
-                cache.lane,
+                early.lane.value,
                 len(handover.filling),
             )
         following = (epoch + 1, self.rank, self.world_size, self.remainder, 0)
         if self.ahead is None:
-            self.ahead = EarlyBatches(self.feed, self.window, following, lane="ahead")
+            self.ahead = EarlyBatches(self.feed, self.window, following, lane=Lane.AHEAD)
         else:
             self.ahead.retarget(following)
         if picked is not None:
@@ -128,7 +129,7 @@ class ShardStream(Stream):
 
         NOTE [ Kept batches ]
             A picked start names only the batches the trainer hands this service at once (a few,
-            by its pace: NOTE [ A fleet ] in gpu_worker/fleet.py), while the next epoch's first
+            by its pace: NOTE [ A fleet ] in gpu_worker/fleet_pass.py), while the next epoch's first
             ``credits`` batches may already be decoded ahead. Freeing the rest would decode them
             again moments later, at every epoch's start (measured: a trainer with 40 credits got 9
             of 40 ready batches at once and waited on decoding for the other 31). So they are kept

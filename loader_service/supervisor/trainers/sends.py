@@ -12,7 +12,7 @@ NOTE [ Remote sends ]
     * in all: ``limit`` bytes (what every feed's pool may grow to); past it, announcements wait (NOTE
       [ Owed messages ]) until ZeroMQ lets copies go;
     * a session whose oldest copy has not gone out within the client timeout has stopped reading:
-      it is dropped and its slots return (trainers.py ``expire``);
+      it is dropped and its slots return (``TrainerDesk.expire`` in trainers/desk.py);
     * the copies of a session that ended, or resumed on a new connection, are orphans: they no
       longer count against that session or keep the others from ``limit``, and go when ZeroMQ lets
       them go, which is when their connection closes: at once when the peer's process ends, after

@@ -14,7 +14,7 @@ import zmq
 from loader_service.config import ServiceConfig
 from loader_service.config.checks import is_loopback_tcp
 from loader_service.shm import restrict
-from loader_service.supervisor.curve import CurveGuard
+from loader_service.supervisor.edges.curve import CurveGuard
 from protocol.messages import MAX_FRAME_BYTES
 
 log = logging.getLogger(__name__)

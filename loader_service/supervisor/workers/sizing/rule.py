@@ -1,11 +1,11 @@
 """How many decode workers take tasks: ``--workers auto`` (NOTE [ Sizing workers ]). Pure: the
-service feeds it totals about once a second and applies what it decides.
+service feeds it totals every quarter second (``controller.py``) and applies what it decides.
 
 NOTE [ Sizing workers ]
     With ``--workers auto`` the service may run up to ``worker_processes`` workers (four per core of
     the CPU budget, NOTE [ CPU budget ]) and lets ``active`` of them take tasks, one per core at
     first; more are forked from the template when it asks (NOTE [ Workers from a template ] in
-    supervisor/worker_pool.py), in milliseconds, and those it lets go are parked, so a change takes
+    supervisor/workers/pool.py), in milliseconds, and those it lets go are parked, so a change takes
     effect at once. Over each window it measures
     * ``demand``: its trainers' ``(waited + computed) / computed`` over the window (their
       heartbeats, NOTE [ Exposed wait ]), each wait counted only while the service saw the trainer
@@ -62,9 +62,9 @@ NOTE [ Sizing workers ]
     A window is ``SHORT`` seconds after a change or while trainers wait, and ``LONG`` once the
     count has settled and nobody waits, so it moves fast when it must and is quiet otherwise. In a
     fleet each service sizes itself on its own trainers' waits and its own workers, while the
-    trainers' dispatcher shares batches by measured pace: a service that adds workers delivers
+    trainers' fleet pass shares batches by measured pace: a service that adds workers delivers
     faster and is given more, which is what it added them for; the undo rule stops a service that
-    gains nothing from chasing a dispatcher's shift.
+    gains nothing from chasing the fleet pass's shift.
 """
 
 from __future__ import annotations

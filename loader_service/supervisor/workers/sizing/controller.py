@@ -1,5 +1,5 @@
-"""The service's side of ``--workers auto`` (NOTE [ Sizing workers ] in sizing.py): the controller
-made from the config, fed about once a second from the workers, the feeds and the trainers'
+"""The service's side of ``--workers auto`` (NOTE [ Sizing workers ] in rule.py): the controller
+made from the config, fed every quarter second from the workers, the feeds and the trainers'
 heartbeats, its decisions applied to the worker set, and what status shows of it."""
 
 from __future__ import annotations
@@ -10,12 +10,15 @@ from collections.abc import Iterable, Sequence
 
 from loader_service.config import ServiceConfig
 from loader_service.supervisor.feeds import Feed
-from loader_service.supervisor.load import step_seconds, weighted_demand
-from loader_service.supervisor.sessions import Session
-from loader_service.supervisor.sizing import Sample, Sizer
-from loader_service.supervisor.worker_pool import WorkerSet
+from loader_service.supervisor.trainers.load import step_seconds, weighted_demand
+from loader_service.supervisor.trainers.sessions import Session
+from loader_service.supervisor.workers.pool import WorkerSet
+from loader_service.supervisor.workers.sizing.rule import Sample, Sizer
 
 log = logging.getLogger(__name__)
+TICK = 0.25
+"""Seconds between the totals the controller is fed: a trainer's waiting heartbeat is acted on
+within this much (NOTE [ Sizing workers ]); status and metrics stay at once a second."""
 
 
 class WorkerSizing:
@@ -24,6 +27,7 @@ class WorkerSizing:
     def __init__(self, config: ServiceConfig, workers: WorkerSet) -> None:
         self.workers = workers
         self.sizer: Sizer | None = None
+        self._last = -TICK
         if config.workers:
             log.info("decode workers: %d (--workers)", config.workers)
             return
@@ -37,14 +41,15 @@ class WorkerSizing:
         )
         self.sizer = Sizer(config.first_workers, config.worker_processes, budget.cores)
 
-    def tick(self, now: float, on_tasks: float, feeds: Sequence[Feed], sessions: Iterable[Session]) -> None:
-        """The totals the controller reads (``on_tasks``: the workers' seconds on tasks, as the load
-        took them), and its decision applied."""
+    def tick(self, now: float, feeds: Sequence[Feed], sessions: Iterable[Session]) -> None:
+        """Called on every turn of the main loop: every ``TICK`` seconds, the totals the controller
+        reads, and its decision applied."""
         sizer, workers = self.sizer, self.workers
-        if sizer is None:
+        if sizer is None or now - self._last < TICK:
             return
+        self._last = now
         images = sum(feed.counters.decoded.total for feed in feeds)
-        sample = Sample(now, on_tasks, workers.cpu_seconds(), images)
+        sample = Sample(now, workers.busy_seconds(now), workers.cpu_seconds(), images)
         loops = [s.loop for s in sessions]
         # A window with a worker booting (at start, or a replacement) measures the boot, not the work.
         measured = len(loops) if workers.all_active_ready(now) else 0

@@ -7,8 +7,8 @@ import hmac
 import secrets
 from dataclasses import dataclass, field
 
-from loader_service.supervisor.load import TrainerLoop
-from loader_service.supervisor.sends import Send
+from loader_service.supervisor.trainers.load import TrainerLoop
+from loader_service.supervisor.trainers.sends import Send
 from protocol.messages import BatchReady, Hello
 
 StreamKey = tuple[object, ...]

@@ -1,0 +1,1 @@
+"""Who gets which batch: a stream per shard trainer or broadcast group, and the batches decoded early."""
