@@ -8,6 +8,7 @@ test and is still there afterwards fails that test and is removed, so one leak c
 from __future__ import annotations
 
 import csv
+import os
 from collections.abc import Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -33,16 +34,50 @@ if TYPE_CHECKING:
     from testkit.s3server import S3Server
 
 
+def in_parallel_worker() -> bool:
+    """Is this a pytest-xdist worker, beside others whose services come and go meanwhile?"""
+    return "PYTEST_XDIST_WORKER" in os.environ
+
+
+def dead_owners(before: set[str]) -> set[str]:
+    """Segments that appeared since ``before`` and whose service is gone: a segment whose service
+    still runs belongs to something else on the machine (a benchmark, another test run)."""
+    return {name for name in our_segments() - before if not owner_running(name)}
+
+
 @pytest.fixture(autouse=True)
 def no_shm_leaks() -> Iterator[None]:
+    """Each test's leaks, named with it. Beside other workers a killed service's segments, which
+    the next start removes, may be another test's: the whole run is judged at its end instead."""
+    if in_parallel_worker():
+        yield
+        return
     before = our_segments()
     yield
-    # Every service this test started has been stopped by now; a segment whose service still runs
-    # belongs to something else on the machine (a benchmark, another test run) and is not ours.
-    leaked = {name for name in our_segments() - before if not owner_running(name)}
+    leaked = dead_owners(before)
     for name in leaked:
         (SHM / name).unlink(missing_ok=True)
     assert not leaked, f"shared memory left behind: {sorted(leaked)}"
+
+
+def pytest_sessionstart(session: pytest.Session) -> None:
+    if not in_parallel_worker():
+        session.config.stash[SEGMENTS_BEFORE] = our_segments()
+
+
+def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
+    """The whole run's leaks (with workers in parallel, the only place they can be told apart)."""
+    if in_parallel_worker() or SEGMENTS_BEFORE not in session.config.stash:
+        return
+    leaked = dead_owners(session.config.stash[SEGMENTS_BEFORE])
+    for name in leaked:
+        (SHM / name).unlink(missing_ok=True)
+    if leaked:
+        print(f"\nshared memory left behind by the run: {sorted(leaked)}")
+        session.exitstatus = pytest.ExitCode.TESTS_FAILED
+
+
+SEGMENTS_BEFORE = pytest.StashKey[set[str]]()
 
 
 @pytest.fixture(scope="session")

@@ -90,7 +90,7 @@ class FeedOptions:
         default=0,
         metadata=option(
             "batches in the shared-memory pool, all reserved at start; 0 (auto): reserve "
-            f"{FIRST_SLOTS} and grow to what the trainers hold, up to 2 x the most workers + 8",
+            f"{FIRST_SLOTS} and grow to what the trainers hold (up to 256, or 2 x the most workers + 8)",
             check=between(0, 4096, "0 (auto)"),
         ),
     )

@@ -49,6 +49,11 @@ AUTO_MAX_WORKERS_PER_CORE = 4
 at most ``MAX_AUTO_WORKERS``): a feed whose workers wait on a store or in a pipeline may use more
 workers than cores. They are forked when the controller asks (NOTE [ Workers from a template ]);
 one parked after a decrease costs the pages it wrote, no CPU."""
+AUTO_MOST_SLOTS = 256
+"""Slots an automatic pool may grow to at least: its trainers' credits, not its workers, say how
+many it needs (8 DDP ranks of 6 credits hold 48; a pool of 12 for 2 workers let the first two
+ranks take every slot while the others waited for one). Address space until a trainer holds them;
+/dev/shm stops the growth before that if it is smaller."""
 MIN_AUTO_WORKERS = 4
 MAX_AUTO_WORKERS = 256
 MAX_CPU_BUDGET = 65536
@@ -211,9 +216,10 @@ class ServiceConfig(FeedOptions):
 
     @property
     def auto_slots(self) -> int:
-        """The most slots an automatic pool may grow to: every worker ``auto`` may start filling a
-        batch while as many wait ready or leased (NOTE [ A pool as large as what is in flight ])."""
-        return 2 * self.worker_processes + 8
+        """The most slots an automatic pool may grow to (NOTE [ A pool as large as what is in
+        flight ]): what the trainers hold, up to ``AUTO_MOST_SLOTS`` or every worker ``auto`` may
+        start filling a batch while as many wait ready or leased, if that is more."""
+        return max(AUTO_MOST_SLOTS, 2 * self.worker_processes + 8)
 
     @property
     def budget(self) -> Budget:

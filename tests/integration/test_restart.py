@@ -50,8 +50,8 @@ def test_trainer_continues_its_epoch_across_a_service_restart(
                 assert first.stop(how) == 0
             second = start_service(photos, batch_size=8, name="svc")
             if how == signal.SIGKILL:
-                second.wait_for(f"removed /dev/shm/{segment}, left behind by a service that was killed")
-                assert segment not in our_segments()
+                # Removed by the next start on the host: this one, or another test's running beside it.
+                assert segment not in our_segments(), "what the killed service left is gone"
         finally:
             go.set()
         seen, following = outcome.result(90)

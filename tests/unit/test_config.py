@@ -14,6 +14,7 @@ from loader_service.config import (
     ServiceConfig,
     load_config,
 )
+from loader_service.config.options import AUTO_MOST_SLOTS
 from loader_service.config.values import ByteSize, WorkerCount, parse_bytes
 from loader_service.decode import decoders
 from loader_service.tools.cli import build_parser
@@ -26,7 +27,9 @@ def test_file_then_flags_precedence(tmp_path: Path) -> None:
     )
     cfg = load_config(cfg_file, {"batch_size": 16, "workers": None})
     assert cfg.batch_size == 16 and cfg.workers == 3 and cfg.data == str(tmp_path.resolve())
-    assert (cfg.feeds()[0].slots, cfg.feeds()[0].first_slots) == (2 * 3 + 8, FIRST_SLOTS)
+    assert (cfg.feeds()[0].slots, cfg.feeds()[0].first_slots) == (AUTO_MOST_SLOTS, FIRST_SLOTS)
+    many = load_config(cfg_file, {"workers": "auto", "max_workers": 200})
+    assert many.feeds()[0].slots == 2 * 200 + 8, "every worker filling one, as many ready"
 
 
 @pytest.mark.parametrize(
@@ -249,7 +252,7 @@ def test_feed_slots_are_not_inherited_and_zero_means_auto(tmp_path: Path) -> Non
     )
     main, x, y = load_config(cfg_file, {}, environ={}).feeds()
     assert (main.slots, main.first_slots) == (30, 30)  # given: all reserved at start
-    auto = 2 * 4 + 8
+    auto = AUTO_MOST_SLOTS
     assert (x.slots, x.first_slots, y.slots, y.first_slots) == (auto, FIRST_SLOTS, auto, FIRST_SLOTS)
 
 

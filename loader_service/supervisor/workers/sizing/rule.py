@@ -11,9 +11,10 @@ NOTE [ Sizing workers ]
       heartbeats, NOTE [ Exposed wait ]), each wait counted only while the service saw the trainer
       starved, weighted by the batches each took (NOTE [ Fleet load ]); 1.0: nobody waited;
     * ``busy``: the active workers' share of the window spent on tasks;
-    * ``cost``: the workers' CPU per second on a task, in cores (a worker waiting on a store or
-      on a pipeline's own waits costs little, so such a feed may run more workers than cores;
-      one above ``CPU_BOUND`` counts as a whole core, which it would take on an idle machine);
+    * ``cost``: the cores a worker on a task takes or waits for, per second (its CPU time and its
+      time runnable in the run queue: on a busy machine a computing worker still costs a core);
+      a worker waiting on a store or on a pipeline's own waits costs little, so such a feed may
+      run more workers than cores; one above ``CPU_BOUND`` counts as a whole core;
     * ``rate``: images decoded per second.
     and decides:
     1. Trainers wait (``demand > WAITING``) and the workers are busy at least ``ADD_BUSY`` of the
