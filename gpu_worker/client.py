@@ -60,7 +60,7 @@ from gpu_worker.loader_config import (
     shard_of,
 )
 from gpu_worker.local import START_TIMEOUT, LocalService
-from gpu_worker.passes import EpochPass, PassSettings
+from gpu_worker.passes import EpochPass, PassSettings, make_pass
 from gpu_worker.service import Service
 from protocol.layout import SlotLayout, describe_fields
 from protocol.messages import MAX_EPOCH, FeedInfo
@@ -277,9 +277,8 @@ class ServiceLoader:
         cfg = self.config
         empty = cfg.mode == "shard" and cfg.world_size > 1  # NOTE [ Empty batches ]
         batches = self._batches(offset)
-        broadcast = cfg.mode == "broadcast"
-        settings = PassSettings(epoch, position, batches, cfg.timeout, broadcast, empty, offset)
-        self._pass = EpochPass(self._fleet, settings)
+        settings = PassSettings(epoch, position, batches, cfg.timeout, empty, offset)
+        self._pass = make_pass(self._fleet, settings, broadcast=cfg.mode == "broadcast")
         return iter(self._pass)
 
     def stats(self) -> dict[str, Any]:

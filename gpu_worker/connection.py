@@ -15,6 +15,7 @@ lost connection swallowed (NOTE [ Acknowledged delivery ]).
 
 from __future__ import annotations
 
+import enum
 import logging
 import os
 import secrets
@@ -52,6 +53,21 @@ from protocol.messages import (
 )
 
 log = logging.getLogger(__name__)
+
+
+class SessionEvent(enum.Enum):
+    """What happens to a session, as its connection tells the fleet and the fleet the pass."""
+
+    OPENED = "opened"
+    """A new session (the first, or after the service restarted): it owes nothing from before."""
+    RESUMED = "resumed"
+    """The same session taken back on a new connection."""
+    LOST = "lost"
+    """The service restarted or went silent: the owner reconnects."""
+    REFUSED = "refused"
+    """Left out of the fleet for good (another feed, or its address gone from its name)."""
+
+
 SERVICE_MESSAGES = (Welcome, BatchReady, EpochEnd, Heartbeat, ErrorReply)
 BYE_LINGER_MS = 500
 """Milliseconds a closing session's socket has to deliver its ``bye``: waited on a thread of its
@@ -91,8 +107,8 @@ class Connection:
         self._inbox: deque[Message] = deque()
         self._kept: deque[Message] = deque()
         """What arrived and was not taken when the connection was lost: kept if the session resumes."""
-        self.events: deque[tuple[str, Any]] = deque()
-        """``("opened", welcome)``, ``("resumed", welcome)`` or ``("lost", why)``, oldest first."""
+        self.events: deque[tuple[SessionEvent, Any]] = deque()
+        """``(OPENED, welcome)``, ``(RESUMED, welcome)`` or ``(LOST, why)``, oldest first."""
         self.session = ""
         self.generation = 0
         self.last_heard = time.monotonic()
@@ -173,13 +189,13 @@ class Connection:
         self._silence_limit = max(SILENCE_HEARTBEATS * msg.heartbeat_interval, 3.0)
         self.last_heard = time.monotonic()
         self._heartbeats.beat(self, self.endpoint, self.token, msg.heartbeat_interval, self._keys)
-        self.events.append(("resumed" if resumed else "opened", msg))
+        self.events.append((SessionEvent.RESUMED if resumed else SessionEvent.OPENED, msg))
 
     def _lose(self, why: str) -> None:
         """The session is lost (the service restarted or went silent): the owner reconnects."""
         self._heartbeats.stop(self)
         self.session = ""
-        self.events.append(("lost", why))
+        self.events.append((SessionEvent.LOST, why))
 
     def ack(self, held: tuple[int, ...]) -> bool:
         """Tell the service what arrived (NOTE [ Acknowledged delivery ]); ``held``: the leases up to

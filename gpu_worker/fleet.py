@@ -14,13 +14,13 @@ import logging
 import math
 import time
 from collections.abc import Callable
-from typing import Any
+from typing import Any, Protocol
 
 import torch
 import zmq
 
 from curvekeys import ClientKeys
-from gpu_worker.connection import BYE_LINGER_MS, Connection, ServiceError, ServiceTimeout
+from gpu_worker.connection import BYE_LINGER_MS, Connection, ServiceError, ServiceTimeout, SessionEvent
 from gpu_worker.delivery import Delivery
 from gpu_worker.fleet_pass import Pace
 from gpu_worker.heartbeats import Heartbeats
@@ -45,8 +45,15 @@ SETTLE = 0.5
 SAME_FEED = ("fingerprint", "seed", "batch_size", "image_size", "augment", "fields", "samples")
 """FeedInfo fields every service of a fleet must have alike (the same data, order, transform and
 batch layout), and ``decoding`` word by word."""
-Event = Callable[["Service", str, Any], None]
-"""What a pass is told: (service, "opened" | "resumed" | "lost" | "refused", welcome or why)."""
+
+
+class PassListener(Protocol):
+    """The pass under way, as the fleet sees it: told what happens to each session, and asked
+    which of a service's leases wait for the loop (a resumed session names them as held)."""
+
+    def on_event(self, service: Service, event: SessionEvent, detail: Any) -> None: ...
+
+    def waiting_leases(self, service: Service) -> tuple[int, ...]: ...
 
 
 def _another_feed(differences: list[str]) -> str:
@@ -111,10 +118,8 @@ class Fleet:
         """Each service's measured seconds per batch, kept from pass to pass (NOTE [ A fleet ])."""
         self.reference: FeedInfo | None = None
         """The feed every service must serve: the first one's to answer."""
-        self.on_event: Event | None = None
-        """The pass under way, told what happens to each session."""
-        self.waiting_leases: Callable[[Service], tuple[int, ...]] = lambda service: ()
-        """Leases of batches taken from a service that wait for the loop (the pass's)."""
+        self.listener: PassListener | None = None
+        """The pass under way; a newer one takes its place, and the older one then stops."""
         self._attaching = False
         self._poll = zmq.Poller()
         self._polled: tuple[zmq.Socket[bytes], ...] = ()
@@ -282,8 +287,8 @@ class Fleet:
         the loop holds none of its batches (their slots stay the loop's until then)."""
         log.info("leaving %s: it %s", service.endpoint, why)
         service.refused = why
-        if self.on_event is not None:
-            self.on_event(service, "refused", why)
+        if self.listener is not None:
+            self.listener.on_event(service, SessionEvent.REFUSED, why)
         self._retiring.append(service)
         self._close_retired()
 
@@ -307,19 +312,20 @@ class Fleet:
         conn = service.conn
         while conn.events:
             what, detail = conn.events.popleft()
-            if what == "opened" and not self._same_feed(service, detail):
+            if what is SessionEvent.OPENED and not self._same_feed(service, detail):
                 return
-            if what == "opened":
+            if what is SessionEvent.OPENED:
                 service.adopt(detail)
-            elif what == "resumed":
+            elif what is SessionEvent.RESUMED:
                 service.leases.resumed(conn.generation, service.resume_held)
                 log.warning("resumed session %s with %s", conn.session, service.endpoint)
-            elif what == "lost":
+            elif what is SessionEvent.LOST:
                 log.warning("lost the loader service at %s (%s); reconnecting", service.endpoint, detail)
-                service.resume_held = service.held(self.waiting_leases(service))
+                waiting = () if self.listener is None else self.listener.waiting_leases(service)
+                service.resume_held = service.held(waiting)
                 conn.connect(service.resume_held)
-            if self.on_event is not None:
-                self.on_event(service, what, detail)
+            if self.listener is not None:
+                self.listener.on_event(service, what, detail)
 
     def _check_same_feed(self) -> None:
         """NOTE [ A fleet ]: after attaching, the first endpoint (in the order given) that answered
@@ -350,8 +356,8 @@ class Fleet:
         """Stop using ``service`` for good; the pass under way gives its batches to the others."""
         service.refused = why
         log.error("leaving %s out: it %s", service.endpoint, why)
-        if self.on_event is not None:
-            self.on_event(service, "refused", why)
+        if self.listener is not None:
+            self.listener.on_event(service, SessionEvent.REFUSED, why)
         service.close()
 
     def close(self) -> None:

@@ -1,9 +1,11 @@
 """One pass of the loop over an epoch (or what is left of it): the pass owns its state, the loader
 owns the configuration and the sessions (``gpu_worker.fleet``).
 
-A shard pass hands its batches out across the fleet and puts them back in plan order (NOTE [ A
-fleet ] in ``gpu_worker/fleet_pass.py``); a broadcast pass takes what its one service plans for the
-group. Either way the loop gets each batch of the pass once, in order.
+A ``ShardPass`` hands its batches out across the fleet and puts them back in plan order (NOTE [ A
+fleet ] in ``gpu_worker/fleet_pass.py``); a ``BroadcastPass`` takes what its one service plans for
+the group. The kind is chosen once, from the loader's mode (``make_pass``). Either way the loop
+gets each batch of the pass once, in order. The fleet tells the pass under way (its ``listener``)
+what happens to each session; a newer pass takes that place, and an older one then stops.
 
 NOTE [ Empty batches ]
     A batch whose every sample was bad (unreadable files, a pipeline that raised on each) arrives
@@ -27,7 +29,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from gpu_worker.batch import Batch
-from gpu_worker.connection import ServiceError, ServiceTimeout
+from gpu_worker.connection import ServiceError, ServiceTimeout, SessionEvent
 from gpu_worker.fleet import Fleet
 from gpu_worker.fleet_pass import FleetPass
 from gpu_worker.service import Service
@@ -43,7 +45,6 @@ class PassSettings:
     position: int
     batches: int
     timeout: float
-    broadcast: bool
     empty_batches: bool = False
     """Hand the loop batches whose every sample was bad, with no rows (NOTE [ Empty batches ])."""
     offset: int = 0
@@ -52,7 +53,8 @@ class PassSettings:
 
 
 class EpochPass:
-    """Iterate once: ``for batch in EpochPass(...)``. ``position`` counts the batches handed out."""
+    """Iterate once: ``for batch in pass_``. ``position`` counts the batches handed out. What the two
+    kinds share: the loop, the wait and its timeout, and the fleet's events."""
 
     def __init__(self, fleet: Fleet, settings: PassSettings) -> None:
         self._fleet = fleet
@@ -89,12 +91,11 @@ class EpochPass:
         fleet = self._fleet
         clock = fleet.clock
         self.active = True
-        fleet.on_event = self._on_event
-        fleet.waiting_leases = self._waiting_leases
+        fleet.listener = self
         try:
             for service in fleet.live:
                 self._fleet_pass.joined(service)
-            self._begin_all()
+            self._begin(fleet.live)
             while self.position < self._settings.batches:
                 clock.waiting()  # NOTE [ Exposed wait ]: only the pull counts as waiting
                 service, msg = self._next()
@@ -102,7 +103,7 @@ class EpochPass:
                 if msg is None:  # the broadcast epoch's end
                     break
                 batch = service.wrap(msg)
-                self.position = (msg.seq if self._settings.broadcast else self.position) + 1
+                self.position = self._after(msg)
                 if not len(batch.indices):
                     self.empty += 1
                 if len(batch.indices) or self._settings.empty_batches:
@@ -118,59 +119,55 @@ class EpochPass:
 
     def _leave(self) -> None:
         self.active = False
-        if self._fleet.on_event == self._on_event:
-            self._fleet.on_event = None
+        if self._fleet.listener is self:
+            self._fleet.listener = None
         for service, (generation, msg) in self._fleet_pass.drain():
             service.unread(msg, generation)
 
-    def _waiting_leases(self, service: Service) -> tuple[int, ...]:
+    def waiting_leases(self, service: Service) -> tuple[int, ...]:
+        """Leases of batches taken from ``service`` that wait for the loop (``PassListener``)."""
         gen = service.conn.generation
         return tuple(msg.lease for g, msg in self._fleet_pass.waiting(service) if g == gen)
 
-    # --- runs -----------------------------------------------------------------------------------
-
-    def _begin_all(self) -> None:
-        """A new run on every service; in shard mode the first batches are shared out across all of
-        them at once (one at a time to the one expected first: never a block each)."""
-        self._begin(self._fleet.live)
-
-    def _begin(self, services: list[Service]) -> None:
-        """A new run on ``services``: picked in shard mode, with the batches assigned to each."""
-        settings = self._settings
-        for service in services:
-            service.run += 1
-            self._started.add(id(service))
-        now = time.monotonic()
-        first = {} if settings.broadcast else self._assign(now, services)
-        for service in services:
-            transport = service.delivery.transport
-            if settings.broadcast:
-                service.send_start(Start(service.run, settings.epoch, self.position, transport))
-                continue
-            want = tuple(first.get(service, ()))
-            start = Start(
-                service.run, settings.epoch, self.position, transport, True, want, offset=settings.offset
-            )
-            service.send_start(start)
-            service.named_at = now
-
-    def _on_event(self, service: Service, what: str, detail: Any) -> None:
+    def on_event(self, service: Service, event: SessionEvent, detail: Any) -> None:
         """What happened to a session means for this pass's batches (NOTE [ A fleet ])."""
         fleet_pass = self._fleet_pass
-        if what == "lost":
+        if event is SessionEvent.LOST:
             fleet_pass.lost(service)
-        elif what == "resumed":
+        elif event is SessionEvent.RESUMED:
             fleet_pass.joined(service)
             if id(service) not in self._started:  # it was lost before this pass began
                 self._begin([service])
-        elif what in ("refused", "opened"):
+        else:  # REFUSED or OPENED
             # Left out for good, or a new session: it owes nothing, and what came from it is gone.
             for generation, msg in fleet_pass.drop_waiting(service):
                 service.unread(msg, generation)
             fleet_pass.forget(service)
-            if what == "opened":
+            if event is SessionEvent.OPENED:
                 fleet_pass.joined(service)
                 self._begin([service])
+
+    # --- what each kind does its own way ----------------------------------------------------------
+
+    def _begin(self, services: list[Service]) -> None:
+        """A new run on ``services``."""
+        raise NotImplementedError
+
+    def _after(self, msg: BatchReady) -> int:
+        """The position once the loop has ``msg``'s batch."""
+        raise NotImplementedError
+
+    def _step(self, now: float) -> tuple[Service, BatchReady | None] | None:
+        """Take in what arrived and hand out what is owed; the batch the loop gets next, if here."""
+        raise NotImplementedError
+
+    def _while_waiting(self) -> None:
+        """Checked before each wait for more."""
+
+    def _new_run(self, services: list[Service]) -> None:
+        for service in services:
+            service.run += 1
+            self._started.add(id(service))
 
     # --- waiting --------------------------------------------------------------------------------
 
@@ -178,7 +175,7 @@ class EpochPass:
         """The batch the loop needs next (``None``: a broadcast epoch ended), within the timeout."""
         deadline = time.monotonic() + self._settings.timeout
         while True:
-            if self._fleet.on_event != self._on_event:
+            if self._fleet.listener is not self:
                 # Its runs are over: reading on would take the newer pass's batches.
                 raise ServiceError("a newer iter() over this loader began; this pass is over")
             # Every step returns what the loop let go and names new batches, whether or not the
@@ -189,73 +186,17 @@ class EpochPass:
             # refusal) queued behind batches already read must stop the loop before they are handed
             # out (``Connection.read``).
             self._fleet.wait(now)
-            self._collect(now)
-            if not self._settings.broadcast:
-                self._assign(now)
-            got = self._take()
+            got = self._step(now)
             if got is not None:
                 return got
             if now >= deadline:
                 raise self._timeout_error()
-            if not self._settings.broadcast:
-                self._check_not_starved()
+            self._while_waiting()
             self._fleet.wait(deadline)
-            self._collect(time.monotonic())
-
-    def _take(self) -> tuple[Service, BatchReady | None] | None:
-        if self._settings.broadcast:
-            return self._broadcast_take()
-        got = self._fleet_pass.take()
-        return None if got is None else (got[0], got[1][1])
-
-    def _collect(self, now: float) -> None:
-        """Move what arrived from each session into the fleet pass (shard mode)."""
-        if self._settings.broadcast:
-            return
-        for service in self._fleet.live:
-            while (msg := service.conn.next_message()) is not None:
-                if not isinstance(msg, BatchReady):
-                    continue  # an ``end`` of a run before this one
-                arrived = (service.conn.generation, msg)
-                mine = msg.run == service.run and id(service) in self._started
-                if not mine or not self._fleet_pass.arrived(service, msg.seq, arrived, now):
-                    service.unread(msg, service.conn.generation)
-
-    def _broadcast_take(self) -> tuple[Service, BatchReady | None] | None:
-        """A broadcast member takes what its group's service planned, in order, from where the group
-        is (NOTE [ Broadcast epochs ] in loader_service/supervisor/streams/stream.py)."""
-        for service in self._fleet.live:
-            while (msg := service.conn.next_message()) is not None:
-                if isinstance(msg, EpochEnd) and msg.run == service.run:
-                    return service, None
-                if isinstance(msg, BatchReady) and msg.run == service.run:
-                    return service, msg
-                if isinstance(msg, BatchReady):
-                    service.unread(msg, service.conn.generation)
-        return None
-
-    def _assign(self, now: float, starting: list[Service] | None = None) -> dict[Service, list[int]]:
-        """Hand out batches to services with a free credit and name them (``want``); or, for
-        ``starting`` services, only hand them out: their start names them."""
-        fleet_pass = self._fleet_pass
-        services = (
-            starting if starting is not None else [s for s in self._fleet.live if id(s) in self._started]
-        )
-        free = {s: s.credits - s.in_use(self._waiting_leases(s)) - len(fleet_pass.owed(s)) for s in services}
-        if starting is None:
-            room = fleet_pass.make_room(free)
-            if room is not None:
-                service, (generation, msg) = room
-                service.unread(msg, generation)
-        out = fleet_pass.assign(free, now)
-        if starting is None:
-            for service, seqs in out.items():
-                service.want(seqs)
-        return out
 
     def _send_pending(self, now: float) -> None:
         for service in self._fleet.live:
-            service.send_pending(self._fleet_pass.owed(service), self._waiting_leases(service), now)
+            service.send_pending(self._fleet_pass.owed(service), self.waiting_leases(service), now)
 
     def _check_not_starved(self) -> None:
         """Fail at once, not after the timeout, when batches the loop holds use up every credit of
@@ -287,3 +228,93 @@ class EpochPass:
                     f"{service.leases.held()} of its {service.credits} credits"
                 )
         return ServiceTimeout(f"no batch within {self._settings.timeout:.0f} s: {'; '.join(states)}")
+
+
+class ShardPass(EpochPass):
+    """A rank's share of an epoch, handed out across the fleet and put back in plan order."""
+
+    def _begin(self, services: list[Service]) -> None:
+        """A picked run on each, with the batches assigned to it (one at a time to the one expected
+        first: never a block each)."""
+        self._new_run(services)
+        now = time.monotonic()
+        first = self._assign(now, services)
+        for service in services:
+            want = tuple(first.get(service, ()))
+            transport = service.delivery.transport
+            start = Start(
+                service.run, self.epoch, self.position, transport, True, want, offset=self._settings.offset
+            )
+            service.send_start(start)
+            service.named_at = now
+
+    def _after(self, msg: BatchReady) -> int:
+        return self.position + 1
+
+    def _step(self, now: float) -> tuple[Service, BatchReady | None] | None:
+        self._collect(now)
+        self._assign(now)
+        got = self._fleet_pass.take()
+        return None if got is None else (got[0], got[1][1])
+
+    def _while_waiting(self) -> None:
+        self._check_not_starved()
+
+    def _collect(self, now: float) -> None:
+        """Move what arrived from each session into the fleet pass."""
+        for service in self._fleet.live:
+            while (msg := service.conn.next_message()) is not None:
+                if not isinstance(msg, BatchReady):
+                    continue  # an ``end`` of a run before this one
+                arrived = (service.conn.generation, msg)
+                mine = msg.run == service.run and id(service) in self._started
+                if not mine or not self._fleet_pass.arrived(service, msg.seq, arrived, now):
+                    service.unread(msg, service.conn.generation)
+
+    def _assign(self, now: float, starting: list[Service] | None = None) -> dict[Service, list[int]]:
+        """Hand out batches to services with a free credit and name them (``want``); or, for
+        ``starting`` services, only hand them out: their start names them."""
+        fleet_pass = self._fleet_pass
+        services = (
+            starting if starting is not None else [s for s in self._fleet.live if id(s) in self._started]
+        )
+        free = {s: s.credits - s.in_use(self.waiting_leases(s)) - len(fleet_pass.owed(s)) for s in services}
+        if starting is None:
+            room = fleet_pass.make_room(free)
+            if room is not None:
+                service, (generation, msg) = room
+                service.unread(msg, generation)
+        out = fleet_pass.assign(free, now)
+        if starting is None:
+            for service, seqs in out.items():
+                service.want(seqs)
+        return out
+
+
+class BroadcastPass(EpochPass):
+    """A broadcast member's epoch: what its group's one service plans, in order, from where the
+    group is (NOTE [ Broadcast epochs ] in loader_service/supervisor/streams/stream.py)."""
+
+    def _begin(self, services: list[Service]) -> None:
+        self._new_run(services)
+        for service in services:
+            service.send_start(Start(service.run, self.epoch, self.position, service.delivery.transport))
+
+    def _after(self, msg: BatchReady) -> int:
+        return msg.seq + 1
+
+    def _step(self, now: float) -> tuple[Service, BatchReady | None] | None:
+        for service in self._fleet.live:
+            while (msg := service.conn.next_message()) is not None:
+                if isinstance(msg, EpochEnd) and msg.run == service.run:
+                    return service, None
+                if isinstance(msg, BatchReady) and msg.run == service.run:
+                    return service, msg
+                if isinstance(msg, BatchReady):
+                    service.unread(msg, service.conn.generation)
+        return None
+
+
+def make_pass(fleet: Fleet, settings: PassSettings, broadcast: bool) -> EpochPass:
+    """The kind of pass the loader's mode calls for."""
+    return (BroadcastPass if broadcast else ShardPass)(fleet, settings)

@@ -28,6 +28,7 @@ NOTE [ Shutdown order ]
 
 from __future__ import annotations
 
+import functools
 import logging
 import os
 import shutil
@@ -35,7 +36,7 @@ import signal
 import tempfile
 import time
 from collections.abc import Callable
-from dataclasses import replace
+from dataclasses import dataclass, replace
 from pathlib import Path
 from types import FrameType
 
@@ -59,7 +60,7 @@ from loader_service.supervisor.trainers.attachments import Attachments
 from loader_service.supervisor.trainers.desk import TrainerDesk
 from loader_service.supervisor.trainers.load import WorkerTime, measure
 from loader_service.supervisor.trainers.outbox import Outbox
-from loader_service.supervisor.trainers.sends import CopiedSend, send_copied
+from loader_service.supervisor.trainers.sends import CopiedSend, SendBudget, send_copied
 from loader_service.supervisor.workers.pool import WorkerSet, write_nothing_from_env
 from loader_service.supervisor.workers.scheduler import Scheduler
 from loader_service.supervisor.workers.sizing.controller import WorkerSizing
@@ -79,6 +80,16 @@ STOP_GRACE = 5.0
 Socket = zmq.Socket[bytes]
 
 
+@dataclass(frozen=True)
+class Serving:
+    """What the main loop runs on, built together once the feeds, sockets and workers exist."""
+
+    outbox: Outbox
+    desk: TrainerDesk
+    scheduler: Scheduler
+    sizing: WorkerSizing
+
+
 class LoaderService:
     def __init__(self, config: ServiceConfig) -> None:
         self.config = config
@@ -89,7 +100,6 @@ class LoaderService:
         """SIGHUP was received: re-read the authorised trainer keys."""
         self._guard: CurveGuard | None = None
         self._attached = Attachments()
-        self._warm: dict[int, EarlyBatches] = {}
         self._runtime_dir: Path | None = None
         self._runtime_lock: int | None = None
         self._cache_lock: int | None = None
@@ -102,13 +112,10 @@ class LoaderService:
         self._last_report = 0.0
         self._worker_time = WorkerTime()
         """For the load a scaler reads (NOTE [ Fleet load ])."""
-        self._sizing: WorkerSizing | None = None
-        """``--workers auto`` or pinned (NOTE [ Sizing workers ])."""
         self._next_housekeeping = 0.0
-        self._outbox = Outbox(self._send, self._send_frames, self._attached, config.heartbeat_interval)
-        self._desk = TrainerDesk(config, self.feeds, self._warm, self._attached, self._outbox, self.status)
-        self._scheduler: Scheduler | None = None
         self._progress: ProgressBoard | None = None
+        self._serving: Serving | None = None
+        """What the loop runs on, built whole once the feeds, sockets and workers are there."""
 
     # --- lifecycle ------------------------------------------------------------------------------
 
@@ -174,20 +181,9 @@ class LoaderService:
         self._workers = WorkerSet(
             self._worker_template(backend_endpoint), cfg.worker_processes, active=cfg.first_workers
         )
-        self._sizing = WorkerSizing(cfg, self._workers)
         log.info("decoder: %s", describe_decoder(cfg.decoder))
-        self._outbox.sends.limit = sum(feed.segment.size for feed in self.feeds)  # NOTE [ Remote sends ]
-        self._warm.update({feed.id: EarlyBatches(feed) for feed in self.feeds})
-        self._scheduler = Scheduler(
-            cfg,
-            self._workers,
-            self._attached,
-            self._warm,
-            self._send_worker,
-            self._outbox.deliver,
-            self._progress,
-        )
         self._start_metrics()
+        self._serving = self._serve(self._workers, self._progress)
         for feed in self.feeds:
             self._log_ready(feed)
         systemd.ready(status.summary(self.feeds, self._attached))
@@ -197,8 +193,19 @@ class LoaderService:
         if cfg.metrics_port:
             self._metrics = ServiceMetrics()
             self._metrics.start(cfg.metrics_port, cfg.metrics_addr)
-            self._outbox.observe_ready_wait = self._metrics.observe_ready_wait
             log.info("metrics on http://%s:%d/metrics", cfg.metrics_addr, cfg.metrics_port)
+
+    def _serve(self, workers: WorkerSet, progress: ProgressBoard) -> Serving:
+        """The loop's parts, each built whole from the feeds, the workers and the metrics."""
+        cfg, feeds = self.config, tuple(self.feeds)
+        warm = {feed.id: EarlyBatches(feed) for feed in feeds}
+        sends = SendBudget(sum(feed.segment.size for feed in feeds))  # NOTE [ Remote sends ]
+        observe = None if self._metrics is None else self._metrics.observe_ready_wait
+        send_frames = functools.partial(self._send_frames, sends)
+        outbox = Outbox(self._send, send_frames, self._attached, cfg.heartbeat_interval, sends, observe)
+        desk = TrainerDesk(cfg, feeds, warm, self._attached, outbox, self.status)
+        scheduler = Scheduler(cfg, workers, self._attached, warm, self._send_worker, outbox.deliver, progress)
+        return Serving(outbox, desk, scheduler, WorkerSizing(cfg, workers))
 
     def _log_ready(self, feed: Feed) -> None:
         log.info(
@@ -271,11 +278,12 @@ class LoaderService:
     # --- the loop -------------------------------------------------------------------------------
 
     def _fatal(self) -> str | None:
-        return None if self._scheduler is None else self._scheduler.fatal
+        return None if self._serving is None else self._serving.scheduler.fatal
 
     def _loop(self) -> None:
-        scheduler = self._scheduler
-        assert scheduler is not None
+        serving = self._serving
+        assert serving is not None
+        scheduler = serving.scheduler
         poller = zmq.Poller()
         poller.register(self._frontend, zmq.POLLIN)
         poller.register(self._backend, zmq.POLLIN)
@@ -288,7 +296,7 @@ class LoaderService:
         while True:
             events = dict(poller.poll(int(TICK * 1000)))
             if self._frontend in events:
-                self._drain(self._frontend, self._desk.on_frames)
+                self._drain(self._frontend, serving.desk.on_frames)
             if self._backend in events:
                 self._drain(self._backend, scheduler.on_frames)
             if self._reload:
@@ -308,17 +316,17 @@ class LoaderService:
             now = time.monotonic()
             if now >= self._next_housekeeping:
                 self._next_housekeeping = now + housekeeping
-                self._housekeeping(scheduler, now)
+                self._housekeeping(serving, now)
             scheduler.schedule()
 
-    def _housekeeping(self, scheduler: Scheduler, now: float) -> None:
+    def _housekeeping(self, serving: Serving, now: float) -> None:
         """Replace dead workers, reclaim silent trainers, note who waits, send heartbeats, report."""
-        scheduler.reap()
-        self._desk.expire(now)
-        self._desk.evict_laggards(now)
+        serving.scheduler.reap()
+        serving.desk.expire(now)
+        serving.desk.evict_laggards(now)
         self._attached.watch_waits(now)
-        self._outbox.heartbeat(now)
-        self._report(now)
+        serving.outbox.heartbeat(now)
+        self._report(serving, now)
 
     @staticmethod
     def _drain(sock: Socket, handle: Callable[[list[bytes]], None]) -> None:
@@ -344,11 +352,13 @@ class LoaderService:
             return False
         return True
 
-    def _send_frames(self, routing_id: bytes, msg: Message, frames: list[memoryview]) -> CopiedSend | None:
+    def _send_frames(
+        self, sends: SendBudget, routing_id: bytes, msg: Message, frames: list[memoryview]
+    ) -> CopiedSend | None:
         """Send ``msg`` and copies of a slot's views to a remote trainer (NOTE [ Remote sends ]);
         None if nothing went out."""
         try:
-            return send_copied(self._frontend, routing_id, encode(msg), frames, self._outbox.sends)
+            return send_copied(self._frontend, routing_id, encode(msg), frames, sends)
         except zmq.ZMQError as exc:
             log.debug("could not send %s to %r: %s", msg.KIND, routing_id, exc)
             return None
@@ -361,12 +371,11 @@ class LoaderService:
 
     # --- status ---------------------------------------------------------------------------------
 
-    def _report(self, now: float) -> None:
+    def _report(self, serving: Serving, now: float) -> None:
         """Watchdog pings while healthy; STATUS= and metrics about once a second."""
         if self._fatal() is None and self._watchdog.due(now):
             self._watchdog.ping(now)
-        if self._sizing is not None:
-            self._sizing.tick(now, self.feeds, self._attached.sessions.values())
+        serving.sizing.tick(now, self.feeds, self._attached.sessions.values())
         if now - self._last_report < 1.0:
             return
         self._last_report = now
@@ -377,17 +386,21 @@ class LoaderService:
             self._metrics.update(self.status())
 
     def status(self) -> dict[str, object]:
-        """A JSON-shaped snapshot, bounded so it always fits one frame."""
-        rejected = self._outbox.rejected_messages
-        self._outbox.sends.settle()
-        sending = self._outbox.sends.held + self._outbox.sends.orphaned  # NOTE [ Remote sends ]
+        """A JSON-shaped snapshot, bounded so it always fits one frame (asked once serving)."""
+        serving = self._serving
+        assert serving is not None
+        outbox = serving.outbox
+        outbox.sends.settle()
+        sending = outbox.sends.held + outbox.sends.orphaned  # NOTE [ Remote sends ]
         load = measure(self._worker_time, (s.loop for s in self._attached.sessions.values()))
         body = status.snapshot(
-            self.feeds, self._attached, self._workers, self._started_at, rejected, sending, load
+            self.feeds,
+            self._attached,
+            self._workers,
+            self._started_at,
+            outbox.rejected_messages,
+            sending,
+            load,
         )
-        body["sizing"] = (
-            self._sizing.status()
-            if self._sizing is not None
-            else {"mode": "pinned", "active": 0, "started": 0}
-        )
+        body["sizing"] = serving.sizing.status()
         return body

@@ -154,6 +154,9 @@ def test_samples_a_pipeline_fails_on_are_skipped_counted_and_logged_once_per_err
     body = status(service.endpoint)
     # Counted per decode: the next epoch's first batches, decoded ahead, may add to it.
     assert body["feeds"][0]["bad_files"] >= len(failing)
+    # The log arrives through a pipe: on a busy machine it may trail the batches.
+    service.wait_for(r"bad sample skipped.*no good")
+    service.wait_for(r"bad sample skipped.*int64\[8\]")
     raised = [line for line in service.lines if "bad sample skipped" in line and "no good" in line]
     mismatched = [
         line for line in service.lines if "bad sample skipped" in line and "x" in line and "9" in line

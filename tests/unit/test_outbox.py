@@ -11,6 +11,7 @@ from loader_service.supervisor.slots import SlotPool, SlotState
 from loader_service.supervisor.streams.stream import Stream
 from loader_service.supervisor.trainers.attachments import Attachments
 from loader_service.supervisor.trainers.outbox import Outbox
+from loader_service.supervisor.trainers.sends import SendBudget
 from loader_service.supervisor.trainers.sessions import Session
 from protocol.messages import BatchReady, EpochEnd, Hello, Message
 
@@ -71,7 +72,7 @@ def one_decoded_batch(peer: FlakyPeer) -> tuple[Outbox, Stream, FeedStub, Sessio
     assert slot is not None
     gen, seq, _ = stream.plan_batch()
     assert stream.complete(gen, seq, slot, 4) is stream
-    return Outbox(peer, no_frames, attached, heartbeat_interval=1.0), stream, feed, session
+    return Outbox(peer, no_frames, attached, 1.0, SendBudget(0)), stream, feed, session
 
 
 def test_an_epoch_end_that_could_not_be_sent_is_sent_on_the_next_round() -> None:

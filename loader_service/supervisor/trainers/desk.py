@@ -9,7 +9,7 @@ from __future__ import annotations
 import itertools
 import logging
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 
 from loader_service.config import ServiceConfig
 from loader_service.supervisor.feeds import Feed
@@ -46,7 +46,7 @@ class TrainerDesk:
     def __init__(
         self,
         config: ServiceConfig,
-        feeds: list[Feed],
+        feeds: Sequence[Feed],
         warm: dict[int, EarlyBatches],
         attached: Attachments,
         outbox: Outbox,

@@ -44,18 +44,24 @@ DONE: SlotSend = _Done()
 
 class Outbox:
     def __init__(
-        self, send: Send, send_frames: SendFrames, attached: Attachments, heartbeat_interval: float
+        self,
+        send: Send,
+        send_frames: SendFrames,
+        attached: Attachments,
+        heartbeat_interval: float,
+        sends: SendBudget,
+        observe_ready_wait: Callable[[str, float], None] | None = None,
     ) -> None:
         self.send = send
         self._send_frames = send_frames
         self._attached = attached
         self._heartbeat_interval = heartbeat_interval
-        self.sends = SendBudget(0)
-        """Copies on their way to remote trainers (NOTE [ Remote sends ]); sized at start."""
+        self.sends = sends
+        """Copies on their way to remote trainers (NOTE [ Remote sends ])."""
         self._last_heartbeat = 0.0
         self.rejected_messages = 0
         self._reject_log = LogLimiter("rejected messages", per_minute=30)
-        self.observe_ready_wait: Callable[[str, float], None] | None = None
+        self.observe_ready_wait = observe_ready_wait
         """Where the time a batch waited ready before its first lease goes (metrics, when on)."""
 
     def deliver(self, stream: Stream) -> None:
