@@ -23,20 +23,46 @@ OPENS = re.compile(r'^\s*(?:""")?NOTE \[ ([^\]]+?) \](?:$|:(.*)$)')
 PRODUCT = ("protocol", "loader_service", "gpu_worker")
 
 
+COMMITTED = {"reference/flags.md": "flags_page", "design/notes.md": "notes_page"}
+"""Pages made from the code and also kept in docs/, so that their links work where the Markdown is
+read on a code host; ``tests/unit/test_docs.py`` fails when one differs from what the code gives
+(``python docs/hooks/generated.py`` writes them again)."""
+SITE_LINKS = {"](../deploy/README.md)": "](operations/deploy.md)"}
+"""Links that lead to a file beside what it describes on a code host, and to its page on the site."""
+STAMP = "<!-- Generated from the code by docs/hooks/generated.py: edit the code, then run it. -->\n"
+
+
 def on_files(files: Files, config: MkDocsConfig) -> Files:
     for uri, content in pages().items():
         files.append(File.generated(config, uri, content=content))
     return files
 
 
+def on_page_markdown(markdown: str, **_: Any) -> str:
+    for source, site in SITE_LINKS.items():
+        markdown = markdown.replace(source, site)
+    return markdown
+
+
 def pages() -> dict[str, str]:
+    """The pages generated for the site alone (``COMMITTED`` ones are files in docs/)."""
     return {
         "index.md": (REPO / "README.md").read_text().replace("](docs/", "]("),
-        "reference/flags.md": flags_page(),
-        "design/notes.md": notes_page(),
         "operations/deploy.md": (REPO / "deploy" / "README.md").read_text(),
         "benchmarks/rerun.md": (REPO / "benchmarks" / "README.md").read_text(),
     }
+
+
+def committed_pages() -> dict[str, str]:
+    return {uri: STAMP + globals()[make]() for uri, make in COMMITTED.items()}
+
+
+def write_committed() -> None:
+    for uri, content in committed_pages().items():
+        path = REPO / "docs" / uri
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(content)
+        print(f"wrote {path.relative_to(REPO)}")
 
 
 def flags_page() -> str:
@@ -148,3 +174,10 @@ def _opens_paragraph(previous: str) -> bool:
 
 def _indent(line: str) -> int:
     return len(line) - len(line.lstrip().lstrip('"'))
+
+
+if __name__ == "__main__":
+    import sys
+
+    sys.path.insert(0, str(REPO))
+    write_committed()

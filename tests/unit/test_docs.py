@@ -49,3 +49,22 @@ def test_the_readme_fits_and_its_links_exist() -> None:
     assert targets, "the README links to the docs"
     missing = [t for t in targets if not (REPO / t).exists()]
     assert not missing, f"README links to missing files: {missing}"
+
+
+def test_the_generated_pages_in_docs_are_what_the_code_gives() -> None:
+    """They are files too, so that their links work where the Markdown is read on a code host (they
+    404ed there while only the site made them): an option or a note changed without them fails here."""
+    sys.path.insert(0, str(REPO / "docs" / "hooks"))
+    try:
+        import generated
+    finally:
+        sys.path.pop(0)
+    stale = [
+        uri for uri, text in generated.committed_pages().items() if (REPO / "docs" / uri).read_text() != text
+    ]
+    assert not stale, f"{stale} differ from the code: run python docs/hooks/generated.py"
+    links = [m.group(1) for page in (REPO / "docs").rglob("*.md") for m in LINK.finditer(page.read_text())]
+    generated_only = set(generated.pages()) - {"index.md"}
+    assert not [link for link in links if link.lstrip("./") in generated_only], (
+        "a link a code host cannot follow"
+    )
