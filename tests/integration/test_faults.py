@@ -29,6 +29,8 @@ from tests.helpers import (
 )
 
 pytestmark = pytest.mark.integration
+KILL_EPOCHS = 5
+"""Epochs a test may take to catch a worker in the middle of a task."""
 
 
 @pytest.mark.parametrize("source", ["imagefolder", "tar", "csv", "parquet", "s3-tar", "s3-csv", "s3-parquet"])
@@ -66,10 +68,6 @@ def test_killed_worker_is_replaced_and_no_image_is_lost_or_repeated(
         time.sleep(0.1)
         body = status(service.endpoint)
     assert body["worker_restarts"] == len(killed)
-
-
-KILL_EPOCHS = 5
-"""Epochs a test may take to catch a worker in the middle of a task."""
 
 
 def test_workers_failing_at_start_up_are_not_restarted_forever(photos: Path, tmp_path: Path) -> None:
