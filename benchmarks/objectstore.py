@@ -156,7 +156,7 @@ def reads_part(work: Path, server: Any, plan: Plan) -> dict[str, Any]:
     """Requests and bytes of one epoch's reads, counted on the reader the workers run."""
     from loader_service.dataset.index import build_index
     from loader_service.dataset.sampler import shard_order
-    from loader_service.dataset.storage.objectstore import StorageConfig
+    from loader_service.dataset.storage.storeconfig import StorageConfig
     from loader_service.decode.reading import SampleReader
 
     with _environ(server.env()):
@@ -188,7 +188,7 @@ def index_part(work: Path, server: Any, plan: Plan) -> dict[str, Any]:
     against indexing anew."""
     from benchmarks.index_scale import write_tar
     from loader_service.dataset.index import load_or_build
-    from loader_service.dataset.storage.objectstore import StorageConfig
+    from loader_service.dataset.storage.storeconfig import StorageConfig
 
     folder = write_tar(work / "big", plan.samples, max(1, plan.samples // 10_000), seed=1)
     storage = StorageConfig(cache_dir=str(work / "index-cache"), cache_size=64 << 30)

@@ -11,7 +11,7 @@ from typing import Any
 
 import zmq.auth
 
-from loader_service.dataset.storage.objectstore import in_object_store
+from loader_service.dataset.storage.urls import in_object_store
 from loader_service.decode.contract import parse_spec
 from loader_service.decode.decoders import decoder_problem
 

@@ -11,7 +11,7 @@ from loader_service.config.checks import at_least, between
 from loader_service.config.option import option
 from loader_service.config.values import ByteSize, require
 from loader_service.dataset.index import FORMATS
-from loader_service.dataset.storage.objectstore import in_object_store
+from loader_service.dataset.storage.urls import in_object_store
 from loader_service.decode.contract import INTERPOLATIONS
 from loader_service.decode.decoders import antialias_problem
 from protocol.layout import FieldSpec

@@ -41,7 +41,7 @@ from loader_service.config.option import Option, option
 from loader_service.config.values import ByteSize, ConfigError, WorkerCount, require
 from loader_service.dataset.index import LOCAL
 from loader_service.dataset.storage.local import DEFAULT_MAX_FILE_BYTES
-from loader_service.dataset.storage.objectstore import StorageConfig
+from loader_service.dataset.storage.storeconfig import StorageConfig
 from loader_service.decode.decoders import DECODERS, uses_roi
 
 AUTO_MAX_WORKERS_PER_CORE = 4

@@ -28,7 +28,7 @@ from loader_service.dataset.formats import FORMATS, detect_format, source
 from loader_service.dataset.formats.folder import EXTENSIONS
 from loader_service.dataset.source import Columns, IndexPart, Progress
 from loader_service.dataset.storage.cachedir import FetchCache, index_key
-from loader_service.dataset.storage.objectstore import StorageConfig
+from loader_service.dataset.storage.storeconfig import StorageConfig
 from loader_service.dataset.tables import I64, DatasetError, StringTable
 
 __all__ = [

@@ -16,7 +16,7 @@ from typing import Any, NamedTuple, Protocol
 
 import numpy.typing as npt
 
-from loader_service.dataset.storage.objectstore import StorageConfig
+from loader_service.dataset.storage.storeconfig import StorageConfig
 from loader_service.dataset.tables import I64, StringTable
 
 Progress = Callable[[int], None]

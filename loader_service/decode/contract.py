@@ -22,7 +22,7 @@ import numpy as np
 import numpy.typing as npt
 
 from loader_service.dataset.index import LOCAL
-from loader_service.dataset.storage.objectstore import StorageConfig
+from loader_service.dataset.storage.storeconfig import StorageConfig
 from loader_service.decode.cache import CacheSpec
 from loader_service.shm import Segment
 from protocol.layout import SlotLayout

@@ -30,7 +30,7 @@ from pathlib import Path
 from typing import Any
 
 from loader_service.dataset.index import LOCAL
-from loader_service.dataset.storage.objectstore import StorageConfig
+from loader_service.dataset.storage.storeconfig import StorageConfig
 from loader_service.decode.contract import PipelineError
 from protocol.layout import FieldSpec
 

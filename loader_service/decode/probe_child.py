@@ -15,7 +15,8 @@ import numpy as np
 import numpy.typing as npt
 
 from loader_service.dataset.index import DatasetIndex
-from loader_service.dataset.storage.objectstore import StorageConfig, StoreUnavailable
+from loader_service.dataset.storage.storeconfig import StorageConfig
+from loader_service.dataset.storage.storeerrors import StoreUnavailable
 from loader_service.dataset.tables import DecodeError
 from loader_service.decode.contract import PipelineError
 from loader_service.decode.pipeline import (

@@ -11,7 +11,7 @@ from collections.abc import Sequence
 from loader_service.dataset.formats import source
 from loader_service.dataset.index import LOCAL, DatasetIndex
 from loader_service.dataset.source import Metadata
-from loader_service.dataset.storage.objectstore import StorageConfig
+from loader_service.dataset.storage.storeconfig import StorageConfig
 from loader_service.dataset.tables import DecodeError
 
 

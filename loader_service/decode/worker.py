@@ -26,7 +26,8 @@ import zmq
 
 from loader_service.dataset.index import DatasetIndex
 from loader_service.dataset.sampler import sample_rng
-from loader_service.dataset.storage.objectstore import StoreUnavailable, on_answer
+from loader_service.dataset.storage.objectstore import on_answer
+from loader_service.dataset.storage.storeerrors import StoreUnavailable
 from loader_service.dataset.tables import DecodeError
 from loader_service.decode.cache import CacheKind, SampleCache
 from loader_service.decode.contract import (

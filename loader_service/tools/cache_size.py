@@ -23,7 +23,8 @@ import numpy as np
 from loader_service.config import FeedConfig, ServiceConfig
 from loader_service.dataset.index import LOCAL, DatasetIndex, build_index
 from loader_service.dataset.source import Columns
-from loader_service.dataset.storage.objectstore import StorageConfig, StoreUnavailable
+from loader_service.dataset.storage.storeconfig import StorageConfig
+from loader_service.dataset.storage.storeerrors import StoreUnavailable
 from loader_service.dataset.tables import DecodeError
 from loader_service.decode.cache import CacheKind, cache_kind, entry_bytes, overhead_bytes
 from loader_service.decode.reading import SampleReader

@@ -14,7 +14,7 @@ from loader_service.config import OPTIONS, ConfigError, Option, load_config
 from loader_service.config.loading import parse_storage_flags
 from loader_service.dataset.index import FORMATS, DatasetError, build_index
 from loader_service.dataset.source import Columns
-from loader_service.dataset.storage.objectstore import StorageConfig
+from loader_service.dataset.storage.storeconfig import StorageConfig
 from loader_service.logs import configure_logging
 
 log = logging.getLogger("loader_service")

@@ -252,7 +252,7 @@ def test_start_up_cleanup_spares_segments_a_live_process_holds(
     left.write_bytes(b"")
     try:
         service = start_service(photos)
-        service.wait_for(f"removed /dev/shm/{left.name}")
+        # Removed by this start, or by another test's starting beside it: any start on the host.
         assert held.exists() and not left.exists()
         assert f"removed /dev/shm/{held.name}" not in service.log
     finally:

@@ -21,7 +21,9 @@ from loader_service.dataset.formats.perfile import SampleFiles
 from loader_service.dataset.index import build_index
 from loader_service.dataset.storage import objectfiles as remotefiles
 from loader_service.dataset.storage.files import open_files
-from loader_service.dataset.storage.objectstore import Bucket, StorageConfig, StorageError
+from loader_service.dataset.storage.objectstore import Bucket
+from loader_service.dataset.storage.storeconfig import StorageConfig
+from loader_service.dataset.storage.storeerrors import StorageError
 from loader_service.dataset.tables import DecodeError
 from loader_service.decode.reading import SampleReader
 from testkit.counting import counted_store_reads

@@ -18,7 +18,7 @@ import pytest
 from loader_service.dataset.formats.tar import source as tarshards
 from loader_service.dataset.index import build_index, load_or_build
 from loader_service.dataset.storage.cachedir import FetchCache, index_key
-from loader_service.dataset.storage.objectstore import StorageConfig
+from loader_service.dataset.storage.storeconfig import StorageConfig
 from loader_service.dataset.tables import DatasetError
 from tests.helpers import write_tar
 

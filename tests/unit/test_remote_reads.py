@@ -9,7 +9,7 @@ import time
 import pytest
 
 from loader_service.dataset.storage.objectfiles import Deferred, NotFetched, Requests, Window
-from loader_service.dataset.storage.objectstore import StoreUnavailable, sample_error
+from loader_service.dataset.storage.storeerrors import StoreUnavailable, sample_error
 from loader_service.dataset.tables import DecodeError
 
 exceptions = pytest.importorskip("obstore.exceptions")

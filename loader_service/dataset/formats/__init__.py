@@ -10,13 +10,9 @@ from loader_service.dataset.formats import filelist, folder
 from loader_service.dataset.formats.parquet import source as parquet_source
 from loader_service.dataset.formats.tar import source as tar_source
 from loader_service.dataset.source import Source
-from loader_service.dataset.storage.objectstore import (
-    SCAN_DEADLINE,
-    Bucket,
-    StorageConfig,
-    in_object_store,
-    split_url,
-)
+from loader_service.dataset.storage.objectstore import SCAN_DEADLINE, Bucket
+from loader_service.dataset.storage.storeconfig import StorageConfig
+from loader_service.dataset.storage.urls import in_object_store, split_url
 from loader_service.dataset.tables import DatasetError
 
 SOURCES: dict[str, Source] = {

@@ -37,9 +37,7 @@ from loader_service.dataset.source import (
 from loader_service.dataset.storage.files import open_files
 from loader_service.dataset.storage.listing import list_file
 from loader_service.dataset.storage.local import Files
-from loader_service.dataset.storage.objectstore import (
-    StorageConfig,
-)
+from loader_service.dataset.storage.storeconfig import StorageConfig
 from loader_service.dataset.tables import (
     I64,
     DatasetError,

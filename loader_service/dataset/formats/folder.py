@@ -27,7 +27,7 @@ from loader_service.dataset.tables import (
 )
 
 if TYPE_CHECKING:
-    from loader_service.dataset.storage.objectstore import StorageConfig
+    from loader_service.dataset.storage.storeconfig import StorageConfig
 
 EXTENSIONS = (".jpg", ".jpeg", ".png", ".bmp", ".webp", ".tif", ".tiff")
 

@@ -9,7 +9,7 @@ from pathlib import Path
 from loader_service.dataset.source import Indexed, Metadata
 from loader_service.dataset.storage.files import open_files
 from loader_service.dataset.storage.local import Files
-from loader_service.dataset.storage.objectstore import StorageConfig
+from loader_service.dataset.storage.storeconfig import StorageConfig
 from loader_service.dataset.tables import StringTable
 
 

@@ -46,12 +46,8 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-from loader_service.dataset.storage.objectstore import (
-    FULL_ERRNOS,
-    LocalDiskFull,
-    StorageConfig,
-    local_write_error,
-)
+from loader_service.dataset.storage.storeconfig import StorageConfig
+from loader_service.dataset.storage.storeerrors import FULL_ERRNOS, LocalDiskFull, local_write_error
 from loader_service.dataset.tables import DatasetError
 
 log = logging.getLogger(__name__)

@@ -5,7 +5,7 @@ from __future__ import annotations
 from loader_service.dataset.source import Indexed
 from loader_service.dataset.storage.local import Files, LocalFiles
 from loader_service.dataset.storage.objectfiles import ObjectFiles
-from loader_service.dataset.storage.objectstore import StorageConfig
+from loader_service.dataset.storage.storeconfig import StorageConfig
 
 
 def open_files(index: Indexed, storage: StorageConfig, max_bytes: int) -> Files:

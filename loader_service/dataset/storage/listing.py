@@ -20,7 +20,8 @@ from pathlib import Path
 from typing import Any, Protocol
 
 from loader_service.dataset.storage.objectfolder import store_object, store_objects
-from loader_service.dataset.storage.objectstore import StorageConfig, in_object_store
+from loader_service.dataset.storage.storeconfig import StorageConfig
+from loader_service.dataset.storage.urls import in_object_store
 
 Stamps = list[list[Any]] | None
 """Each file's name and present state, as JSON; None when a state cannot be told (an object

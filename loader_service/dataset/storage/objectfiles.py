@@ -40,14 +40,10 @@ from typing import TypeVar
 
 from loader_service.dataset.storage.cachedir import FetchCache
 from loader_service.dataset.storage.local import LocalFiles, Want
-from loader_service.dataset.storage.objectstore import (
-    Bucket,
-    StorageConfig,
-    StoreUnavailable,
-    join_url,
-    sample_error,
-    split_url,
-)
+from loader_service.dataset.storage.objectstore import Bucket
+from loader_service.dataset.storage.storeconfig import StorageConfig
+from loader_service.dataset.storage.storeerrors import StoreUnavailable, sample_error
+from loader_service.dataset.storage.urls import join_url, split_url
 from loader_service.dataset.tables import DecodeError
 
 MAX_CONCURRENT_READS = 64

@@ -24,21 +24,16 @@ from pathlib import Path
 from typing import Any
 
 from loader_service.dataset.storage.cachedir import FetchCache
-from loader_service.dataset.storage.objectstore import (
-    FULL_ERRNOS,
-    SCAN_DEADLINE,
-    Bucket,
-    LocalDiskFull,
-    ObjectInfo,
-    StorageConfig,
-    split_url,
-)
+from loader_service.dataset.storage.objectstore import SCAN_DEADLINE, Bucket, ObjectInfo
 from loader_service.dataset.storage.patterns import (
     COMPRESSED_SUFFIXES,
     TAR_SUFFIX,
     expand_braces,
     is_brace_pattern,
 )
+from loader_service.dataset.storage.storeconfig import StorageConfig
+from loader_service.dataset.storage.storeerrors import FULL_ERRNOS, LocalDiskFull
+from loader_service.dataset.storage.urls import split_url
 from loader_service.dataset.tables import DatasetError
 from loader_service.shm import scratch_folder
 

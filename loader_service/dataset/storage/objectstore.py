@@ -23,40 +23,24 @@ NOTE [ Object store reads ]
 
 from __future__ import annotations
 
-import errno
 import os
-import re
 from collections.abc import Awaitable, Callable, Mapping
 from dataclasses import dataclass
 from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
+from loader_service.dataset.storage.storeconfig import CLIENT_KEYS, ENV_PREFIXES, StorageConfig
+from loader_service.dataset.storage.storeerrors import (
+    StorageError,
+    denied,
+    first_line,
+    local_write_error,
+    not_found,
+)
+from loader_service.dataset.storage.urls import split_url
 from loader_service.dataset.tables import DatasetError, DecodeError
 
-STORE_SCHEMES = ("s3", "gs", "az")
-CLIENT_KEYS = frozenset(
-    {
-        "allow_http",
-        "allow_invalid_certificates",
-        "connect_timeout",
-        "default_content_type",
-        "http1_only",
-        "http2_only",
-        "pool_idle_timeout",
-        "pool_max_idle_per_host",
-        "proxy_url",
-        "proxy_ca_certificate",
-        "proxy_excludes",
-        "randomize_addresses",
-        "read_timeout",
-        "timeout",
-        "user_agent",
-    }
-)
-"""Storage options that configure obstore's HTTP client rather than the store."""
-ENV_PREFIXES = {"s3": "AWS_", "gs": "GOOGLE_", "az": "AZURE_"}
-"""How each store's environment variables begin (``AWS_ALLOW_HTTP``)."""
 SCAN_DEADLINE = 120.0
 """Seconds the service's own requests (listing, fetching shards to index them) retry for."""
 DOWNLOAD_CHUNK = 8 << 20
@@ -80,68 +64,6 @@ def on_answer(callback: Callable[[], None]) -> None:
 def _heard() -> None:
     for callback in _LISTENERS:
         callback()
-
-
-class StorageError(DatasetError):
-    """The data cannot be reached at start (no access, no such bucket): the service exits 2."""
-
-
-class LocalDiskFull(DatasetError):
-    """A fetched object could not be written: the local disk, or the user's quota on it, is full."""
-
-
-FULL_ERRNOS = frozenset((errno.ENOSPC, errno.EDQUOT))
-
-
-def local_write_error(exc: OSError, what: str) -> DatasetError:
-    """What a failed write to local disk is: LocalDiskFull where the disk (or a quota) is full, for
-    the caller to do without what it was writing; else a DatasetError. ``what`` names the write."""
-    kind = LocalDiskFull if exc.errno in FULL_ERRNOS else DatasetError
-    return kind(f"{what}: {exc.strerror or exc}")
-
-
-class StoreUnavailable(Exception):
-    """The store did not answer within the read deadline: the task is done again later, nothing lost."""
-
-
-@dataclass(frozen=True)
-class StorageConfig:
-    """How the service and its workers reach the data's store, and where fetched data is kept."""
-
-    options: tuple[tuple[str, str], ...] = ()
-    """``--storage-option`` pairs, given to obstore (``CLIENT_KEYS`` to its HTTP client)."""
-    cache_dir: str = ""
-    """``--cache-dir``: fetched objects and saved indexes (``dataset.cachedir``); "" keeps nothing."""
-    cache_size: int = 0
-    """``--cache-size``: the most bytes of fetched objects ``cache_dir`` holds."""
-    read_deadline: float = 10.0
-    """Seconds a worker's reads for one task may take, retries included (half the task timeout)."""
-
-    def __repr__(self) -> str:  # the values may be secrets
-        keys = ", ".join(k for k, _ in self.options)
-        return f"StorageConfig(options=[{keys}], cache_dir={self.cache_dir!r}, cache_size={self.cache_size})"
-
-
-def in_object_store(data: str | Path) -> bool:
-    """Does ``data`` name an object store (``s3://``, ``gs://``, ``az://``)?"""
-    scheme, sep, _ = str(data).partition("://")
-    return bool(sep) and scheme.lower() in STORE_SCHEMES
-
-
-def split_url(url: str) -> tuple[str, str]:
-    """``s3://bucket/a/b.tar`` -> (``s3://bucket``, ``a/b.tar``)."""
-    scheme, _, rest = url.partition("://")
-    bucket, _, key = rest.partition("/")
-    if not bucket:
-        raise DatasetError(f"{url}: no bucket named (expected {scheme}://BUCKET/KEY)")
-    return f"{scheme.lower()}://{bucket}", key
-
-
-def join_url(root: str, name: str) -> str:
-    """``name`` under the folder URL ``root``; a full URL stays itself."""
-    if in_object_store(name):
-        return name
-    return root.rstrip("/") + "/" + name.lstrip("/")
 
 
 @dataclass(frozen=True)
@@ -252,12 +174,12 @@ class Bucket:
         """What an error met at start says: StorageError (exit 2) naming the bucket and the cause."""
         where = f"{self.url}/{key}" if key else self.url
         kind = type(exc).__name__
-        if kind in ("PermissionDeniedError", "UnauthenticatedError") or _denied(exc):
+        if kind in ("PermissionDeniedError", "UnauthenticatedError") or denied(exc):
             return StorageError(
                 f"{self.url}: access denied: check the credentials (AWS_ACCESS_KEY_ID and "
                 "AWS_SECRET_ACCESS_KEY, a role, or --storage-option) and the bucket's policy"
             )
-        if _not_found(exc):
+        if not_found(exc):
             return StorageError(f"{where} does not exist")
         if "builder error" in str(exc):  # what object_store says of an http:// endpoint it may not use
             return StorageError(
@@ -323,45 +245,3 @@ def _info(meta: Mapping[str, Any]) -> ObjectInfo:
 
 def _if_match(etag: str) -> dict[str, Any]:
     return {"if_match": etag} if etag else {}
-
-
-_DENIED = ("403 Forbidden", "401 Unauthorized", "AccessDenied", "InvalidAccessKeyId", "SignatureDoesNotMatch")
-
-
-def _denied(exc: Exception) -> bool:
-    """A refusal obstore reports as a generic error (a listing's 403 is one)."""
-    return any(word in str(exc) for word in _DENIED)
-
-
-def _not_found(exc: Exception) -> bool:
-    # obstore raises the builtin FileNotFoundError for a 404 (its NotFoundError class exists too).
-    return isinstance(exc, FileNotFoundError) or type(exc).__name__ == "NotFoundError"
-
-
-def first_line(exc: BaseException) -> str:
-    """An obstore error's first line: the rest is a debug dump that may quote request headers."""
-    text = str(exc).strip().splitlines()
-    return text[0][:300] if text else type(exc).__name__
-
-
-_STATUS = re.compile(r"\b([1-5][0-9]{2}) [A-Z][A-Za-z ]+")
-_TRANSIENT_STATUS = {408, 429}
-"""4xx answers that say "later", not "never": a timeout and too many requests."""
-
-
-def sample_error(exc: Exception, url: str) -> Exception:
-    """What a failed read of ``url`` in a worker is: a bad sample (DecodeError: the object, or this
-    request for it, is wrong and asking again cannot help) or StoreUnavailable (the store is down,
-    slow or overloaded: obstore already retried within the deadline; the task is done later)."""
-    kind = type(exc).__name__
-    if _not_found(exc):
-        return DecodeError(f"{url}: not found (deleted since it was indexed?)")
-    if kind == "PreconditionError":
-        return DecodeError(f"{url}: changed since it was indexed (its ETag differs)")
-    if kind in ("InvalidPathError", "PermissionDeniedError") or isinstance(exc, ValueError):
-        return DecodeError(f"{url}: {first_line(exc)}")
-    status = _STATUS.search(str(exc))
-    code = int(status.group(1)) if status else 0
-    if 400 <= code < 500 and code not in _TRANSIENT_STATUS:
-        return DecodeError(f"{url}: the store answered {status.group(0) if status else code}")
-    return StoreUnavailable(f"{url}: {first_line(exc)}")

@@ -40,8 +40,8 @@ from loader_service.dataset.source import (
 )
 from loader_service.dataset.storage.files import open_files
 from loader_service.dataset.storage.listing import list_files
-from loader_service.dataset.storage.objectstore import StorageConfig
 from loader_service.dataset.storage.patterns import expand_braces, is_brace_pattern
+from loader_service.dataset.storage.storeconfig import StorageConfig
 from loader_service.dataset.tables import (
     DatasetError,
     ListMetadata,

@@ -22,8 +22,8 @@ from loader_service.dataset.source import (
 )
 from loader_service.dataset.storage.files import open_files
 from loader_service.dataset.storage.listing import list_files
-from loader_service.dataset.storage.objectstore import StorageConfig
 from loader_service.dataset.storage.patterns import COMPRESSED_SUFFIXES, TAR_SUFFIX, is_brace_pattern
+from loader_service.dataset.storage.storeconfig import StorageConfig
 from loader_service.dataset.tables import (
     TarMembers,
 )
