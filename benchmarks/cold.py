@@ -35,6 +35,10 @@ from benchmarks.contenders import _sample_rng
 from benchmarks.module_output import say, write_results
 from benchmarks.service_process import serving
 from benchmarks.sizing import wait_booted
+from loader_service.dataset.index import DatasetIndex, build_index
+from loader_service.decode.decoders import roi_decoder_version
+from loader_service.decode.geometry import prepare
+from loader_service.decode.transforms import Recipe
 
 BATCH = 64
 SIZE = 224
@@ -44,16 +48,10 @@ IDLE = 1.0
 """Seconds to let the service finish what the last attach started, before timing anything."""
 
 
-def decode_seconds(data: Path, epoch: int, indices: list[int]) -> list[float]:
+def decode_seconds(index: DatasetIndex, recipe: Recipe, epoch: int, indices: list[int]) -> list[float]:
     """Each sample's time through the service's per-sample work, in the order of the batch's rows."""
-    from loader_service.dataset.index import build_index
-    from loader_service.decode.decoders import roi_decoder_version
-    from loader_service.decode.geometry import prepare
-    from loader_service.decode.transforms import Recipe, load_into
+    from loader_service.decode.transforms import load_into
 
-    index = build_index(data)
-    recipe = Recipe("train", roi=roi_decoder_version() is not None)
-    prepare(recipe.interpolation)
     out = np.empty((3, SIZE, SIZE), np.uint8)
     times = []
     for idx in indices:
@@ -78,14 +76,14 @@ def first_batch(endpoint: str, epoch: int) -> tuple[float, list[int]]:
         return time.perf_counter() - start, indices
 
 
-def attach(endpoint: str, data: Path, epoch: int) -> dict[str, float]:
+def attach(endpoint: str, index: DatasetIndex, recipe: Recipe, epoch: int) -> dict[str, float]:
     from loader_service.supervisor.workers.parts import plan_parts
 
     first, indices = first_batch(endpoint, epoch)
     time.sleep(IDLE)  # the service decoded ahead for that trainer meanwhile: not while timing here
     warm, _ = first_batch(endpoint, 0)
     time.sleep(IDLE)
-    per_image = decode_seconds(data, epoch, indices)
+    per_image = decode_seconds(index, recipe, epoch, indices)
     parts = [sum(per_image[at : at + rows]) for at, rows in plan_parts(len(indices), WORKERS)]
     return {
         "first_next_s": first,
@@ -120,11 +118,14 @@ def main(argv: list[str] | None = None) -> int:
         flags = ["--data", str(data), "--workers", str(WORKERS), "--batch-size", str(BATCH)]
         flags += ["--image-size", str(SIZE), "--augment", "train", "--log-level", "WARNING"]
         endpoint, _pid = stack.enter_context(serving(run_dir, flags))
+        index = build_index(data)  # this process's own, for timing the samples' decode
+        recipe = Recipe("train", roi=roi_decoder_version() is not None)  # the service's (--decoder auto)
+        prepare(recipe.interpolation)
         wait_booted(endpoint)
         runs = []
         for epoch in range(3, 3 + args.attaches):
             time.sleep(IDLE)
-            runs.append(attach(endpoint, data, epoch))
+            runs.append(attach(endpoint, index, recipe, epoch))
             say(" ".join(f"{k} {ms(v)} ms" for k, v in runs[-1].items()))
     medians: dict[str, Any] = {k: statistics.median(r[k] for r in runs) for k in runs[0]}
     say(

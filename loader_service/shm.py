@@ -136,13 +136,7 @@ class Segment:
         """Reserve memory for one more range of the creator's segment; False if /dev/shm cannot
         hold it (nothing of the range may then be touched)."""
         assert self._lock_fd is not None, "only the creator reserves"
-        try:
-            os.posix_fallocate(self._lock_fd, offset, nbytes)
-        except OSError as exc:
-            if exc.errno not in (errno.ENOSPC, errno.EFBIG):
-                raise
-            return False
-        return True
+        return _fallocate(self._lock_fd, offset, nbytes)
 
     def close(self) -> None:
         try:
@@ -351,13 +345,19 @@ def _empty_folder(fd: int) -> None:
             os.rmdir(entry.name, dir_fd=fd)
 
 
-def _reserve(fd: int, ranges: tuple[tuple[int, int], ...], purpose: str) -> None:
+def _fallocate(fd: int, offset: int, nbytes: int) -> bool:
+    """Reserve the range; False where /dev/shm cannot hold it (any other error is raised)."""
     try:
-        for offset, nbytes in ranges:
-            os.posix_fallocate(fd, offset, nbytes)
+        os.posix_fallocate(fd, offset, nbytes)
     except OSError as exc:
         if exc.errno not in (errno.ENOSPC, errno.EFBIG):
             raise
+        return False
+    return True
+
+
+def _reserve(fd: int, ranges: tuple[tuple[int, int], ...], purpose: str) -> None:
+    if not all(_fallocate(fd, offset, nbytes) for offset, nbytes in ranges):
         free = _free_bytes(SHM_DIR)
         size = sum(nbytes for _, nbytes in ranges)
         raise SharedMemoryError(

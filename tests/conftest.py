@@ -22,8 +22,8 @@ from tests.helpers import (
     ServiceProcess,
     SourceData,
     folder_samples,
+    left_behind,
     our_segments,
-    owner_running,
     write_csv_list,
     write_jsonl_list,
     write_parquet,
@@ -39,12 +39,6 @@ def in_parallel_worker() -> bool:
     return "PYTEST_XDIST_WORKER" in os.environ
 
 
-def dead_owners(before: set[str]) -> set[str]:
-    """Segments that appeared since ``before`` and whose service is gone: a segment whose service
-    still runs belongs to something else on the machine (a benchmark, another test run)."""
-    return {name for name in our_segments() - before if not owner_running(name)}
-
-
 @pytest.fixture(autouse=True)
 def no_shm_leaks() -> Iterator[None]:
     """Each test's leaks, named with it. Beside other workers a killed service's segments, which
@@ -54,7 +48,7 @@ def no_shm_leaks() -> Iterator[None]:
         return
     before = our_segments()
     yield
-    leaked = dead_owners(before)
+    leaked = left_behind(before)
     for name in leaked:
         (SHM / name).unlink(missing_ok=True)
     assert not leaked, f"shared memory left behind: {sorted(leaked)}"
@@ -69,7 +63,7 @@ def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
     """The whole run's leaks (with workers in parallel, the only place they can be told apart)."""
     if in_parallel_worker() or SEGMENTS_BEFORE not in session.config.stash:
         return
-    leaked = dead_owners(session.config.stash[SEGMENTS_BEFORE])
+    leaked = left_behind(session.config.stash[SEGMENTS_BEFORE])
     for name in leaked:
         (SHM / name).unlink(missing_ok=True)
     if leaked:

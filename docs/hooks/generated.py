@@ -98,17 +98,13 @@ def flags_page() -> str:
 def _other_serve_flags() -> list[tuple[str, str]]:
     """``serve``'s flags that are no option of the config (``--config``, ``--dry-run``...), as
     ``serve --help`` has them."""
-    import argparse
-
     from loader_service.config.options import OPTIONS
-    from loader_service.tools.cli import build_parser
+    from loader_service.tools.cli import command_parser
 
-    parser = build_parser()
-    commands = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction))
     known = {o.flag for o in OPTIONS.values()}
     return [
         (action.option_strings[-1], action.help or "")
-        for action in commands.choices["serve"]._actions
+        for action in command_parser("serve")._actions
         if action.option_strings and action.option_strings[-1] not in known and action.dest != "help"
     ]
 

@@ -21,6 +21,11 @@ FIRST_SLOTS = 8
 """Slots an automatic pool reserves at start: the warm start's 2 batches and one trainer's default 6
 credits. It grows by what its trainers hold (NOTE [ A pool as large as what is in flight ] in
 loader_service/supervisor/slots.py)."""
+AUTO_MOST_SLOTS = 256
+"""Slots an automatic pool may grow to at least: its trainers' credits, not its workers, say how
+many it needs (8 DDP ranks of 6 credits hold 48; a pool of 12 for 2 workers let the first two
+ranks take every slot while the others waited for one). Address space until a trainer holds them;
+/dev/shm stops the growth before that if it is smaller."""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -90,7 +95,8 @@ class FeedOptions:
         default=0,
         metadata=option(
             "batches in the shared-memory pool, all reserved at start; 0 (auto): reserve "
-            f"{FIRST_SLOTS} and grow to what the trainers hold (up to 256, or 2 x the most workers + 8)",
+            f"{FIRST_SLOTS} and grow to what the trainers hold (up to {AUTO_MOST_SLOTS}, or 2 x the "
+            "most workers + 8)",
             check=between(0, 4096, "0 (auto)"),
         ),
     )

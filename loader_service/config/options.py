@@ -31,6 +31,7 @@ from loader_service.config import checks
 from loader_service.config.checks import at_least, between, positive
 from loader_service.config.cpus import Budget, cpu_budget
 from loader_service.config.feed import (
+    AUTO_MOST_SLOTS,
     FIRST_SLOTS,
     FeedOptions,
     check_fields,
@@ -49,11 +50,6 @@ AUTO_MAX_WORKERS_PER_CORE = 4
 at most ``MAX_AUTO_WORKERS``): a feed whose workers wait on a store or in a pipeline may use more
 workers than cores. They are forked when the controller asks (NOTE [ Workers from a template ]);
 one parked after a decrease costs the pages it wrote, no CPU."""
-AUTO_MOST_SLOTS = 256
-"""Slots an automatic pool may grow to at least: its trainers' credits, not its workers, say how
-many it needs (8 DDP ranks of 6 credits hold 48; a pool of 12 for 2 workers let the first two
-ranks take every slot while the others waited for one). Address space until a trainer holds them;
-/dev/shm stops the growth before that if it is smaller."""
 MIN_AUTO_WORKERS = 4
 MAX_AUTO_WORKERS = 256
 MAX_CPU_BUDGET = 65536

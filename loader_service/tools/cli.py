@@ -238,6 +238,14 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def command_parser(name: str) -> argparse.ArgumentParser:
+    """One command's parser (``serve``...): what its ``--help`` lists, for the docs and their tests."""
+    commands = next(a for a in build_parser()._actions if isinstance(a, argparse._SubParsersAction))
+    parser = commands.choices[name]
+    assert isinstance(parser, argparse.ArgumentParser)
+    return parser
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     code: int = args.func(args)

@@ -15,7 +15,7 @@ import torch
 
 from gpu_worker import ServiceError, ServiceLoader, ServiceTimeout
 from loader_service.config import FIRST_SLOTS
-from loader_service.config.options import AUTO_MOST_SLOTS
+from loader_service.config.feed import AUTO_MOST_SLOTS
 from loader_service.dataset.index import build_index
 from loader_service.dataset.sampler import sample_rng
 from loader_service.decode.contract import INTERPOLATIONS

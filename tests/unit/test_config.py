@@ -14,7 +14,7 @@ from loader_service.config import (
     ServiceConfig,
     load_config,
 )
-from loader_service.config.options import AUTO_MOST_SLOTS
+from loader_service.config.feed import AUTO_MOST_SLOTS
 from loader_service.config.values import ByteSize, WorkerCount, parse_bytes
 from loader_service.decode import decoders
 from loader_service.tools.cli import build_parser

@@ -3,7 +3,6 @@ bytes and its links lead somewhere."""
 
 from __future__ import annotations
 
-import argparse
 import html
 import os
 import re
@@ -12,18 +11,11 @@ import sys
 from pathlib import Path
 
 from loader_service.config.options import OPTIONS
-from loader_service.tools.cli import build_parser
+from loader_service.tools.cli import command_parser
 from tests.helpers import REPO
 
 README_LIMIT = 10_000
 LINK = re.compile(r"\]\(([^)#]+)(?:#[^)]*)?\)")
-
-
-def serve_parser() -> argparse.ArgumentParser:
-    commands = next(a for a in build_parser()._actions if isinstance(a, argparse._SubParsersAction))
-    parser = commands.choices["serve"]
-    assert isinstance(parser, argparse.ArgumentParser)
-    return parser
 
 
 def test_the_strict_site_build_lists_every_serve_flag(tmp_path: Path) -> None:
@@ -34,7 +26,7 @@ def test_the_strict_site_build_lists_every_serve_flag(tmp_path: Path) -> None:
     )
     assert built.returncode == 0, built.stdout + built.stderr
     flags_page = html.unescape((tmp_path / "reference" / "flags" / "index.html").read_text())
-    forms = [s for a in serve_parser()._actions for s in a.option_strings if a.dest != "help"]
+    forms = [s for a in command_parser("serve")._actions for s in a.option_strings if a.dest != "help"]
     assert {o.flag for o in OPTIONS.values()} <= set(forms) and "--no-strict" in forms
     missing = [flag for flag in forms if f"<code>{flag}</code>" not in flags_page]
     assert not missing, f"the flag reference lacks {missing}, which serve --help accepts"
