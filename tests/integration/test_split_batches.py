@@ -52,7 +52,8 @@ def first_batch(service: ServiceProcess) -> FirstBatch:
     """The first batch of a cold trainer, once the service is idle: both warm batches decoded."""
     service.wait_for(WARM, count=2)
     before = status(service.endpoint)["feeds"][0]["split_batches"]
-    with ServiceLoader(service.endpoint, remainder="drop", credits=2, timeout=30) as loader:
+    # 4 credits, twice the workers: batches after the first are not cut (NOTE [ Split batches ]).
+    with ServiceLoader(service.endpoint, remainder="drop", credits=4, timeout=30) as loader:
         batch = next(iter(loader))
         # Still held, and the next batch is planned whole: no other batch can be split meanwhile.
         after = status(service.endpoint)["feeds"][0]["split_batches"]

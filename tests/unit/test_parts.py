@@ -23,7 +23,14 @@ from loader_service.supervisor.slots import SlotPool, SlotState
 from loader_service.supervisor.streams.stream import Stream
 from loader_service.supervisor.trainers.attachments import Attachments
 from loader_service.supervisor.trainers.sessions import Session
-from loader_service.supervisor.workers.parts import MIN_PART_ROWS, SplitBatch, compact, plan_parts
+from loader_service.supervisor.workers.parts import (
+    MIN_PART_ROWS,
+    SplitBatch,
+    compact,
+    parts_per_batch,
+    plan_parts,
+    share_out,
+)
 from loader_service.supervisor.workers.pool import WorkerHandle, WorkerSet
 from loader_service.supervisor.workers.scheduler import MAX_TASK_ATTEMPTS, Scheduler
 from protocol.codec import decode, encode
@@ -55,6 +62,23 @@ def test_a_small_batch_or_one_worker_stays_whole() -> None:
     assert plan_parts(64, 1) == [(0, 64)]
     assert plan_parts(64, 2) == [(0, 32), (32, 32)]
     assert plan_parts(10, 4, min_rows=3) == [(0, 4), (4, 3), (7, 3)]
+
+
+@pytest.mark.parametrize(
+    ("workers", "window", "parts"),
+    [(2, 0, 1), (2, 6, 1), (2, 4, 1), (2, 2, 2), (16, 6, 6), (16, 48, 1), (16, 31, 2)],
+)
+def test_batches_are_cut_so_that_half_the_window_keeps_every_worker_busy(
+    workers: int, window: int, parts: int
+) -> None:
+    assert parts_per_batch(workers, window) == parts
+
+
+@pytest.mark.parametrize(("batches", "spare"), [(1, 0), (1, 5), (3, 2), (3, 7), (4, 4), (2, 15)])
+def test_spare_workers_are_shared_evenly_earlier_batches_first(batches: int, spare: int) -> None:
+    extra = share_out(batches, spare)
+    assert len(extra) == batches and sum(extra) == spare
+    assert max(extra) - min(extra) <= 1 and extra == sorted(extra, reverse=True)
 
 
 def test_a_split_batch_is_complete_only_when_every_part_reported() -> None:
@@ -192,11 +216,24 @@ class FeedStub:
     def note_bad(self, index: int, reason: str) -> None:
         self.bad.append((index, reason))
 
+    def grow_pool(self) -> bool:
+        return False  # a full /dev/shm: the pool stays at ``SLOTS``
+
     def shard_batches(self, world_size: int, remainder: str, offset: int = 0) -> int:
         return SAMPLES // BATCH
 
     def plan(self, epoch: int, rank: int, world_size: int, remainder: str, offset: int = 0) -> OrderStub:
         return OrderStub()
+
+
+class WarmStub:
+    """A feed's warm start that has nothing to decode and nothing to give way."""
+
+    def wants_batch(self) -> bool:
+        return False
+
+    def drop(self) -> None:
+        pass
 
 
 class OrderStub:
@@ -236,7 +273,13 @@ class Rig:
         self.delivered: list[Stream] = []
         config = cast(ServiceConfig, SimpleNamespace(strict=False, task_timeout=60.0))
         self.scheduler = Scheduler(
-            config, self.workers, self.attached, {}, self._send, self.delivered.append, board
+            config,
+            self.workers,
+            self.attached,
+            {0: cast(Any, WarmStub())},
+            self._send,
+            self.delivered.append,
+            board,
         )
 
     def _spawn(self, cfg: WorkerConfig) -> Any:
@@ -282,7 +325,8 @@ def rig(segment: Segment) -> Rig:
     return Rig(segment)
 
 
-def test_a_first_batch_is_split_across_idle_workers_and_later_ones_stay_whole(rig: Rig) -> None:
+def test_a_first_batch_is_split_across_idle_workers_and_later_ones_stay_whole(segment: Segment) -> None:
+    rig = Rig(segment, credits=4)  # twice the workers: later batches need not be cut
     rig.scheduler.schedule()
     (w0, part0), (w1, part1) = rig.sent
     assert {w0, w1} == {b"w0", b"w1"}
@@ -305,6 +349,52 @@ def test_a_first_batch_is_split_across_idle_workers_and_later_ones_stay_whole(ri
     assert rig.feed.pool.state(batch.slot) is SlotState.READY
     assert_rows(rig.feed.segment, batch.slot, PLAN[:BATCH].tolist())
     assert rig.feed.counters.batches == 1 and rig.feed.counters.decoded.total == BATCH
+
+
+def test_with_credits_under_twice_the_workers_every_batch_is_cut_for_whichever_is_idle_next(
+    segment: Segment,
+) -> None:
+    """2 workers, 2 credits (the 16-core GPU host's 16 workers and 6 credits, small): a batch planned
+    when one worker is idle is still cut in two, and the other half waits for the next idle one."""
+    rig = Rig(segment, workers=2, credits=2)
+    rig.scheduler.schedule()
+    (w0, part0), (w1, part1) = rig.sent
+    rig.report(w0, rig.fill(part0))
+    rig.scheduler.schedule()
+    assert len(rig.sent) == 3 and rig.sent[2][0] == w0
+    first_half = rig.sent[2][1]
+    assert first_half.row == 0 and indices_of(first_half) == PLAN[BATCH : BATCH + BATCH // 2].tolist()
+    rig.report(w1, rig.fill(part1))
+    rig.scheduler.schedule()
+    (w, second_half) = rig.sent[3]
+    assert w == w1 and second_half.row == BATCH // 2 and second_half.slot == first_half.slot
+    assert rig.feed.counters.split_batches == 2
+    rig.report(w1, rig.fill(second_half))
+    rig.report(w0, rig.fill(first_half))
+    batch = rig.stream.batches[(rig.stream.gen, 1)]
+    assert batch.count == BATCH
+    assert_rows(rig.feed.segment, batch.slot, PLAN[BATCH : 2 * BATCH].tolist())
+
+
+def test_workers_idle_when_a_whole_batch_is_planned_share_it(segment: Segment) -> None:
+    """2 workers, 4 credits, 2 slots: batches stay whole by the credits, but when both workers are
+    idle and only one batch can be planned (the pool is full), the two share it."""
+    rig = Rig(segment, workers=2, credits=4)
+    rig.scheduler.schedule()
+    for routing_id, task in list(rig.sent):
+        rig.report(routing_id, rig.fill(task))
+    assert rig.delivered == [rig.stream], "batch 0 is decoded, and the trainer holds it"
+    rig.scheduler.schedule()
+    second = rig.sent[2:]
+    assert {w for w, _ in second} == {b"w0", b"w1"}, "both idle workers took a part"
+    assert [t.row for _, t in second] == [0, BATCH // 2]
+    assert [i for _, t in second for i in indices_of(t)] == PLAN[BATCH : 2 * BATCH].tolist()
+    assert rig.feed.counters.split_batches == 2 and rig.stream.filling == 1
+    for routing_id, task in reversed(second):
+        rig.report(routing_id, rig.fill(task))
+    batch = rig.stream.batches[(rig.stream.gen, 1)]
+    assert batch.count == BATCH
+    assert_rows(rig.feed.segment, batch.slot, PLAN[BATCH : 2 * BATCH].tolist())
 
 
 def test_bad_samples_in_several_parts_leave_no_gap(rig: Rig) -> None:

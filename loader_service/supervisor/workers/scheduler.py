@@ -1,7 +1,7 @@
 """Decode tasks: which batch each idle worker decodes next, and what happens to its report or its death.
 
 A task is one batch of one producer (a stream or a cache, ``producers.py``) in one slot, or one part
-of a batch its reader waits for, split across workers (NOTE [ Split batches ]). The task carries the
+of a batch split across workers (NOTE [ Split batches ]). The task carries the
 producer itself, so a worker's report goes straight back to it (NOTE [ Plan generations ]); a task
 whose worker died is redone under a fresh id (NOTE [ Worker restarts ]).
 """
@@ -26,7 +26,13 @@ from loader_service.supervisor.streams.producers import Lane, Producer
 from loader_service.supervisor.streams.shard import ShardStream
 from loader_service.supervisor.streams.stream import Stream
 from loader_service.supervisor.trainers.attachments import Attachments
-from loader_service.supervisor.workers.parts import SplitBatch, compact, plan_parts
+from loader_service.supervisor.workers.parts import (
+    SplitBatch,
+    compact,
+    parts_per_batch,
+    plan_parts,
+    share_out,
+)
 from loader_service.supervisor.workers.pool import WorkerHandle, WorkerSet
 from protocol.codec import decode
 from protocol.messages import Message, ProtocolError
@@ -264,10 +270,19 @@ class Scheduler:
     # --- handing out tasks ----------------------------------------------------------------------
 
     def schedule(self) -> None:
-        for handle in self._workers.idle():
-            record = self._next_record()
+        idle = self._workers.idle()
+        records: list[TaskRecord] = []
+        fresh: list[int] = []
+        """Positions in ``records`` of batches planned whole just now: what the idle workers share."""
+        while len(records) < len(idle):
+            record, planned = self._next_record()
             if record is None:
-                return
+                break
+            if planned and record.split is None:
+                fresh.append(len(records))
+            records.append(record)
+        records += self._share(records, fresh, len(idle) - len(records))
+        for handle, record in zip(idle, records, strict=False):  # fewer tasks than workers: some idle
             assert handle.routing_id is not None
             now = time.monotonic()
             handle.task, handle.samples_done = record.task, 0
@@ -276,13 +291,27 @@ class Scheduler:
             task = Task(record.task, record.feed.id, record.slot, record.epoch, record.indices, record.row)
             self._send_worker(handle.routing_id, task)
 
-    def _next_record(self) -> TaskRecord | None:
-        """Redone tasks first, then the parts of split batches, then a new batch."""
+    def _share(self, records: list[TaskRecord], fresh: list[int], spare: int) -> list[TaskRecord]:
+        """NOTE [ Split batches ]: the batches planned whole for this round split among the
+        ``spare`` workers that would otherwise stay idle; each first part replaces its batch in
+        ``records``, and the other parts are returned, one per spare worker at most."""
+        if spare <= 0 or not fresh:
+            return []
+        rest: list[TaskRecord] = []
+        for position, parts in zip(fresh, share_out(len(fresh), spare), strict=True):
+            first, *others = self._split(records[position], parts + 1)
+            records[position] = first
+            rest += others
+        return rest
+
+    def _next_record(self) -> tuple[TaskRecord | None, bool]:
+        """Redone tasks first, then the parts of split batches, then a new batch; and whether it
+        is a batch planned now."""
         if self._redo:
-            return self._redo.popleft()
+            return self._redo.popleft(), False
         if self._parts:
-            return self._parts.popleft()
-        return self._next_job()
+            return self._parts.popleft(), False
+        return self._next_job(), True
 
     def _next_job(self) -> TaskRecord | None:
         """The next batch to decode: for the stream with the fewest batches in flight (the trainer
@@ -312,36 +341,48 @@ class Scheduler:
         return None
 
     def _plan(self, producer: Producer) -> TaskRecord:
-        """Plan the producer's next batch: one task, or its first part with the others queued."""
+        """Plan the producer's next batch: one task, or its first part with the others queued ahead
+        of any new batch (NOTE [ Split batches ])."""
         slot = producer.feed.pool.acquire()
         assert slot is not None
         waited = waited_for(producer)  # asked before planning counts the batch as filling
         gen, seq, planned = producer.plan_batch()
-        indices = planned.astype("<i8", copy=False)
+        self._next_task += 1
+        indices = planned.astype("<i8", copy=False).tobytes()
+        record = TaskRecord(self._next_task, producer, gen, seq, producer.epoch, slot, indices)
         # Every worker taking tasks counts, even one still starting: parts go to whichever worker
         # is idle next; parked ones take none (NOTE [ Sizing workers ]).
-        workers = self._workers.active if waited else 1
+        active = self._workers.active
+        window = sum(stream.window for stream in self._attached.streams.values())
+        first, *others = self._split(record, active if waited else parts_per_batch(active, window))
+        self._parts.extend(others)
+        return first
+
+    def _split(self, record: TaskRecord, workers: int) -> list[TaskRecord]:
+        """The whole batch ``record`` as up to ``workers`` parts; itself alone if too small to split."""
+        indices = np.frombuffer(record.indices, dtype="<i8")
         ranges = plan_parts(len(indices), workers)
-        split = SplitBatch(tuple(start for start, _ in ranges)) if len(ranges) > 1 else None
-        records = []
-        for start, rows in ranges:
-            self._next_task += 1
-            part = indices[start : start + rows].tobytes()
-            records.append(
-                TaskRecord(self._next_task, producer, gen, seq, producer.epoch, slot, part, 0, start, split)
+        if len(ranges) == 1:
+            return [record]
+        split = SplitBatch(tuple(start for start, _ in ranges))
+        tasks = [record.task, *range(self._next_task + 1, self._next_task + len(ranges))]
+        self._next_task += len(ranges) - 1
+        parts = [
+            replace(
+                record, task=task, indices=indices[start : start + rows].tobytes(), row=start, split=split
             )
-        if split is not None:
-            producer.feed.counters.split_batches += 1
-            self._parts.extend(records[1:])
-            log.debug(
-                "feed %s: batch %d of epoch %d split into %d parts (%s)",
-                producer.feed.name,
-                seq,
-                producer.epoch,
-                len(ranges),
-                producer.lane.value,
-            )
-        return records[0]
+            for task, (start, rows) in zip(tasks, ranges, strict=True)
+        ]
+        record.feed.counters.split_batches += 1
+        log.debug(
+            "feed %s: batch %d of epoch %d split into %d parts (%s)",
+            record.feed.name,
+            record.seq,
+            record.epoch,
+            len(ranges),
+            record.producer.lane.value,
+        )
+        return parts
 
 
 def waited_for(producer: Producer) -> bool:
