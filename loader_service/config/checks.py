@@ -11,7 +11,7 @@ from typing import Any
 
 import zmq.auth
 
-from loader_service.dataset.storage.urls import in_object_store
+from loader_service.dataset.storage.location import Location
 from loader_service.decode.contract import parse_spec
 from loader_service.decode.decoders import decoder_problem
 
@@ -56,9 +56,10 @@ def decoder(name: str, value: Any) -> str | None:
 def data_source(name: str, value: Any) -> str | None:
     if not str(value):
         return f"{name} is empty"
-    if in_object_store(value):
+    where = Location.of(value)  # NOTE [ One location ]
+    if where.in_store:
         return None  # the store is asked when the feed is indexed
-    path = Path(value).expanduser()
+    path = where.path.expanduser()
     if "{" in path.name:  # a brace pattern of shards: its folder must exist, the index checks the rest
         ok = path.parent.is_dir()
         return None if ok else f"{name}: the folder of {value} does not exist"

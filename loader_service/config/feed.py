@@ -11,7 +11,7 @@ from loader_service.config.checks import at_least, between
 from loader_service.config.option import option
 from loader_service.config.values import ByteSize, require
 from loader_service.dataset.index import FORMATS
-from loader_service.dataset.storage.urls import in_object_store
+from loader_service.dataset.storage.location import Location
 from loader_service.decode.contract import INTERPOLATIONS
 from loader_service.decode.decoders import antialias_problem
 from protocol.layout import FieldSpec
@@ -122,14 +122,20 @@ class FeedOptions:
 
 
 def resolve_data(data: str | Path) -> str:
-    """A local path made absolute (workers need not share our cwd); an object store URL as given."""
-    return str(data) if in_object_store(data) else str(Path(data).expanduser().resolve())
+    """A local path made absolute (workers need not share our cwd); an object store URL as given
+    (NOTE [ One location ])."""
+    return Location.of(data).absolute().text
+
+
+def absolute_path(path: str | Path) -> str:
+    """A path on this host made absolute: workers need not share our cwd."""
+    return str(Path(path).expanduser().resolve())
 
 
 def resolve_pipeline(spec: str) -> str:
     """A FILE.py:FUNC pipeline with its file made absolute: workers need not share our cwd."""
     module, _, func = spec.rpartition(":")
-    return f"{resolve_data(module)}:{func}" if module.endswith(".py") else spec
+    return f"{absolute_path(module)}:{func}" if module.endswith(".py") else spec
 
 
 def check_fields(config: FeedOptions, where: str) -> None:

@@ -34,6 +34,7 @@ from loader_service.config.feed import (
     AUTO_MOST_SLOTS,
     FIRST_SLOTS,
     FeedOptions,
+    absolute_path,
     check_fields,
     resolve_data,
     resolve_pipeline,
@@ -291,7 +292,7 @@ class ServiceConfig(FeedOptions):
             pipeline=resolve_pipeline(self.pipeline),
             log_level=self.log_level.upper(),
             extra_feeds=tuple(f.validated() for f in self.extra_feeds),
-            cache_dir=str(resolve_data(self.cache_dir)) if self.cache_dir else "",
+            cache_dir=absolute_path(self.cache_dir) if self.cache_dir else "",
         )
 
     @property

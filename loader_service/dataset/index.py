@@ -28,6 +28,7 @@ from loader_service.dataset.formats import FORMATS, detect_format, source
 from loader_service.dataset.formats.folder import EXTENSIONS
 from loader_service.dataset.source import Columns, IndexPart, Progress
 from loader_service.dataset.storage.cachedir import FetchCache, index_key
+from loader_service.dataset.storage.location import Location
 from loader_service.dataset.storage.storeconfig import StorageConfig
 from loader_service.dataset.tables import I64, DatasetError, StringTable
 
@@ -174,10 +175,10 @@ def _raw(arr: npt.NDArray[Any]) -> memoryview:
 
 
 def build_index(
-    data: str | Path,
+    data: str | Path | Location,
     format: str = "auto",
     progress: Progress | None = None,
-    storage: StorageConfig = LOCAL,
+    storage: StorageConfig | None = None,
     columns: Columns = ANY_COLUMNS,
 ) -> DatasetIndex:
     """Index ``data`` once. ``progress(found_so_far)`` is called every 10,000 samples.
@@ -186,8 +187,9 @@ def build_index(
     file, or a brace pattern such as ``dir/train-{000000..000127}.tar`` (``formats.SOURCES``); the
     same in an object store (``s3://bucket/shards/``), but an ImageFolder.
     """
-    kind = resolve_format(data, format, storage)
-    found = source(kind).scan(data, progress, storage, columns)
+    where = Location.of(data, storage)  # NOTE [ One location ]
+    kind = resolve_format(where, format)
+    found = source(kind).scan(where, progress, columns)
     return DatasetIndex(
         kind,
         found.root,
@@ -201,15 +203,21 @@ def build_index(
     )
 
 
-def resolve_format(data: str | Path, format: str, storage: StorageConfig = LOCAL) -> str:
-    """The format ``--format`` names, or the one ``data`` is (``auto``)."""
+def resolve_format(data: str | Path | Location, format: str, storage: StorageConfig | None = None) -> str:
+    """The format ``--format`` names, or the one ``data`` is (``auto``); DatasetError for a format
+    that cannot read from where ``data`` is."""
     if format not in FORMATS:
         raise DatasetError(f"format must be one of {', '.join(FORMATS)}, not {format!r}")
-    return detect_format(data, storage) if format == "auto" else format
+    where = Location.of(data, storage)
+    if format == "auto":
+        return detect_format(where)
+    if where.in_store and not source(format).in_store:
+        raise DatasetError(f"{where}: format {format} cannot be read from an object store")
+    return format
 
 
 def load_or_build(
-    data: str | Path,
+    data: str | Path | Location,
     format: str,
     progress: Progress | None,
     storage: StorageConfig,
@@ -217,10 +225,11 @@ def load_or_build(
 ) -> DatasetIndex:
     """The index saved in the cache folder for ``data`` as it is now, else ``build_index``'s, saved
     there for the next start (NOTE [ Saved indexes ]). No cache folder: ``build_index``."""
+    data = Location.of(data, storage)  # NOTE [ One location ]
     if not storage.cache_dir:
         return build_index(data, format, progress, storage, columns)
-    kind = resolve_format(data, format, storage)
-    inputs = source(kind).inputs(data, storage)
+    kind = resolve_format(data, format)
+    inputs = source(kind).inputs(data)
     if inputs is None:  # nothing to tell a change by (an object without an ETag): scan every start
         return build_index(data, kind, progress, storage, columns)
     cache = FetchCache(storage.cache_dir, storage.cache_size)

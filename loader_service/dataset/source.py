@@ -16,6 +16,8 @@ from typing import Any, NamedTuple, Protocol
 
 import numpy.typing as npt
 
+from loader_service.dataset.storage.location import Location
+from loader_service.dataset.storage.objectstore import Heard
 from loader_service.dataset.storage.storeconfig import StorageConfig
 from loader_service.dataset.tables import I64, StringTable
 
@@ -128,13 +130,12 @@ class Source(Protocol):
         pattern, "folder" a prefix holding them too."""
         ...
 
-    def scan(
-        self, data: str | Path, progress: Progress | None, storage: StorageConfig, columns: Columns
-    ) -> Scanned:
-        """Index the data once; ``DatasetError`` naming what is wrong."""
+    def scan(self, data: Location, progress: Progress | None, columns: Columns) -> Scanned:
+        """Index the data once; ``DatasetError`` naming what is wrong. ``data`` is in a store only
+        if ``in_store`` says this format may read one (NOTE [ One location ])."""
         ...
 
-    def inputs(self, data: str | Path, storage: StorageConfig) -> Any:
+    def inputs(self, data: Location) -> Any:
         """What identifies the data's present state, cheaply taken (sizes and mtimes, ETags), as JSON:
         an equal value lets a saved index be used instead of a scan (NOTE [ Saved indexes ]); None if
         the state cannot be told (an object without an ETag), so the index is not saved."""
@@ -152,6 +153,7 @@ class Source(Protocol):
         """The file that holds sample ``i``."""
         ...
 
-    def reader(self, index: Indexed, max_bytes: int, storage: StorageConfig) -> Reader:
-        """A reader of ``index``'s samples, refusing any over ``max_bytes``."""
+    def reader(self, index: Indexed, max_bytes: int, storage: StorageConfig, heard: Heard | None) -> Reader:
+        """A reader of ``index``'s samples, refusing any over ``max_bytes``; ``heard`` is told of each
+        answer of a store to its reads (``files.open_files``)."""
         ...

@@ -11,15 +11,20 @@ from collections.abc import Sequence
 from loader_service.dataset.formats import source
 from loader_service.dataset.index import LOCAL, DatasetIndex
 from loader_service.dataset.source import Metadata
+from loader_service.dataset.storage.objectstore import Heard
 from loader_service.dataset.storage.storeconfig import StorageConfig
 from loader_service.dataset.tables import DecodeError
 
 
 class SampleReader:
-    def __init__(self, index: DatasetIndex, max_bytes: int, storage: StorageConfig = LOCAL) -> None:
+    def __init__(
+        self, index: DatasetIndex, max_bytes: int, storage: StorageConfig = LOCAL, heard: Heard | None = None
+    ) -> None:
+        """``heard``: told of each answer of the data's store to this reader's reads (a decode
+        worker's progress page, NOTE [ Waiting on the store ])."""
         self.index = index
         self.max_bytes = max_bytes
-        self._reader = source(index.kind).reader(index, max_bytes, storage)
+        self._reader = source(index.kind).reader(index, max_bytes, storage, heard)
 
     def prefetch(self, indices: Sequence[int]) -> None:
         """Fetch the images of ``indices`` from an object store at once (NOTE [ Object store reads ]);

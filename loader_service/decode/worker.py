@@ -26,7 +26,7 @@ import zmq
 
 from loader_service.dataset.index import DatasetIndex
 from loader_service.dataset.sampler import sample_rng
-from loader_service.dataset.storage.objectstore import on_answer
+from loader_service.dataset.storage.objectstore import Heard
 from loader_service.dataset.storage.storeerrors import StoreUnavailable
 from loader_service.dataset.tables import DecodeError
 from loader_service.decode.cache import CacheKind, SampleCache
@@ -208,8 +208,10 @@ def run_worker(cfg: WorkerConfig) -> None:
     # Ctrl-C reaches the whole process group; the service decides when workers stop.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     cv2.setNumThreads(1)  # and for a pipeline, torch and BLAS too (pipeline.single_threaded)
+    board = ProgressBoard(Path(cfg.progress), cfg.workers) if cfg.progress else None
+    heard = functools.partial(board.answered, cfg.worker) if board is not None else None
     try:
-        feeds = _open_feeds(cfg)
+        feeds = _open_feeds(cfg, heard)
     except Exception as exc:
         log.error("cannot start: %s: %s", type(exc).__name__, exc)
         sys.exit(WORKER_BOOT_ERROR)
@@ -219,21 +221,23 @@ def run_worker(cfg: WorkerConfig) -> None:
     try:
         sock.connect(cfg.backend)
         sock.send(encode(WorkerReady(cfg.worker, os.getpid())))
-        _serve(cfg, feeds, sock)
+        _serve_tasks(cfg, feeds, sock, board)
     finally:
         sock.close(linger=0)
         ctx.term()
         for feed in feeds:
             feed.close()
+        if board is not None:
+            board.close()
 
 
-def _open_feeds(cfg: WorkerConfig) -> list[OpenFeed]:
+def _open_feeds(cfg: WorkerConfig, heard: Heard | None) -> list[OpenFeed]:
     if os.environ.get(FAULT_ENV) == "worker-boot":
         raise RuntimeError(f"fault injected by {FAULT_ENV}")
     opened: list[OpenFeed] = []
     try:
         for f in cfg.feeds:
-            opened.append(open_feed(f, cfg.roi, cfg.worker))
+            opened.append(open_feed(f, cfg.roi, cfg.worker, heard))
     except BaseException:
         for feed in opened:
             feed.close()
@@ -241,8 +245,9 @@ def _open_feeds(cfg: WorkerConfig) -> list[OpenFeed]:
     return opened
 
 
-def open_feed(spec: WorkerFeed, roi: bool = False, worker: int = 0) -> OpenFeed:
-    """Map the feed's index, slot pool and cache, and import its pipeline (PipelineError if that fails)."""
+def open_feed(spec: WorkerFeed, roi: bool = False, worker: int = 0, heard: Heard | None = None) -> OpenFeed:
+    """Map the feed's index, slot pool and cache, and import its pipeline (PipelineError if that
+    fails); ``heard`` is told of each answer of the data's store (the worker's progress page)."""
     pipeline = load_pipeline(spec.pipeline) if spec.pipeline else None
     # A cache of decoded images gives full-decode pixels, so every other sample must too.
     decoded = spec.cache is not None and spec.cache.kind is CacheKind.DECODED
@@ -257,7 +262,7 @@ def open_feed(spec: WorkerFeed, roi: bool = False, worker: int = 0) -> OpenFeed:
     except BaseException:
         segment.close()
         raise
-    reader = SampleReader(index, spec.max_file_bytes, spec.storage)
+    reader = SampleReader(index, spec.max_file_bytes, spec.storage, heard)
     return OpenFeed(spec, index, reader, segment, pipeline, recipe, cache)
 
 
@@ -270,22 +275,12 @@ def check_builtin_layout(layout: SlotLayout) -> None:
         raise ValueError(f"the built-in transforms fill image uint8[3, S, S] and label int64[], not {found}")
 
 
-def _serve(cfg: WorkerConfig, feeds: list[OpenFeed], sock: zmq.Socket[bytes]) -> None:
-    board = ProgressBoard(Path(cfg.progress), cfg.workers) if cfg.progress else None
-    try:
-        _serve_tasks(cfg, feeds, sock, board)
-    finally:
-        if board is not None:
-            board.close()
-
-
 def _serve_tasks(
     cfg: WorkerConfig, feeds: list[OpenFeed], sock: zmq.Socket[bytes], board: ProgressBoard | None
 ) -> None:
     progress: Progress | None = None
     if board is not None:
         progress = functools.partial(board.finished, cfg.worker)
-        on_answer(functools.partial(board.answered, cfg.worker))
     while True:
         if not sock.poll(POLL_MS):
             if process_start(cfg.parent_pid) != cfg.parent_start:

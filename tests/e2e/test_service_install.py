@@ -14,8 +14,21 @@ from gpu_worker import ServiceLoader
 from tests.helpers import REPO, ServiceProcess
 
 pytestmark = pytest.mark.e2e
-SOURCES = ("pyproject.toml", "README.md", "protocol", "curvekeys", "loader_service", "gpu_worker")
-"""What an install reads, as the service image copies it: never the checkout's venv or caches."""
+DOCKERFILE = REPO / "deploy" / "kubernetes" / "Dockerfile"
+
+
+def image_sources() -> tuple[str, ...]:
+    """What the service image's build stage copies from the checkout (its ``COPY`` lines, not those
+    ``--from`` another stage): the install here reads exactly that, never the venv or caches."""
+    names: list[str] = []
+    for line in DOCKERFILE.read_text().splitlines():
+        words = line.split()
+        if words[:1] == ["COPY"] and not words[1].startswith("--"):
+            names += [word.rstrip("/") for word in words[1:-1]]
+    return tuple(names)
+
+
+SOURCES = image_sources()
 INSTALL_TIMEOUT = 600
 
 

@@ -24,7 +24,7 @@ from loader_service.dataset.storage.files import open_files
 from loader_service.dataset.storage.objectstore import Bucket
 from loader_service.dataset.storage.storeconfig import StorageConfig
 from loader_service.dataset.storage.storeerrors import StorageError
-from loader_service.dataset.tables import DecodeError
+from loader_service.dataset.tables import DatasetError, DecodeError
 from loader_service.decode.reading import SampleReader
 from testkit.counting import counted_store_reads
 from testkit.netfaults import FaultProxy
@@ -270,6 +270,38 @@ def test_a_shard_replaced_after_indexing_is_never_read_as_the_indexed_one(
         reader.image_bytes(0)
     assert reader.image_bytes(16) == SampleReader(build_index(photo_sources["tar"]), 1 << 28).image_bytes(16)
     reader.close()
+
+
+def test_a_readers_store_answers_reach_whoever_it_was_given_and_nobody_else(
+    s3_server: S3Server, photo_sources: dict[str, Path], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """NOTE [ Waiting on the store ]: a decode worker's progress page hears of every answer of the
+    store to its reader's reads (the headers, then the bytes), through the reader it built; a second
+    reader in the same process, given no listener, tells it nothing."""
+    for name, value in s3_server.env().items():
+        monkeypatch.setenv(name, value)
+    s3_server.upload_tree(photo_sources["tar"], "heard")
+    index = build_index(f"s3://{s3_server.bucket}/heard/")
+    answers: list[int] = []
+    listened = SampleReader(index, 1 << 28, StorageConfig(), heard=lambda: answers.append(1))
+    silent = SampleReader(index, 1 << 28, StorageConfig())
+    try:
+        assert silent.image_bytes(3) and answers == []
+        assert listened.image_bytes(3) == silent.image_bytes(3)
+        assert len(answers) >= 2, "the answer's headers and its bytes"
+        before = len(answers)
+        silent.image_bytes(5)
+        assert len(answers) == before
+    finally:
+        listened.close()
+        silent.close()
+
+
+def test_a_format_that_cannot_read_a_store_says_so_for_a_store_url(s3_server: S3Server) -> None:
+    """NOTE [ One location ]: --format imagefolder with an s3:// URL is refused by name, not taken
+    for a local path that does not exist."""
+    with pytest.raises(DatasetError, match="imagefolder cannot be read from an object store"):
+        build_index(f"s3://{s3_server.bucket}/anything/", "imagefolder")
 
 
 def test_an_object_over_max_file_bytes_is_refused_having_read_little_of_it(

@@ -19,6 +19,8 @@ from loader_service.dataset.index import (
     build_index,
     detect_format,
 )
+from loader_service.dataset.storage.location import Location
+from loader_service.dataset.storage.storeconfig import StorageConfig
 from loader_service.dataset.tables import ListMetadata
 
 
@@ -241,3 +243,17 @@ def test_fingerprints_follow_order_and_labels_not_the_data_folder(tmp_path: Path
     write_tar(tmp_path / "1.tar", [("k.jpg", b"x"), ("k.cls", b"1")])
     write_tar(tmp_path / "2.tar", [("k.jpg", b"x"), ("k.cls", b"2")])
     assert build_index(tmp_path / "1.tar").fingerprint() != build_index(tmp_path / "2.tar").fingerprint()
+
+
+def test_where_data_is_is_told_once_from_its_text(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """NOTE [ One location ]: a store's URL (any case of its scheme) is in the store and kept as
+    given; anything else is a local path, made absolute against the cwd of whoever tells."""
+    for url in ("s3://bucket/shards/", "GS://bucket/x.tar", "az://container/list.csv"):
+        where = Location.of(url)
+        assert where.in_store and where.absolute() == where and str(where) == url
+    monkeypatch.chdir(tmp_path)
+    local = Location.of("data/train-{0..3}.tar")
+    assert not local.in_store and local.path == Path("data/train-{0..3}.tar")
+    assert local.absolute().text == str(tmp_path / "data" / "train-{0..3}.tar")
+    options = StorageConfig(options=(("allow_http", "true"),))
+    assert Location.of(local, options).storage == options and Location.of(local) is local

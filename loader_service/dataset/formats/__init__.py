@@ -10,9 +10,10 @@ from loader_service.dataset.formats import filelist, folder
 from loader_service.dataset.formats.parquet import source as parquet_source
 from loader_service.dataset.formats.tar import source as tar_source
 from loader_service.dataset.source import Source
+from loader_service.dataset.storage.location import Location
 from loader_service.dataset.storage.objectstore import SCAN_DEADLINE, Bucket
 from loader_service.dataset.storage.storeconfig import StorageConfig
-from loader_service.dataset.storage.urls import in_object_store, split_url
+from loader_service.dataset.storage.urls import split_url
 from loader_service.dataset.tables import DatasetError
 
 SOURCES: dict[str, Source] = {
@@ -33,15 +34,17 @@ def source(name: str) -> Source:
     return found
 
 
-def detect_format(data: str | Path, storage: StorageConfig | None = None) -> str:
+def detect_format(data: str | Path | Location) -> str:
     """The format ``data`` is, from what it is; DatasetError if that is unclear.
 
     A folder is claimed by the formats that recognise its contents (more than one is unclear; none:
-    an ImageFolder); an existing file by its name; a path that does not exist by a pattern it is.
+    an ImageFolder); an existing file by its name; a path that does not exist by a pattern it is; a
+    store's URL by the name it gives, else by the objects under it.
     """
-    text = str(data)
-    if in_object_store(text):
-        return _remote_format(text, storage or StorageConfig())
+    where = Location.of(data)
+    if where.in_store:
+        return _store_format(where.text, where.storage)
+    text = where.text
     if os.path.isdir(text):
         return _one_of([s for s in SOURCES.values() if s.claims_folder(Path(text))], text)
     if os.path.exists(text):
@@ -56,7 +59,7 @@ def detect_format(data: str | Path, storage: StorageConfig | None = None) -> str
     raise DatasetError(f"data {text} does not exist")
 
 
-def _remote_format(url: str, storage: StorageConfig) -> str:
+def _store_format(url: str, storage: StorageConfig) -> str:
     """An object store URL's format: by the name or pattern it gives, else (a prefix) by the names of
     the objects directly under it, as a local folder's files tell."""
     readable = [s for s in SOURCES.values() if s.in_store]

@@ -37,6 +37,8 @@ from loader_service.dataset.source import (
 from loader_service.dataset.storage.files import open_files
 from loader_service.dataset.storage.listing import list_file
 from loader_service.dataset.storage.local import Files
+from loader_service.dataset.storage.location import Location
+from loader_service.dataset.storage.objectstore import Heard
 from loader_service.dataset.storage.storeconfig import StorageConfig
 from loader_service.dataset.tables import (
     I64,
@@ -235,12 +237,10 @@ class ListSource(FilePerSample):
     def claims_pattern(self, text: str) -> bool:
         return False
 
-    def scan(
-        self, data: str | Path, progress: Progress | None, storage: StorageConfig, columns: Columns
-    ) -> Scanned:
+    def scan(self, data: Location, progress: Progress | None, columns: Columns) -> Scanned:
         """The list, local or in a store (fetched whole first: its rows name the files relative to
         its folder, or by full URL)."""
-        listing = list_file(data, storage, _the_file)
+        listing = list_file(data, _the_file)
         name = listing.names[0]
         size = listing.size(name)
         if size is not None and size > MAX_LIST_BYTES:
@@ -252,10 +252,10 @@ class ListSource(FilePerSample):
             found = scan_list(path, progress, shown=listing.where(name))
         return Scanned(listing.root, (), found.labels, found.paths, found.metadata, url=listing.url)
 
-    def inputs(self, data: str | Path, storage: StorageConfig) -> Any:
+    def inputs(self, data: Location) -> Any:
         """The list file's size and ETag (object store) or mtime; the listed files are not looked at,
         as the scan does not look at them."""
-        return list_file(data, storage, _the_file).stamps()
+        return list_file(data, _the_file).stamps()
 
     def load_part(self, described: Mapping[str, Any], mapped: Mapped) -> IndexPart | None:
         facts = described.get("metadata")
@@ -264,13 +264,14 @@ class ListSource(FilePerSample):
         values = StringTable(mapped("metadata_offsets"), mapped("metadata_blob"))
         return ListMetadata(facts["style"], tuple(facts["columns"]), values)
 
-    def reader(self, index: Indexed, max_bytes: int, storage: StorageConfig) -> ListReader:
+    def reader(
+        self, index: Indexed, max_bytes: int, storage: StorageConfig, heard: Heard | None
+    ) -> ListReader:
         metadata = index.part if isinstance(index.part, ListMetadata) else None
-        return ListReader(open_files(index, storage, max_bytes), index.names, max_bytes, metadata)
+        return ListReader(open_files(index, storage, max_bytes, heard), index.names, max_bytes, metadata)
 
 
-def _the_file(data: str | Path) -> tuple[Path, tuple[str, ...]]:
-    path = Path(data)
+def _the_file(path: Path) -> tuple[Path, tuple[str, ...]]:
     if not path.is_file():
         raise DatasetError(f"list file {path} does not exist or is not a file")
     return path.parent, (path.name,)

@@ -27,7 +27,7 @@ from loader_service.dataset.tables import (
 )
 
 if TYPE_CHECKING:
-    from loader_service.dataset.storage.storeconfig import StorageConfig
+    from loader_service.dataset.storage.location import Location
 
 EXTENSIONS = (".jpg", ".jpeg", ".png", ".bmp", ".webp", ".tif", ".tiff")
 
@@ -117,18 +117,16 @@ class FolderSource(FilePerSample):
     def claims_pattern(self, text: str) -> bool:
         return False
 
-    def scan(
-        self, data: str | Path, progress: Progress | None, storage: StorageConfig, columns: Columns
-    ) -> Scanned:
-        root = Path(data)
+    def scan(self, data: Location, progress: Progress | None, columns: Columns) -> Scanned:
+        root = data.path
         found = scan_folder(root, progress)
         return Scanned(root, found.classes, found.labels, found.paths)
 
-    def inputs(self, data: str | Path, storage: StorageConfig) -> Any:
+    def inputs(self, data: Location) -> Any:
         """Every folder's mtime: adding, removing or renaming a file changes its folder's."""
         return [
-            [os.path.relpath(folder, data), os.stat(folder).st_mtime_ns]
-            for folder, _, _ in os.walk(data, followlinks=True)
+            [os.path.relpath(folder, data.path), os.stat(folder).st_mtime_ns]
+            for folder, _, _ in os.walk(data.path, followlinks=True)
         ]
 
     def load_part(self, described: Mapping[str, Any], mapped: Mapped) -> IndexPart | None:

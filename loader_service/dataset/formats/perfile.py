@@ -9,6 +9,7 @@ from pathlib import Path
 from loader_service.dataset.source import Indexed, Metadata
 from loader_service.dataset.storage.files import open_files
 from loader_service.dataset.storage.local import Files
+from loader_service.dataset.storage.objectstore import Heard
 from loader_service.dataset.storage.storeconfig import StorageConfig
 from loader_service.dataset.tables import StringTable
 
@@ -43,5 +44,7 @@ class FilePerSample:
     def path(self, index: Indexed, i: int) -> Path:
         return index.root / index.names.text(i)
 
-    def reader(self, index: Indexed, max_bytes: int, storage: StorageConfig) -> SampleFiles:
-        return SampleFiles(open_files(index, storage, max_bytes), index.names, max_bytes)
+    def reader(
+        self, index: Indexed, max_bytes: int, storage: StorageConfig, heard: Heard | None
+    ) -> SampleFiles:
+        return SampleFiles(open_files(index, storage, max_bytes, heard), index.names, max_bytes)

@@ -2,7 +2,8 @@
 
 NOTE [ One storage ]
     A format says what its data looks like (a suffix, how a local folder is listed) and what to do
-    with each file; it never asks where the files are. ``list_files`` answers with a ``Listing``:
+    with each file; it never asks where the files are. Given the data's ``Location`` (NOTE [ One
+    location ]), ``list_files`` answers with a ``Listing``:
     local files under a root, or objects under a store's folder URL, behind one interface that
     names the files in order, stamps their present state for a saved index (size and mtime, or
     size and ETag: NOTE [ Saved indexes ]), gives each as a local file for a scan that reads it
@@ -19,9 +20,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Protocol
 
+from loader_service.dataset.storage.location import Location
 from loader_service.dataset.storage.objectfolder import store_object, store_objects
-from loader_service.dataset.storage.storeconfig import StorageConfig
-from loader_service.dataset.storage.urls import in_object_store
 
 Stamps = list[list[Any]] | None
 """Each file's name and present state, as JSON; None when a state cannot be told (an object
@@ -112,27 +112,21 @@ def _size_and_mtime(path: Path) -> tuple[int, int] | tuple[None, None]:
 
 
 def list_files(
-    data: str | Path,
-    storage: StorageConfig,
-    suffix: str,
-    what: str,
-    local: Callable[[str | Path], tuple[Path, tuple[str, ...]]],
+    data: Location, suffix: str, what: str, local: Callable[[Path], tuple[Path, tuple[str, ...]]]
 ) -> Listing:
     """The files ``data`` names: a store's ``suffix`` objects (one, a brace pattern of them, or
     those directly under a prefix), or what ``local`` lists on this host; ``what`` they are, for
     messages."""
-    if in_object_store(data):
-        return store_objects(str(data), storage, suffix, what)
-    root, names = local(data)
+    if data.in_store:
+        return store_objects(data.text, data.storage, suffix, what)
+    root, names = local(data.path)
     return LocalListing(root, names)
 
 
-def list_file(
-    data: str | Path, storage: StorageConfig, local: Callable[[str | Path], tuple[Path, tuple[str, ...]]]
-) -> Listing:
+def list_file(data: Location, local: Callable[[Path], tuple[Path, tuple[str, ...]]]) -> Listing:
     """The one file ``data`` names: the store's object of that key, or what ``local`` checks on this
     host (a format whose data is a single file, such as a list)."""
-    if in_object_store(data):
-        return store_object(str(data), storage)
-    root, names = local(data)
+    if data.in_store:
+        return store_object(data.text, data.storage)
+    root, names = local(data.path)
     return LocalListing(root, names)

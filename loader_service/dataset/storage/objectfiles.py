@@ -40,7 +40,7 @@ from typing import TypeVar
 
 from loader_service.dataset.storage.cachedir import FetchCache
 from loader_service.dataset.storage.local import LocalFiles, Want
-from loader_service.dataset.storage.objectstore import Bucket
+from loader_service.dataset.storage.objectstore import Bucket, Heard
 from loader_service.dataset.storage.storeconfig import StorageConfig
 from loader_service.dataset.storage.storeerrors import StoreUnavailable, sample_error
 from loader_service.dataset.storage.urls import join_url, split_url
@@ -161,9 +161,15 @@ class ObjectFiles:
     cache folder."""
 
     def __init__(
-        self, root: str, storage: StorageConfig, versions: Mapping[str, tuple[int, str]], max_bytes: int
+        self,
+        root: str,
+        storage: StorageConfig,
+        versions: Mapping[str, tuple[int, str]],
+        max_bytes: int,
+        heard: Heard | None = None,
     ) -> None:
         self.root = root
+        self._heard = heard
         self.max_bytes = max_bytes
         self.storage = storage
         self.versions = versions
@@ -335,5 +341,6 @@ class ObjectFiles:
         base, _ = split_url(url)
         bucket = self._buckets.get(base)
         if bucket is None:
-            bucket = self._buckets[base] = Bucket(base, self.storage, self.storage.read_deadline)
+            bucket = Bucket(base, self.storage, self.storage.read_deadline, self._heard)
+            self._buckets[base] = bucket
         return bucket

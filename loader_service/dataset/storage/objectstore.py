@@ -49,21 +49,14 @@ READ_CHUNK = 256 << 10
 
 Admit = Callable[[int], Awaitable[None]]
 """Asked before a read holds this many bytes; raises to drop the read unread (``Bucket.read``)."""
-_LISTENERS: list[Callable[[], None]] = []
-"""Called at every answer of the store to this process's reads (``on_answer``)."""
+Heard = Callable[[], None]
+"""Called each time the store answers one of a bucket's reads: a request's headers, and each chunk
+of a streamed object. A decode worker counts them on its progress page (NOTE [ Waiting on the
+store ] in decode/progress.py): waiting on a store that answers is not a hang."""
 
 
-def on_answer(callback: Callable[[], None]) -> None:
-    """Call ``callback`` in this process each time the store answers one of its reads: a request's
-    headers, and each chunk of a streamed object. A decode worker counts them on its progress page
-    (NOTE [ Waiting on the store ] in decode/progress.py): waiting on a store that answers is not
-    a hang."""
-    _LISTENERS[:] = [callback]
-
-
-def _heard() -> None:
-    for callback in _LISTENERS:
-        callback()
+def _nobody() -> None:
+    pass
 
 
 @dataclass(frozen=True)
@@ -87,8 +80,9 @@ def _obstore() -> Any:
 class Bucket:
     """One bucket (container) of an object store, with retries bounded by ``deadline`` seconds."""
 
-    def __init__(self, url: str, storage: StorageConfig, deadline: float) -> None:
+    def __init__(self, url: str, storage: StorageConfig, deadline: float, heard: Heard | None = None) -> None:
         self.url, _ = split_url(url)
+        self._heard = heard or _nobody
         self._obs = _obstore()
         self.store = _open_store(self._obs, self.url, storage, deadline)
 
@@ -158,17 +152,17 @@ class Bucket:
             if admit is not None:
                 await admit(size)
         got = await self._obs.get_async(self.store, key, options=options)
-        _heard()
+        self._heard()
         if size >= 0:
             data = bytes(await got.bytes_async())
-            _heard()
+            self._heard()
             return data
         stated = int(got.meta["size"])
         if stated > limit:  # refused on the answer's word, its body unread
             raise DecodeError(f"object of {stated} bytes is over --max-file-bytes {limit}")
         if admit is not None:
             await admit(stated)
-        return await _body(got, stated)
+        return await _body(got, stated, self._heard)
 
     def start_error(self, exc: Exception, key: str) -> DatasetError:
         """What an error met at start says: StorageError (exit 2) naming the bucket and the cause."""
@@ -189,11 +183,11 @@ class Bucket:
         return StorageError(f"{where}: {first_line(exc)}")
 
 
-async def _body(got: Any, stated: int) -> bytes:
+async def _body(got: Any, stated: int, heard: Heard) -> bytes:
     """A whole object's body, never more than the ``stated`` size it was admitted at."""
     parts, total = [], 0
     async for chunk in got.stream(min_chunk_size=READ_CHUNK):
-        _heard()
+        heard()
         parts.append(bytes(chunk))
         total += len(parts[-1])
         if total > stated:

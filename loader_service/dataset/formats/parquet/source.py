@@ -40,6 +40,8 @@ from loader_service.dataset.source import (
 )
 from loader_service.dataset.storage.files import open_files
 from loader_service.dataset.storage.listing import list_files
+from loader_service.dataset.storage.location import Location
+from loader_service.dataset.storage.objectstore import Heard
 from loader_service.dataset.storage.patterns import expand_braces, is_brace_pattern
 from loader_service.dataset.storage.storeconfig import StorageConfig
 from loader_service.dataset.tables import (
@@ -92,18 +94,16 @@ class ParquetSource:
     def claims_pattern(self, text: str) -> bool:
         return is_brace_pattern(text) and text.endswith(SUFFIX)
 
-    def scan(
-        self, data: str | Path, progress: Progress | None, storage: StorageConfig, columns: Columns
-    ) -> Scanned:
-        listing = list_files(data, storage, SUFFIX, "Parquet files", local_files)
+    def scan(self, data: Location, progress: Progress | None, columns: Columns) -> Scanned:
+        listing = list_files(data, SUFFIX, "Parquet files", local_files)
         found = ParquetScan(columns, progress)
         with contextlib.closing(listing.sources()) as sources:  # a failed scan's fetched files go now
             for k, (name, source) in enumerate(sources):
                 found.add(k, name, source, listing.where(name))
         return found.scanned(listing.names, listing.root, listing.url, listing.versions())
 
-    def inputs(self, data: str | Path, storage: StorageConfig) -> Any:
-        return list_files(data, storage, SUFFIX, "Parquet files", local_files).stamps()
+    def inputs(self, data: Location) -> Any:
+        return list_files(data, SUFFIX, "Parquet files", local_files).stamps()
 
     def load_part(self, described: Mapping[str, Any], mapped: Mapped) -> IndexPart | None:
         facts = described["parquet"]
@@ -135,8 +135,12 @@ class ParquetSource:
         rows = _rows(index)
         return index.root / rows.files[int(rows.group_file[int(rows.sample_group[i])])]
 
-    def reader(self, index: Indexed, max_bytes: int, storage: StorageConfig) -> ParquetReader:
-        return ParquetReader(open_files(index, storage, max_bytes), _rows(index), max_bytes, exact=True)
+    def reader(
+        self, index: Indexed, max_bytes: int, storage: StorageConfig, heard: Heard | None
+    ) -> ParquetReader:
+        return ParquetReader(
+            open_files(index, storage, max_bytes, heard), _rows(index), max_bytes, exact=True
+        )
 
 
 def _rows(index: Indexed) -> ParquetRows:

@@ -22,6 +22,8 @@ from loader_service.dataset.source import (
 )
 from loader_service.dataset.storage.files import open_files
 from loader_service.dataset.storage.listing import list_files
+from loader_service.dataset.storage.location import Location
+from loader_service.dataset.storage.objectstore import Heard
 from loader_service.dataset.storage.patterns import COMPRESSED_SUFFIXES, TAR_SUFFIX, is_brace_pattern
 from loader_service.dataset.storage.storeconfig import StorageConfig
 from loader_service.dataset.tables import (
@@ -46,18 +48,16 @@ class TarSource:
     def claims_pattern(self, text: str) -> bool:
         return is_brace_pattern(text)
 
-    def scan(
-        self, data: str | Path, progress: Progress | None, storage: StorageConfig, columns: Columns
-    ) -> Scanned:
-        listing = list_files(data, storage, TAR_SUFFIX, "shards", list_shards)
+    def scan(self, data: Location, progress: Progress | None, columns: Columns) -> Scanned:
+        listing = list_files(data, TAR_SUFFIX, "shards", list_shards)
         with contextlib.closing(listing.local_copies()) as copies:  # a failed scan's files go now
             found = scan_files(copies, listing.names, listing.folder, progress)
         flaws, url, versions = found.flaws, listing.url, listing.versions()
         return Scanned(listing.root, (), found.labels, found.keys, found.members, flaws, url, versions)
 
-    def inputs(self, data: str | Path, storage: StorageConfig) -> Any:
+    def inputs(self, data: Location) -> Any:
         """Each shard's name, size and ETag (object store) or mtime (local disk)."""
-        return list_files(data, storage, TAR_SUFFIX, "shards", list_shards).stamps()
+        return list_files(data, TAR_SUFFIX, "shards", list_shards).stamps()
 
     def load_part(self, described: Mapping[str, Any], mapped: Mapped) -> IndexPart | None:
         facts = described["tar"]
@@ -77,8 +77,12 @@ class TarSource:
     def path(self, index: Indexed, i: int) -> Path:
         return index.root / _members(index).shards[int(_members(index).sample_shard[i])]
 
-    def reader(self, index: Indexed, max_bytes: int, storage: StorageConfig) -> TarReader:
-        return TarReader(open_files(index, storage, max_bytes), index.names, _members(index), max_bytes)
+    def reader(
+        self, index: Indexed, max_bytes: int, storage: StorageConfig, heard: Heard | None
+    ) -> TarReader:
+        return TarReader(
+            open_files(index, storage, max_bytes, heard), index.names, _members(index), max_bytes
+        )
 
 
 def _members(index: Indexed) -> TarMembers:
