@@ -27,6 +27,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from functools import lru_cache
 from math import isqrt
+from typing import Protocol
 
 import numpy as np
 import numpy.typing as npt
@@ -98,6 +99,15 @@ def epoch_permutation(seed: int, epoch: int, samples: int) -> npt.NDArray[np.int
     return perm
 
 
+class Order(Protocol):
+    """An epoch's order by position: ``EpochOrder``, or a mixture's (``mixture.MixtureEpoch``)."""
+
+    @property
+    def samples(self) -> int: ...
+
+    def at(self, positions: npt.NDArray[np.int64]) -> npt.NDArray[np.int64]: ...
+
+
 @dataclass(frozen=True)
 class ShardOrder:
     """Rank ``rank``'s samples of an epoch, in order: every ``world_size``-th of the epoch order.
@@ -108,7 +118,7 @@ class ShardOrder:
     each batch is computed when it is planned.
     """
 
-    epoch: EpochOrder
+    epoch: Order
     rank: int
     world_size: int
     size: int
