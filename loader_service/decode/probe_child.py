@@ -14,7 +14,7 @@ from typing import Any
 import numpy as np
 import numpy.typing as npt
 
-from loader_service.dataset.index import DatasetIndex
+from loader_service.dataset.sources import FeedSources
 from loader_service.dataset.storage.storeconfig import StorageConfig
 from loader_service.dataset.storage.storeerrors import StoreUnavailable
 from loader_service.dataset.tables import DecodeError
@@ -30,7 +30,7 @@ from loader_service.decode.pipeline import (
     user_traceback,
 )
 from loader_service.decode.probe import PROBE_SAMPLES
-from loader_service.decode.reading import SampleReader
+from loader_service.decode.reading import FeedReader
 from loader_service.decode.sample import Sample
 from protocol.layout import SlotLayout
 
@@ -42,10 +42,10 @@ def probe(request: Mapping[str, Any]) -> dict[str, Any]:
         fn = load_pipeline(spec)
     except PipelineError as exc:
         return {"error": str(exc)}
-    index = DatasetIndex.load(Path(request["index_dir"]))
+    index = FeedSources.load(Path(request["index_dir"]))
     options, cache_dir, cache_size, deadline = request.get("storage") or [[], "", 0, 10.0]
     storage = StorageConfig(tuple((str(k), str(v)) for k, v in options), cache_dir, cache_size, deadline)
-    reader = SampleReader(index, int(request["max_file_bytes"]), storage)
+    reader = FeedReader(index, int(request["max_file_bytes"]), storage)
     try:
         found = _probe_samples(spec, fn, index, reader, int(request["seed"]))
         if request.get("deterministic") and "fields" in found:
@@ -56,7 +56,7 @@ def probe(request: Mapping[str, Any]) -> dict[str, Any]:
 
 
 def _probe_samples(
-    spec: str, fn: Pipeline, index: DatasetIndex, reader: SampleReader, seed: int
+    spec: str, fn: Pipeline, index: FeedSources, reader: FeedReader, seed: int
 ) -> dict[str, Any]:
     if len(index) == 0:
         return {"error": f"pipeline {spec}: the dataset has no samples to run it on"}
@@ -86,7 +86,7 @@ def _probe_samples(
 
 
 def _same_every_epoch(
-    spec: str, fn: Pipeline, index: DatasetIndex, reader: SampleReader, seed: int
+    spec: str, fn: Pipeline, index: FeedSources, reader: FeedReader, seed: int
 ) -> dict[str, Any]:
     """A pipeline declared deterministic whose first good sample differs between epochs 0 and 1:
     an error, since its cache would freeze one epoch's random augmentation for all."""

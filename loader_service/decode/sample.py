@@ -11,8 +11,9 @@ import numpy as np
 import numpy.typing as npt
 
 from loader_service.dataset.index import DatasetIndex
+from loader_service.dataset.sources import FeedSources
 from loader_service.decode.cache import SampleCache
-from loader_service.decode.reading import SampleReader
+from loader_service.decode.reading import FeedReader, SampleReader
 from loader_service.decode.transforms import decode_bytes
 
 Pipeline = Callable[["Sample", np.random.Generator], object]
@@ -28,14 +29,19 @@ class Sample(Mapping[str, Any]):
 
     ``image`` (RGB HWC uint8, EXIF orientation applied, the pixel limit enforced: ``decode_bytes``),
     ``bytes`` (the raw image file), ``label`` (int, -1 without one), ``index``, ``epoch``, ``path``
-    (``DatasetIndex.relpath``), then the sample's metadata by name. ``"image" in sample`` and
+    (``FeedSources.relpath``), then the sample's metadata by name. ``"image" in sample`` and
     iterating the keys load nothing; a pipeline that never reads ``image`` never decodes. With a
     ``cache`` of decoded images (NOTE [ Sample cache ]), ``image`` is a copy of the cached one, or is
     stored there once decoded.
     """
 
     def __init__(
-        self, reader: SampleReader, index: DatasetIndex, i: int, epoch: int, cache: SampleCache | None = None
+        self,
+        reader: SampleReader | FeedReader,
+        index: DatasetIndex | FeedSources,
+        i: int,
+        epoch: int,
+        cache: SampleCache | None = None,
     ) -> None:
         self._reader = reader
         self._cache = cache

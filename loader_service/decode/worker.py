@@ -24,8 +24,8 @@ import numpy as np
 import numpy.typing as npt
 import zmq
 
-from loader_service.dataset.index import DatasetIndex
 from loader_service.dataset.sampler import sample_rng
+from loader_service.dataset.sources import FeedSources
 from loader_service.dataset.storage.objectstore import Heard
 from loader_service.dataset.storage.storeerrors import StoreUnavailable
 from loader_service.dataset.tables import DecodeError
@@ -42,7 +42,7 @@ from loader_service.decode.contract import (
 from loader_service.decode.geometry import prepare
 from loader_service.decode.pipeline import Pipeline, load_pipeline, run_into
 from loader_service.decode.progress import PREFETCHING, ProgressBoard
-from loader_service.decode.reading import SampleReader
+from loader_service.decode.reading import FeedReader
 from loader_service.decode.sample import Sample
 from loader_service.decode.transforms import Recipe, decode_bytes, load_bytes_into, transform_into
 from loader_service.logs import configure_logging
@@ -59,8 +59,8 @@ POLL_MS = 500
 @dataclass
 class OpenFeed:
     spec: WorkerFeed
-    index: DatasetIndex
-    reader: SampleReader
+    index: FeedSources
+    reader: FeedReader
     segment: Segment
     pipeline: Pipeline | None
     """The user's function, or None for the built-in transforms."""
@@ -255,14 +255,14 @@ def open_feed(spec: WorkerFeed, roi: bool = False, worker: int = 0, heard: Heard
     if pipeline is None:
         check_builtin_layout(spec.layout)
         prepare(spec.interpolation)
-    index = DatasetIndex.load(spec.index_dir)
+    index = FeedSources.load(spec.index_dir)
     segment = Segment.attach(spec.segment, spec.layout.segment_bytes(spec.slots))
     try:
         cache = None if spec.cache is None else SampleCache(spec.cache, worker)
     except BaseException:
         segment.close()
         raise
-    reader = SampleReader(index, spec.max_file_bytes, spec.storage, heard)
+    reader = FeedReader(index, spec.max_file_bytes, spec.storage, heard)
     return OpenFeed(spec, index, reader, segment, pipeline, recipe, cache)
 
 

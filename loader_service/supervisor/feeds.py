@@ -12,9 +12,10 @@ import numpy as np
 import numpy.typing as npt
 
 from loader_service.config import ConfigError, FeedConfig
-from loader_service.dataset.index import DatasetIndex, load_or_build
+from loader_service.dataset.index import load_or_build
 from loader_service.dataset.sampler import ShardOrder, shard_order
 from loader_service.dataset.source import Columns
+from loader_service.dataset.sources import FeedSources
 from loader_service.decode.cache import LOCK_NAME, CacheKind, CacheSegment, CacheTooSmall, cache_kind
 from loader_service.decode.contract import PIPELINE_REASON, PipelineError, WorkerFeed
 from loader_service.decode.probe import probe_fields
@@ -50,7 +51,7 @@ class FeedCounters:
 class Feed:
     id: int
     config: FeedConfig
-    index: DatasetIndex
+    index: FeedSources
     layout: SlotLayout
     segment: Segment
     pool: SlotPool
@@ -83,7 +84,7 @@ class Feed:
         """Index the data, settle the batch layout and create the pool and cache; the caller closes
         the feed on every exit path. DatasetError (bad source), PipelineError (a pipeline that cannot
         run) or ConfigError (a cache too small for its table): the service refuses to start."""
-        index = load_or_build(
+        built = load_or_build(
             config.data,
             config.format,
             lambda n: log.info("feed %s: indexing, %d samples", config.name, n),
@@ -92,9 +93,9 @@ class Feed:
         )
         index_dir = runtime_dir / f"feed{feed_id}"
         index_dir.mkdir()
-        index.save(index_dir)
+        FeedSources.one("data", built).save(index_dir)
         # Keep the saved copy, mapped: its pages are the ones every worker maps, held once.
-        index = DatasetIndex.load(index_dir)
+        index = FeedSources.load(index_dir)
         layout = batch_layout(config, index_dir, probe_timeout)
         pool_end = layout.segment_bytes(config.slots)
         # NOTE [ A pool as large as what is in flight ]: the first slots and the check page now.
