@@ -36,18 +36,27 @@ class Batch:
 
     Iterating therefore gives tensors, not names, so a ``Batch`` is not a ``collections.abc.Mapping``
     (generic code that walks a Mapping by its keys would get tensors): hand such code
-    ``batch.fields``. ``batch[i]`` is the ``i``-th field. Every field is ``[n, *shape]``; ``indices``
-    (positions in the service's dataset index) int64 ``[n]``; ``images`` / ``labels`` name the
-    fields ``image`` / ``label`` where the feed has them.
+    ``batch.fields``. ``batch[i]`` is the ``i``-th field. Every field is ``[n, *shape]``; ``sources``
+    int64 ``[n]``: each row's source, a position in ``ServiceLoader.sources`` (0 for a feed of one
+    source); ``indices`` int64 ``[n]``: each row's sample in its source's index; ``images`` /
+    ``labels`` name the fields ``image`` / ``label`` where the feed has them.
     """
 
-    __slots__ = ("_fields", "epoch", "indices", "seq")
+    __slots__ = ("_fields", "epoch", "indices", "seq", "sources")
 
-    def __init__(self, fields: dict[str, torch.Tensor], indices: torch.Tensor, epoch: int, seq: int) -> None:
+    def __init__(
+        self,
+        fields: dict[str, torch.Tensor],
+        indices: torch.Tensor,
+        epoch: int,
+        seq: int,
+        sources: torch.Tensor | None = None,
+    ) -> None:
         self._fields = fields
         self.indices = indices
         self.epoch = epoch
         self.seq = seq
+        self.sources = sources if sources is not None else torch.zeros_like(indices)
 
     @property
     def fields(self) -> dict[str, torch.Tensor]:

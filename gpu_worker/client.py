@@ -209,6 +209,12 @@ class ServiceLoader:
         assert self._fleet.reference is not None
         return self._fleet.reference
 
+    @property
+    def sources(self) -> tuple[str, ...]:
+        """The feed's sources in the order ``batch.sources`` numbers them: the names ``--source``
+        gave, or ``("data",)`` for a feed of ``--data``."""
+        return self.info.sources or ("data",)
+
     def __len__(self) -> int:
         """Batches per epoch for this trainer (its shard's share in shard mode)."""
         return self._first.batches

@@ -10,6 +10,7 @@ from __future__ import annotations
 import logging
 
 import numpy as np
+import numpy.typing as npt
 import torch
 import zmq
 
@@ -35,6 +36,8 @@ class Delivery:
         """Slots ``[0, this)`` are pinned for CUDA copies."""
         self.transport = "shm"
         """``shm`` (the slot mapped in place) or ``tcp`` (bytes over the socket)."""
+        self._offsets: npt.NDArray[np.int64] | None = None
+        """Where each named source's samples begin in the feed's numbering, the feed's size last."""
 
     def adopt(self, info: FeedInfo, owner: int | None = None) -> None:
         """A (new) session's pool: map it, or choose TCP; pin it for CUDA. ``owner``: the uid the
@@ -44,6 +47,7 @@ class Delivery:
             self._layout = SlotLayout.from_wire(info.batch_size, info.fields)
         except ValueError as exc:
             raise ServiceError(f"the service announced an unusable slot layout: {exc}") from None
+        self._offsets = _offsets(info)
         self._slots = self._map(info, owner)
         self.transport = "tcp" if self._slots is None else "shm"
         if old is not None:
@@ -93,7 +97,7 @@ class Delivery:
             self._pin_through(self.stager, self._slots, msg.slot)
             host = tuple(fields.values())
             fields = dict(zip(fields, self.stager.stage(host, keep_alive=host), strict=True))
-        return Batch(fields, indices, msg.epoch, msg.seq)
+        return self._batch(fields, indices, msg)
 
     def _pin_through(self, stager: CudaStager, slots: SlotMap, slot: int) -> None:
         """Pin the slots up to ``slot``: every slot below an announced one is backed by memory (NOTE
@@ -126,7 +130,20 @@ class Delivery:
         del frames  # from here on only the views keep their frames (and so the lease)
         if self.device.type == "cuda":
             fields = dict(zip(fields, self._to_device(tuple(fields.values())), strict=True))
-        return Batch(fields, indices, msg.epoch, msg.seq)
+        return self._batch(fields, indices, msg)
+
+    def _batch(self, fields: dict[str, torch.Tensor], indices: torch.Tensor, msg: BatchReady) -> Batch:
+        """The batch, each row's feed sample split into its source and its sample there (NOTE
+        [ Sources of a feed ] in loader_service/dataset/sources.py)."""
+        offsets = self._offsets
+        if offsets is None:
+            return Batch(fields, indices, msg.epoch, msg.seq)
+        feed = indices.numpy()
+        if feed.size and not 0 <= int(feed.min()) <= int(feed.max()) < int(offsets[-1]):
+            raise ServiceError(f"batch {msg.seq} names samples outside the feed's {int(offsets[-1])}")
+        source = np.searchsorted(offsets, feed, side="right") - 1
+        local = torch.from_numpy(feed - offsets[source])
+        return Batch(fields, local, msg.epoch, msg.seq, torch.from_numpy(source.astype(np.int64)))
 
     def _to_device(self, host: tuple[torch.Tensor, ...]) -> list[torch.Tensor]:
         """Received bytes -> pinned staging buffers -> the device, on the side stream as for shm.
@@ -148,3 +165,16 @@ class Delivery:
             self.stager.close()
         if self._slots is not None:
             self._slots.close()
+
+
+def _offsets(info: FeedInfo) -> npt.NDArray[np.int64] | None:
+    """Where each of the feed's named sources begins; None for a feed of ``--data``. The sizes come
+    from a peer: they must add up to the feed's samples."""
+    if not info.sources:
+        return None
+    if len(info.source_sizes) != len(info.sources) or sum(info.source_sizes) != info.samples:
+        raise ServiceError(
+            f"the service announced {len(info.sources)} sources of sizes {list(info.source_sizes)[:8]} "
+            f"for a feed of {info.samples} samples"
+        )
+    return np.concatenate(([0], np.cumsum(info.source_sizes))).astype(np.int64)

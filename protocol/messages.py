@@ -101,11 +101,13 @@ __all__ = [
     "Welcome",
 ]
 
-PROTOCOL_VERSION: Final = 8
+PROTOCOL_VERSION: Final = 9
 MAX_FRAME_BYTES: Final = 64 * 1024
 _FIELDS: Final = ListOf(Items((Str(64), OneOf(DTYPES), ListOf(Int(1, 1 << 24), MAX_DIMS))), MAX_FIELDS)
 MAX_RELEASES: Final = 4096
 MAX_CREDITS: Final = 1024
+MAX_SOURCES: Final = 256
+"""Named sources of one feed (``--source``)."""
 MAX_BAD_REPORTS: Final = 256
 _LEASE = Int(0, 2**62 - 1)
 MAX_EPOCH: Final = 2**40
@@ -294,6 +296,11 @@ class FeedInfo:
     decoding: Annotated[str, Str(MAX_DECODING), OMITTABLE] = ""
     """``KEY=VALUE`` words, space-separated: what else decides which samples a batch holds and their
     pixels (``supervisor.feeds.decoding_of``). Services of one fleet must say the same."""
+    sources: Annotated[tuple[str, ...], ListOf(Str(64), MAX_SOURCES), OMITTABLE] = ()
+    """The feed's named sources in numbering order (``--source``); empty for a feed of ``--data``."""
+    source_sizes: Annotated[tuple[int, ...], ListOf(Int(1), MAX_SOURCES), OMITTABLE] = ()
+    """Samples of each source: feed sample ``i`` is sample ``i - sum(sizes before)`` of its source
+    (NOTE [ Sources of a feed ] in loader_service/dataset/sources.py)."""
 
 
 @dataclass(frozen=True)

@@ -84,11 +84,12 @@ def photos(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 @pytest.fixture
 def start_service(tmp_path: Path) -> Iterator[ServiceFactory]:
-    """``start_service(data, **flags)`` -> a running service listening on an ipc endpoint in tmp_path."""
+    """``start_service(data, **flags)`` -> a running service listening on an ipc endpoint in tmp_path
+    (``data`` None: no ``--data``, the flags name the sources)."""
     started: list[ServiceProcess] = []
 
     def start(
-        data: Path,
+        data: Path | None,
         *,
         wait_ready: bool = True,
         name: str = "feed",
@@ -98,7 +99,7 @@ def start_service(tmp_path: Path) -> Iterator[ServiceFactory]:
         **flags: object,
     ) -> ServiceProcess:
         endpoint = endpoint or f"ipc://{tmp_path}/{name}.sock"
-        args = ["serve", "--data", str(data), "--endpoint", endpoint]
+        args = ["serve", *(["--data", str(data)] if data is not None else []), "--endpoint", endpoint]
         for key, value in {"workers": 2, "batch_size": 8, "image_size": 32, **flags}.items():
             flag = f"--{key.replace('_', '-')}"
             for one in value if isinstance(value, list) else [value]:  # a list: a repeated flag

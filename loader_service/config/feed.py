@@ -3,6 +3,8 @@ feed; each ``[feeds.NAME]`` table adds one), and what makes a feed's values whol
 
 from __future__ import annotations
 
+import re
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -15,6 +17,7 @@ from loader_service.dataset.storage.location import Location
 from loader_service.decode.contract import INTERPOLATIONS
 from loader_service.decode.decoders import antialias_problem
 from protocol.layout import FieldSpec
+from protocol.messages import MAX_SOURCES
 
 AUGMENTS = ("train", "eval", "none")
 FIRST_SLOTS = 8
@@ -33,12 +36,14 @@ class FeedOptions:
     """The options of one feed: the top-level ones make the first feed, ``[feeds.NAME]`` tables others."""
 
     data: str = field(
+        default="",
         metadata=option(
             "the dataset: an ImageFolder root, a .csv or .jsonl list, a folder of .tar or .parquet "
             "files, one such file or a brace pattern such as shards/train-{000000..000127}.tar (see "
-            "--format); all but an ImageFolder may be in an object store: s3://bucket/shards/, gs://, az://",
+            "--format); all but an ImageFolder may be in an object store: s3://bucket/shards/, gs://, "
+            "az://. Required, unless --source names several sources instead",
             check=checks.data_source,
-        )
+        ),
     )
     format: str = field(
         default="auto",
@@ -119,6 +124,49 @@ class FeedOptions:
     fields: tuple[FieldSpec, ...] = ()
     """The batch a pipeline must return, from a ``[fields]`` or ``[feeds.NAME.fields]`` table of the
     config file (not a flag); empty: inferred from the pipeline's output on sample 0."""
+    sources: tuple[tuple[str, str], ...] = ()
+    """Named sources read as one feed (NOTE [ Sources of a feed ]): ``--source NAME=DATA`` flags, or
+    a ``[sources]`` or ``[feeds.NAME.sources]`` table of ``NAME = DATA``; each DATA anything
+    ``data`` takes. Empty: ``data`` is the feed's one source."""
+
+
+SOURCE_NAME = re.compile(r"[A-Za-z0-9_.-]{1,64}")
+
+
+def check_data(config: FeedOptions, where: str) -> tuple[tuple[str, str], ...]:
+    """The feed's sources, each checked as ``data`` is and made absolute (NOTE [ Sources of a
+    feed ]); ConfigError naming what is wrong: neither data nor sources, both, a name twice."""
+    if not config.sources:
+        require(
+            bool(config.data),
+            where + "data is required (flag --data, variable DATAFERRY_DATA or key 'data' in the config "
+            "file), or several named sources (--source NAME=DATA)",
+            key="data",
+        )
+        return ()
+    require(not config.data, where + "give data or sources (--source NAME=DATA), not both", key="data")
+    require(len(config.sources) <= MAX_SOURCES, where + f"at most {MAX_SOURCES} sources in a feed")
+    names = [name for name, _ in config.sources]
+    twice = sorted({name for name in names if names.count(name) > 1})
+    require(not twice, where + f"source names must be unique: {', '.join(twice)} given twice")
+    for name, data in config.sources:
+        require(
+            SOURCE_NAME.fullmatch(name) is not None,
+            where + f"source name {name!r} must be 1 to 64 letters, digits, '_', '-' or '.'",
+        )
+        problem = checks.data_source(f"source {name}:", data)
+        require(problem is None, where + (problem or ""))
+    return tuple((name, resolve_data(data)) for name, data in config.sources)
+
+
+def parse_sources(texts: Sequence[str], what: str) -> tuple[tuple[str, str], ...]:
+    """``NAME=DATA`` texts (``--source`` flags) as (name, data) pairs."""
+    pairs = []
+    for text in texts:
+        name, sep, data = text.partition("=")
+        require(bool(sep) and bool(name.strip()) and bool(data), f"{what} needs NAME=DATA, not {text!r}")
+        pairs.append((name.strip(), data))
+    return tuple(pairs)
 
 
 def resolve_data(data: str | Path) -> str:

@@ -8,6 +8,7 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
+from loader_service.config.feed import parse_sources
 from loader_service.config.options import FEED_OPTIONS, OPTIONS, FeedConfig, ServiceConfig
 from loader_service.config.values import ConfigError, require
 from protocol.layout import FieldSpec
@@ -29,6 +30,8 @@ NOT_INHERITED = (
 )
 """Top-level feed options a ``[feeds.NAME]`` table does not take over (nor ``fields``, not an option)."""
 
+SOURCES_TABLE = "sources"
+"""The config file's table of a feed's named sources (``--source``)."""
 STORAGE_TABLE = "storage"
 """The config file's table of ``--storage-option`` settings."""
 Layer = dict[str, tuple[Any, str]]
@@ -40,11 +43,15 @@ def load_config(
     overrides: Mapping[str, Any],
     environ: Mapping[str, str] = os.environ,
     storage_flags: Sequence[str] = (),
+    source_flags: Sequence[str] = (),
 ) -> ServiceConfig:
     """Merge defaults < TOML ``file`` < ``environ`` < flag ``overrides`` (None: not given), validated.
-    ``storage_flags``: the ``--storage-option KEY=VALUE`` flags, over the file's ``[storage]`` table."""
+    ``storage_flags``: the ``--storage-option KEY=VALUE`` flags, over the file's ``[storage]`` table;
+    ``source_flags``: the ``--source NAME=DATA`` flags, instead of the file's ``[sources]`` table."""
     file_layer, tables, stored = _read_file(file) if file is not None else ({}, {}, {})
     merged: Layer = {**file_layer, **_env_layer(environ), **_flag_layer(overrides)}
+    if source_flags:
+        merged["sources"] = (parse_sources(source_flags, "--source"), "--source")
     values = {name: value for name, (value, _) in merged.items()}
     _check_required(values)
     storage = {**_storage_table(stored, file), **parse_storage_flags(storage_flags)}
@@ -114,12 +121,23 @@ def _read_file(file: Path) -> tuple[Layer, dict[str, Any], Any]:
     require(isinstance(tables, dict), f"{file}: 'feeds' must hold [feeds.NAME] tables")
     stated = raw.pop("fields", None)
     stored = raw.pop(STORAGE_TABLE, {})
+    named = raw.pop(SOURCES_TABLE, None)
     unknown = sorted(set(raw) - set(OPTIONS))
     require(not unknown, f"unknown keys in {file}: {', '.join(unknown)}")
     layer = {k: (OPTIONS[k].typed(v, f"{file}: key {k!r}"), str(file)) for k, v in raw.items()}
     if stated is not None:
         layer["fields"] = (field_specs(stated, f"{file}: [fields]"), str(file))
+    if named is not None:
+        layer["sources"] = (source_table(named, f"{file}: [sources]"), str(file))
     return layer, tables, stored
+
+
+def source_table(table: Any, where: str) -> tuple[tuple[str, str], ...]:
+    """``[sources]``: ``NAME = "DATA"`` per source, in the order the feed numbers them."""
+    require(isinstance(table, dict) and bool(table), f"{where} must be a table of NAME = DATA")
+    for name, data in table.items():
+        require(isinstance(data, str), f"{where}: {name} must be the source's data as text")
+    return tuple(table.items())
 
 
 def field_specs(table: Any, where: str) -> tuple[FieldSpec, ...]:
@@ -155,18 +173,25 @@ def _extra_feed(name: str, table: Any, top: Mapping[str, Any]) -> FeedConfig:
     where = f"[feeds.{name}]"
     require(isinstance(table, dict), f"{where} must be a table")
     stated = table.get("fields")
-    unknown = sorted(set(table) - set(FEED_OPTIONS) - {"fields"})
+    named = table.get(SOURCES_TABLE)
+    unknown = sorted(set(table) - set(FEED_OPTIONS) - {"fields", SOURCES_TABLE})
     require(not unknown, f"unknown keys in {where}: {', '.join(unknown)}")
-    require("data" in table, f"{where} needs a data directory")
+    require("data" in table or named is not None, f"{where} needs a data directory (or a [sources] table)")
     own: dict[str, Any] = {
-        k: FEED_OPTIONS[k].typed(v, f"{where} key {k!r}") for k, v in table.items() if k != "fields"
+        k: FEED_OPTIONS[k].typed(v, f"{where} key {k!r}")
+        for k, v in table.items()
+        if k not in ("fields", SOURCES_TABLE)
     }
     if stated is not None:
         own["fields"] = field_specs(stated, f"{where}.fields")
+    if named is not None:
+        own["sources"] = source_table(named, f"{where}.sources")
     # Each feed's pool and cache are sized on their own: inheriting the first feed's would multiply
     # memory.
     # Its format and columns go with its own data, which every table names; its pipeline (and so its
     # fields) with what the feed is for: a [feeds.val] table saying augment = "eval" must not silently
     # run the top-level feed's training pipeline.
     inherited = {k: top[k] for k in FEED_OPTIONS if k in top and k not in NOT_INHERITED}
+    if named is not None:
+        inherited.pop("data", None)  # its sources are its data
     return FeedConfig(name=name, **{**inherited, **own})

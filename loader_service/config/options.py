@@ -35,6 +35,7 @@ from loader_service.config.feed import (
     FIRST_SLOTS,
     FeedOptions,
     absolute_path,
+    check_data,
     check_fields,
     resolve_data,
     resolve_pipeline,
@@ -286,9 +287,11 @@ class ServiceConfig(FeedOptions):
             key="cache_size" if self.cache_dir else "cache_dir",
         )
         check_fields(self, "")
+        sources = check_data(self, "")
         return replace(
             self,
-            data=resolve_data(self.data),
+            data=resolve_data(self.data) if self.data else "",
+            sources=sources,
             pipeline=resolve_pipeline(self.pipeline),
             log_level=self.log_level.upper(),
             extra_feeds=tuple(f.validated() for f in self.extra_feeds),
@@ -336,7 +339,9 @@ class FeedConfig(FeedOptions):
             raise ConfigError(where + found[1])
         require(self.slots != 1, where + "slots must be 0 (auto) or at least 2")
         check_fields(self, where)
-        return replace(self, data=resolve_data(self.data), pipeline=resolve_pipeline(self.pipeline))
+        sources = check_data(self, where)
+        data = resolve_data(self.data) if self.data else ""
+        return replace(self, data=data, sources=sources, pipeline=resolve_pipeline(self.pipeline))
 
 
 @functools.cache
@@ -366,6 +371,8 @@ FEED_OPTIONS: dict[str, Option] = {name: o for name, o in OPTIONS.items() if o.p
 
 def _first_problem(config: FeedOptions, options: Mapping[str, Option]) -> tuple[str, str] | None:
     for name, opt in options.items():
+        if name == "data" and not config.data:
+            continue  # none given: check_data says what is missing, or checks each source instead
         if problem := opt.problem(getattr(config, name)):
             return name, problem
     return None

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import hashlib
 import json
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from functools import cached_property
 from pathlib import Path
@@ -24,7 +24,9 @@ from pathlib import Path
 import numpy as np
 import numpy.typing as npt
 
-from loader_service.dataset.index import DatasetIndex
+from loader_service.dataset.index import DatasetIndex, load_or_build
+from loader_service.dataset.source import Columns, Progress
+from loader_service.dataset.storage.storeconfig import StorageConfig
 from loader_service.dataset.tables import DatasetError
 
 SOURCES_FILE = "sources.json"
@@ -127,3 +129,24 @@ class FeedSources:
         names: Sequence[str] = described["names"]
         indexes = tuple(DatasetIndex.load(directory / folder) for folder in described["folders"])
         return cls(tuple(names), indexes)
+
+
+def index_sources(
+    named: Sequence[tuple[str, str]],
+    format: str,
+    progress: Callable[[str], Progress | None],
+    storage: StorageConfig,
+    columns: Columns,
+) -> FeedSources:
+    """Each named source indexed as ``--data`` is, or its saved index taken (``load_or_build``);
+    ``progress(name)`` reports a source's indexing. DatasetError naming the source that is wrong."""
+    indexes = []
+    for name, data in named:
+        try:
+            index = load_or_build(data, format, progress(name), storage, columns)
+        except DatasetError as exc:
+            raise DatasetError(f"source {name}: {exc}" if len(named) > 1 else str(exc)) from None
+        if len(named) > 1 and len(index) == 0:
+            raise DatasetError(f"source {name}: {data} holds no samples")
+        indexes.append(index)
+    return FeedSources(tuple(name for name, _ in named), tuple(indexes))

@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import functools
 import logging
 import secrets
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -12,10 +14,9 @@ import numpy as np
 import numpy.typing as npt
 
 from loader_service.config import ConfigError, FeedConfig
-from loader_service.dataset.index import load_or_build
 from loader_service.dataset.sampler import ShardOrder, shard_order
 from loader_service.dataset.source import Columns
-from loader_service.dataset.sources import FeedSources
+from loader_service.dataset.sources import FeedSources, index_sources
 from loader_service.decode.cache import LOCK_NAME, CacheKind, CacheSegment, CacheTooSmall, cache_kind
 from loader_service.decode.contract import PIPELINE_REASON, PipelineError, WorkerFeed
 from loader_service.decode.probe import probe_fields
@@ -84,16 +85,16 @@ class Feed:
         """Index the data, settle the batch layout and create the pool and cache; the caller closes
         the feed on every exit path. DatasetError (bad source), PipelineError (a pipeline that cannot
         run) or ConfigError (a cache too small for its table): the service refuses to start."""
-        built = load_or_build(
-            config.data,
+        built = index_sources(
+            config.sources or (("data", config.data),),
             config.format,
-            lambda n: log.info("feed %s: indexing, %d samples", config.name, n),
+            functools.partial(_indexing, config),
             config.storage,
             Columns(config.image_column, config.label_column),
         )
         index_dir = runtime_dir / f"feed{feed_id}"
         index_dir.mkdir()
-        FeedSources.one("data", built).save(index_dir)
+        built.save(index_dir)
         # Keep the saved copy, mapped: its pages are the ones every worker maps, held once.
         index = FeedSources.load(index_dir)
         layout = batch_layout(config, index_dir, probe_timeout)
@@ -179,6 +180,8 @@ class Feed:
             fields=self.layout.wire(),
             check=self.check,
             decoding=decoding_of(self.config, self.cache),
+            sources=self.index.names if cfg.sources else (),
+            source_sizes=tuple(len(i) for i in self.index.indexes) if cfg.sources else (),
         )
 
     def worker_feed(self) -> WorkerFeed:
@@ -318,3 +321,9 @@ def batch_layout(config: FeedConfig, index_dir: Path, probe_timeout: float) -> S
         raise PipelineError(f"feed {config.name}: pipeline {config.pipeline}: {exc}") from None
     log.info("feed %s: batch fields %s", config.name, describe_fields(layout.fields))
     return layout
+
+
+def _indexing(config: FeedConfig, source: str) -> Callable[[int], None]:
+    """How indexing a feed's source reports its progress."""
+    what = f"feed {config.name}" + (f", source {source}" if config.sources else "")
+    return lambda n: log.info("%s: indexing, %d samples", what, n)

@@ -21,13 +21,14 @@ from pathlib import Path
 import numpy as np
 
 from loader_service.config import FeedConfig, ServiceConfig
-from loader_service.dataset.index import LOCAL, DatasetIndex, build_index
+from loader_service.dataset.index import LOCAL
 from loader_service.dataset.source import Columns
+from loader_service.dataset.sources import FeedSources, index_sources
 from loader_service.dataset.storage.storeconfig import StorageConfig
 from loader_service.dataset.storage.storeerrors import StoreUnavailable
 from loader_service.dataset.tables import DecodeError
 from loader_service.decode.cache import CacheKind, cache_kind, entry_bytes, overhead_bytes
-from loader_service.decode.reading import SampleReader
+from loader_service.decode.reading import FeedReader
 from loader_service.decode.transforms import decode_bytes
 
 SAMPLED = 1000
@@ -96,7 +97,7 @@ def _jpeg_size(data: bytes) -> tuple[int, int] | None:
 
 
 def estimate(
-    index: DatasetIndex,
+    index: FeedSources,
     max_file_bytes: int,
     sampled: int = SAMPLED,
     progress: Callable[[int, int], None] | None = None,
@@ -105,7 +106,7 @@ def estimate(
     """Read the headers of up to ``sampled`` samples, chosen at random (seeded: the same every run)."""
     count = len(index)
     picked = np.random.default_rng(0).permutation(count)[:sampled] if count > sampled else np.arange(count)
-    reader = SampleReader(index, max_file_bytes, storage)
+    reader = FeedReader(index, max_file_bytes, storage)
     pixels: list[int] = []
     try:
         for done, i in enumerate(picked.tolist(), start=1):
@@ -175,7 +176,7 @@ def _indexing(count: int) -> None:
     print(f"indexing: {count} samples", file=sys.stderr)
 
 
-def _row_bytes(feed: FeedConfig, index: DatasetIndex, timeout: float) -> int:
+def _row_bytes(feed: FeedConfig, index: FeedSources, timeout: float) -> int:
     """Bytes of one finished sample: the built-in layout's, or what the pipeline returns for sample 0."""
     from loader_service.supervisor.feeds import batch_layout  # runs the probe for a pipeline
 
@@ -209,7 +210,8 @@ def dry_run(config: ServiceConfig) -> int:
     os.environ["OPENCV_IO_MAX_IMAGE_PIXELS"] = str(config.max_pixels)
     for feed in config.feeds():
         columns = Columns(feed.image_column, feed.label_column)
-        index = build_index(feed.data, feed.format, _indexing, feed.storage, columns)
+        named = feed.sources or (("data", feed.data),)
+        index = index_sources(named, feed.format, lambda _source: _indexing, feed.storage, columns)
         kind = cache_kind(feed.augment, feed.pipeline, feed.pipeline_deterministic)
         row_bytes = _row_bytes(feed, index, config.task_timeout) if kind is CacheKind.FINAL else 0
         found = estimate(

@@ -46,6 +46,16 @@ def _add_serve(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
         help="an object store setting the environment does not give (endpoint=..., region=...), given "
         "to obstore; repeatable, and a [storage] table in the config file. Values are never logged",
     )
+    p.add_argument(
+        "--source",
+        action="append",
+        default=[],
+        metavar="NAME=DATA",
+        help="a named source of the feed, DATA anything --data takes (its own format, index and saved "
+        "index); repeatable, in the order the feed numbers their samples, and a [sources] table of "
+        "NAME = DATA in the config file. Instead of --data; an epoch is every sample of every "
+        "source once, shuffled together",
+    )
     p.set_defaults(func=_cmd_serve)
 
 
@@ -77,7 +87,10 @@ def _cmd_serve(args: argparse.Namespace) -> int:
 
     try:
         config = load_config(
-            args.config, {name: getattr(args, name) for name in OPTIONS}, storage_flags=args.storage_option
+            args.config,
+            {name: getattr(args, name) for name in OPTIONS},
+            storage_flags=args.storage_option,
+            source_flags=args.source,
         )
     except ConfigError as exc:
         configure_logging("INFO", "service")

@@ -203,10 +203,9 @@ def sample_flag(opt: Option) -> tuple[list[str], object]:
 
 def test_every_field_is_an_option_with_a_flag_an_env_name_and_help() -> None:
     # Not options: further feeds, the fields a pipeline returns (config-file tables only), and the
-    # storage settings (a repeatable flag and a table of their own).
-    assert {f.name for f in fields(ServiceConfig)} - {"extra_feeds", "fields", "storage_options"} == set(
-        OPTIONS
-    )
+    # storage settings and named sources (each a repeatable flag and a table of their own).
+    not_options = {"extra_feeds", "fields", "storage_options", "sources"}
+    assert {f.name for f in fields(ServiceConfig)} - not_options == set(OPTIONS)
     argv = ["serve"]
     expected: dict[str, object] = {}
     for opt in OPTIONS.values():
@@ -464,3 +463,54 @@ def test_the_default_filter_without_its_resampler_or_torch_is_refused_naming_bot
     pipeline = tmp_path / "aug.py"
     pipeline.write_text("def f(sample, rng):\n    return {}\n")
     assert load_config(None, {**base, "pipeline": f"{pipeline}:f"}).pipeline, "a pipeline resizes its own way"
+
+
+# --- named sources (--source NAME=DATA, NOTE [ Sources of a feed ]) ------------------------------
+
+
+def test_sources_come_from_flags_or_a_table_and_are_made_absolute(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    (tmp_path / "a").mkdir()
+    (tmp_path / "b").mkdir()
+    monkeypatch.chdir(tmp_path)
+    base = {"endpoint": "ipc:///tmp/feed.sock"}
+    by_flags = load_config(None, base, source_flags=["first=a", "second=s3://bucket/shards/", "third=b"])
+    assert by_flags.data == "" and by_flags.sources == (
+        ("first", str(tmp_path / "a")),
+        ("second", "s3://bucket/shards/"),
+        ("third", str(tmp_path / "b")),
+    ), "in the order given; a store's URL as it is"
+    cfg_file = tmp_path / "feed.toml"
+    cfg_file.write_text(
+        'endpoint = "ipc:///tmp/feed.sock"\n[sources]\nz = "a"\ny = "b"\n'
+        '[feeds.val]\naugment = "eval"\n[feeds.val.sources]\nonly = "b"\n'
+    )
+    main, val = load_config(cfg_file, {}).feeds()
+    assert [n for n, _ in main.sources] == ["z", "y"] and val.sources == (("only", str(tmp_path / "b")),)
+    assert val.data == "", "a table with its own sources does not take the top level's data"
+    flags_win = load_config(cfg_file, {}, source_flags=["x=a"])
+    assert flags_win.sources == (("x", str(tmp_path / "a")),), "--source flags replace the file's table"
+
+
+@pytest.mark.parametrize(
+    ("data", "sources", "message"),
+    [
+        (True, ["a=a"], "give data or sources"),
+        (False, ["a=a", "a=b"], "source names must be unique: a given twice"),
+        (False, ["a b=a"], "source name 'a b' must be 1 to 64 letters"),
+        (False, ["nodata"], "--source needs NAME=DATA, not 'nodata'"),
+        (False, ["a="], "--source needs NAME=DATA"),
+        (False, ["a=a", "gone=missing"], "source gone: missing does not exist"),
+        (False, [], "data is required"),
+    ],
+)
+def test_bad_sources_are_refused_by_name(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, data: bool, sources: list[str], message: str
+) -> None:
+    (tmp_path / "a").mkdir()
+    (tmp_path / "b").mkdir()
+    monkeypatch.chdir(tmp_path)
+    overrides: dict[str, object] = {"endpoint": "ipc:///tmp/feed.sock", "data": "a" if data else None}
+    with pytest.raises(ConfigError, match=message):
+        load_config(None, overrides, source_flags=sources)
