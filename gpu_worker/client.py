@@ -38,7 +38,7 @@ from __future__ import annotations
 import logging
 import os
 from collections import Counter
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from types import TracebackType
 from typing import Any
 
@@ -97,6 +97,8 @@ class ServiceLoader:
         fields: ExpectedFields | None = None,
         group_secret: str | None = None,
         resolve_interval: float = 5.0,
+        weights: Mapping[str, float] | None = None,
+        epoch_samples: int = 0,
         _private: LocalService | None = None,
     ) -> None:
         """``endpoint``: one service, or several (a fleet, NOTE [ A fleet ]); ``DATAFERRY_ENDPOINTS``
@@ -109,8 +111,12 @@ class ServiceLoader:
         An endpoint ``tcp://NAME:PORT`` whose NAME is a host name (a Kubernetes headless Service) is
         a fleet of every address NAME resolves to, looked up again every ``resolve_interval``
         seconds (0: once): addresses that appear join the epoch under way, gone ones leave it
-        (NOTE [ A fleet from a name ] in gpu_worker/names.py). ``_private`` is ``local``'s: the
-        service it started, watched at every wait and stopped by ``close``."""
+        (NOTE [ A fleet from a name ] in gpu_worker/names.py). ``weights`` (by source name, every
+        source of the feed named) mixes a feed of several sources by weight, in epochs of
+        ``epoch_samples`` (0: the feed's size; NOTE [ Mixture order ] in
+        loader_service/dataset/mixture.py); the service refuses weights it cannot serve, naming why.
+        ``_private`` is ``local``'s: the service it started, watched at every wait and stopped by
+        ``close``."""
         rank, world_size = shard_of(mode, rank, world_size)
         self.config = LoaderConfig(
             endpoints_of(endpoint),
@@ -131,6 +137,8 @@ class ServiceLoader:
             fields=() if fields is None else expected_fields(fields),
             group_secret=os.environ.get(GROUP_SECRET_ENV, "") if group_secret is None else group_secret,
             resolve_interval=resolve_interval,
+            weights=tuple(weights.items()) if weights else (),
+            epoch_samples=epoch_samples,
         ).validated()
         cfg = self.config
         keys = ClientKeys.load(server_key, client_key)

@@ -15,7 +15,7 @@ TRANSPORT_CHOICES = ("auto", *TRANSPORTS)
 
 HELLO_FIELDS = (
     "feed", "credits", "mode", "rank", "world_size", "remainder", "group", "group_size", "batch_size",
-    "image_size", "group_secret",
+    "image_size", "group_secret", "weights", "epoch_samples",
 )  # fmt: skip
 """The fields a hello carries to the service; the others only matter in the trainer's process."""
 GROUP_SECRET_ENV = "DATAFERRY_GROUP_SECRET"
@@ -60,6 +60,10 @@ class LoaderConfig:
     resolve_interval: float = 5.0
     """Seconds between lookups of an endpoint that names a host (NOTE [ A fleet from a name ] in
     gpu_worker/names.py); 0 looks it up once, at the start."""
+    weights: tuple[tuple[str, float], ...] = ()
+    """A mixture over the feed's named sources (NOTE [ Mixture order ]); () the feed's own order."""
+    epoch_samples: int = 0
+    """With ``weights``: samples in an epoch; 0 the feed's size."""
 
     @property
     def endpoint(self) -> str:
@@ -105,6 +109,15 @@ class LoaderConfig:
             raise ValueError("group must be a name of 1 to 64 characters and group_size 1 to 1024")
         if len(self.group_secret) > 64:
             raise ValueError("group_secret must be at most 64 characters")
+        for name, weight in self.weights:
+            if (
+                not isinstance(weight, (int, float))
+                or isinstance(weight, bool)
+                or not 0 <= weight < float("inf")
+            ):
+                raise ValueError(f"weight of {name!r} must be a finite number >= 0, got {weight!r}")
+        if self.epoch_samples < 0 or (self.epoch_samples and not self.weights):
+            raise ValueError("epoch_samples goes with weights, and is 0 (the feed's size) or more")
         return self
 
     def hello_fields(self) -> dict[str, Any]:

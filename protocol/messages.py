@@ -107,6 +107,7 @@ _FIELDS: Final = ListOf(Items((Str(64), OneOf(DTYPES), ListOf(Int(1, 1 << 24), M
 MAX_RELEASES: Final = 4096
 MAX_CREDITS: Final = 1024
 MAX_SOURCES: Final = 256
+MAX_EPOCH_SAMPLES: Final = 2**40
 """Named sources of one feed (``--source``)."""
 MAX_BAD_REPORTS: Final = 256
 _LEASE = Int(0, 2**62 - 1)
@@ -171,6 +172,13 @@ class Hello(Message):
     group_secret: Annotated[str, Str(64), OMITTABLE] = field(default="", repr=False)
     """Broadcast: the group is ``group`` among the trainers that know this secret; one that does not
     lands in another group of the same name and can neither join nor hold up this one."""
+    weights: Annotated[
+        tuple[tuple[str, float], ...], ListOf(Items((Str(64), Float(0.0, 1e300))), MAX_SOURCES), OMITTABLE
+    ] = ()
+    """A mixture: each named source's weight (NOTE [ Mixture order ] in loader_service/dataset/mixture.py);
+    empty: every source once an epoch, shuffled together."""
+    epoch_samples: Annotated[int, Int(0, MAX_EPOCH_SAMPLES), OMITTABLE] = 0
+    """With ``weights``: samples in one epoch of the mixture; 0: the feed's size."""
 
     def cross_check(self) -> None:
         """Called by the decoder once every field has passed its own rule."""

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import functools
+import hashlib
 import logging
 import secrets
 from collections import deque
@@ -14,9 +15,11 @@ import numpy as np
 import numpy.typing as npt
 
 from loader_service.config import ConfigError, FeedConfig
+from loader_service.dataset.mixture import Mixture, integer_weights
 from loader_service.dataset.sampler import ShardOrder, shard_order
 from loader_service.dataset.source import Columns
 from loader_service.dataset.sources import FeedSources, index_sources
+from loader_service.dataset.tables import DatasetError
 from loader_service.decode.cache import LOCK_NAME, CacheKind, CacheSegment, CacheTooSmall, cache_kind
 from loader_service.decode.contract import PIPELINE_REASON, PipelineError, WorkerFeed
 from loader_service.decode.probe import probe_fields
@@ -24,8 +27,8 @@ from loader_service.shm import Segment, new_segment_name
 from loader_service.supervisor.rates import RateMeter
 from loader_service.supervisor.slots import SlotPool
 from protocol.layout import CHECK_BYTES, PAGE, SlotLayout, describe_fields
-from protocol.messages import FeedInfo
-from protocol.shares import rank_batches
+from protocol.messages import FeedInfo, Hello
+from protocol.shares import rank_batches, shard_size
 
 log = logging.getLogger(__name__)
 PROBE_START_ALLOWANCE = 60.0
@@ -154,27 +157,69 @@ class Feed:
     def name(self) -> str:
         return self.config.name
 
-    def shard_batches(self, world_size: int, remainder: str, offset: int = 0) -> int:
-        """Batches of each rank's share of an epoch shared out from position ``offset`` on."""
-        return rank_batches(len(self.index), self.config.batch_size, world_size, remainder, offset)
+    def shard_batches(self, world_size: int, remainder: str, offset: int = 0, samples: int = 0) -> int:
+        """Batches of each rank's share of an epoch of ``samples`` (0: the feed's size; a mixture
+        sets its own) shared out from position ``offset`` on."""
+        return rank_batches(samples or len(self.index), self.config.batch_size, world_size, remainder, offset)
 
-    def plan(self, epoch: int, rank: int, world_size: int, remainder: str, offset: int = 0) -> ShardOrder:
+    def plan(
+        self,
+        epoch: int,
+        rank: int,
+        world_size: int,
+        remainder: str,
+        offset: int = 0,
+        mixture: Mixture | None = None,
+    ) -> ShardOrder:
         """A rank's order of ``epoch`` from ``offset`` on (NOTE [ Elastic epochs ] in
-        protocol/shares.py): O(1) to make and to keep, each batch computed when planned."""
-        return shard_order(self.config.seed, epoch, len(self.index), rank, world_size, remainder, offset)
+        protocol/shares.py): O(1) to make and to keep, each batch computed when planned. With a
+        ``mixture``, the order its weights make (NOTE [ Mixture order ])."""
+        if mixture is None:
+            return shard_order(self.config.seed, epoch, len(self.index), rank, world_size, remainder, offset)
+        samples = mixture.epoch_samples
+        if not 0 <= offset < samples:
+            raise ValueError(f"an epoch of {samples} samples cannot resume at position {offset}")
+        size = shard_size(samples - offset, world_size, remainder)
+        return ShardOrder(mixture.epoch(epoch), rank, world_size, size, offset)
 
-    def info(self) -> FeedInfo:
+    def mixture_of(self, hello: Hello) -> Mixture | None:
+        """The mixture a trainer's weights ask for; None without weights. DatasetError naming what
+        is wrong with them (NOTE [ Mixture order ])."""
+        if not hello.weights:
+            if hello.epoch_samples:
+                raise DatasetError("epoch_samples needs weights: without them an epoch is every sample once")
+            return None
+        if not self.config.sources:
+            raise DatasetError(
+                f"feed {self.name!r} reads one dataset (--data): weights need named sources "
+                "(--source NAME=DATA)"
+            )
+        given = dict(hello.weights)
+        if len(given) != len(hello.weights):
+            raise DatasetError("weights name a source twice")
+        weights = integer_weights(given, self.index.names)
+        sizes = tuple(len(index) for index in self.index.indexes)
+        return Mixture.of(sizes, self.config.seed, hello.epoch_samples or len(self.index), weights)
+
+    def info(self, mixture: Mixture | None = None) -> FeedInfo:
+        """What a trainer is told of the feed; with a ``mixture``, its epoch's length and a
+        fingerprint of the weights too, so a checkpoint of other weights is refused."""
         cfg = self.config
+        samples = mixture.epoch_samples if mixture is not None else len(self.index)
+        fingerprint = self.fingerprint
+        if mixture is not None:
+            described = f"{fingerprint}:{samples}:{mixture.schedule.changes!r}"
+            fingerprint = hashlib.sha256(described.encode()).hexdigest()[:32]
         return FeedInfo(
             name=cfg.name,
-            samples=len(self.index),
+            samples=samples,
             classes=self.index.num_classes,
             batch_size=cfg.batch_size,
             image_size=self.image_size,
-            batches_per_epoch=self.shard_batches(1, "pad"),
+            batches_per_epoch=self.shard_batches(1, "pad", 0, samples),
             seed=cfg.seed,
             augment=self.augment,
-            fingerprint=self.fingerprint,
+            fingerprint=fingerprint,
             segment=self.segment.name,
             slots=cfg.slots,
             fields=self.layout.wire(),

@@ -11,7 +11,7 @@ from typing import TYPE_CHECKING
 
 import pytest
 
-from gpu_worker import ServiceLoader
+from gpu_worker import ServiceError, ServiceLoader
 from loader_service.dataset.index import build_index
 from tests.helpers import ServiceFactory, in_threads, status
 
@@ -131,4 +131,83 @@ def test_ddp_ranks_and_a_broadcast_group_read_a_feed_of_sources_as_any_feed(
 
     got_one, got_two = in_threads([member] * 2)
     assert got_one == got_two and len(set(got_one)) == total, "every member, every sample, the same order"
+    assert service.stop() == 0
+
+
+# --- weights chosen by each job (NOTE [ Mixture order ]) -------------------------------------------
+
+
+def rows_of(loader: ServiceLoader) -> list[tuple[int, int]]:
+    """(source, sample) of every row of one epoch, in the order delivered."""
+    return pairs(loader)
+
+
+def check_shares(rows: list[tuple[int, int]], weights: list[float]) -> None:
+    """Every prefix within Tijdeman's bound of each weight's share (1 - 1/(2k-2))."""
+    k, total = len(weights), sum(weights)
+    counts = [0] * k
+    bound = 1 - 1 / (2 * k - 2)
+    for n, (source, _) in enumerate(rows, start=1):
+        counts[source] += 1
+        for s in range(k):
+            assert abs(counts[s] - weights[s] / total * n) <= bound + 1e-9, (n, s, counts)
+
+
+def test_a_jobs_weights_mix_its_epoch_and_another_job_mixes_its_own(
+    photo_sources: dict[str, Path], start_service: ServiceFactory
+) -> None:
+    """Two trainers on one service at once, each with its own weights and epoch length: shares
+    exact in every prefix, every sample of a source once per pass (the small share wraps nothing,
+    the large one wraps), and the feed's own order untouched for a third trainer without weights."""
+    flags = [f"{name}={photo_sources[kind]}" for name, kind in zip(NAMES, KINDS, strict=True)]
+    service = start_service(None, source=flags, batch_size=16)
+    sizes = [len(build_index(photo_sources[kind])) for kind in KINDS]
+    first_weights = {"folder": 0.6, "shards": 0.3, "list": 0.1}
+    second_weights = {"folder": 0.0, "shards": 1.0, "list": 1.0}
+    epoch = 2 * sum(sizes)
+    with (
+        ServiceLoader(service.endpoint, weights=first_weights, epoch_samples=epoch, timeout=60) as one,
+        ServiceLoader(service.endpoint, weights=second_weights, epoch_samples=64, timeout=60) as two,
+    ):
+        assert one.info.samples == epoch and len(one) == -(-epoch // 16)
+        first = rows_of(one)
+        second = rows_of(two)
+        again = rows_of(one)  # the next epoch goes on where the passes stand
+    assert len(first) == epoch and len(second) == 64
+    check_shares(first, list(first_weights.values()))
+    check_shares(second, list(second_weights.values()))
+    assert {s for s, _ in second} == {1, 2}, "a weight of 0 draws nothing"
+    for s, size in enumerate(sizes):
+        drawn = [i for source, i in first + again if source == s]
+        for p in range(len(drawn) // size):
+            assert sorted(drawn[p * size : (p + 1) * size]) == list(range(size)), f"source {s}, pass {p}"
+    with ServiceLoader(service.endpoint, timeout=60) as plain:
+        assert sorted(pairs(plain)) == sorted((s, i) for s, size in enumerate(sizes) for i in range(size))
+    assert service.stop() == 0
+
+
+@pytest.mark.parametrize(
+    ("weights", "message"),
+    [
+        ({"folder": 1.0, "shards": 1.0}, "weights leave out list"),
+        ({"folder": 1.0, "shards": 1.0, "list": 1.0, "other": 1.0}, "weights name other: not sources"),
+        ({"folder": 0.0, "shards": 0.0, "list": 0.0}, "weights are all zero"),
+    ],
+)
+def test_weights_the_feed_cannot_serve_are_refused_by_name(
+    photo_sources: dict[str, Path], start_service: ServiceFactory, weights: dict[str, float], message: str
+) -> None:
+    flags = [f"{name}={photo_sources[kind]}" for name, kind in zip(NAMES, KINDS, strict=True)]
+    service = start_service(None, source=flags, batch_size=16)
+    with pytest.raises(ServiceError, match=message):
+        ServiceLoader(service.endpoint, weights=weights, connect_timeout=10)
+    assert service.stop() == 0
+
+
+def test_weights_on_a_feed_of_one_dataset_are_refused(photos: Path, start_service: ServiceFactory) -> None:
+    service = start_service(photos)
+    with pytest.raises(ServiceError, match="weights need named sources"):
+        ServiceLoader(service.endpoint, weights={"data": 1.0}, connect_timeout=10)
+    with pytest.raises(ValueError, match="weight of 'data' must be a finite number"):
+        ServiceLoader(service.endpoint, weights={"data": float("nan")}, connect_timeout=10)
     assert service.stop() == 0

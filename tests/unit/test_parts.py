@@ -219,10 +219,12 @@ class FeedStub:
     def grow_pool(self) -> bool:
         return False  # a full /dev/shm: the pool stays at ``SLOTS``
 
-    def shard_batches(self, world_size: int, remainder: str, offset: int = 0) -> int:
+    def shard_batches(self, world_size: int, remainder: str, offset: int = 0, samples: int = 0) -> int:
         return SAMPLES // BATCH
 
-    def plan(self, epoch: int, rank: int, world_size: int, remainder: str, offset: int = 0) -> OrderStub:
+    def plan(
+        self, epoch: int, rank: int, world_size: int, remainder: str, offset: int = 0, mixture: object = None
+    ) -> OrderStub:
         return OrderStub()
 
 

@@ -276,7 +276,8 @@ def test_kinds_of_the_wrong_type_are_refused_not_crashed_on(kind: object) -> Non
 
 # --- the declarations: golden frames, and properties derived from every message's field rules -----
 
-# Frames of protocol version 9 (version 8 plus a feed's named ``sources`` and their sizes;
+# Frames of protocol version 9 (version 8 plus a feed's named ``sources`` and their sizes, and a
+# hello's mixture ``weights`` and ``epoch_samples``;
 # version 8 was 7 plus a trainer heartbeat's ``pulls``;
 # version 7 was 6 plus a trainer heartbeat's ``waited`` and ``computed``;
 # version 6 was 5 plus a feed's ``decoding`` words and a start's ``offset``;
@@ -314,10 +315,10 @@ GOLDEN: list[tuple[Message, str]] = [
     (Bye(), "83a17609a16ba3627965a5746f6b656ea0"),
     (
         Hello("host:1", 1, "train", 6, held=(7,)),
-        "de0012a17609a16ba568656c6c6fa6636c69656e74a6686f73743a31a370696401a466656564a5747261696ea76372656469"
+        "de0014a17609a16ba568656c6c6fa6636c69656e74a6686f73743a31a370696401a466656564a5747261696ea76372656469"
         "747306a46d6f6465a57368617264a472616e6b00aa776f726c645f73697a6501a972656d61696e646572a3706164a567726f"
         "7570a0aa67726f75705f73697a6501aa62617463685f73697a6500aa696d6167655f73697a6500a6726573756d65a0a46865"
-        "6c649107a46861766500ac67726f75705f736563726574a0",
+        "6c649107a46861766500ac67726f75705f736563726574a0a77765696768747390ad65706f63685f73616d706c657300",
     ),
     (
         Heartbeat(sent=9, run=2),

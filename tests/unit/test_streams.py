@@ -39,10 +39,12 @@ class FeedStub:
     def config(self) -> Any:
         return self
 
-    def shard_batches(self, world_size: int, remainder: str, offset: int = 0) -> int:
+    def shard_batches(self, world_size: int, remainder: str, offset: int = 0, samples: int = 0) -> int:
         return -(-(self.samples - offset) // self.batch_size)
 
-    def plan(self, epoch: int, rank: int, world_size: int, remainder: str, offset: int = 0) -> ShardOrder:
+    def plan(
+        self, epoch: int, rank: int, world_size: int, remainder: str, offset: int = 0, mixture: object = None
+    ) -> ShardOrder:
         return shard_order(0, epoch, self.samples, rank, world_size, remainder, offset)
 
 

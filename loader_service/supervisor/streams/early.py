@@ -25,6 +25,7 @@ from __future__ import annotations
 import logging
 from dataclasses import dataclass, field
 
+from loader_service.dataset.mixture import Mixture
 from loader_service.supervisor.feeds import Feed
 from loader_service.supervisor.streams.producers import Lane, PlanKey, Producer
 
@@ -60,10 +61,16 @@ class EarlyBatches(Producer):
     """
 
     def __init__(
-        self, feed: Feed, batches: int = WARM_BATCHES, plan: PlanKey = WARM_PLAN, lane: Lane = Lane.WARM
+        self,
+        feed: Feed,
+        batches: int = WARM_BATCHES,
+        plan: PlanKey = WARM_PLAN,
+        lane: Lane = Lane.WARM,
+        mixture: Mixture | None = None,
     ) -> None:
         super().__init__(feed, plan)
         self.lane = lane
+        self.mixture = mixture
         self._limit = batches
         self.ready: dict[int, tuple[int, int]] = {}
         """seq -> (slot, count) of decoded batches waiting for a taker."""
@@ -77,7 +84,8 @@ class EarlyBatches(Producer):
         The generation only grows, so a late batch of any earlier plan is never taken for this one.
         """
         _epoch, _rank, world_size, remainder, offset = plan
-        self._end = min(self._limit, self.feed.shard_batches(world_size, remainder, offset))
+        samples = self.mixture.epoch_samples if self.mixture is not None else 0
+        self._end = min(self._limit, self.feed.shard_batches(world_size, remainder, offset, samples))
         self.drop(plan)
 
     def serves(self, plan: PlanKey, position: int) -> bool:

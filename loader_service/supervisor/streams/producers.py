@@ -22,6 +22,7 @@ from collections.abc import Iterable
 import numpy as np
 import numpy.typing as npt
 
+from loader_service.dataset.mixture import Mixture
 from loader_service.dataset.sampler import ShardOrder
 from loader_service.supervisor.feeds import Feed
 
@@ -48,6 +49,9 @@ class Producer:
     """One plan's batches, planned in order; subclasses decide what a decoded batch is for."""
 
     lane = Lane.STREAM
+    mixture: Mixture | None = None
+    """The weights its trainer chose over the feed's sources (NOTE [ Mixture order ]); None: the
+    feed's own order."""
 
     def __init__(self, feed: Feed, plan_key: PlanKey) -> None:
         self.feed = feed
@@ -76,7 +80,7 @@ class Producer:
     def plan_batch(self) -> tuple[int, int, npt.NDArray[np.int64]]:
         """(generation, seq, sample indices) of the next batch to decode."""
         if self._order is None:
-            self._order = self.feed.plan(*self.plan_key)
+            self._order = self.feed.plan(*self.plan_key, mixture=self.mixture)
         seq = self.next_seq()
         self.filling += 1
         return self.gen, seq, self._order.batch(seq, self.feed.config.batch_size)

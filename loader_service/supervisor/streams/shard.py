@@ -79,8 +79,8 @@ class ShardStream(Stream):
         picked: tuple[int, ...] | None = None,
         offset: int = 0,
     ) -> None:
-        if offset and not 0 < offset < len(self.feed.index):
-            raise StartRefused(f"offset {offset} is outside the epoch's {len(self.feed.index)} samples")
+        if offset and not 0 < offset < (samples := self.epoch_samples or len(self.feed.index)):
+            raise StartRefused(f"offset {offset} is outside the epoch's {samples} samples")
         self._start_shard(self.members[session_id], epoch, position, warm, picked, offset)
 
     def _start_shard(
@@ -94,7 +94,9 @@ class ShardStream(Stream):
     ) -> None:
         """(Re)start the plan; take batches decoded early (ahead, or warm) if they are its first ones."""
         plan = (epoch, self.rank, self.world_size, self.remainder, offset)
-        early = next((e for e in (self.ahead, warm) if e is not None and e.serves(plan, position)), None)
+        # The warm start decodes the feed's own order: never a mixture's first batches.
+        candidates = (self.ahead, warm if self.mixture is None else None)
+        early = next((e for e in candidates if e is not None and e.serves(plan, position)), None)
         self._begin(epoch, position, offset)
         self.picks, self.wanted, self.planned = (None if picked is None else []), set(), set()
         self.last_asked = False
@@ -116,7 +118,9 @@ class ShardStream(Stream):
             )
         following = (epoch + 1, self.rank, self.world_size, self.remainder, 0)
         if self.ahead is None:
-            self.ahead = EarlyBatches(self.feed, self.window, following, lane=Lane.AHEAD)
+            self.ahead = EarlyBatches(
+                self.feed, self.window, following, lane=Lane.AHEAD, mixture=self.mixture
+            )
         else:
             self.ahead.retarget(following)
         if picked is not None:

@@ -12,6 +12,7 @@ import time
 from collections.abc import Callable, Sequence
 
 from loader_service.config import ServiceConfig
+from loader_service.dataset.tables import DatasetError
 from loader_service.supervisor.feeds import Feed
 from loader_service.supervisor.streams.broadcast import BroadcastStream
 from loader_service.supervisor.streams.early import EarlyBatches
@@ -151,6 +152,12 @@ class TrainerDesk:
                 f"feed {feed.name!r} serves batches of {cfg.batch_size} samples of {served}; "
                 f"this trainer asked for {msg.batch_size or 'any'} of {msg.image_size or 'any'}px"
             )
+        if msg.weights and msg.mode == "broadcast":
+            return "weights are for shard trainers: a broadcast group reads the feed's own order (issue 38)"
+        try:
+            feed.mixture_of(msg)
+        except DatasetError as exc:
+            return str(exc)
         if msg.mode == "broadcast":
             stream = self._attached.streams.get(group_key(feed.id, msg.group, msg.group_secret))
             if stream is not None and stream.group_size != msg.group_size:
@@ -190,7 +197,9 @@ class TrainerDesk:
         session = Session(routing_id, label, msg, feed.id, time.monotonic(), opened_by=msg)
         session.max_credits = feed.config.slots  # more could never be honoured: no slots behind them
         self._attached.add(session)
-        self._attached.stream_for(session, feed).add(session)
+        stream = self._attached.stream_for(session, feed)
+        stream.mixture = stream.mixture or feed.mixture_of(msg)  # a shard stream: its one trainer's
+        stream.add(session)
         log.info(
             "trainer %s (pid %d) attached to feed %r as session %s (%s)",
             session.client,
@@ -272,10 +281,10 @@ class TrainerDesk:
     def _welcome(self, session: Session) -> Welcome:
         feed = self._feeds[session.feed]
         stream = self._attached.stream_of(session)
-        samples = shard_size(len(feed.index), stream.world_size, stream.remainder)
+        samples = shard_size(stream.epoch_samples or len(feed.index), stream.world_size, stream.remainder)
         return Welcome(
             session.session_id,
-            feed.info(),
+            feed.info(stream.mixture),
             self._config.heartbeat_interval,
             stream.batches_per_epoch(),
             samples,
