@@ -24,8 +24,8 @@ NOTE [ Mixture order ]
     can thus drift from its share by less than one sample an epoch (one in ``epoch_samples``).
     Choosing costs O(epoch_samples x sources) once for each distinct epoch: in Python here 0.53 s
     for a million positions of three sources, 1.2 s of eight. Where that must not stall the
-    service's main loop, it belongs in a thread or in C; a batch's samples then cost a few numpy
-    calls (0.3 ms for 256).
+    service's main loop (it runs there now, when a weighted job plans its epoch's first batch), it
+    belongs in a thread or in C; a batch's samples then cost a few numpy calls (0.3 ms for 256).
 
     Inside a source, its ``m``-th draw since the run began is position ``m % size`` of pass
     ``m // size`` over it, a keyed permutation of that pass (``EpochOrder``, keyed by the source's

@@ -4,10 +4,11 @@ there, and a bad file is named with its source."""
 
 from __future__ import annotations
 
+import json
 import shutil
 from collections import Counter
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import pytest
 
@@ -210,4 +211,67 @@ def test_weights_on_a_feed_of_one_dataset_are_refused(photos: Path, start_servic
         ServiceLoader(service.endpoint, weights={"data": 1.0}, connect_timeout=10)
     with pytest.raises(ValueError, match="weight of 'data' must be a finite number"):
         ServiceLoader(service.endpoint, weights={"data": float("nan")}, connect_timeout=10)
+    assert service.stop() == 0
+
+
+def mixed_job(
+    endpoint: str, world: int, steps: int, state: dict[str, Any] | None, weights: dict[str, float], epoch: int
+) -> tuple[list[tuple[int, int]], dict[str, Any]]:
+    """A weighted job of ``world`` ranks taking ``steps`` batches each (-1: to the epoch's end) from
+    ``state``: its rows, and its last rank's state."""
+    loaders = [
+        ServiceLoader(
+            endpoint,
+            rank=r,
+            world_size=world,
+            remainder="drop",
+            weights=weights,
+            epoch_samples=epoch,
+            timeout=60,
+        )
+        for r in range(world)
+    ]
+    try:
+        for loader in loaders:
+            if state is not None:
+                loader.load_state_dict(json.loads(json.dumps(state)))
+        passes = [iter(loader) for loader in loaders]
+        rows: list[tuple[int, int]] = []
+        step = 0
+        while steps < 0 or step < steps:
+            batches = [next(p, None) for p in passes]
+            if any(b is None for b in batches):
+                break
+            for b in batches:
+                assert b is not None
+                rows += list(zip(b.sources.tolist(), b.indices.tolist(), strict=True))
+            del batches
+            step += 1
+        return rows, loaders[-1].state_dict()
+    finally:
+        for loader in loaders:
+            loader.close()
+
+
+def test_a_weighted_job_resumes_at_another_world_size_exactly_once(
+    photo_sources: dict[str, Path], start_service: ServiceFactory
+) -> None:
+    """2 ranks take 3 batches of 8 each; the last rank's state resumes the mixture with 3 ranks: across
+    both jobs every position of the epoch once (but the few the new job's ``drop`` leaves out, the
+    epoch's last). A loader with other weights refuses that state."""
+    flags = [f"{name}={photo_sources[kind]}" for name, kind in zip(NAMES, KINDS, strict=True)]
+    service = start_service(None, source=flags, batch_size=8)
+    weights, epoch = {"folder": 0.2, "shards": 0.5, "list": 0.3}, 200
+    with ServiceLoader(service.endpoint, weights=weights, epoch_samples=epoch, timeout=60) as whole:
+        sequence = rows_of(whole)
+    first, state = mixed_job(service.endpoint, 2, 3, None, weights, epoch)
+    assert state["consumed"] == 48
+    rest, _ = mixed_job(service.endpoint, 3, -1, state, weights, epoch)
+    left_out = (epoch - 48) % 3
+    assert sorted(first + rest) == sorted(sequence[: epoch - left_out])
+    other = ServiceLoader(
+        service.endpoint, weights={**weights, "folder": 0.9}, epoch_samples=epoch, timeout=60
+    )
+    with other, pytest.raises(ValueError, match="fingerprint"):
+        other.load_state_dict(state)
     assert service.stop() == 0
