@@ -459,3 +459,40 @@ def write_parquet(root: Path, folder: Path, files: int = 1) -> Path:
     from testkit.fixtures import write_parquet as write
 
     return write(root, folder, files)
+
+
+def job_steps(
+    endpoint: str,
+    world: int,
+    steps: int,
+    state: dict[str, Any] | None = None,
+    rows: Callable[[Any], list[Any]] = lambda batch: batch.indices.tolist(),
+    **loader: Any,
+) -> tuple[list[Any], Any]:
+    """A job of ``world`` ranks (one loader each, on one service, ``remainder="drop"``, ``loader``'s
+    other arguments) taking ``steps`` batches each, in step (-1: to the epoch's end), from ``state``
+    if given: ``rows`` of every batch it took, and rank ``world - 1``'s state after its last step
+    (any rank's would do: NOTE [ Elastic epochs ])."""
+    loaders = [
+        ServiceLoader(endpoint, rank=r, world_size=world, remainder="drop", timeout=60, **loader)
+        for r in range(world)
+    ]
+    try:
+        for each in loaders:
+            if state is not None:
+                each.load_state_dict(json.loads(json.dumps(state)))
+        passes = [iter(each) for each in loaders]
+        taken: list[Any] = []
+        step = 0
+        while steps < 0 or step < steps:
+            batches = [next(p, None) for p in passes]
+            if any(b is None for b in batches):
+                assert all(b is None for b in batches), "every rank ends its share together"
+                break
+            taken += [row for b in batches if b is not None for row in rows(b)]
+            del batches
+            step += 1
+        return taken, loaders[-1].state_dict()
+    finally:
+        for each in loaders:
+            each.close()

@@ -4,7 +4,6 @@ there, and a bad file is named with its source."""
 
 from __future__ import annotations
 
-import json
 import shutil
 from collections import Counter
 from pathlib import Path
@@ -14,7 +13,7 @@ import pytest
 
 from gpu_worker import ServiceError, ServiceLoader
 from loader_service.dataset.index import build_index
-from tests.helpers import ServiceFactory, in_threads, status
+from tests.helpers import ServiceFactory, in_threads, job_steps, status
 
 if TYPE_CHECKING:
     from testkit.s3server import S3Server
@@ -214,43 +213,8 @@ def test_weights_on_a_feed_of_one_dataset_are_refused(photos: Path, start_servic
     assert service.stop() == 0
 
 
-def mixed_job(
-    endpoint: str, world: int, steps: int, state: dict[str, Any] | None, weights: dict[str, float], epoch: int
-) -> tuple[list[tuple[int, int]], dict[str, Any]]:
-    """A weighted job of ``world`` ranks taking ``steps`` batches each (-1: to the epoch's end) from
-    ``state``: its rows, and its last rank's state."""
-    loaders = [
-        ServiceLoader(
-            endpoint,
-            rank=r,
-            world_size=world,
-            remainder="drop",
-            weights=weights,
-            epoch_samples=epoch,
-            timeout=60,
-        )
-        for r in range(world)
-    ]
-    try:
-        for loader in loaders:
-            if state is not None:
-                loader.load_state_dict(json.loads(json.dumps(state)))
-        passes = [iter(loader) for loader in loaders]
-        rows: list[tuple[int, int]] = []
-        step = 0
-        while steps < 0 or step < steps:
-            batches = [next(p, None) for p in passes]
-            if any(b is None for b in batches):
-                break
-            for b in batches:
-                assert b is not None
-                rows += list(zip(b.sources.tolist(), b.indices.tolist(), strict=True))
-            del batches
-            step += 1
-        return rows, loaders[-1].state_dict()
-    finally:
-        for loader in loaders:
-            loader.close()
+def source_rows(batch: Any) -> list[tuple[int, int]]:
+    return list(zip(batch.sources.tolist(), batch.indices.tolist(), strict=True))
 
 
 def test_a_weighted_job_resumes_at_another_world_size_exactly_once(
@@ -264,9 +228,10 @@ def test_a_weighted_job_resumes_at_another_world_size_exactly_once(
     weights, epoch = {"folder": 0.2, "shards": 0.5, "list": 0.3}, 200
     with ServiceLoader(service.endpoint, weights=weights, epoch_samples=epoch, timeout=60) as whole:
         sequence = rows_of(whole)
-    first, state = mixed_job(service.endpoint, 2, 3, None, weights, epoch)
+    mixture = {"weights": weights, "epoch_samples": epoch}
+    first, state = job_steps(service.endpoint, 2, 3, None, source_rows, **mixture)
     assert state["consumed"] == 48
-    rest, _ = mixed_job(service.endpoint, 3, -1, state, weights, epoch)
+    rest, _ = job_steps(service.endpoint, 3, -1, state, source_rows, **mixture)
     left_out = (epoch - 48) % 3
     assert sorted(first + rest) == sorted(sequence[: epoch - left_out])
     other = ServiceLoader(

@@ -23,6 +23,7 @@ from tests.helpers import (
     SourceData,
     epoch_indices,
     in_threads,
+    job_steps,
     status,
     trainer_process,
 )
@@ -365,36 +366,6 @@ def test_a_trainer_expecting_other_fields_is_told_every_difference_before_any_ba
     assert not any(s["leased"] for s in status(service.endpoint)["sessions"]), "it took no batch"
     with ServiceLoader(service.endpoint, connect_timeout=10) as ok:  # the service is unharmed
         assert ok.fields == {"image": ((3, 32, 32), torch.uint8), "label": ((), torch.int64)}
-
-
-def job_steps(
-    endpoint: str, world: int, steps: int, state: dict[str, Any] | None = None
-) -> tuple[list[int], Any]:
-    """A job of ``world`` ranks (one loader each, on one service) taking ``steps`` batches each, in
-    step (-1: to the epoch's end), from ``state`` if given: what it took, and rank ``world - 1``'s
-    state after its last step (any rank's would do: NOTE [ Elastic epochs ])."""
-    loaders = [
-        ServiceLoader(endpoint, rank=r, world_size=world, remainder="drop", timeout=30) for r in range(world)
-    ]
-    try:
-        for loader in loaders:
-            if state is not None:
-                loader.load_state_dict(json.loads(json.dumps(state)))
-        passes = [iter(loader) for loader in loaders]
-        taken: list[int] = []
-        step = 0
-        while steps < 0 or step < steps:
-            batches = [next(p, None) for p in passes]
-            if any(b is None for b in batches):
-                assert all(b is None for b in batches), "every rank ends its share together"
-                break
-            taken += [i for b in batches if b is not None for i in b.indices.tolist()]
-            del batches
-            step += 1
-        return taken, loaders[-1].state_dict()
-    finally:
-        for loader in loaders:
-            loader.close()
 
 
 @pytest.mark.parametrize(("before", "steps", "after"), [(4, 3, 2), (2, 5, 3)])
