@@ -22,8 +22,9 @@ NOTE [ Mixture order ]
     alone, the same for every epoch with the same weights, and where the sources stand at any
     epoch's start is a sum, not a replay of the epochs before it. Over many epochs a source's total
     can thus drift from its share by less than one sample an epoch (one in ``epoch_samples``).
-    Choosing costs O(epoch_samples x sources) once for each distinct epoch: in Python here 0.53 s
-    for a million positions of three sources, 1.2 s of eight. Where that must not stall the
+    Choosing costs O(epoch_samples x sources) once for each distinct epoch, and holds the epoch's
+    order whole (6 bytes a position, ``MAX_EPOCH_SAMPLES`` at most): in Python here 0.53 s for a
+    million positions of three sources, 1.2 s of eight. Where that must not stall the
     service's main loop (it runs there now, when a weighted job plans its epoch's first batch), it
     belongs in a thread or in C; a batch's samples then cost a few numpy calls (0.3 ms for 256).
 
@@ -60,6 +61,10 @@ import numpy.typing as npt
 from loader_service.dataset.sampler import epoch_order
 from loader_service.dataset.tables import DatasetError
 
+MAX_EPOCH_SAMPLES = 1 << 24
+"""Positions of one mixture epoch the service chooses for: its order is held whole, 6 bytes a
+position (100 MB at this bound), and chosen in the main loop (NOTE [ Mixture order ]), so a
+trainer's ``epoch_samples`` is a peer's number that must be bounded."""
 WEIGHT_UNIT = 1 << 32
 """The sum the weights are scaled to: a share is exact to 1 part in 4 billion."""
 _SOURCE_TAG = 0x50C
@@ -127,13 +132,13 @@ class EpochDraws:
 
     source: npt.NDArray[np.uint16]
     """The source of each position."""
-    draw: npt.NDArray[np.int64]
+    draw: npt.NDArray[np.int32]
     """Each position's draw of its source inside this epoch: 0 for its first, 1 for its second..."""
     counts: tuple[int, ...]
     """Each source's positions in the epoch."""
 
 
-@lru_cache(maxsize=16)
+@lru_cache(maxsize=4)
 def epoch_draws(samples: int, segments: tuple[tuple[int, tuple[int, ...]], ...]) -> EpochDraws:
     """The sources of ``samples`` positions by the rule of NOTE [ Mixture order ]; ``segments``:
     weights from positions of the epoch on, the first at 0. O(samples x sources), made once for
@@ -142,7 +147,7 @@ def epoch_draws(samples: int, segments: tuple[tuple[int, tuple[int, ...]], ...])
     chosen = np.zeros(samples, np.uint16)
     if sources > 1:
         _choose(chosen, segments)
-    draw = np.empty(samples, np.int64)
+    draw = np.empty(samples, np.int32)
     counts = []
     for s in range(sources):
         where = np.flatnonzero(chosen == s)
@@ -211,8 +216,11 @@ class Mixture:
             if epoch_samples not in (0, sum(sizes)):
                 raise DatasetError("epoch_samples needs weights: without them an epoch is every source once")
             weights, epoch_samples = tuple(sizes), sum(sizes)
-        if epoch_samples < 1:
-            raise DatasetError(f"a mixture's epoch needs at least one sample, not {epoch_samples}")
+        if not 1 <= epoch_samples <= MAX_EPOCH_SAMPLES:
+            raise DatasetError(
+                f"a mixture's epoch holds 1 to {MAX_EPOCH_SAMPLES} samples, not {epoch_samples} "
+                "(choose a smaller epoch_samples: the run goes on across epochs)"
+            )
         return cls(tuple(sizes), seed, epoch_samples, Schedule.constant(weights))
 
     def offsets(self) -> npt.NDArray[np.int64]:

@@ -12,6 +12,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from loader_service.dataset.mixture import (
+    MAX_EPOCH_SAMPLES,
     Mixture,
     Schedule,
     epoch_draws,
@@ -213,7 +214,8 @@ def test_a_change_is_never_in_the_past_of_another() -> None:
     [
         ((5, 0), 0, (), "every source of a mixture needs a sample"),
         ((5, 3), 10, (), "epoch_samples needs weights"),
-        ((5, 3), 0, (1, 1), "needs at least one sample"),
+        ((5, 3), 0, (1, 1), "a mixture's epoch holds 1 to"),
+        ((5, 3), MAX_EPOCH_SAMPLES + 1, (1, 1), "choose a smaller epoch_samples"),
     ],
 )
 def test_a_mixture_that_cannot_be_is_refused(
