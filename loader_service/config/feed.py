@@ -129,6 +129,11 @@ class FeedOptions:
     a ``[sources]`` or ``[feeds.NAME.sources]`` table of ``NAME = DATA``; each DATA anything
     ``data`` takes. Empty: ``data`` is the feed's one source."""
 
+    @property
+    def named_sources(self) -> tuple[tuple[str, str], ...]:
+        """(name, data) of every source the feed reads: ``data`` alone is one source named "data"."""
+        return self.sources or (("data", self.data),)
+
 
 SOURCE_NAME = re.compile(r"[A-Za-z0-9_.-]{1,64}")
 

@@ -53,13 +53,13 @@ import itertools
 import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from functools import lru_cache
+from functools import cached_property, lru_cache
 
 import numpy as np
 import numpy.typing as npt
 
 from loader_service.dataset.sampler import epoch_order
-from loader_service.dataset.tables import DatasetError
+from loader_service.dataset.tables import DatasetError, offsets_of
 
 MAX_EPOCH_SAMPLES = 1 << 24
 """Positions of one mixture epoch the service chooses for: its order is held whole, 6 bytes a
@@ -223,9 +223,11 @@ class Mixture:
             )
         return cls(tuple(sizes), seed, epoch_samples, Schedule.constant(weights))
 
+    @cached_property
     def offsets(self) -> npt.NDArray[np.int64]:
-        """Where each source's samples begin in the feed's numbering (the sources one after another)."""
-        return np.concatenate(([0], np.cumsum(self.sizes[:-1]))).astype(np.int64)
+        """Where each source's samples begin in the feed's numbering (the sources one after
+        another), the feed's size last; made once, read at every batch."""
+        return offsets_of(self.sizes)
 
     def epoch(self, epoch: int) -> MixtureEpoch:
         return MixtureEpoch(self, epoch, self._draws(epoch), self.before(epoch))
@@ -279,7 +281,7 @@ class MixtureEpoch:
             mask = (source == s) & (passes == p)
             order = epoch_order(source_seed(mixture.seed, s), p, mixture.sizes[s])
             local[mask] = order.at(inside[mask])
-        result: npt.NDArray[np.int64] = mixture.offsets()[source] + local
+        result: npt.NDArray[np.int64] = mixture.offsets[source] + local
         return result
 
 

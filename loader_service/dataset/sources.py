@@ -27,7 +27,7 @@ import numpy.typing as npt
 from loader_service.dataset.index import DatasetIndex, load_or_build
 from loader_service.dataset.source import Columns, Progress
 from loader_service.dataset.storage.storeconfig import StorageConfig
-from loader_service.dataset.tables import DatasetError
+from loader_service.dataset.tables import DatasetError, offsets_of
 
 SOURCES_FILE = "sources.json"
 """Beside a feed's saved index: the sources' names, and the folder of each."""
@@ -43,8 +43,7 @@ class FeedSources:
     def __post_init__(self) -> None:
         if not self.indexes or len(self.names) != len(self.indexes):
             raise DatasetError(f"a feed needs one index per source: {len(self.names)} names")
-        sizes = [len(index) for index in self.indexes]
-        object.__setattr__(self, "offsets", np.concatenate(([0], np.cumsum(sizes))).astype(np.int64))
+        object.__setattr__(self, "offsets", offsets_of([len(index) for index in self.indexes]))
 
     @classmethod
     def one(cls, name: str, index: DatasetIndex) -> FeedSources:

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 from array import array
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -65,6 +66,11 @@ def packed(values: array[int] | bytearray, dtype: type[np.generic]) -> npt.NDArr
     arr: npt.NDArray[Any] = np.frombuffer(values, dtype=dtype)
     arr.flags.writeable = False
     return arr
+
+
+def offsets_of(sizes: Sequence[int]) -> npt.NDArray[np.int64]:
+    """``len(sizes) + 1`` values: where each of parts laid one after another begins, the total last."""
+    return np.concatenate(([0], np.cumsum(sizes, dtype=np.int64))).astype(np.int64)
 
 
 class StringTableBuilder:

@@ -89,7 +89,7 @@ class Feed:
         the feed on every exit path. DatasetError (bad source), PipelineError (a pipeline that cannot
         run) or ConfigError (a cache too small for its table): the service refuses to start."""
         built = index_sources(
-            config.sources or (("data", config.data),),
+            config.named_sources,
             config.format,
             functools.partial(_indexing, config),
             config.storage,

@@ -210,8 +210,9 @@ def dry_run(config: ServiceConfig) -> int:
     os.environ["OPENCV_IO_MAX_IMAGE_PIXELS"] = str(config.max_pixels)
     for feed in config.feeds():
         columns = Columns(feed.image_column, feed.label_column)
-        named = feed.sources or (("data", feed.data),)
-        index = index_sources(named, feed.format, lambda _source: _indexing, feed.storage, columns)
+        index = index_sources(
+            feed.named_sources, feed.format, lambda _source: _indexing, feed.storage, columns
+        )
         kind = cache_kind(feed.augment, feed.pipeline, feed.pipeline_deterministic)
         row_bytes = _row_bytes(feed, index, config.task_timeout) if kind is CacheKind.FINAL else 0
         found = estimate(

@@ -96,7 +96,7 @@ def test_a_weight_change_keeps_the_past_and_follows_the_new_weights_after(
 
 def draws_by_source(mixture: Mixture, epochs: int) -> list[list[int]]:
     """Each source's samples in the order the run draws them, over ``epochs`` epochs."""
-    offsets = mixture.offsets().tolist()
+    offsets = mixture.offsets.tolist()
     found: list[list[int]] = [[] for _ in mixture.sizes]
     every = np.arange(mixture.epoch_samples, dtype=np.int64)
     for e in range(epochs):

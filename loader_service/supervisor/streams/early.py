@@ -84,8 +84,9 @@ class EarlyBatches(Producer):
         The generation only grows, so a late batch of any earlier plan is never taken for this one.
         """
         _epoch, _rank, world_size, remainder, offset = plan
-        samples = self.mixture.epoch_samples if self.mixture is not None else 0
-        self._end = min(self._limit, self.feed.shard_batches(world_size, remainder, offset, samples))
+        self._end = min(
+            self._limit, self.feed.shard_batches(world_size, remainder, offset, self.epoch_samples)
+        )
         self.drop(plan)
 
     def serves(self, plan: PlanKey, position: int) -> bool:

@@ -53,6 +53,11 @@ class Producer:
     """The weights its trainer chose over the feed's sources (NOTE [ Mixture order ]); None: the
     feed's own order."""
 
+    @property
+    def epoch_samples(self) -> int:
+        """Samples in one epoch of its mixture; 0: the feed's size."""
+        return self.mixture.epoch_samples if self.mixture is not None else 0
+
     def __init__(self, feed: Feed, plan_key: PlanKey) -> None:
         self.feed = feed
         self.gen = next(GENERATIONS)

@@ -126,11 +126,6 @@ class Stream(Producer):
     def batches_per_epoch(self, offset: int = 0) -> int:
         return self.feed.shard_batches(self.world_size, self.remainder, offset, self.epoch_samples)
 
-    @property
-    def epoch_samples(self) -> int:
-        """Samples in one epoch of its mixture; 0: the feed's size."""
-        return self.mixture.epoch_samples if self.mixture is not None else 0
-
     # --- starting epochs ------------------------------------------------------------------------
 
     def on_start(
