@@ -23,10 +23,12 @@ NOTE [ Mixture order ]
     epoch's start is a sum, not a replay of the epochs before it. Over many epochs a source's total
     can thus drift from its share by less than one sample an epoch (one in ``epoch_samples``).
     Choosing costs O(epoch_samples x sources) once for each distinct epoch, and holds the epoch's
-    order whole (6 bytes a position, ``MAX_EPOCH_SAMPLES`` at most): in Python here 0.53 s for a
-    million positions of three sources, 1.2 s of eight. Where that must not stall the
-    service's main loop (it runs there now, when a weighted job plans its epoch's first batch), it
-    belongs in a thread or in C; a batch's samples then cost a few numpy calls (0.3 ms for 256).
+    order whole (6 bytes a position, ``MAX_EPOCH_SAMPLES`` at most). It runs in the service's main
+    loop, when a weighted job plans its epoch's first batch, so it is in C (``_mixture.c``, the
+    same integers; a test holds it to the Python reference): 10 ms for a million positions of
+    three sources here, 0.32 s for the largest epoch (50 times the Python's 0.53 s a million,
+    which remains where the extension is not built). A batch's samples then cost a few numpy calls
+    (0.3 ms for 256).
 
     Inside a source, its ``m``-th draw since the run began is position ``m % size`` of pass
     ``m // size`` over it, a keyed permutation of that pass (``EpochOrder``, keyed by the source's
@@ -53,7 +55,9 @@ import itertools
 import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
+from fractions import Fraction
 from functools import cached_property, lru_cache
+from types import ModuleType
 
 import numpy as np
 import numpy.typing as npt
@@ -63,15 +67,24 @@ from loader_service.dataset.tables import DatasetError, offsets_of
 
 MAX_EPOCH_SAMPLES = 1 << 24
 """Positions of one mixture epoch the service chooses for: its order is held whole, 6 bytes a
-position (100 MB at this bound), and chosen in the main loop (NOTE [ Mixture order ]), so a
-trainer's ``epoch_samples`` is a peer's number that must be bounded."""
+position (100 MB at this bound), and chosen in the main loop (0.32 s at this bound in C, NOTE
+[ Mixture order ]), so a trainer's ``epoch_samples`` is a peer's number that must be bounded."""
 WEIGHT_UNIT = 1 << 32
 """The sum the weights are scaled to: a share is exact to 1 part in 4 billion."""
 _SOURCE_TAG = 0x50C
+C_MAX_TOTAL = 1 << 44
+C_MAX_SOURCES = 256
+"""What ``_mixture.c`` takes: larger sums (weights of sources' sizes past 2^44) are chosen in Python."""
+
+_mixture: ModuleType | None
+try:
+    from loader_service.dataset import _mixture
+except ImportError:  # not built (no C compiler at install): the same order, chosen in Python
+    _mixture = None
 
 
 def integer_weights(weights: Mapping[str, float], names: Sequence[str]) -> tuple[int, ...]:
-    """``weights`` by source name as integers summing to about ``WEIGHT_UNIT``, in the order of
+    """``weights`` by source name as integers summing to ``WEIGHT_UNIT``, in the order of
     ``names``; DatasetError for a name that is not a source, a source left out, or a weight that is
     negative, not finite, or the only kind there is (all zero)."""
     unknown = sorted(set(weights) - set(names))
@@ -88,12 +101,17 @@ def integer_weights(weights: Mapping[str, float], names: Sequence[str]) -> tuple
     for name, value in zip(names, values, strict=True):
         if not isinstance(value, (int, float)) or not math.isfinite(value) or value < 0:
             raise DatasetError(f"weight of {name} must be a finite number >= 0, not {value!r}")
-    total = math.fsum(values)
+    exact = [Fraction(v) for v in values]
+    total = sum(exact)
     if total <= 0:
         raise DatasetError("weights are all zero: at least one source must have a weight above 0")
-    scaled = [round(v / total * WEIGHT_UNIT) for v in values]
-    if not any(scaled):  # a weight so small against the others that it rounds away: keep the largest
-        scaled[values.index(max(values))] = 1
+    # Largest remainders: the integers sum to WEIGHT_UNIT exactly, so every schedule's deficits
+    # share one unit (the C choice's bound), and exact fractions round alike on every platform.
+    shares = [w * WEIGHT_UNIT / total for w in exact]
+    scaled = [math.floor(share) for share in shares]
+    by_remainder = sorted(range(len(shares)), key=lambda i: (scaled[i] - shares[i], i))
+    for i in by_remainder[: WEIGHT_UNIT - sum(scaled)]:
+        scaled[i] += 1
     return tuple(scaled)
 
 
@@ -145,32 +163,51 @@ def epoch_draws(samples: int, segments: tuple[tuple[int, tuple[int, ...]], ...])
     every epoch that has the same weights."""
     sources = len(segments[0][1])
     chosen = np.zeros(samples, np.uint16)
-    if sources > 1:
-        _choose(chosen, segments)
-    draw = np.empty(samples, np.int32)
-    counts = []
+    draw = np.arange(samples, dtype=np.int32)  # one source: its draws are the positions
+    counts = _choose(chosen, draw, segments) if sources > 1 else (samples,)
+    chosen.setflags(write=False)
+    draw.setflags(write=False)
+    return EpochDraws(chosen, draw, counts)
+
+
+def _choose(
+    chosen: npt.NDArray[np.uint16],
+    draw: npt.NDArray[np.int32],
+    segments: tuple[tuple[int, tuple[int, ...]], ...],
+) -> tuple[int, ...]:
+    """Fill ``chosen`` position by position (NOTE [ Mixture order ]), in integers, and ``draw`` with
+    each position's draw of its source; return each source's positions. Deficits are in units of
+    ``1 / total``, every segment's weights scaled to that one sum, so that the deficits left at a
+    change carry over exactly. In C (``_mixture.c``) where it is built and the sums allow."""
+    sources = len(segments[0][1])
+    total = math.lcm(*(sum(w) for _, w in segments))
+    starts = [min(p, len(chosen)) for p, _ in segments] + [len(chosen)]
+    scaled = [[w * (total // sum(given)) for w in given] for _, given in segments]
+    if _mixture is not None and total < C_MAX_TOTAL and sources <= C_MAX_SOURCES:
+        bounds = np.asarray(starts, np.int64)
+        counts: tuple[int, ...] = _mixture.choose(
+            chosen, draw, bounds, np.asarray(scaled, np.int64), total, sources
+        )
+        return counts
+    _choose_here(chosen, starts, scaled, total)
+    found = []
     for s in range(sources):
         where = np.flatnonzero(chosen == s)
         draw[where] = np.arange(where.size)
-        counts.append(int(where.size))
-    chosen.setflags(write=False)
-    draw.setflags(write=False)
-    return EpochDraws(chosen, draw, tuple(counts))
+        found.append(int(where.size))
+    return tuple(found)
 
 
-def _choose(chosen: npt.NDArray[np.uint16], segments: tuple[tuple[int, tuple[int, ...]], ...]) -> None:
-    """Fill ``chosen`` position by position (NOTE [ Mixture order ]), in integers: deficits are in
-    units of ``1 / total``, every segment's weights scaled to that one sum, so that the deficits
-    left at a change carry over exactly."""
-    sources = len(segments[0][1])
+def _choose_here(
+    chosen: npt.NDArray[np.uint16], starts: list[int], scaled: list[list[int]], total: int
+) -> None:
+    """``_choose`` in Python: the reference the C choice is tested against."""
+    sources = len(scaled[0])
     slack = 2 * sources - 2
     """A source is eligible once its deficit reaches ``1 / slack``."""
-    total = math.lcm(*(sum(w) for _, w in segments))
     deficit = [0] * sources
-    bounds = [p for p, _ in segments[1:]] + [len(chosen)]
-    for (start, given), stop in zip(segments, bounds, strict=True):
-        weights = [w * (total // sum(given)) for w in given]
-        for j in range(start, min(stop, len(chosen))):
+    for weights, start, stop in zip(scaled, starts, starts[1:], strict=False):
+        for j in range(start, stop):
             best, key = -1, (0, 0)
             for s in range(sources):
                 before = deficit[s]

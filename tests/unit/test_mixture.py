@@ -11,8 +11,10 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from loader_service.dataset import mixture as mixture_module
 from loader_service.dataset.mixture import (
     MAX_EPOCH_SAMPLES,
+    WEIGHT_UNIT,
     Mixture,
     Schedule,
     epoch_draws,
@@ -223,3 +225,39 @@ def test_a_mixture_that_cannot_be_is_refused(
 ) -> None:
     with pytest.raises(DatasetError, match=message):
         Mixture.of(sizes, 0, epoch_samples, weights)
+
+
+@settings(max_examples=150, deadline=None)
+@given(
+    schedule=st.lists(
+        st.tuples(st.integers(0, 3000), weights_st.filter(lambda w: len(w) > 1)), min_size=1, max_size=4
+    ),
+    samples=st.integers(1, 3000),
+)
+def test_the_c_choice_is_the_python_one(schedule: list[tuple[int, list[int]]], samples: int) -> None:
+    """``_mixture.c`` and the reference in Python give the same sources and draws, changes included
+    (their weights' sums differ: the C choice takes their lcm as the Python one does)."""
+    if mixture_module._mixture is None:
+        pytest.skip("_mixture.c is not built here (no C compiler at install)")
+    k = len(schedule[0][1])
+    changes = {p: [*(w * k)[: k - 1], 1] for p, w in schedule[1:]}  # k weights, not all zero
+    segments = tuple((p, tuple(w)) for p, w in sorted({**changes, 0: schedule[0][1]}.items()))
+    here = mixture_module
+    chosen, draw = np.zeros(samples, np.uint16), np.zeros(samples, np.int32)
+    counts = here._choose(chosen, draw, segments)
+    try:
+        built, here._mixture = here._mixture, None
+        reference = np.zeros(samples, np.uint16), np.zeros(samples, np.int32)
+        reference_counts = here._choose(*reference, segments)
+    finally:
+        here._mixture = built
+    assert chosen.tolist() == reference[0].tolist()
+    assert draw.tolist() == reference[1].tolist()
+    assert counts == reference_counts
+
+
+def test_weights_sum_to_the_unit_exactly() -> None:
+    """Largest remainders: whatever the floats, one sum (the C choice's deficits share it)."""
+    for weights in ({"a": 1, "b": 1, "c": 1}, {"a": 0.1, "b": 0.7, "c": 1e-9}, {"a": 3, "b": 0, "c": 5}):
+        assert sum(integer_weights(weights, "abc")) == WEIGHT_UNIT
+    assert integer_weights({"a": 1, "b": 1, "c": 1}, "abc") == (1431655766, 1431655765, 1431655765)
