@@ -12,25 +12,9 @@ configuration and the public API; ``gpu_worker.fleet`` the sessions (one non-blo
 one pass over an epoch. The leases the loop holds and their releases are ``gpu_worker.leases``; what
 the loop receives is ``gpu_worker.batch``. Only the iterating thread touches the sockets: it sends
 releases, starts and wants, and again whatever a socket refused, at every wait (NOTE [ Releases
-that could not be sent ]).
-
-NOTE [ Reconnecting ]
-    When a service restarts (it answers ``no-session``) or goes silent for several heartbeats, the
-    loader opens a new connection to it, without waiting, and asks to resume its session, naming
-    the leases its loop still holds or has not taken yet and how far it has received every
-    announcement. Meanwhile the other services of the fleet take over its unfinished batches.
-    A service that was only stalled still has the session: it keeps those leases (their slots stay
-    untouched), returns the others, announces again everything after what was received (NOTE
-    [ Acknowledged delivery ] in ``gpu_worker/arrivals.py``) and carries on with the same pool and
-    the same run: nothing is lost or doubled, in shard and broadcast mode alike.
-    A restarted service (or one that had already given the session up) does not know it: the loader
-    gets a new session, checks that the feed is the same dataset with the same seed, geometry and
-    fields, and maps the new pool; if an epoch is under way, a new run starts there: in shard mode
-    the batches it owed and those received but not yet handed out are assigned again; a broadcast
-    member starts again at the position its loop reached. Batches the loop still holds stay valid
-    (a resumed session keeps their leases; after a restart their old mapping lives as long as they
-    do). In shard mode each image of the epoch is therefore still seen exactly once. If no batch
-    arrives from any service within ``timeout``, ServiceTimeout names every endpoint and its state.
+that could not be sent ]). A lost service is taken back as NOTE [ Reconnecting ] in
+``gpu_worker/connection.py`` says; a weighted job's weight changes are NOTE [ Weight changes ] in
+``gpu_worker/schedule.py``.
 """
 
 from __future__ import annotations
@@ -59,12 +43,13 @@ from gpu_worker.loader_config import (
     endpoints_of,
     shard_of,
 )
-from gpu_worker.local import START_TIMEOUT, LocalService
+from gpu_worker.local import START_TIMEOUT, LocalService, expected_option
 from gpu_worker.passes import EpochPass, PassSettings, make_pass
+from gpu_worker.schedule import WeightChanges, ordered_weights
 from gpu_worker.service import Service
 from protocol.layout import SlotLayout, describe_fields
 from protocol.messages import MAX_EPOCH, FeedInfo
-from protocol.shares import rank_batches
+from protocol.shares import consumed, rank_batches
 
 log = logging.getLogger(__name__)
 __all__ = ["Batch", "LoaderConfig", "ServiceError", "ServiceLoader", "ServiceTimeout"]
@@ -148,6 +133,8 @@ class ServiceLoader:
         self._resume: Resume | None = None
         self._next_epoch = 0
         self._pass: EpochPass | None = None
+        self._changes = WeightChanges()
+        """A weighted job's weight changes (NOTE [ Weight changes ])."""
         self._counts: Counter[str] = Counter()
         """``EpochPass.counts`` of the passes before the current one."""
         self._closed = False
@@ -185,7 +172,7 @@ class ServiceLoader:
         change. The options that shape a batch (``batch_size``, ``image_size``) are then what the
         loader expects: a shared service that serves other batches fails the attach, before any
         batch, naming both; the others are the shared service's business and ignored."""
-        batch_size, image_size = (_expected(serve_options, key) for key in ("batch_size", "image_size"))
+        batch_size, image_size = (expected_option(serve_options, key) for key in ("batch_size", "image_size"))
         private = None
         if shared := endpoints_from_env():
             log.info("%s is set: attaching to %s, no private service", ENDPOINTS_ENV, ", ".join(shared))
@@ -291,9 +278,31 @@ class ServiceLoader:
         cfg = self.config
         empty = cfg.mode == "shard" and cfg.world_size > 1  # NOTE [ Empty batches ]
         batches = self._batches(offset)
-        settings = PassSettings(epoch, position, batches, cfg.timeout, empty, offset)
+        settings = PassSettings(epoch, position, batches, cfg.timeout, empty, offset, self._changes.changes)
         self._pass = make_pass(self._fleet, settings, broadcast=cfg.mode == "broadcast")
         return iter(self._pass)
+
+    def set_weights(self, weights: Mapping[str, float], at_batch: int) -> None:
+        """Mix by ``weights`` from this rank's batch ``at_batch`` of the current pass on; every rank
+        calls it with the same arguments, as ``set_epoch`` (NOTE [ Weight changes ] in
+        gpu_worker/schedule.py). ValueError naming what is wrong: a loader without ``weights=``,
+        a batch already past or past the pass, weights that are not one number >= 0 per source."""
+        cfg, info = self.config, self.info
+        if not cfg.weights or cfg.mode != "shard":
+            raise ValueError("set_weights is for a shard loader made with weights=")
+        epoch, position, offset = self._where()
+        batches = self._batches(offset)
+        if type(at_batch) is not int or not 0 <= at_batch < batches:
+            raise ValueError(f"at_batch must be a batch of this pass, in [0, {batches}), got {at_batch!r}")
+
+        def sample(batch: int) -> int:
+            inside = consumed(offset, batch, info.batch_size, cfg.world_size, info.samples)
+            return epoch * info.samples + inside
+
+        ordered = ordered_weights(weights, self.sources)
+        self._changes = self._changes.then(sample(at_batch), ordered, sample(position))
+        if self._pass is not None and self._pass.active:
+            self._pass.replan(self._changes.changes)
 
     def stats(self) -> dict[str, Any]:
         """Per service: batches and images it delivered to the loop, images/s while it did, and
@@ -331,7 +340,7 @@ class ServiceLoader:
         other serving the same feed.
         """
         cfg = self.config
-        return state_at(self._where(), self.info, cfg.mode, cfg.world_size)
+        return {**state_at(self._where(), self.info, cfg.mode, cfg.world_size), **self._changes.state()}
 
     def _where(self) -> Resume:
         """The epoch, position and offset the next batch of the loop comes from."""
@@ -347,8 +356,9 @@ class ServiceLoader:
         (shard mode); refuse a state from another feed or setup, naming what differs. States of
         version 1 (rank-bound) load too: their ranks moved in step, so they name a prefix as well."""
         cfg = self.config
-        self._resume = resume_from(state, self.info, cfg.mode, cfg.world_size, len(self))
-        self._next_epoch = self._resume.epoch
+        resume = resume_from(state, self.info, cfg.mode, cfg.world_size, len(self))
+        self._changes = WeightChanges.from_state(state, len(self.sources))
+        self._resume, self._next_epoch = resume, resume.epoch
 
     def _batches(self, offset: int) -> int:
         """This rank's batches of an epoch shared out from ``offset`` on."""
@@ -380,20 +390,9 @@ class ServiceLoader:
     def _check_fields(self) -> None:
         """Refuse a feed whose fields are not the ones this trainer stated (``fields=``); no start
         has been sent yet, so no batch has been taken."""
-        served = self.layout.fields
-        differences = field_differences(self.config.fields, served) if self.config.fields else []
+        differences = field_differences(self.config.fields, self.layout.fields) if self.config.fields else []
         if differences:
             raise ServiceError(
                 f"feed {self.info.name!r} does not serve the fields this trainer expects: "
-                f"{'; '.join(differences)} (it serves {describe_fields(served)})"
+                f"{'; '.join(differences)} (it serves {describe_fields(self.layout.fields)})"
             )
-
-
-def _expected(serve_options: dict[str, object], key: str) -> int | None:
-    """A batch-shaping ``local`` option as the loader's expectation; None where it was not given."""
-    value = serve_options.get(key)
-    if value is None:
-        return None
-    if isinstance(value, bool) or not isinstance(value, int):
-        raise TypeError(f"serve option {key}: a whole number, not {value!r}")
-    return value

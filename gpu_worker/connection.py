@@ -11,6 +11,24 @@ frames, one per field and one for the indices; they wait in ``payloads`` until t
 with the batch, which checks them against the feed's layout. Announcements pass through
 ``gpu_worker.arrivals`` first, which hands them on in lease order, each once, and finds the ones a
 lost connection swallowed (NOTE [ Acknowledged delivery ]).
+
+NOTE [ Reconnecting ]
+    When a service restarts (it answers ``no-session``) or goes silent for several heartbeats, the
+    loader opens a new connection to it, without waiting, and asks to resume its session, naming
+    the leases its loop still holds or has not taken yet and how far it has received every
+    announcement. Meanwhile the other services of the fleet take over its unfinished batches.
+    A service that was only stalled still has the session: it keeps those leases (their slots stay
+    untouched), returns the others, announces again everything after what was received (NOTE
+    [ Acknowledged delivery ] in ``gpu_worker/arrivals.py``) and carries on with the same pool and
+    the same run: nothing is lost or doubled, in shard and broadcast mode alike.
+    A restarted service (or one that had already given the session up) does not know it: the loader
+    gets a new session, checks that the feed is the same dataset with the same seed, geometry and
+    fields, and maps the new pool; if an epoch is under way, a new run starts there: in shard mode
+    the batches it owed and those received but not yet handed out are assigned again; a broadcast
+    member starts again at the position its loop reached. Batches the loop still holds stay valid
+    (a resumed session keeps their leases; after a restart their old mapping lives as long as they
+    do). In shard mode each image of the epoch is therefore still seen exactly once. If no batch
+    arrives from any service within ``timeout``, ServiceTimeout names every endpoint and its state.
 """
 
 from __future__ import annotations

@@ -71,6 +71,16 @@ def serve_flags(options: Mapping[str, object]) -> list[str]:
     return flags
 
 
+def expected_option(serve_options: Mapping[str, object], key: str) -> int | None:
+    """A batch-shaping ``local`` option as the loader's expectation; None where it was not given."""
+    value = serve_options.get(key)
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise TypeError(f"serve option {key}: a whole number, not {value!r}")
+    return value
+
+
 def _hold_lock(path: str) -> int:
     """A flocked file kept open while the folder is in use: a service that starts on this host
     leaves the folder alone while it is held and removes it once its trainer is gone (NOTE

@@ -32,6 +32,7 @@ from gpu_worker.batch import Batch
 from gpu_worker.connection import ServiceError, ServiceTimeout, SessionEvent
 from gpu_worker.fleet import Fleet
 from gpu_worker.fleet_pass import FleetPass
+from gpu_worker.schedule import Change
 from gpu_worker.service import Service
 from protocol.messages import BatchReady, EpochEnd, Start
 
@@ -50,6 +51,8 @@ class PassSettings:
     offset: int = 0
     """Shard mode: positions of the epoch's order an earlier job took; this pass shares out the
     rest (NOTE [ Elastic epochs ] in protocol/shares.py)."""
+    changes: tuple[Change, ...] = ()
+    """A weighted job's weight changes, sent with every start (NOTE [ Weight changes ])."""
 
 
 class EpochPass:
@@ -72,6 +75,10 @@ class EpochPass:
         """Batches of this pass whose every sample was bad (NOTE [ Empty batches ])."""
         self._started: set[int] = set()
         """ids of the services this pass has sent a start under their current session."""
+        self._replan = False
+        """Weights changed: start the runs again from the loop's next batch (``replan``)."""
+        self._earlier: Counter[str] = Counter()
+        """``counts`` of the fleet passes a replan replaced."""
 
     @property
     def offset(self) -> int:
@@ -85,7 +92,13 @@ class EpochPass:
         """What ``loader.stats()`` adds up over passes: batches assigned again after a service was
         lost, asked of a second service (backups), and with no sample left (empty)."""
         d = self._fleet_pass
-        return Counter(reassigned=d.reassigned, backups=d.backups, empty=self.empty)
+        return self._earlier + Counter(reassigned=d.reassigned, backups=d.backups, empty=self.empty)
+
+    def replan(self, changes: tuple[Change, ...]) -> None:
+        """New weight changes during the pass: the runs start again from the loop's next batch, at
+        its next pull (NOTE [ Weight changes ] in gpu_worker/schedule.py)."""
+        self._settings.changes = changes
+        self._replan = True
 
     def __iter__(self) -> Iterator[Batch]:
         fleet = self._fleet
@@ -97,6 +110,8 @@ class EpochPass:
                 self._fleet_pass.joined(service)
             self._begin(fleet.live)
             while self.position < self._settings.batches:
+                if self._replan:
+                    self._restart()
                 clock.waiting()  # NOTE [ Exposed wait ]: only the pull counts as waiting
                 service, msg = self._next()
                 clock.computing()
@@ -116,6 +131,19 @@ class EpochPass:
         finally:
             clock.idle()
             self._leave()
+
+    def _restart(self) -> None:
+        """New runs from the loop's next batch on every live service; what arrived for the old
+        runs is given back unread, and a service that is away gets its start when it returns."""
+        self._replan = False
+        self._earlier = self.counts() - Counter(empty=self.empty)
+        for service, (generation, msg) in self._fleet_pass.drain():
+            service.unread(msg, generation)
+        self._fleet_pass = FleetPass(self.position, self._settings.batches, _paces=self._fleet.paces)
+        self._started.clear()
+        for service in self._fleet.live:
+            self._fleet_pass.joined(service)
+        self._begin(self._fleet.live)
 
     def _leave(self) -> None:
         self.active = False
@@ -242,8 +270,16 @@ class ShardPass(EpochPass):
         for service in services:
             want = tuple(first.get(service, ()))
             transport = service.delivery.transport
+            settings = self._settings
             start = Start(
-                service.run, self.epoch, self.position, transport, True, want, offset=self._settings.offset
+                service.run,
+                self.epoch,
+                self.position,
+                transport,
+                True,
+                want,
+                offset=settings.offset,
+                changes=settings.changes,
             )
             service.send_start(start)
             service.named_at = now

@@ -101,13 +101,16 @@ __all__ = [
     "Welcome",
 ]
 
-PROTOCOL_VERSION: Final = 9
+PROTOCOL_VERSION: Final = 10
 MAX_FRAME_BYTES: Final = 64 * 1024
 _FIELDS: Final = ListOf(Items((Str(64), OneOf(DTYPES), ListOf(Int(1, 1 << 24), MAX_DIMS))), MAX_FIELDS)
 MAX_RELEASES: Final = 4096
 MAX_CREDITS: Final = 1024
 MAX_SOURCES: Final = 256
 MAX_EPOCH_SAMPLES: Final = 2**40
+MAX_WEIGHT_CHANGES: Final = 64
+"""Weight changes a job's start may carry (``Start.changes``): each epoch that holds one is chosen
+anew when the job plans (NOTE [ Weight schedules ] in loader_service/dataset/mixture.py)."""
 """Named sources of one feed (``--source``)."""
 MAX_BAD_REPORTS: Final = 256
 _LEASE = Int(0, 2**62 - 1)
@@ -209,6 +212,14 @@ class Start(Message):
     """Shard mode: positions of the epoch's order a job took before this one (an elastic resume);
     the rest is shared out by this trainer's rank and world size (NOTE [ Elastic epochs ] in
     protocol/shares.py). ``position`` counts batches of that share."""
+    changes: Annotated[
+        tuple[tuple[int, tuple[float, ...]], ...],
+        ListOf(Items((Int(0, 2**62), ListOf(Float(0.0, 1e300), MAX_SOURCES))), MAX_WEIGHT_CHANGES),
+        OMITTABLE,
+    ] = ()
+    """A weighted job: its weights from global positions of its run on (``epoch * epoch_samples``
+    plus the position in the epoch), each source's in the order of ``FeedInfo.sources``, after the
+    hello's weights (NOTE [ Weight changes ] in gpu_worker/schedule.py)."""
 
 
 @dataclass(frozen=True)

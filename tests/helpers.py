@@ -467,12 +467,14 @@ def job_steps(
     steps: int,
     state: dict[str, Any] | None = None,
     rows: Callable[[Any], list[Any]] = lambda batch: batch.indices.tolist(),
+    change: tuple[dict[str, float], int] | None = None,
     **loader: Any,
 ) -> tuple[list[Any], Any]:
     """A job of ``world`` ranks (one loader each, on one service, ``remainder="drop"``, ``loader``'s
     other arguments) taking ``steps`` batches each, in step (-1: to the epoch's end), from ``state``
-    if given: ``rows`` of every batch it took, and rank ``world - 1``'s state after its last step
-    (any rank's would do: NOTE [ Elastic epochs ])."""
+    if given, every rank calling ``set_weights(*change)`` first if given: ``rows`` of every batch it
+    took, and rank ``world - 1``'s state after its last step (any rank's would do: NOTE [ Elastic
+    epochs ])."""
     loaders = [
         ServiceLoader(endpoint, rank=r, world_size=world, remainder="drop", timeout=60, **loader)
         for r in range(world)
@@ -481,6 +483,8 @@ def job_steps(
         for each in loaders:
             if state is not None:
                 each.load_state_dict(json.loads(json.dumps(state)))
+            if change is not None:
+                each.set_weights(*change)
         passes = [iter(each) for each in loaders]
         taken: list[Any] = []
         step = 0

@@ -51,6 +51,7 @@ NOTE [ Weight schedules ]
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import math
 from collections.abc import Mapping, Sequence
@@ -64,11 +65,16 @@ import numpy.typing as npt
 
 from loader_service.dataset.sampler import epoch_order
 from loader_service.dataset.tables import DatasetError, offsets_of
+from protocol.messages import MAX_WEIGHT_CHANGES
 
 MAX_EPOCH_SAMPLES = 1 << 24
 """Positions of one mixture epoch the service chooses for: its order is held whole, 6 bytes a
 position (100 MB at this bound), and chosen in the main loop (0.32 s at this bound in C, NOTE
 [ Mixture order ]), so a trainer's ``epoch_samples`` is a peer's number that must be bounded."""
+MAX_SCHEDULE_CHOICE = 1 << 26
+"""Positions a start may have to choose for a job's weight changes (each epoch that holds one, and
+the one after it): about 1.3 s of the main loop in C at this bound, once per schedule (each
+epoch's counts are kept, ``epoch_counts``)."""
 WEIGHT_UNIT = 1 << 32
 """The sum the weights are scaled to: a share is exact to 1 part in 4 billion."""
 _SOURCE_TAG = 0x50C
@@ -121,6 +127,12 @@ class Schedule:
     first at position 0, positions increasing."""
 
     changes: tuple[tuple[int, tuple[int, ...]], ...]
+    first: tuple[int, ...] = ()
+    """The weights it began with, before any change (one at position 0 included)."""
+
+    def __post_init__(self) -> None:
+        if not self.first:
+            object.__setattr__(self, "first", self.changes[0][1])
 
     @classmethod
     def constant(cls, weights: tuple[int, ...]) -> Schedule:
@@ -135,7 +147,7 @@ class Schedule:
         if len(weights) != len(self.changes[-1][1]):
             raise ValueError(f"{len(weights)} weights for {len(self.changes[-1][1])} sources")
         kept = tuple(c for c in self.changes if c[0] < position)
-        return Schedule((*kept, (position, weights)))
+        return Schedule((*kept, (position, weights)), self.first)
 
     def within(self, start: int, stop: int) -> tuple[tuple[int, tuple[int, ...]], ...]:
         """The weights in force over positions ``[start, stop)``, as changes relative to ``start``."""
@@ -232,6 +244,17 @@ def _earlier(a: tuple[int, int], b: tuple[int, int]) -> bool:
     return a[0] * b[1] < b[0] * a[1]
 
 
+def epoch_counts(samples: int, segments: tuple[tuple[int, tuple[int, ...]], ...]) -> tuple[int, ...]:
+    """Each source's positions in an epoch (``epoch_draws``'s counts), kept for many more epochs
+    than their orders: where the sources stand at an epoch sums the epochs before it."""
+    return _counts(samples, segments)
+
+
+@lru_cache(maxsize=4 * MAX_WEIGHT_CHANGES)
+def _counts(samples: int, segments: tuple[tuple[int, tuple[int, ...]], ...]) -> tuple[int, ...]:
+    return epoch_draws(samples, segments).counts
+
+
 @dataclass(frozen=True)
 class Mixture:
     """The sources of a feed and a job's weights over them: the whole run's order."""
@@ -240,6 +263,34 @@ class Mixture:
     seed: int
     epoch_samples: int
     schedule: Schedule
+
+    @property
+    def weights(self) -> tuple[int, ...]:
+        """The weights the job began with (its hello's); the fingerprint of its states covers them."""
+        return self.schedule.first
+
+    def changed(self, changes: Sequence[tuple[int, Sequence[float]]], names: Sequence[str]) -> Mixture:
+        """The job's first weights, then ``changes`` (a start's: weights of ``names`` in order, NOTE
+        [ Weight schedules ]); DatasetError for weights ``integer_weights`` refuses, a change
+        before another, or a schedule that would cost a start too much choosing."""
+        schedule = Schedule.constant(self.weights)
+        for position, given in changes:
+            if len(given) != len(names):
+                raise DatasetError(f"a weight change gives {len(given)} weights for {len(names)} sources")
+            by_name = dict(zip(names, given, strict=True))
+            try:
+                schedule = schedule.then(position, integer_weights(by_name, names))
+            except ValueError as exc:
+                raise DatasetError(str(exc)) from None
+        n = self.epoch_samples
+        chosen = 2 * len({p // n for p, _ in schedule.changes}) * n
+        if chosen > MAX_SCHEDULE_CHOICE:
+            raise DatasetError(
+                f"{len(changes)} weight changes over epochs of {n} samples: the service chooses at "
+                f"most {MAX_SCHEDULE_CHOICE} positions for a job's schedule (choose a smaller "
+                "epoch_samples, or fewer changes)"
+            )
+        return dataclasses.replace(self, schedule=schedule)
 
     @classmethod
     def of(
@@ -276,14 +327,30 @@ class Mixture:
         marks = sorted({min(p // n, epoch) for p, _ in self.schedule.changes} | {epoch})
         totals = np.zeros(len(self.sizes), np.int64)
         for first, stop in itertools.pairwise(marks):
-            totals += self._draws(first).counts
+            totals += self._counts(first)
             if stop - first > 1:
-                totals += np.asarray(self._draws(first + 1).counts, np.int64) * (stop - first - 1)
+                totals += np.asarray(self._counts(first + 1), np.int64) * (stop - first - 1)
         return tuple(int(t) for t in totals)
 
-    def _draws(self, epoch: int) -> EpochDraws:
+    def _segments(self, epoch: int) -> tuple[tuple[int, tuple[int, ...]], ...]:
         n = self.epoch_samples
-        return epoch_draws(n, self.schedule.within(epoch * n, (epoch + 1) * n))
+        return self.schedule.within(epoch * n, (epoch + 1) * n)
+
+    def _draws(self, epoch: int) -> EpochDraws:
+        return epoch_draws(self.epoch_samples, self._segments(epoch))
+
+    def _counts(self, epoch: int) -> tuple[int, ...]:
+        return epoch_counts(self.epoch_samples, self._segments(epoch))
+
+
+def describe(mixture: Mixture | None, names: Sequence[str]) -> str:
+    """A job's order in words, for a refusal: its first weights' shares and its epoch's length."""
+    if mixture is None:
+        return "the feed's own order (no weights)"
+    shares = ", ".join(
+        f"{name} {w / WEIGHT_UNIT:.3g}" for name, w in zip(names, mixture.weights, strict=True)
+    )
+    return f"weights {shares} in epochs of {mixture.epoch_samples}"
 
 
 @dataclass(frozen=True, eq=False)

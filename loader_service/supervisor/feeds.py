@@ -182,6 +182,21 @@ class Feed:
         size = shard_size(samples - offset, world_size, remainder)
         return ShardOrder(mixture.epoch(epoch), rank, world_size, size, offset)
 
+    def refusal(self, hello: Hello) -> str | None:
+        """Why this feed cannot serve a trainer's batches as its hello asks them, or None."""
+        cfg, image_size = self.config, self.image_size
+        if hello.batch_size not in (0, cfg.batch_size) or hello.image_size not in (0, image_size):
+            served = f"{image_size}px images" if image_size else "a pipeline's fields, not a fixed image size"
+            return (
+                f"feed {self.name!r} serves batches of {cfg.batch_size} samples of {served}; "
+                f"this trainer asked for {hello.batch_size or 'any'} of {hello.image_size or 'any'}px"
+            )
+        try:
+            self.mixture_of(hello)
+        except DatasetError as exc:
+            return str(exc)
+        return None
+
     def mixture_of(self, hello: Hello) -> Mixture | None:
         """The mixture a trainer's weights ask for; None without weights. DatasetError naming what
         is wrong with them (NOTE [ Mixture order ])."""
@@ -208,7 +223,7 @@ class Feed:
         samples = mixture.epoch_samples if mixture is not None else len(self.index)
         fingerprint = self.fingerprint
         if mixture is not None:
-            described = f"{fingerprint}:{samples}:{mixture.schedule.changes!r}"
+            described = f"{fingerprint}:{samples}:{((0, mixture.weights),)!r}"  # the hello's weights
             fingerprint = hashlib.sha256(described.encode()).hexdigest()[:32]
         return FeedInfo(
             name=cfg.name,

@@ -21,6 +21,7 @@ import time
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 
+from loader_service.dataset.tables import DatasetError
 from loader_service.supervisor.feeds import Feed
 from loader_service.supervisor.streams.early import EarlyBatches, Handover
 from loader_service.supervisor.streams.producers import Producer
@@ -127,6 +128,24 @@ class Stream(Producer):
         return self.feed.shard_batches(self.world_size, self.remainder, offset, self.epoch_samples)
 
     # --- starting epochs ------------------------------------------------------------------------
+
+    def schedule(self, changes: tuple[tuple[int, tuple[float, ...]], ...]) -> None:
+        """A start's weight changes (NOTE [ Weight changes ] in gpu_worker/schedule.py): the plans
+        from now on follow them, and the next epoch's batches decoded ahead with other weights are
+        dropped. StartRefused naming what is wrong with them."""
+        if self.mixture is None:
+            if changes:
+                raise StartRefused("weight changes need weights: this trainer attached without them")
+            return
+        try:
+            mixture = self.mixture.changed(changes, self.feed.index.names)
+        except DatasetError as exc:
+            raise StartRefused(str(exc)) from None
+        if mixture != self.mixture:
+            self.mixture = mixture
+            if self.ahead is not None:
+                self.ahead.mixture = mixture
+                self.ahead.drop()
 
     def on_start(
         self,

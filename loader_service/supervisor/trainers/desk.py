@@ -12,7 +12,7 @@ import time
 from collections.abc import Callable, Sequence
 
 from loader_service.config import ServiceConfig
-from loader_service.dataset.tables import DatasetError
+from loader_service.dataset.mixture import describe
 from loader_service.supervisor.feeds import Feed
 from loader_service.supervisor.streams.broadcast import BroadcastStream
 from loader_service.supervisor.streams.early import EarlyBatches
@@ -144,27 +144,22 @@ class TrainerDesk:
         if feed is None:
             served = ", ".join(repr(f.name) for f in self._feeds)
             return f"this service serves feed(s) {served}, not {msg.feed!r}"
-        cfg = feed.config
-        image_size = feed.image_size
-        if msg.batch_size not in (0, cfg.batch_size) or msg.image_size not in (0, image_size):
-            served = f"{image_size}px images" if image_size else "a pipeline's fields, not a fixed image size"
+        refusal = feed.refusal(msg)
+        if refusal is not None or msg.mode != "broadcast":
+            return refusal
+        stream = self._attached.streams.get(group_key(feed.id, msg.group, msg.group_secret))
+        if stream is not None and stream.group_size != msg.group_size:
             return (
-                f"feed {feed.name!r} serves batches of {cfg.batch_size} samples of {served}; "
-                f"this trainer asked for {msg.batch_size or 'any'} of {msg.image_size or 'any'}px"
+                f"broadcast group {stream.group!r} has group_size {stream.group_size}, not {msg.group_size}"
             )
-        if msg.weights and msg.mode == "broadcast":
-            return "weights are for shard trainers: a broadcast group reads the feed's own order (issue 38)"
-        try:
-            feed.mixture_of(msg)
-        except DatasetError as exc:
-            return str(exc)
-        if msg.mode == "broadcast":
-            stream = self._attached.streams.get(group_key(feed.id, msg.group, msg.group_secret))
-            if stream is not None and stream.group_size != msg.group_size:
-                return (
-                    f"broadcast group {stream.group!r} has group_size {stream.group_size}, "
-                    f"not {msg.group_size}"
-                )
+        asked = feed.mixture_of(msg)
+        if stream is not None and stream.mixture != asked:
+            # One group, one order: a member with other weights would get the group's batches.
+            names = feed.index.names
+            return (
+                f"broadcast group {stream.group!r} reads {describe(stream.mixture, names)}; "
+                f"this trainer asked for {describe(asked, names)}"
+            )
         return None
 
     def _on_hello(self, routing_id: bytes, msg: Hello) -> None:
@@ -303,6 +298,7 @@ class TrainerDesk:
         warm = self._warm.get(stream.feed.id)
         picked = msg.want if msg.picked else None
         try:
+            stream.schedule(msg.changes)
             stream.on_start(session.session_id, msg.epoch, msg.position, warm, picked, msg.offset)
         except StartRefused as exc:
             self._outbox.reject(session.routing_id, "bad-start", str(exc), fatal=True)

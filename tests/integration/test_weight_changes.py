@@ -1,0 +1,103 @@
+"""A weighted job changes its weights mid-run (NOTE [ Weight changes ], NOTE [ Weight schedules ])
+through a real service: from the first sample of the step it names, the very order the pure mixture
+gives; resumed at other world sizes after the change, every position once; a broadcast group reads
+a mixture, and refuses a member with other weights by name."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+
+from gpu_worker import ServiceError, ServiceLoader
+from loader_service.dataset.index import build_index
+from loader_service.dataset.mixture import Mixture, integer_weights
+from tests.helpers import ServiceFactory, in_threads, job_steps
+
+pytestmark = pytest.mark.integration
+
+NAMES = ("folder", "shards", "list")
+KINDS = ("imagefolder", "tar", "csv")
+BATCH, EPOCH = 8, 200
+FIRST = {"folder": 0.2, "shards": 0.5, "list": 0.3}
+THEN = {"folder": 0.7, "shards": 0.0, "list": 0.3}
+
+
+def rows(batch: Any) -> list[tuple[int, int]]:
+    return list(zip(batch.sources.tolist(), batch.indices.tolist(), strict=True))
+
+
+def expected(sizes: list[int], seed: int, change: int) -> list[tuple[int, int]]:
+    """Epoch 0 of the mixture, ``THEN`` from position ``change`` on: (source, sample) by position."""
+    mixture = Mixture.of(sizes, seed, EPOCH, integer_weights(FIRST, NAMES))
+    mixture = mixture.changed([(change, tuple(THEN.values()))], NAMES)
+    numbers = mixture.epoch(0).at(np.arange(EPOCH))
+    source = np.searchsorted(mixture.offsets, numbers, side="right") - 1
+    return list(zip(source.tolist(), (numbers - mixture.offsets[source]).tolist(), strict=True))
+
+
+@pytest.fixture
+def mixed(photo_sources: dict[str, Path], start_service: ServiceFactory) -> tuple[Any, list[int]]:
+    flags = [f"{name}={photo_sources[kind]}" for name, kind in zip(NAMES, KINDS, strict=True)]
+    sizes = [len(build_index(photo_sources[kind])) for kind in KINDS]
+    return start_service(None, source=flags, batch_size=BATCH), sizes
+
+
+def test_a_change_mid_pass_applies_from_the_first_sample_of_its_step(mixed: tuple[Any, list[int]]) -> None:
+    """Three batches taken, then a change at batch 10: the whole epoch is the pure mixture's order
+    with that change at position 80, batches decoded ahead with the old weights included. A step
+    already taken cannot be changed, nor a loader without weights."""
+    service, sizes = mixed
+    got: list[tuple[int, int]] = []
+    with ServiceLoader(service.endpoint, weights=FIRST, epoch_samples=EPOCH, timeout=60) as loader:
+        for step, batch in enumerate(loader):
+            got += rows(batch)
+            if step == 2:
+                loader.set_weights(THEN, at_batch=10)
+                with pytest.raises(ValueError, match="already past"):
+                    loader.set_weights(FIRST, at_batch=2)
+                loader.set_weights(THEN, at_batch=10)  # the same change again: no change
+        seed = loader.info.seed
+    assert got == expected(sizes, seed, 10 * BATCH)
+    assert sum(1 for s, _ in got[10 * BATCH :] if s == 1) == 0, "a weight of 0 after the change"
+    with ServiceLoader(service.endpoint, timeout=60) as plain, pytest.raises(ValueError, match="weights="):
+        plain.set_weights(THEN, at_batch=1)
+    assert service.stop() == 0
+
+
+def test_after_a_change_the_job_resumes_at_any_world_size_exactly_once(mixed: tuple[Any, list[int]]) -> None:
+    """The change at position 96 (batch 6 of a 2-rank job): 2 ranks take 3 steps, 3 ranks resume
+    from that state and take 3 more (past the change), 1 rank finishes: each position once, as the
+    pure order has them. Neither later job calls set_weights: the state carries the change."""
+    service, sizes = mixed
+    weights = {"weights": FIRST, "epoch_samples": EPOCH}
+    first, state = job_steps(service.endpoint, 2, 3, None, rows, change=(THEN, 6), **weights)
+    assert state["weight_changes"] == [[96, list(THEN.values())]]
+    second, state = job_steps(service.endpoint, 3, 3, state, rows, **weights)
+    assert state["consumed"] == 48 + 72
+    third, _ = job_steps(service.endpoint, 1, -1, state, rows, **weights)
+    with ServiceLoader(service.endpoint, **weights, timeout=60) as one:
+        seed = one.info.seed
+    assert sorted(first + second + third) == sorted(expected(sizes, seed, 96))
+    assert service.stop() == 0
+
+
+def test_a_broadcast_group_reads_a_mixture_and_refuses_other_weights(mixed: tuple[Any, list[int]]) -> None:
+    service, sizes = mixed
+    endpoint = service.endpoint
+    member_args = {"mode": "broadcast", "group": "g", "group_size": 2, "timeout": 60}
+
+    def member() -> list[tuple[int, int]]:
+        with ServiceLoader(endpoint, weights=FIRST, epoch_samples=EPOCH, **member_args) as loader:
+            got = [row for batch in loader for row in rows(batch)]
+            with pytest.raises(ServiceError, match=r"broadcast group .g. reads weights folder 0\.2"):
+                ServiceLoader(endpoint, weights=THEN, epoch_samples=EPOCH, connect_timeout=10, **member_args)
+            return got
+
+    one, two = in_threads([member] * 2)
+    with ServiceLoader(endpoint, weights=FIRST, epoch_samples=EPOCH, timeout=60) as shard:
+        seed = shard.info.seed
+    assert one == two == expected(sizes, seed, EPOCH), "the group's one order, the mixture's"
+    assert service.stop() == 0

@@ -1,0 +1,115 @@
+"""A job's weight changes as the trainer keeps them (NOTE [ Weight changes ]) and as the service
+takes them into its mixture (NOTE [ Weight schedules ]): checked, in order, in the checkpoint."""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+import pytest
+
+from gpu_worker.schedule import STATE_KEY, WeightChanges, ordered_weights
+from loader_service.dataset.mixture import MAX_EPOCH_SAMPLES, Mixture, integer_weights
+from loader_service.dataset.tables import DatasetError
+from protocol.messages import MAX_WEIGHT_CHANGES
+
+NAMES = ("a", "b", "c")
+
+
+def test_weights_are_put_in_the_sources_order() -> None:
+    assert ordered_weights({"c": 3, "a": 1, "b": 2.5}, NAMES) == (1.0, 2.5, 3.0)
+
+
+@pytest.mark.parametrize(
+    ("weights", "message"),
+    [
+        ({"a": 1, "b": 1}, "missing c"),
+        ({"a": 1, "b": 1, "c": 1, "d": 1}, "unknown d"),
+        ({"a": 1, "b": -1, "c": 1}, "weight of 'b' must be a finite number"),
+        ({"a": 1, "b": float("nan"), "c": 1}, "weight of 'b' must be a finite number"),
+        ({"a": True, "b": 1, "c": 1}, "weight of 'a' must be a finite number"),
+        ({"a": 0, "b": 0, "c": 0}, "all zero"),
+    ],
+)
+def test_bad_weights_are_refused_by_name(weights: dict[str, Any], message: str) -> None:
+    with pytest.raises(ValueError, match=message):
+        ordered_weights(weights, NAMES)
+
+
+def test_changes_are_never_in_the_past_and_the_same_one_again_is_no_change() -> None:
+    changes = WeightChanges().then(100, (1.0, 0.0, 1.0), next_sample=40)
+    assert changes.then(100, (1.0, 0.0, 1.0), next_sample=160) is changes, "given again, once past"
+    with pytest.raises(ValueError, match="already past"):
+        changes.then(120, (1.0, 1.0, 1.0), next_sample=160)
+    with pytest.raises(ValueError, match="before the last one, at 100"):
+        changes.then(90, (1.0, 1.0, 1.0), next_sample=40)
+    replaced = changes.then(100, (2.0, 1.0, 1.0), next_sample=40)
+    assert replaced.changes == ((100, (2.0, 1.0, 1.0)),)
+
+
+def test_a_job_may_change_its_weights_a_bounded_number_of_times() -> None:
+    changes = WeightChanges()
+    for n in range(MAX_WEIGHT_CHANGES):
+        changes = changes.then(n, (1.0, 1.0, float(n)), next_sample=0)
+    with pytest.raises(ValueError, match=f"at most {MAX_WEIGHT_CHANGES} times"):
+        changes.then(MAX_WEIGHT_CHANGES, (1.0, 1.0, 1.0), next_sample=0)
+
+
+def test_the_changes_go_through_a_checkpoint_and_back() -> None:
+    changes = WeightChanges().then(96, (0.7, 0.0, 0.3), 0).then(400, (1.0, 1.0, 1.0), 0)
+    state = json.loads(json.dumps(changes.state()))
+    assert WeightChanges.from_state(state, 3) == changes
+    assert WeightChanges().state() == {}, "a state without changes stays as it was"
+    assert WeightChanges.from_state({}, 3) == WeightChanges()
+
+
+@pytest.mark.parametrize(
+    "saved",
+    [
+        "not a list",
+        [[96, [1.0, 1.0]]],  # two weights for three sources
+        [[96, [1.0, 1.0, 1.0]], [40, [1.0, 1.0, 1.0]]],  # out of order
+        [[96.0, [1.0, 1.0, 1.0]]],
+        [[96, [0.0, 0.0, 0.0]]],
+        [[96, [1.0, 1.0, 1.0]]] * (MAX_WEIGHT_CHANGES + 1),
+    ],
+)
+def test_a_state_with_bad_changes_is_refused(saved: object) -> None:
+    with pytest.raises(ValueError, match=r"weight|zero"):
+        WeightChanges.from_state({STATE_KEY: saved}, 3)
+
+
+def mixture(epoch_samples: int = 1000) -> Mixture:
+    return Mixture.of((50, 30, 20), 7, epoch_samples, integer_weights({"a": 1, "b": 1, "c": 1}, NAMES))
+
+
+def test_the_service_takes_changes_over_the_jobs_first_weights() -> None:
+    base = mixture()
+    changed = base.changed([(1500, (1.0, 0.0, 0.0))], NAMES)
+    assert changed.weights == base.weights, "the fingerprint's weights stay the hello's"
+    assert changed.schedule.changes[1] == (1500, integer_weights({"a": 1, "b": 0, "c": 0}, NAMES))
+    assert changed.changed([], NAMES) == base, "a start without changes: the first weights again"
+    at_zero = base.changed([(0, (0.0, 1.0, 0.0))], NAMES)
+    assert at_zero.weights == base.weights and at_zero.epoch(0).sources(range(5)).tolist() == [1] * 5
+
+
+@pytest.mark.parametrize(
+    ("changes", "message"),
+    [
+        ([(10, (1.0, 1.0))], "gives 2 weights for 3 sources"),
+        ([(10, (1.0, -1.0, 1.0))], "must be a finite number"),
+        ([(50, (1.0, 1.0, 1.0)), (10, (1.0, 1.0, 1.0))], "before the last one"),
+    ],
+)
+def test_changes_the_service_cannot_take_are_refused_by_name(
+    changes: list[tuple[int, tuple[float, ...]]], message: str
+) -> None:
+    with pytest.raises(DatasetError, match=message):
+        mixture().changed(changes, NAMES)
+
+
+def test_a_schedule_that_would_cost_too_much_choosing_is_refused() -> None:
+    big = mixture(MAX_EPOCH_SAMPLES)
+    many = [(e * MAX_EPOCH_SAMPLES, (1.0, 1.0, float(e))) for e in range(1, 4)]
+    with pytest.raises(DatasetError, match="choose a smaller epoch_samples, or fewer changes"):
+        big.changed(many, NAMES)
