@@ -45,7 +45,7 @@ from gpu_worker.loader_config import (
 )
 from gpu_worker.local import START_TIMEOUT, LocalService, expected_option
 from gpu_worker.passes import EpochPass, PassSettings, make_pass
-from gpu_worker.schedule import WeightChanges, ordered_weights
+from gpu_worker.schedule import WeightChanges, ordered_weights, source_stats
 from gpu_worker.service import Service
 from protocol.layout import SlotLayout, describe_fields
 from protocol.messages import MAX_EPOCH, FeedInfo
@@ -287,45 +287,42 @@ class ServiceLoader:
         calls it with the same arguments, as ``set_epoch`` (NOTE [ Weight changes ] in
         gpu_worker/schedule.py). ValueError naming what is wrong: a loader without ``weights=``,
         a batch already past or past the pass, weights that are not one number >= 0 per source."""
-        cfg, info = self.config, self.info
-        if not cfg.weights or cfg.mode != "shard":
+        if not self.config.weights or self.config.mode != "shard":
             raise ValueError("set_weights is for a shard loader made with weights=")
-        epoch, position, offset = self._where()
-        batches = self._batches(offset)
+        where = self._where()
+        batches = self._batches(where.offset)
         if type(at_batch) is not int or not 0 <= at_batch < batches:
             raise ValueError(f"at_batch must be a batch of this pass, in [0, {batches}), got {at_batch!r}")
-
-        def sample(batch: int) -> int:
-            inside = consumed(offset, batch, info.batch_size, cfg.world_size, info.samples)
-            return epoch * info.samples + inside
-
         ordered = ordered_weights(weights, self.sources)
-        self._changes = self._changes.then(sample(at_batch), ordered, sample(position))
+        self._changes = self._changes.then(self._sample(where, at_batch), ordered, self._sample(where))
         if self._pass is not None and self._pass.active:
             self._pass.replan(self._changes.changes)
+
+    def _sample(self, where: Resume, batch: int | None = None) -> int:
+        """The run's global position of ``batch`` (default: ``where``'s) of ``where``'s pass."""
+        info, at = self.info, where.position if batch is None else batch
+        inside = consumed(where.offset, at, info.batch_size, self.config.world_size, info.samples)
+        return where.epoch * info.samples + inside
 
     def stats(self) -> dict[str, Any]:
         """Per service: batches and images it delivered to the loop, images/s while it did, and
         whether it is in use; how many batches were assigned again after a service was lost, and
         asked of a second service while the loop waited on a slow one; how many batches had no
-        sample left (NOTE [ Empty batches ] in gpu_worker/passes.py); and the seconds the loop spent
+        sample left (NOTE [ Empty batches ] in gpu_worker/passes.py); the seconds the loop spent
         blocked in ``next()`` and computing between pulls (NOTE [ Exposed wait ] in
-        gpu_worker/loop_clock.py)."""
+        gpu_worker/loop_clock.py); per source of a feed of several, its rows, their share and the
+        share asked for now (``source_stats``)."""
         counts = self._counts + (self._pass.counts() if self._pass is not None else Counter())
         waited, computed = self._fleet.clock.totals()
+        cfg, info = self.config, self.info
+        first = ordered_weights(dict(cfg.weights), self.sources) if cfg.weights else info.source_sizes
+        asked = self._changes.asked(first or (1.0,), self._sample(self._where()))
         return {
-            "endpoints": {
-                s.endpoint: {
-                    "batches": s.share.batches,
-                    "images": s.share.images,
-                    "images_per_s": round(s.share.rate(), 1),
-                    "state": "left out" if s.refused else "attached" if s.open else "reconnecting",
-                }
-                for s in self._fleet.services
-            },
+            "endpoints": self._fleet.endpoint_stats(),
             **{key: counts[key] for key in ("reassigned", "backups", "empty")},
             "waited_s": round(waited, 3),
             "computed_s": round(computed, 3),
+            "sources": source_stats(self.sources, self._fleet.by_source, asked),
         }
 
     def state_dict(self) -> dict[str, Any]:

@@ -13,6 +13,7 @@ from __future__ import annotations
 import logging
 import math
 import time
+from collections import Counter
 from collections.abc import Callable
 from typing import Any, Protocol
 
@@ -98,6 +99,8 @@ class Fleet:
         exited: NOTE [ A private service ] in gpu_worker/local.py)."""
         self._watch = watch
         self.clock = LoopClock()
+        self.by_source: Counter[int] = Counter()
+        """Rows handed to the loop by source, over every pass (``loader.stats()``)."""
         """The loop's waited and computed time (NOTE [ Exposed wait ]), sent with every heartbeat."""
         self._heartbeats = Heartbeats(self.clock)
         self._config, self._hello, self._keys, self._device = config, hello, keys, device
@@ -359,6 +362,19 @@ class Fleet:
         if self.listener is not None:
             self.listener.on_event(service, SessionEvent.REFUSED, why)
         service.close()
+
+    def endpoint_stats(self) -> dict[str, dict[str, object]]:
+        """``loader.stats()["endpoints"]``: per service, its batches and images handed to the loop,
+        images/s while it did, and whether it is in use."""
+        return {
+            s.endpoint: {
+                "batches": s.share.batches,
+                "images": s.share.images,
+                "images_per_s": round(s.share.rate(), 1),
+                "state": "left out" if s.refused else "attached" if s.open else "reconnecting",
+            }
+            for s in self.services
+        }
 
     def close(self) -> None:
         """Leave every service. The byes get ``BYE_LINGER_MS`` to go out all together, not one

@@ -123,6 +123,7 @@ class EpochPass:
                     self.empty += 1
                 if len(batch.indices) or self._settings.empty_batches:
                     service.share.add(len(batch.indices), time.monotonic())
+                    fleet.by_source.update(batch.sources.tolist())
                     self.last_endpoint = service.endpoint
                     yield batch
                 del batch  # the generator must not keep the previous batch's slot while waiting

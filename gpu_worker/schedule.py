@@ -115,3 +115,26 @@ class WeightChanges:
             weights = ordered_weights(dict(zip(names, item[1], strict=True)), names)
             changes.append((item[0], weights))
         return cls(tuple(changes))
+
+    def asked(self, first: Sequence[float], at: int) -> tuple[float, ...]:
+        """The shares asked for at global position ``at``: the last change there, or ``first``."""
+        weights = next((w for p, w in reversed(self.changes) if p <= at), tuple(first))
+        return tuple(w / sum(weights) for w in weights)
+
+
+def source_stats(
+    names: Sequence[str], served: Mapping[int, int], asked: Sequence[float]
+) -> dict[str, dict[str, float]]:
+    """``loader.stats()["sources"]``: per source, the rows handed to the loop, their share of all of
+    them, and the share asked for now; empty for a feed of one source."""
+    if len(names) < 2:
+        return {}
+    total = sum(served.values())
+    return {
+        name: {
+            "samples": served.get(i, 0),
+            "share": round(served.get(i, 0) / total, 4) if total else 0.0,
+            "asked": round(asked[i], 4),
+        }
+        for i, name in enumerate(names)
+    }

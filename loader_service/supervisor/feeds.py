@@ -49,6 +49,8 @@ class FeedCounters:
     """Images decoded for the warm start (NOTE [ Warm start ]), included in ``decoded``."""
     split_batches: int = 0
     """Batches decoded in parts by several workers at once (NOTE [ Split batches ])."""
+    served_by_source: npt.NDArray[np.int64] | None = None
+    """Rows announced to trainers, by source (NOTE [ Source ledger ]); None: one source."""
 
 
 @dataclass
@@ -307,7 +309,15 @@ class Feed:
             "interpolation": "" if self.config.pipeline else self.config.interpolation,
             "fields": [f.describe() for f in self.layout.fields],
             "cache": None if self.cache is None else self.cache.stats().status(self.cache.kind),
+            "sources": self._source_status(),
         }
+
+    def _source_status(self) -> list[dict[str, object]]:
+        served = self.counters.served_by_source
+        return [
+            {"source": name, "samples": len(index), "served": 0 if served is None else int(served[s])}
+            for s, (name, index) in enumerate(zip(self.index.names, self.index.indexes, strict=True))
+        ]
 
 
 def decoding_of(config: FeedConfig, cache: CacheSegment | None) -> str:

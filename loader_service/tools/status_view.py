@@ -98,8 +98,9 @@ def render(body: Mapping[str, Any]) -> str:
         _feeds(_records(body, "feeds")),
         _workers(_records(body, "worker_list")),
         _trainers(_records(body, "sessions")),
+        _sources(_records(body, "sessions")),
     ]
-    return "\n\n".join(sections)
+    return "\n\n".join(section for section in sections if section)
 
 
 def _records(body: Mapping[str, Any], key: str) -> list[Mapping[str, Any]]:
@@ -223,6 +224,22 @@ def _trainers(sessions: list[Mapping[str, Any]]) -> str:
         for s in sessions
     ]
     return "\n".join(_table(columns, rows))
+
+
+def _sources(sessions: list[Mapping[str, Any]]) -> str:
+    """Each trainer's ledger by source, for feeds of several (NOTE [ Source ledger ]); "" if none."""
+    columns: list[Column] = [
+        ("TRAINER", "<"), ("SOURCE", "<"), ("SERVED", ">"), ("SHARE", ">"), ("ASKED", ">"),
+        ("PASS", ">"), ("POSITION", ">"),
+    ]  # fmt: skip
+    keys = ("source", "served", "share", "asked", "pass", "position")
+    rows = [
+        [s.get("session"), *(row.get(k, "-") for k in keys)]
+        for s in sessions
+        for row in s.get("sources") or []
+        if isinstance(row, Mapping)
+    ]
+    return "\n".join(_table(columns, rows)) if rows else ""
 
 
 def _idle(session: Mapping[str, Any]) -> str:

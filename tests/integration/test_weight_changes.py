@@ -5,6 +5,8 @@ a mixture, and refuses a member with other weights by name."""
 
 from __future__ import annotations
 
+import time
+import urllib.request
 from pathlib import Path
 from typing import Any
 
@@ -14,7 +16,7 @@ import pytest
 from gpu_worker import ServiceError, ServiceLoader
 from loader_service.dataset.index import build_index
 from loader_service.dataset.mixture import Mixture, integer_weights
-from tests.helpers import ServiceFactory, in_threads, job_steps
+from tests.helpers import ServiceFactory, free_port, in_threads, job_steps, status
 
 pytestmark = pytest.mark.integration
 
@@ -100,4 +102,45 @@ def test_a_broadcast_group_reads_a_mixture_and_refuses_other_weights(mixed: tupl
     with ServiceLoader(endpoint, weights=FIRST, epoch_samples=EPOCH, timeout=60) as shard:
         seed = shard.info.seed
     assert one == two == expected(sizes, seed, EPOCH), "the group's one order, the mixture's"
+    assert service.stop() == 0
+
+
+def scraped_within(port: int, line: str, seconds: float) -> bool:
+    """Whether ``line`` appears on the metrics page within ``seconds`` (it is refreshed each second)."""
+    deadline = time.monotonic() + seconds
+    while time.monotonic() < deadline:
+        with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10) as reply:
+            if line in reply.read().decode().splitlines():
+                return True
+        time.sleep(0.2)  # polling a page refreshed once a second: there is no event to wait on
+    return False
+
+
+def test_status_metrics_and_stats_show_where_a_job_stands_in_each_source(
+    photo_sources: dict[str, Path], start_service: ServiceFactory
+) -> None:
+    """NOTE [ Source ledger ]: after a whole epoch, the trainer's ``stats()``, the service's status
+    (served, pass and position) and its metrics all count the rows the loop got from each source;
+    the asked share follows a change made for the next epoch."""
+    pytest.importorskip("prometheus_client")
+    flags = [f"{name}={photo_sources[kind]}" for name, kind in zip(NAMES, KINDS, strict=True)]
+    sizes = [len(build_index(photo_sources[kind])) for kind in KINDS]
+    port = free_port()
+    service = start_service(None, source=flags, batch_size=BATCH, metrics_port=port)
+    with ServiceLoader(service.endpoint, weights=FIRST, epoch_samples=EPOCH, timeout=60) as loader:
+        got = [row for batch in loader for row in rows(batch)]
+        per_source = [sum(1 for s, _ in got if s == k) for k in range(3)]
+        stats = loader.stats()["sources"]
+        assert [stats[name]["samples"] for name in NAMES] == per_source
+        assert [stats[name]["asked"] for name in NAMES] == list(FIRST.values())
+        assert all(abs(stats[n]["share"] - FIRST[n]) <= 1 / EPOCH for n in NAMES), stats
+        (session,) = status(service.endpoint)["sessions"]
+        ledger = {row["source"]: row for row in session["sources"]}
+        assert [ledger[name]["served"] for name in NAMES] == per_source
+        for name, size, drawn in zip(NAMES, sizes, per_source, strict=True):
+            assert ledger[name]["pass"] * size + ledger[name]["position"] == drawn
+        line = f'dataferry_source_served_samples_total{{feed="train",source="shards"}} {per_source[1]}.0'
+        assert scraped_within(port, line, 10.0), "the metrics report each source's rows (once a second)"
+        loader.set_weights(THEN, at_batch=0)  # the next epoch's first batch
+        assert [loader.stats()["sources"][name]["asked"] for name in NAMES] == list(THEN.values())
     assert service.stop() == 0

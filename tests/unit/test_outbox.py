@@ -3,7 +3,10 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from types import SimpleNamespace
 from typing import Any, cast
+
+import numpy as np
 
 from loader_service.dataset.sampler import ShardOrder, shard_order
 from loader_service.supervisor.feeds import Feed, FeedCounters
@@ -30,6 +33,11 @@ class FeedStub:
     @property
     def config(self) -> Any:
         return self
+
+    @property
+    def index(self) -> Any:
+        """A feed of one source: nothing to count by source (NOTE [ Source ledger ])."""
+        return SimpleNamespace(offsets=np.array([0, self.samples]))
 
     def shard_batches(self, world_size: int, remainder: str, offset: int = 0, samples: int = 0) -> int:
         return 1

@@ -275,3 +275,18 @@ def test_metrics_without_prometheus_client_name_the_package(monkeypatch: pytest.
         ServiceMetrics()
     with pytest.raises(TrainerMetricsUnavailable, match="pip install prometheus_client"):
         TrainerMetrics()
+
+
+def test_render_shows_each_trainers_sources_for_a_feed_of_several() -> None:
+    """NOTE [ Source ledger ]: one row per trainer and source; a job without weights has no pass."""
+    ledger = [
+        {"source": "photos", "served": 120, "share": 0.6, "asked": 0.6, "pass": 1, "position": 20},
+        {"source": "extra", "served": 80, "share": 0.4, "asked": 0.4},
+    ]
+    session = {**SAMPLE_BODY["sessions"][0], "sources": ledger}
+    text = render({**SAMPLE_BODY, "sessions": [session]})
+    header = [line.split() for line in text.splitlines() if line.split()[:2] == ["TRAINER", "SOURCE"]]
+    assert header == [["TRAINER", "SOURCE", "SERVED", "SHARE", "ASKED", "PASS", "POSITION"]]
+    rows = [line.split() for line in text.splitlines() if line.split()[:1] == ["ab12"]]
+    assert rows[1:] == [cells("ab12 photos 120 0.6 0.6 1 20"), cells("ab12 extra 80 0.4 0.4 - -")]
+    assert "SOURCE" not in render(SAMPLE_BODY), "a feed of one source shows no ledger"

@@ -36,6 +36,10 @@ which Prometheus's ``rate()`` handles as a counter reset.
     dataferry_decode_busy                                      gauge
     dataferry_demand                                           gauge
     dataferry_trainer_loop_demand{session, client, feed}       gauge
+    dataferry_source_served_samples_total{feed, source}        counter (a feed of several sources)
+    dataferry_trainer_source_served_samples_total{session, client, feed, source}  counter
+    dataferry_trainer_source_asked_share{session, client, feed, source}           gauge
+    dataferry_trainer_source_pass{session, client, feed, source}                  gauge (weighted jobs)
 
 Trainers have their own: ``dataferry_batch_wait_seconds`` in ``gpu_worker/metrics.py``.
 """
@@ -235,6 +239,25 @@ def _feed_families(feeds: list[Mapping[str, Any]]) -> Iterator[Metric]:
             _add(slots, [name, state], counts.get(state) if isinstance(counts, Mapping) else None)
     yield from (decoded, rate, batches, bad, slots)
     yield from _cache_families(feeds)
+    yield from _source_families(feeds)
+
+
+def _source_families(feeds: list[Mapping[str, Any]]) -> Iterator[Metric]:
+    """Rows served by source, for feeds of several (NOTE [ Source ledger ])."""
+    from prometheus_client.core import CounterMetricFamily
+
+    served = CounterMetricFamily(
+        "dataferry_source_served_samples",
+        "Rows announced to trainers, per feed and source.",
+        labels=["feed", "source"],
+    )
+    for feed in feeds:
+        sources = feed.get("sources")
+        if isinstance(sources, list) and len(sources) > 1:
+            for row in sources:
+                if isinstance(row, Mapping):
+                    _add(served, [str(feed.get("name", "")), str(row.get("source", ""))], row.get("served"))
+    yield served
 
 
 def _cache_families(feeds: list[Mapping[str, Any]]) -> Iterator[Metric]:
@@ -304,6 +327,37 @@ def _session_families(sessions: list[Mapping[str, Any]]) -> Iterator[Metric]:
         labels = [str(session.get(k, "")) for k in SESSION_LABELS]
         for key, family in families.items():
             _add(family, labels, session.get(key))
+    yield from families.values()
+    yield from _session_source_families(sessions)
+
+
+def _session_source_families(sessions: list[Mapping[str, Any]]) -> Iterator[Metric]:
+    """Each trainer's ledger by source (NOTE [ Source ledger ])."""
+    from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+
+    labels = [*SESSION_LABELS, "source"]
+    families: dict[str, CounterMetricFamily | GaugeMetricFamily] = {
+        "served": CounterMetricFamily(
+            "dataferry_trainer_source_served_samples",
+            "Rows announced to a trainer, by source.",
+            labels=labels,
+        ),
+        "asked": GaugeMetricFamily(
+            "dataferry_trainer_source_asked_share",
+            "The share of a source a trainer's weights ask for now.",
+            labels=labels,
+        ),
+        "pass": GaugeMetricFamily(
+            "dataferry_trainer_source_pass", "A weighted job's pass over a source.", labels=labels
+        ),
+    }
+    for session in sessions:
+        rows = session.get("sources")
+        for row in rows if isinstance(rows, list) else []:
+            if isinstance(row, Mapping):
+                named = [*(str(session.get(k, "")) for k in SESSION_LABELS), str(row.get("source", ""))]
+                for key, family in families.items():
+                    _add(family, named, row.get(key))
     yield from families.values()
 
 

@@ -11,6 +11,7 @@ import time
 
 from loader_service.supervisor.feeds import Feed
 from loader_service.supervisor.trainers.attachments import Attachments
+from loader_service.supervisor.trainers.ledger import source_status
 from loader_service.supervisor.trainers.load import Load
 from loader_service.supervisor.trainers.sessions import Session
 from loader_service.supervisor.workers.pool import WorkerSet
@@ -59,6 +60,7 @@ def _session(feeds: list[Feed], attached: Attachments, s: Session, now: float) -
         "lag": lag(attached, s),
         "idle_seconds": round(now - s.last_seen, 1),
         "demand": round(s.loop.demand(), 3),
+        "sources": source_status(feeds[s.feed], attached.streams.get(s.stream_key()), s.served),
     }
 
 

@@ -48,6 +48,11 @@ class ShardStream(Stream):
     def picked(self) -> bool:
         return self.picks is not None
 
+    def planned_batches(self) -> int:
+        if self.picks is None:
+            return self.next_produce
+        return max(self.planned, default=-1) + 1
+
     @property
     def in_flight(self) -> int:
         """A picked run's trainer counts only what it asked for, so batches decoded ahead never keep

@@ -21,6 +21,9 @@ import time
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 
+import numpy as np
+import numpy.typing as npt
+
 from loader_service.dataset.tables import DatasetError
 from loader_service.supervisor.feeds import Feed
 from loader_service.supervisor.streams.early import EarlyBatches, Handover
@@ -79,6 +82,14 @@ class Stream(Producer):
         self.blocked_since: float | None = None
         self.ahead: EarlyBatches | None = None
         """The next epoch's first batches, decoded early where the kind does (NOTE [ Warm start ])."""
+        self.source_front: tuple[int, int, npt.NDArray[np.int64]] | None = None
+        """A weighted job's counted prefix of its epoch's order: (epoch, position, each source's
+        draws in the run there), extended at each status (NOTE [ Source ledger ])."""
+
+    def planned_batches(self) -> int:
+        """Batches of the epoch's plan before its planning front (a picked run plans out of order:
+        the front is past the highest it planned)."""
+        return self.next_produce
 
     # --- membership -----------------------------------------------------------------------------
 
@@ -142,7 +153,7 @@ class Stream(Producer):
         except DatasetError as exc:
             raise StartRefused(str(exc)) from None
         if mixture != self.mixture:
-            self.mixture = mixture
+            self.mixture, self.source_front = mixture, None
             if self.ahead is not None:
                 self.ahead.mixture = mixture
                 self.ahead.drop()

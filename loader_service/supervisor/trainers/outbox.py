@@ -21,6 +21,7 @@ from loader_service.logs import LogLimiter
 from loader_service.supervisor.slots import SlotState
 from loader_service.supervisor.streams.stream import Member, Stream
 from loader_service.supervisor.trainers.attachments import Attachments
+from loader_service.supervisor.trainers.ledger import count_served
 from loader_service.supervisor.trainers.sends import Send as SlotSend
 from loader_service.supervisor.trainers.sends import SendBudget
 from loader_service.supervisor.trainers.sessions import Leased, Session
@@ -88,6 +89,7 @@ class Outbox:
                     self.observe_ready_wait(stream.feed.name, waited)
             session.leases[lease] = Leased(key, announced, sent)
             session.delivered += 1
+            session.served = count_served(stream.feed, session.served, batch.slot, batch.count)
 
     def announce_again(
         self, stream: Stream, session: Session, leases: Iterable[int], force: bool = False

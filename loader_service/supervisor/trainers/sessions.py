@@ -7,6 +7,9 @@ import hmac
 import secrets
 from dataclasses import dataclass, field
 
+import numpy as np
+import numpy.typing as npt
+
 from loader_service.supervisor.trainers.load import TrainerLoop
 from loader_service.supervisor.trainers.sends import Send
 from protocol.messages import BatchReady, Hello
@@ -60,6 +63,8 @@ class Session:
     opened_by: Hello | None = None
     """The hello that opened or last resumed the session: the same one again is a repeat."""
     loop: TrainerLoop = field(default_factory=TrainerLoop)
+    served: npt.NDArray[np.int64] | None = None
+    """Rows announced to it by source, for a feed of several (NOTE [ Source ledger ])."""
     """The trainer loop's waits, compute and pulls from its heartbeats, and what the service saw of
     them (NOTE [ Fleet load ], NOTE [ Sizing workers ])."""
 
