@@ -7,8 +7,9 @@ from __future__ import annotations
 
 import time
 import urllib.request
+from concurrent.futures import Future
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import pytest
@@ -16,7 +17,10 @@ import pytest
 from gpu_worker import ServiceError, ServiceLoader
 from loader_service.dataset.index import build_index
 from loader_service.dataset.mixture import Mixture, integer_weights
-from tests.helpers import ServiceFactory, free_port, in_threads, job_steps, status
+from tests.helpers import ServiceFactory, free_port, in_background, in_threads, job_steps, status
+
+if TYPE_CHECKING:
+    from testkit.s3server import S3Server
 
 pytestmark = pytest.mark.integration
 
@@ -83,6 +87,9 @@ def test_after_a_change_the_job_resumes_at_any_world_size_exactly_once(mixed: tu
     with ServiceLoader(service.endpoint, **weights, timeout=60) as one:
         seed = one.info.seed
     assert sorted(first + second + third) == sorted(expected(sizes, seed, 96))
+    longer = ServiceLoader(service.endpoint, weights=FIRST, epoch_samples=EPOCH + 8, timeout=60)
+    with longer, pytest.raises(ValueError, match="fingerprint"):
+        longer.load_state_dict(state)  # another epoch length: another order
     assert service.stop() == 0
 
 
@@ -143,4 +150,39 @@ def test_status_metrics_and_stats_show_where_a_job_stands_in_each_source(
         assert scraped_within(port, line, 10.0), "the metrics report each source's rows (once a second)"
         loader.set_weights(THEN, at_batch=0)  # the next epoch's first batch
         assert [loader.stats()["sources"][name]["asked"] for name in NAMES] == list(THEN.values())
+    assert service.stop() == 0
+
+
+def test_a_source_whose_store_fails_makes_the_mixture_wait_and_shifts_nothing(
+    fresh_s3_server: S3Server, photo_sources: dict[str, Path], start_service: ServiceFactory
+) -> None:
+    """One source in a store killed mid-epoch for longer than the workers' read deadline: the job
+    waits for it, and once the store is back the epoch is the pure mixture's order, every row in
+    its place: no position given to the local sources meanwhile, no sample reported bad."""
+    fresh_s3_server.upload_tree(photo_sources["tar"], "shards")
+    shards = f"s3://{fresh_s3_server.bucket}/shards/"
+    flags = [f"folder={photo_sources['imagefolder']}", f"shards={shards}", f"list={photo_sources['csv']}"]
+    sizes = [len(build_index(photo_sources[kind])) for kind in KINDS]
+    service = start_service(
+        None, source=flags, env=fresh_s3_server.env(), batch_size=4, slots=3, task_timeout=4
+    )
+    outage: Future[None] = Future()
+
+    def one_epoch() -> tuple[list[tuple[int, int]], int]:
+        got: list[tuple[int, int]] = []
+        with ServiceLoader(service.endpoint, weights=FIRST, epoch_samples=EPOCH, timeout=60) as loader:
+            for k, batch in enumerate(loader):
+                if k == 2:
+                    fresh_s3_server.kill()
+                    outage.set_result(None)
+                got += rows(batch)
+            return got, loader.info.seed
+
+    with in_background(one_epoch, "a mixture's epoch across the store's outage") as epoch:
+        outage.result(60)
+        service.wait_for(r"the data's store does not answer", 30)
+        fresh_s3_server.restart()
+        got, seed = epoch.result(90)
+    assert got == expected(sizes, seed, EPOCH), "every row where the pure order puts it"
+    assert status(service.endpoint)["feeds"][0]["bad_files"] == 0
     assert service.stop() == 0
