@@ -317,6 +317,15 @@ class Mixture:
         another), the feed's size last; made once, read at every batch."""
         return offsets_of(self.sizes)
 
+    @cached_property
+    def size_array(self) -> npt.NDArray[np.int64]:
+        return np.asarray(self.sizes, np.int64)
+
+    @cached_property
+    def source_seeds(self) -> tuple[int, ...]:
+        """Each source's key of its passes (``source_seed``), made once: a batch asks for it."""
+        return tuple(source_seed(self.seed, s) for s in range(len(self.sizes)))
+
     def epoch(self, epoch: int) -> MixtureEpoch:
         return MixtureEpoch(self, epoch, self._draws(epoch), self.before(epoch))
 
@@ -377,16 +386,22 @@ class MixtureEpoch:
         """The feed's sample number at each position (each in ``[0, samples)``)."""
         mixture = self.mixture
         source = self.draws.source[positions].astype(np.int64)
-        sizes = np.asarray(mixture.sizes, np.int64)
-        drawn = np.asarray(self.start, np.int64)[source] + self.draws.draw[positions]
-        passes, inside = np.divmod(drawn, sizes[source])
+        drawn = self._start[source] + self.draws.draw[positions]
+        passes, inside = np.divmod(drawn, mixture.size_array[source])
         local = np.empty(positions.shape, np.int64)
-        for s, p in {(int(s), int(p)) for s, p in zip(source, passes, strict=True)}:
-            mask = (source == s) & (passes == p)
-            order = epoch_order(source_seed(mixture.seed, s), p, mixture.sizes[s])
+        # Rows of one (source, pass) share one keyed order: a batch holds a few such groups.
+        groups = source * (int(passes.max(initial=0)) + 1) + passes
+        for group in np.unique(groups).tolist():
+            mask = groups == group
+            s, p = int(source[mask][0]), int(passes[mask][0])
+            order = epoch_order(mixture.source_seeds[s], p, mixture.sizes[s])
             local[mask] = order.at(inside[mask])
         result: npt.NDArray[np.int64] = mixture.offsets[source] + local
         return result
+
+    @cached_property
+    def _start(self) -> npt.NDArray[np.int64]:
+        return np.asarray(self.start, np.int64)
 
 
 def source_seed(seed: int, source: int) -> int:
