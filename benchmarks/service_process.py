@@ -47,11 +47,15 @@ class ServiceSpec:
     augment: str = "train"
     seed: int = 0
     extra_args: tuple[str, ...] = ()
+    sources: tuple[tuple[str, Path], ...] = ()
+    """Named sources, served as ``--source NAME=DATA`` each instead of ``--data`` (``data`` then
+    only says where the images are)."""
 
     def argv(self) -> list[str]:
+        data = [a for name, path in self.sources for a in ("--source", f"{name}={path}")]
         return [
             sys.executable, "-m", "loader_service", "serve",
-            "--data", str(self.data),
+            *(data or ["--data", str(self.data)]),
             "--endpoint", self.endpoint,
             "--workers", str(self.workers),
             "--batch-size", str(self.batch_size),
