@@ -23,12 +23,12 @@ NOTE [ Mixture order ]
     epoch's start is a sum, not a replay of the epochs before it. Over many epochs a source's total
     can thus drift from its share by less than one sample an epoch (one in ``epoch_samples``).
     Choosing costs O(epoch_samples x sources) once for each distinct epoch, and holds the epoch's
-    order whole (6 bytes a position, ``MAX_EPOCH_SAMPLES`` at most). It runs in the service's main
-    loop, when a weighted job plans its epoch's first batch, so it is in C (``_mixture.c``, the
-    same integers; a test holds it to the Python reference): 10 ms for a million positions of
-    three sources here, 0.32 s for the largest epoch (50 times the Python's 0.53 s a million,
-    which remains where the extension is not built). A batch's samples then cost a few numpy calls
-    (0.3 ms for 256).
+    order whole (6 bytes a position, ``MAX_EPOCH_SAMPLES`` at most). The service chooses on a
+    thread, not in its main loop (NOTE [ Choosing off the main loop ]), and in C (``_mixture.c``,
+    the same integers, the GIL released; a test holds it to the Python reference): 10 ms for a
+    million positions of three sources here, 0.32 s for the largest epoch (50 times the Python's
+    0.53 s a million, which remains where the extension is not built). A batch's samples then cost
+    one keyed permutation per (source, pass) among its rows (96 us for 64 rows of three sources).
 
     Inside a source, its ``m``-th draw since the run began is position ``m % size`` of pass
     ``m // size`` over it, a keyed permutation of that pass (``EpochOrder``, keyed by the source's
@@ -69,12 +69,13 @@ from protocol.messages import MAX_WEIGHT_CHANGES
 
 MAX_EPOCH_SAMPLES = 1 << 24
 """Positions of one mixture epoch the service chooses for: its order is held whole, 6 bytes a
-position (100 MB at this bound), and chosen in the main loop (0.32 s at this bound in C, NOTE
-[ Mixture order ]), so a trainer's ``epoch_samples`` is a peer's number that must be bounded."""
+position (100 MB at this bound), and chosen on the service's one chooser thread (0.32 s at this
+bound in C, NOTE [ Mixture order ]), so a trainer's ``epoch_samples`` is a peer's number that must
+be bounded."""
 MAX_SCHEDULE_CHOICE = 1 << 26
 """Positions a start may have to choose for a job's weight changes (each epoch that holds one, and
-the one after it): about 1.3 s of the main loop in C at this bound, once per schedule (each
-epoch's counts are kept, ``epoch_counts``)."""
+the one after it): about 1.3 s of the chooser thread in C at this bound, once per schedule (each
+epoch's counts are kept, ``epoch_counts``), during which that job waits."""
 WEIGHT_UNIT = 1 << 32
 """The sum the weights are scaled to: a share is exact to 1 part in 4 billion."""
 _SOURCE_TAG = 0x50C

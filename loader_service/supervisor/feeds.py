@@ -15,7 +15,7 @@ import numpy as np
 import numpy.typing as npt
 
 from loader_service.config import ConfigError, FeedConfig
-from loader_service.dataset.mixture import Mixture, integer_weights
+from loader_service.dataset.mixture import Mixture, MixtureEpoch, integer_weights
 from loader_service.dataset.sampler import ShardOrder, shard_order
 from loader_service.dataset.source import Columns
 from loader_service.dataset.sources import FeedSources, index_sources
@@ -171,18 +171,18 @@ class Feed:
         world_size: int,
         remainder: str,
         offset: int = 0,
-        mixture: Mixture | None = None,
+        order: MixtureEpoch | None = None,
     ) -> ShardOrder:
         """A rank's order of ``epoch`` from ``offset`` on (NOTE [ Elastic epochs ] in
         protocol/shares.py): O(1) to make and to keep, each batch computed when planned. With a
-        ``mixture``, the order its weights make (NOTE [ Mixture order ])."""
-        if mixture is None:
+        weighted job's ``order``, that epoch of its mixture (NOTE [ Mixture order ])."""
+        if order is None:
             return shard_order(self.config.seed, epoch, len(self.index), rank, world_size, remainder, offset)
-        samples = mixture.epoch_samples
+        samples = order.samples
         if not 0 <= offset < samples:
             raise ValueError(f"an epoch of {samples} samples cannot resume at position {offset}")
         size = shard_size(samples - offset, world_size, remainder)
-        return ShardOrder(mixture.epoch(epoch), rank, world_size, size, offset)
+        return ShardOrder(order, rank, world_size, size, offset)
 
     def refusal(self, hello: Hello) -> str | None:
         """Why this feed cannot serve a trainer's batches as its hello asks them, or None."""

@@ -43,7 +43,7 @@ class FeedStub:
         return 1
 
     def plan(
-        self, epoch: int, rank: int, world_size: int, remainder: str, offset: int = 0, mixture: object = None
+        self, epoch: int, rank: int, world_size: int, remainder: str, offset: int = 0, order: object = None
     ) -> ShardOrder:
         return shard_order(0, epoch, self.samples, rank, world_size, remainder, offset)
 

@@ -223,7 +223,7 @@ class FeedStub:
         return SAMPLES // BATCH
 
     def plan(
-        self, epoch: int, rank: int, world_size: int, remainder: str, offset: int = 0, mixture: object = None
+        self, epoch: int, rank: int, world_size: int, remainder: str, offset: int = 0, order: object = None
     ) -> OrderStub:
         return OrderStub()
 

@@ -4,13 +4,17 @@ takes them into its mixture (NOTE [ Weight schedules ]): checked, in order, in t
 from __future__ import annotations
 
 import json
+import threading
+import time
 from typing import Any
 
+import numpy as np
 import pytest
 
 from gpu_worker.schedule import STATE_KEY, WeightChanges, ordered_weights
 from loader_service.dataset.mixture import MAX_EPOCH_SAMPLES, Mixture, integer_weights
 from loader_service.dataset.tables import DatasetError
+from loader_service.supervisor.streams.choosing import Choice
 from protocol.messages import MAX_WEIGHT_CHANGES
 
 NAMES = ("a", "b", "c")
@@ -90,7 +94,7 @@ def test_the_service_takes_changes_over_the_jobs_first_weights() -> None:
     assert changed.schedule.changes[1] == (1500, integer_weights({"a": 1, "b": 0, "c": 0}, NAMES))
     assert changed.changed([], NAMES) == base, "a start without changes: the first weights again"
     at_zero = base.changed([(0, (0.0, 1.0, 0.0))], NAMES)
-    assert at_zero.weights == base.weights and at_zero.epoch(0).sources(range(5)).tolist() == [1] * 5
+    assert at_zero.weights == base.weights and at_zero.epoch(0).sources(np.arange(5)).tolist() == [1] * 5
 
 
 @pytest.mark.parametrize(
@@ -113,3 +117,27 @@ def test_a_schedule_that_would_cost_too_much_choosing_is_refused() -> None:
     many = [(e * MAX_EPOCH_SAMPLES, (1.0, 1.0, float(e))) for e in range(1, 4)]
     with pytest.raises(DatasetError, match="choose a smaller epoch_samples, or fewer changes"):
         big.changed(many, NAMES)
+
+
+def test_an_epoch_is_chosen_on_the_chooser_thread_not_the_callers(monkeypatch: pytest.MonkeyPatch) -> None:
+    """NOTE [ Choosing off the main loop ]: asking returns at once, the choosing runs on the one
+    chooser thread, and the result is the epoch the caller would have chosen itself."""
+    threads: list[str] = []
+    choose = Mixture.epoch
+
+    def recording(self: Mixture, epoch: int) -> Any:
+        threads.append(threading.current_thread().name)
+        return choose(self, epoch)
+
+    monkeypatch.setattr(Mixture, "epoch", recording)
+    big = Mixture.of(
+        (5_000_000, 3_000_000, 2_000_000), 3, 10_000_000, integer_weights({"a": 5, "b": 3, "c": 2}, NAMES)
+    )
+    asked = time.monotonic()
+    choice = Choice(big, 1)
+    assert time.monotonic() - asked < 0.05, "asking does not choose"
+    assert choice.wait(60)
+    assert threads == ["mixture-order_0"]
+    positions = np.arange(0, 10_000_000, 999_983)
+    assert choice.result().at(positions).tolist() == choose(big, 1).at(positions).tolist()
+    assert choice.of(big, 1) and not choice.of(big, 2)

@@ -94,7 +94,7 @@ class EarlyBatches(Producer):
         return position == 0 and plan == self.plan_key
 
     def wants_batch(self) -> bool:
-        return self.next_produce < self._end
+        return self.next_produce < self._end and self.order_ready()
 
     def filled(self, gen: int, seq: int, slot: int, count: int) -> bool:
         """Keep (or forward) a decoded batch; False if nobody wants it any more."""

@@ -22,9 +22,10 @@ from collections.abc import Iterable
 import numpy as np
 import numpy.typing as npt
 
-from loader_service.dataset.mixture import Mixture
+from loader_service.dataset.mixture import Mixture, MixtureEpoch
 from loader_service.dataset.sampler import ShardOrder
 from loader_service.supervisor.feeds import Feed
+from loader_service.supervisor.streams.choosing import Choice
 
 GENERATIONS = itertools.count(1)
 
@@ -69,6 +70,8 @@ class Producer:
         self._order: ShardOrder | None = None
         """Made when the first batch is planned; holds keys, not samples (NOTE [ Epoch order without a
         permutation ] in loader_service.dataset.sampler)."""
+        self._choice: Choice | None = None
+        """A weighted plan's epoch, chosen on a thread (NOTE [ Choosing off the main loop ])."""
 
     @property
     def epoch(self) -> int:
@@ -79,13 +82,45 @@ class Producer:
         self.gen = next(GENERATIONS)
         self.plan_key = plan_key
         self._order = None  # computed when the first batch is planned: many plans never are
+        if self._choice is not None and not self._choice.of(self.mixture, self.epoch):
+            self._choice.cancel()
+            self._choice = None
         self.next_produce = position
         self.filling = 0
 
+    def order_ready(self) -> bool:
+        """Whether the plan's next batch can be planned now: a weighted plan's epoch is chosen on a
+        thread first, asked for here (NOTE [ Choosing off the main loop ])."""
+        if self._order is not None or self.mixture is None:
+            return True
+        if self._choice is not None and not self._choice.of(self.mixture, self.epoch):
+            self._choice.cancel()
+            self._choice = None
+        if self._choice is None:
+            self._choice = Choice(self.mixture, self.epoch)
+        return self._choice.done()
+
+    @property
+    def chosen(self) -> MixtureEpoch | None:
+        """The weighted plan's epoch, once chosen; None before, or without weights."""
+        choice = self._choice
+        if (
+            choice is None
+            or self.mixture is None
+            or not choice.of(self.mixture, self.epoch)
+            or not choice.done()
+        ):
+            return None
+        return choice.result()
+
     def plan_batch(self) -> tuple[int, int, npt.NDArray[np.int64]]:
-        """(generation, seq, sample indices) of the next batch to decode."""
+        """(generation, seq, sample indices) of the next batch to decode: only once ``order_ready``
+        (a weighted plan asked otherwise would choose its epoch here, in the main loop)."""
         if self._order is None:
-            self._order = self.feed.plan(*self.plan_key, mixture=self.mixture)
+            chosen = self.chosen
+            if self.mixture is not None and chosen is None:
+                chosen = self.mixture.epoch(self.epoch)
+            self._order = self.feed.plan(*self.plan_key, order=chosen)
         seq = self.next_seq()
         self.filling += 1
         return self.gen, seq, self._order.batch(seq, self.feed.config.batch_size)

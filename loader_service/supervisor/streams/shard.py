@@ -206,7 +206,7 @@ class ShardStream(Stream):
     def wants_batch(self) -> bool:
         if self.picks is None:
             return super().wants_batch()
-        return self.started and bool(self.picks) and self.in_flight < self.window
+        return self.started and bool(self.picks) and self.in_flight < self.window and self.order_ready()
 
     def filled(self, gen: int, seq: int, slot: int, count: int) -> bool:
         """As a stream's; a picked run keeps a batch nobody asked for yet (a cache's, still decoding

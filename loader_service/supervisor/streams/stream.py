@@ -222,7 +222,12 @@ class Stream(Producer):
     # --- production -----------------------------------------------------------------------------
 
     def wants_batch(self) -> bool:
-        return self.started and self.next_produce < self.end and self.in_flight < self.window
+        return (
+            self.started
+            and self.next_produce < self.end
+            and self.in_flight < self.window
+            and self.order_ready()
+        )
 
     def filled(self, gen: int, seq: int, slot: int, count: int) -> bool:
         """Record a decoded batch; False if its plan was abandoned meanwhile, or nobody needs it."""

@@ -61,12 +61,14 @@ def _asked(mixture: Mixture | None, feed: Feed, epoch: int, position: int) -> li
     return [w / WEIGHT_UNIT for w in weights]
 
 
-def _front(stream: Stream, mixture: Mixture) -> tuple[int, Counts]:
+def _front(stream: Stream, mixture: Mixture) -> tuple[int, Counts | None]:
     """The planning front's position in the epoch and each source's draws before it in the run."""
     epoch, _rank, world, _remainder, offset = stream.plan_key
     n = mixture.epoch_samples
     position = consumed(offset, stream.planned_batches(), stream.feed.config.batch_size, world, n)
-    order = mixture.epoch(epoch)
+    order = stream.chosen
+    if order is None:  # not chosen yet (NOTE [ Choosing off the main loop ]): nothing counted
+        return position, None
     front = stream.source_front
     if front is None or front[0] != epoch or front[1] > position:
         front = (epoch, 0, np.asarray(order.start, np.int64))
