@@ -12,7 +12,9 @@ NOTE [ Choosing off the main loop ]
     it is there. The C choice releases the GIL, so the loop serves every other trainer while it
     runs. A producer keeps at most one request: one for a plan or weights it no longer has is
     cancelled if it has not begun, so the queue holds at most one request per producer, and the
-    requests of a trainer that left go with its stream.
+    requests of a trainer that left go with its stream. The loop waits ``CHOICE_WAIT`` (5 ms) for a
+    request it has just made, which covers epochs of up to about half a million positions, and a
+    stream that takes the next epoch's batches decoded ahead takes their chosen epoch with them.
 """
 
 from __future__ import annotations

@@ -28,6 +28,10 @@ from loader_service.supervisor.feeds import Feed
 from loader_service.supervisor.streams.choosing import Choice
 
 GENERATIONS = itertools.count(1)
+CHOICE_WAIT = 0.005
+"""Seconds the main loop waits for an epoch it has just asked to be chosen: an epoch of up to about
+half a million positions is chosen in that time (C), and is planned from at once instead of at the
+next tick; a longer one is planned from when it is there (NOTE [ Choosing off the main loop ])."""
 
 
 class Lane(enum.Enum):
@@ -98,7 +102,14 @@ class Producer:
             self._choice = None
         if self._choice is None:
             self._choice = Choice(self.mixture, self.epoch)
+            return self._choice.wait(CHOICE_WAIT)
         return self._choice.done()
+
+    def share_choice(self, other: Producer) -> None:
+        """Take ``other``'s request where it is for this plan's epoch and weights (a stream taking
+        the batches decoded ahead for it)."""
+        if self._choice is None and other._choice is not None and other._choice.of(self.mixture, self.epoch):
+            self._choice = other._choice
 
     @property
     def chosen(self) -> MixtureEpoch | None:

@@ -109,6 +109,7 @@ class ShardStream(Stream):
         if picked is not None:
             member.end_sent = True  # a picked run has no end: the trainer counts its batches
         if early is not None:
+            self.share_choice(early)  # its epoch is chosen already: no second request
             handover = early.take(self)
             self.adopt(handover)
             if picked is not None:
