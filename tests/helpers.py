@@ -7,6 +7,7 @@ another.
 from __future__ import annotations
 
 import contextlib
+import fcntl
 import hashlib
 import io
 import json
@@ -50,9 +51,22 @@ def left_behind(before: set[str]) -> set[str]:
 
 
 def owner_running(segment: str) -> bool:
-    """Is the service whose pid is in ``segment``'s name still running (another run's, say)?"""
+    """Is the service whose pid is in ``segment``'s name still running (another run's, say), or does
+    a live process hold its flock (a service in another pid namespace, as a test plants one)?"""
     head = segment[len("dataferry-") :].split("-", 1)[0]
-    return head.isdigit() and Path(f"/proc/{head}").exists()
+    if head.isdigit() and Path(f"/proc/{head}").exists():
+        return True
+    try:
+        fd = os.open(f"/dev/shm/{segment}", os.O_RDONLY)
+    except OSError:
+        return False  # gone meanwhile: nobody leaked it
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        return True
+    finally:
+        os.close(fd)
+    return False
 
 
 class ServiceProcess:
