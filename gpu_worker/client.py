@@ -50,6 +50,7 @@ from gpu_worker.service import Service
 from protocol.layout import SlotLayout, describe_fields
 from protocol.messages import MAX_EPOCH, FeedInfo
 from protocol.shares import consumed, rank_batches
+from protocol.verdict import verdict, wait_share
 
 log = logging.getLogger(__name__)
 __all__ = ["Batch", "LoaderConfig", "ServiceError", "ServiceLoader", "ServiceTimeout"]
@@ -310,8 +311,9 @@ class ServiceLoader:
         asked of a second service while the loop waited on a slow one; how many batches had no
         sample left (NOTE [ Empty batches ] in gpu_worker/passes.py); the seconds the loop spent
         blocked in ``next()`` and computing between pulls (NOTE [ Exposed wait ] in
-        gpu_worker/loop_clock.py); per source of a feed of several, its rows, their share and the
-        share asked for now (``source_stats``)."""
+        gpu_worker/loop_clock.py), their wait share and verdict (NOTE [ Input-bound verdict ]), and
+        the last whole epoch's (``gpu_worker/epoch_report.py``); per source of a feed of several,
+        its rows, their share and the share asked for now (``source_stats``)."""
         counts = self._counts + (self._pass.counts() if self._pass is not None else Counter())
         waited, computed = self._fleet.clock.totals()
         cfg, info = self.config, self.info
@@ -323,6 +325,9 @@ class ServiceLoader:
             "waited_s": round(waited, 3),
             "computed_s": round(computed, 3),
             "sources": source_stats(self.sources, self._fleet.by_source, asked),
+            "wait_share": round(wait_share(waited, computed), 4),
+            "verdict": verdict(wait_share(waited, computed)),
+            "epoch": None if self._fleet.last_epoch is None else self._fleet.last_epoch.stats(),
         }
 
     def state_dict(self) -> dict[str, Any]:

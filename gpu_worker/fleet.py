@@ -23,6 +23,7 @@ import zmq
 from curvekeys import ClientKeys
 from gpu_worker.connection import BYE_LINGER_MS, Connection, ServiceError, ServiceTimeout, SessionEvent
 from gpu_worker.delivery import Delivery
+from gpu_worker.epoch_report import EpochReport
 from gpu_worker.fleet_pass import Pace
 from gpu_worker.heartbeats import Heartbeats
 from gpu_worker.leases import LeaseBook
@@ -101,6 +102,8 @@ class Fleet:
         self.clock = LoopClock()
         self.by_source: Counter[int] = Counter()
         """Rows handed to the loop by source, over every pass (``loader.stats()``)."""
+        self.last_epoch: EpochReport | None = None
+        """The last pass that ran to its epoch's end, as ``gpu_worker.epoch_report`` reads it."""
         """The loop's waited and computed time (NOTE [ Exposed wait ]), sent with every heartbeat."""
         self._heartbeats = Heartbeats(self.clock)
         self._config, self._hello, self._keys, self._device = config, hello, keys, device

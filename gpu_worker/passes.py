@@ -22,6 +22,7 @@ NOTE [ Empty batches ]
 from __future__ import annotations
 
 import gc
+import logging
 import time
 from collections import Counter
 from collections.abc import Iterator
@@ -30,12 +31,14 @@ from typing import Any
 
 from gpu_worker.batch import Batch
 from gpu_worker.connection import ServiceError, ServiceTimeout, SessionEvent
+from gpu_worker.epoch_report import EpochReport
 from gpu_worker.fleet import Fleet
 from gpu_worker.fleet_pass import FleetPass
 from gpu_worker.schedule import Change
 from gpu_worker.service import Service
 from protocol.messages import BatchReady, EpochEnd, Start
 
+log = logging.getLogger(__name__)
 Arrived = tuple[int, BatchReady]
 """(session generation, announcement): what waits in the fleet pass."""
 
@@ -105,6 +108,7 @@ class EpochPass:
         clock = fleet.clock
         self.active = True
         fleet.listener = self
+        began, (waited, computed), images, handed = time.monotonic(), clock.totals(), 0, 0
         try:
             for service in fleet.live:
                 self._fleet_pass.joined(service)
@@ -124,11 +128,16 @@ class EpochPass:
                 if len(batch.indices) or self._settings.empty_batches:
                     service.share.add(len(batch.indices), time.monotonic())
                     fleet.by_source.update(batch.sources.tolist())
+                    images, handed = images + len(batch.indices), handed + 1
                     self.last_endpoint = service.endpoint
                     yield batch
                 del batch  # the generator must not keep the previous batch's slot while waiting
             self.position = max(self.position, self._settings.batches)
             self._send_pending(time.monotonic())  # credits back now, so the next pass starts at once
+            now_waited, now_computed = clock.totals()
+            spent = (time.monotonic() - began, now_waited - waited, now_computed - computed)
+            fleet.last_epoch = EpochReport(self.epoch, handed, images, *spent)
+            log.info("%s", fleet.last_epoch.line())
         finally:
             clock.idle()
             self._leave()
