@@ -15,6 +15,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from gpu_worker.client import ServiceLoader
+from gpu_worker.epoch_report import EpochReport
 from gpu_worker.metrics import TrainerMetrics
 from protocol.layout import describe_fields
 
@@ -40,27 +41,14 @@ class RunConfig:
     """Seconds between lookups of an endpoint naming a host (NOTE [ A fleet from a name ])."""
 
 
-@dataclass(frozen=True)
-class EpochReport:
-    epoch: int
-    batches: int
-    images: int
-    seconds: float
-    waited: float
-
-    @property
-    def images_per_second(self) -> float:
-        return self.images / self.seconds if self.seconds > 0 else 0.0
-
-    @property
-    def stall(self) -> float:
-        return self.waited / self.seconds if self.seconds > 0 else 0.0
-
-    def line(self) -> str:
-        return (
-            f"epoch {self.epoch}: {self.images} images in {self.batches} batches, {self.seconds:.1f} s, "
-            f"{self.images_per_second:.1f} images/s, data stall {self.stall:.1%}"
-        )
+def report_line(report: EpochReport) -> str:
+    """What ``gpu-worker run`` prints for an epoch: the loader's own line's figures, with the wait
+    as the data stall (the share of the wall time spent waiting for the next batch)."""
+    stall = report.waited / report.seconds if report.seconds > 0 else 0.0
+    return (
+        f"epoch {report.epoch}: {report.images} images in {report.batches} batches, {report.seconds:.1f} s, "
+        f"{report.images_per_s:.1f} images/s, data stall {stall:.1%} ({report.verdict})"
+    )
 
 
 def load_step(spec: str) -> StepFn:
@@ -127,7 +115,8 @@ def run_epoch(
             progress.update(batches, images, waited, time.perf_counter() - start)
     finally:
         progress.close()
-    return EpochReport(epoch, batches, images, time.perf_counter() - start, waited)
+    seconds = time.perf_counter() - start
+    return EpochReport(epoch, batches, images, seconds, waited, max(0.0, seconds - waited))
 
 
 def run(cfg: RunConfig) -> list[EpochReport]:
@@ -157,7 +146,7 @@ def run(cfg: RunConfig) -> list[EpochReport]:
         try:
             for epoch in range(cfg.epochs):
                 report = run_epoch(loader, step, epoch, metrics.observe if metrics else _ignore)
-                print(report.line(), flush=True)
+                print(report_line(report), flush=True)
                 _print_shares(loader)
                 reports.append(report)
         finally:
