@@ -14,7 +14,8 @@ import pytest
 from gpu_worker.schedule import STATE_KEY, WeightChanges, ordered_weights
 from loader_service.dataset.mixture import MAX_EPOCH_SAMPLES, Mixture, integer_weights
 from loader_service.dataset.tables import DatasetError
-from loader_service.supervisor.streams.choosing import Choice
+from loader_service.supervisor.streams.choosing import Choice, _chooser
+from loader_service.supervisor.streams.producers import Producer
 from protocol.messages import MAX_WEIGHT_CHANGES
 
 NAMES = ("a", "b", "c")
@@ -141,3 +142,24 @@ def test_an_epoch_is_chosen_on_the_chooser_thread_not_the_callers(monkeypatch: p
     positions = np.arange(0, 10_000_000, 999_983)
     assert choice.result().at(positions).tolist() == choose(big, 1).at(positions).tolist()
     assert choice.of(big, 1) and not choice.of(big, 2)
+
+
+def test_a_choice_handed_over_survives_the_producer_that_asked_moving_on() -> None:
+    """A stream takes the epoch chosen for the batches decoded ahead; the ahead producer then
+    moves to the next epoch, which cancels its own requests, never the one it handed over (two
+    weighted jobs once crashed the service so: a cancelled request read as chosen)."""
+    mixture = Mixture.of((50, 30, 20), 7, 100, integer_weights({"a": 1, "b": 1, "c": 1}, NAMES))
+    feed: Any = None  # neither producer plans a batch here
+    ahead, stream = Producer(feed, (1, 0, 1, "pad", 0)), Producer(feed, (1, 0, 1, "pad", 0))
+    ahead.mixture = stream.mixture = mixture
+    busy = threading.Event()
+    _chooser().submit(busy.wait, 30)  # the one chooser thread is busy: the request waits, cancellable
+    try:
+        ahead.order_ready()
+        stream.share_choice(ahead)
+        ahead.restart((2, 0, 1, "pad", 0))
+        assert stream._choice is not None and not stream._choice.cancelled()
+    finally:
+        busy.set()
+    assert stream._choice.wait(30)
+    assert stream.chosen is not None and stream.chosen.number == 1

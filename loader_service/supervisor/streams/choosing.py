@@ -43,7 +43,11 @@ class Choice:
         return self.epoch == epoch and self.mixture == mixture
 
     def done(self) -> bool:
-        return self._future.done()
+        """Chosen (or failed): a request cancelled before it began is not done, it is asked again."""
+        return self._future.done() and not self._future.cancelled()
+
+    def cancelled(self) -> bool:
+        return self._future.cancelled()
 
     def wait(self, timeout: float) -> bool:
         """Whether it is chosen within ``timeout`` seconds (the main loop never waits: ``done``)."""

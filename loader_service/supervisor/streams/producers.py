@@ -97,7 +97,9 @@ class Producer:
         thread first, asked for here (NOTE [ Choosing off the main loop ])."""
         if self._order is not None or self.mixture is None:
             return True
-        if self._choice is not None and not self._choice.of(self.mixture, self.epoch):
+        if self._choice is not None and (
+            not self._choice.of(self.mixture, self.epoch) or self._choice.cancelled()
+        ):
             self._choice.cancel()
             self._choice = None
         if self._choice is None:
@@ -106,10 +108,11 @@ class Producer:
         return self._choice.done()
 
     def share_choice(self, other: Producer) -> None:
-        """Take ``other``'s request where it is for this plan's epoch and weights (a stream taking
-        the batches decoded ahead for it)."""
+        """Take ``other``'s request over where it is for this plan's epoch and weights (a stream
+        taking the batches decoded ahead for it): handed over, not shared, so that ``other``
+        moving on to another plan cannot cancel it."""
         if self._choice is None and other._choice is not None and other._choice.of(self.mixture, self.epoch):
-            self._choice = other._choice
+            self._choice, other._choice = other._choice, None
 
     @property
     def chosen(self) -> MixtureEpoch | None:
