@@ -1,4 +1,5 @@
-"""``loader-service``: serve feeds, make CURVE keys, show status, print an index, make sample data, demo."""
+"""``loader-service``: serve feeds, make CURVE keys, show status (once, or live with top), print an index,
+make sample data, demo."""
 
 from __future__ import annotations
 
@@ -154,6 +155,37 @@ def _cmd_status(args: argparse.Namespace) -> int:
     return main_status(args.endpoint, args.json, args.timeout, args.server_key, args.client_key)
 
 
+def _add_top(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+    p = sub.add_parser(
+        "top",
+        help="a live view of a running service, a frame a second: each trainer's wait share and verdict, "
+        "rates, workers, sample cache, slots; q or Ctrl-C quits",
+    )
+    p.add_argument("--endpoint", required=True)
+    p.add_argument("--once", action="store_true", help="print one frame (two snapshots 1 s apart) and exit")
+    p.add_argument("--json", action="store_true", help="with --once: print the frame as JSON")
+    p.add_argument(
+        "--timeout",
+        type=float,
+        default=5.0,
+        help="seconds to wait for each answer before saying it is lost (default 5)",
+    )
+    p.add_argument("--server-key", help="the service's CURVE .key file (or $DATAFERRY_SERVER_KEY)")
+    p.add_argument(
+        "--client-key", help="a CURVE .key_secret the service authorises (or $DATAFERRY_CLIENT_KEY)"
+    )
+    p.set_defaults(func=_cmd_top)
+
+
+def _cmd_top(args: argparse.Namespace) -> int:
+    from loader_service.tools.top import main_top
+
+    if args.json and not args.once:
+        print("loader-service top: --json prints one frame: give --once too", file=sys.stderr)
+        return 2
+    return main_top(args.endpoint, args.once, args.json, args.timeout, args.server_key, args.client_key)
+
+
 def _add_index(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     p = sub.add_parser(
         "index",
@@ -246,7 +278,7 @@ def _cmd_demo(args: argparse.Namespace) -> int:
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="loader-service", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
-    for add in (_add_serve, _add_keys, _add_status, _add_index, _add_sample_data, _add_demo):
+    for add in (_add_serve, _add_keys, _add_status, _add_top, _add_index, _add_sample_data, _add_demo):
         add(sub)
     return parser
 

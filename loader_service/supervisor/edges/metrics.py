@@ -33,15 +33,25 @@ which Prometheus's ``rate()`` handles as a counter reset.
     dataferry_decode_workers_active                            gauge   (NOTE [ Sizing workers ])
     dataferry_cpu_budget_cores                                 gauge   (--workers auto only)
     dataferry_load                                             gauge   (busy x demand, NOTE [ Fleet load ])
-    dataferry_decode_busy                                      gauge
+    dataferry_decode_busy_ratio                                gauge   (0 to 1)
     dataferry_demand                                           gauge
     dataferry_trainer_loop_demand{session, client, feed}       gauge
     dataferry_source_served_samples_total{feed, source}        counter (a feed of several sources)
     dataferry_trainer_source_served_samples_total{session, client, feed, source}  counter
-    dataferry_trainer_source_asked_share{session, client, feed, source}           gauge
+    dataferry_trainer_source_asked_ratio{session, client, feed, source}           gauge (0 to 1)
     dataferry_trainer_source_pass{session, client, feed, source}                  gauge (weighted jobs)
+    dataferry_shm_free_bytes                                   gauge   (/dev/shm, as ``df`` says)
+    dataferry_shm_size_bytes                                   gauge
 
-Trainers have their own: ``dataferry_batch_wait_seconds`` in ``gpu_worker/metrics.py``.
+Renamed, the old name still exported with the same value for one release (``RENAMED``), then
+removed: ``dataferry_decode_busy`` is ``dataferry_decode_busy_ratio``, since a share of 0 to 1
+carries Prometheus's unit suffix ``_ratio`` like seconds carry ``_seconds`` (the per-source asked
+share, never released under another name, is ``_ratio`` from the start).
+``dataferry_load`` and the demands keep theirs: multiples of a capacity, with no upper bound,
+have no unit to name.
+
+Trainers have their own: ``dataferry_batch_wait_seconds`` in ``gpu_worker/metrics.py``. Rules and
+a dashboard built on these are in ``deploy/prometheus/`` and ``deploy/grafana/``.
 """
 
 from __future__ import annotations
@@ -62,6 +72,8 @@ WAIT_BUCKETS = (  # seconds, 100 us to 10 s
 )  # fmt: skip
 SLOT_STATES = ("free", "filling", "ready", "leased")
 SESSION_LABELS = ("session", "client", "feed")
+RENAMED = {"dataferry_decode_busy_ratio": "dataferry_decode_busy"}
+"""New name -> the old one, exported beside it until the next release (the module's docstring)."""
 
 
 class MetricsUnavailable(RuntimeError):
@@ -194,7 +206,8 @@ def _service_families(body: Mapping[str, Any]) -> Iterator[Metric]:
         if (value := _num(body.get(key))) is not None:
             yield CounterMetricFamily(name, doc, value=value)
     yield from _gauges(body.get("sizing"), SIZING_GAUGES)
-    yield from _gauges(body.get("load"), LOAD_GAUGES)
+    yield from _with_old_names(_gauges(body.get("load"), LOAD_GAUGES))
+    yield from _gauges(body.get("shm"), SHM_GAUGES)
 
 
 SIZING_GAUGES = (
@@ -204,10 +217,29 @@ SIZING_GAUGES = (
 LOAD_GAUGES = (
     ("dataferry_load", "Decode capacity the trainers ask for, in multiples of this service's "
      "(busy x demand; NOTE [ Fleet load ]): the autoscaling signal.", "load"),
-    ("dataferry_decode_busy", "Share of the decode workers' time on tasks, last 10 s.", "busy"),
+    ("dataferry_decode_busy_ratio", "Share of the decode workers' time on tasks, last 10 s.", "busy"),
     ("dataferry_demand", "The trainers' (waited + computed) / computed, last 10 s, as far as the service "
      "saw them wait, weighted by the batches each took (NOTE [ Fleet load ]).", "demand"),
 )  # fmt: skip
+
+
+SHM_GAUGES = (
+    ("dataferry_shm_free_bytes", "Bytes free on /dev/shm, where the slot pools and sample caches live.",
+     "free_bytes"),
+    ("dataferry_shm_size_bytes", "Size of /dev/shm in bytes.", "size_bytes"),
+)  # fmt: skip
+
+
+def _with_old_names(families: Iterator[Metric]) -> Iterator[Metric]:
+    """Each family, then a copy under its old name for one that ``RENAMED`` (the module's docstring)."""
+    from prometheus_client.metrics_core import Metric
+
+    for family in families:
+        yield family
+        if (old := RENAMED.get(family.name)) is not None:
+            copy = Metric(old, f"Deprecated, the same as {family.name}: {family.documentation}", family.type)
+            copy.samples = [sample._replace(name=old) for sample in family.samples]
+            yield copy
 
 
 def _gauges(table: object, specs: tuple[tuple[str, str, str], ...]) -> Iterator[Metric]:
@@ -343,7 +375,7 @@ def _session_source_families(sessions: list[Mapping[str, Any]]) -> Iterator[Metr
             labels=labels,
         ),
         "asked": GaugeMetricFamily(
-            "dataferry_trainer_source_asked_share",
+            "dataferry_trainer_source_asked_ratio",
             "The share of a source a trainer's weights ask for now.",
             labels=labels,
         ),

@@ -7,8 +7,10 @@ service sees of each trainer from its streams is read here too: its ``lag``, and
 
 from __future__ import annotations
 
+import os
 import time
 
+from loader_service.shm import SHM_DIR
 from loader_service.supervisor.feeds import Feed
 from loader_service.supervisor.trainers.attachments import Attachments
 from loader_service.supervisor.trainers.ledger import source_status
@@ -81,6 +83,17 @@ def _workers(workers: WorkerSet | None) -> list[dict[str, object]]:
     return listed[:STATUS_WORKERS]
 
 
+def shm_space(folder: str | os.PathLike[str] = SHM_DIR) -> dict[str, int] | None:
+    """The bytes free and in all of the file system the segments live on (/dev/shm), as ``df`` says:
+    where it is full a sample cache fails to start, and a slot pool stops growing
+    (NOTE [ A pool as large as what is in flight ]). None where it cannot be read. One ``statvfs``."""
+    try:
+        fs = os.statvfs(folder)
+    except OSError:
+        return None
+    return {"free_bytes": fs.f_bavail * fs.f_frsize, "size_bytes": fs.f_blocks * fs.f_frsize}
+
+
 def snapshot(
     feeds: list[Feed],
     attached: Attachments,
@@ -105,4 +118,5 @@ def snapshot(
         "rejected_messages": rejected_messages,
         "remote_send_bytes": remote_send_bytes,
         "load": (load or Load(0.0, 1.0)).status(),
+        "shm": shm_space(),
     }
