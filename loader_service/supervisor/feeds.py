@@ -24,7 +24,7 @@ from loader_service.decode.cache import LOCK_NAME, CacheKind, CacheSegment, Cach
 from loader_service.decode.contract import PIPELINE_REASON, PipelineError, WorkerFeed
 from loader_service.decode.probe import probe_fields
 from loader_service.shm import Segment, new_segment_name
-from loader_service.supervisor.rates import RateMeter
+from loader_service.supervisor.rates import FeedCounters
 from loader_service.supervisor.slots import SlotPool
 from protocol.layout import CHECK_BYTES, PAGE, SlotLayout, describe_fields
 from protocol.messages import FeedInfo, Hello
@@ -38,19 +38,6 @@ RECENT_BAD = 5
 """Bad samples status names, the latest last."""
 MAX_LOGGED_REASONS = 10_000
 """Distinct pipeline failures logged at WARNING; later ones go to DEBUG, so memory stays bounded."""
-
-
-@dataclass
-class FeedCounters:
-    decoded: RateMeter = field(default_factory=RateMeter)
-    batches: int = 0
-    bad_files: int = 0
-    warm_decoded: int = 0
-    """Images decoded for the warm start (NOTE [ Warm start ]), included in ``decoded``."""
-    split_batches: int = 0
-    """Batches decoded in parts by several workers at once (NOTE [ Split batches ])."""
-    served_by_source: npt.NDArray[np.int64] | None = None
-    """Rows announced to trainers, by source (NOTE [ Source ledger ]); None: one source."""
 
 
 @dataclass
@@ -303,6 +290,7 @@ class Feed:
             "split_batches": self.counters.split_batches,
             "batches": self.counters.batches,
             "bad_files": self.counters.bad_files,
+            "store_waits": self.counters.store_waits,
             "recent_bad_files": recent,
             "format": self.index.kind,
             "augment": self.augment,

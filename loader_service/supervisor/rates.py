@@ -1,9 +1,14 @@
-"""Recent rates for status and metrics: events per second over a sliding window."""
+"""What status and metrics count: recent rates (events per second over a sliding window) and each
+feed's counters."""
 
 from __future__ import annotations
 
 import time
 from collections import deque
+from dataclasses import dataclass, field
+
+import numpy as np
+import numpy.typing as npt
 
 WINDOW = 10.0
 
@@ -29,3 +34,19 @@ class RateMeter:
         start_time, start_total = self._marks[0]
         elapsed = now - start_time
         return (self.total - start_total) / elapsed if elapsed > 0 else 0.0
+
+
+@dataclass
+class FeedCounters:
+    decoded: RateMeter = field(default_factory=RateMeter)
+    batches: int = 0
+    bad_files: int = 0
+    warm_decoded: int = 0
+    """Images decoded for the warm start (NOTE [ Warm start ]), included in ``decoded``."""
+    split_batches: int = 0
+    """Batches decoded in parts by several workers at once (NOTE [ Split batches ])."""
+    served_by_source: npt.NDArray[np.int64] | None = None
+    """Rows announced to trainers, by source (NOTE [ Source ledger ]); None: one source."""
+    store_waits: int = 0
+    """Tasks a worker handed back because the data's store did not answer within its read deadline
+    (NOTE [ Object store reads ]): each is tried again, so this counts the store's silences."""

@@ -34,6 +34,7 @@ from protocol.messages import ErrorReply, Heartbeat, ProtocolError, StatusReply,
 from protocol.verdict import share_from_demand, verdict
 
 REFRESH = 1.0
+STORE_FIELDS = (("retries", "store_waits"), ("bad_files", "bad_files"))  # a store's errors end as bad files
 """Seconds between frames, and between ``--once``'s two snapshots."""
 QUIT_KEYS = b"qQ\x03"
 """Keys that quit (Ctrl-C too, should the terminal pass it on as a key)."""
@@ -62,8 +63,7 @@ def build_frame(endpoint: str, now: Sample, before: Sample | None) -> Frame:
         _trainer(s, old_sessions.get(s.get("session")), rows.get(s.get("feed")), seconds)
         for s in _records(body, "sessions")
     ]
-    # The status reports no object-store errors or retries: only the samples given up on (bad files).
-    store = {"errors": None, "retries": None, "bad_files": sum(_count(f.get("bad_files")) for f in feeds)}
+    store = {key: sum(_count(f.get(field)) for f in feeds) for key, field in STORE_FIELDS}
     return {
         "endpoint": endpoint, "lost": None, "uptime_s": _number(body.get("uptime")),
         "interval_s": round(seconds, 3) if old else None, "trainers": trainers, "workers": _workers(body),
@@ -165,7 +165,7 @@ def _map(value: object) -> Mapping[str, Any]:
 def render(frame: Frame, hint: str = "") -> RenderableType:
     """The frame as rich renderables: a header (ending in ``hint``), trainers, feeds, workers, the store."""
     bad = _map(frame.get("store")).get("bad_files")
-    store = f"store: errors and retries not reported by the service; {_cell(bad)} bad file(s)"
+    store = f"store: {_cell(_map(frame.get('store')).get('retries'))} retries; {_cell(bad)} bad file(s)"
     return Group(_header(frame, hint), _trainer_table(frame["trainers"]), _feed_table(frame["feeds"]),
                  _worker_lines(frame["workers"]), Text(store if bad is not None else ""))  # fmt: skip
 

@@ -64,6 +64,7 @@ UNDER_THRESHOLD = {
     ],
     "DataferryWorkersRestarting": ["instance:dataferry_worker_restarts:increase15m"],
     "DataferryBadFiles": ["feed:dataferry_bad_files:ratio_rate2m"],
+    "DataferryStoreNotAnswering": ["feed:dataferry_store_waits:increase10m"],
     "DataferrySharedMemoryNearlyFull": ["instance:dataferry_shm_free_bytes:ratio"],
 }
 """Per alert, what its condition compares, without the threshold: these return data whether or not
@@ -72,8 +73,8 @@ HOLDS_HERE = {"DataferryInputBound"}
 """Alerts whose condition holds in this run (the hungry trainer): their expression returns data and
 they go pending. DataferryAtCpuBudget may hold too: a trainer that only pulls asks for more than any
 CPU budget gives (on a 2-core host it does, its 2 workers at the budget's 2 cores)."""
-HEALTHY_HERE = {"DataferryWorkersRestarting", "DataferryBadFiles"}
-"""Alerts that must stay quiet: no worker dies and no file is bad here."""
+HEALTHY_HERE = {"DataferryWorkersRestarting", "DataferryBadFiles", "DataferryStoreNotAnswering"}
+"""Alerts that must stay quiet: no worker dies, no file is bad and no store is silent here."""
 
 PICTURE = os.environ.get("DATAFERRY_DASHBOARD_PNG", "")
 """Where to draw the operations page's picture (relative to the checkout); empty: no picture."""

@@ -9,7 +9,8 @@ from typing import Any, cast
 import numpy as np
 
 from loader_service.dataset.sampler import ShardOrder, shard_order
-from loader_service.supervisor.feeds import Feed, FeedCounters
+from loader_service.supervisor.feeds import Feed
+from loader_service.supervisor.rates import FeedCounters
 from loader_service.supervisor.slots import SlotPool, SlotState
 from loader_service.supervisor.streams.stream import Stream
 from loader_service.supervisor.trainers.attachments import Attachments

@@ -18,7 +18,8 @@ from loader_service.config import ServiceConfig
 from loader_service.decode.contract import WorkerConfig, slot_views
 from loader_service.decode.progress import PREFETCHING, ProgressBoard
 from loader_service.shm import Segment
-from loader_service.supervisor.feeds import Feed, FeedCounters
+from loader_service.supervisor.feeds import Feed
+from loader_service.supervisor.rates import FeedCounters
 from loader_service.supervisor.slots import SlotPool, SlotState
 from loader_service.supervisor.streams.stream import Stream
 from loader_service.supervisor.trainers.attachments import Attachments

@@ -39,7 +39,8 @@ ASKED_FOR = {  # issue 39: an alert for each
     "DataferryInputBound",  # a trainer input-bound for 10 minutes
     "DataferryAtCpuBudget",  # a service at its CPU budget
     "DataferryWorkersRestarting",  # workers restarting
-    "DataferryBadFiles",  # store errors (what they end in: NOTE in the rules file)
+    "DataferryStoreNotAnswering",  # store errors: a silent store's tasks handed back
+    "DataferryBadFiles",  # and what a store's errors end in (403, 404, a changed object)
     "DataferrySharedMemoryNearlyFull",  # shared memory nearly full
 }
 
@@ -206,6 +207,7 @@ FULL_BODY: dict[str, Any] = {
     "shm": {"free_bytes": 300, "size_bytes": 1000},
     "feeds": [{
         "name": "train", "decoded": 10, "images_per_second": 1.0, "batches": 2, "bad_files": 0,
+        "store_waits": 1,
         "slots": {"free": 1, "filling": 0, "ready": 0, "leased": 1},
         "cache": {"bytes": 9, "bytes_used": 1, "entries": 1, "hits": 1, "misses": 1, "lock_timeouts": 0},
         "sources": [{"source": "a", "served": 4}, {"source": "b", "served": 6}],

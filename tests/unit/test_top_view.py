@@ -43,7 +43,7 @@ def body(delivered: tuple[int, int], decoded: int, hits: int = 0, misses: int = 
         "uptime": 61.0,
         "sessions": [session("t1", 10.0, delivered[0]), session("t2", 1.0, delivered[1])],
         "feeds": [{"name": "train", "decoded": decoded, "batches": decoded // 8, "images_per_second": 99.0,
-                   "slots": slots, "slots_most": 64, "bad_files": 2, "cache": cache}],
+                   "slots": slots, "slots_most": 64, "bad_files": 2, "store_waits": 3, "cache": cache}],
         "sizing": {"mode": "auto", "active": 3, "started": 5, "most": 8, "budget": 2.0,
                    "decisions": [{"seconds_ago": 4.0, "from": 2, "to": 3, "reason": "trainers waited"}]},
         "load": {"busy": 0.5, "demand": 5.5, "load": 2.75},
@@ -101,7 +101,7 @@ def test_feeds_workers_cache_and_store() -> None:
     workers = frame["workers"]
     assert (workers["active"], workers["parked"], workers["busy"]) == (3, 2, 0.5)
     assert workers["last_decision"]["reason"] == "trainers waited"
-    assert frame["store"] == {"errors": None, "retries": None, "bad_files": 2}
+    assert frame["store"] == {"retries": 3, "bad_files": 2}
 
 
 def test_a_body_missing_every_field_still_makes_a_frame() -> None:
@@ -128,7 +128,7 @@ def test_the_drawn_frame_shows_what_the_issue_lists() -> None:
     assert "decoded: 75% hits, last second 100%" in text
     assert "3 active, 2 parked (auto, up to 8); busy 50%" in text
     assert "sizing: 2 -> 3 4.0 s ago: trainers waited" in text
-    assert "store: errors and retries not reported by the service; 2 bad file(s)" in text
+    assert "store: 3 retries; 2 bad file(s)" in text
     assert "up 1 min 01 s" in text and "q quits" in text
 
 

@@ -19,6 +19,7 @@ which Prometheus's ``rate()`` handles as a counter reset.
     dataferry_batches_total{feed}                              counter
     dataferry_slots{feed, state}                               gauge   (free, filling, ready, leased)
     dataferry_bad_files_total{feed}                            counter
+    dataferry_store_waits_total{feed}                          counter (tasks handed back: a silent store)
     dataferry_cache_bytes{feed}                                gauge   (the cache's size, --cache-memory)
     dataferry_cache_used_bytes{feed}                           gauge
     dataferry_cache_entries{feed}                              gauge
@@ -260,16 +261,22 @@ def _feed_families(feeds: list[Mapping[str, Any]]) -> Iterator[Metric]:
     )
     batches = CounterMetricFamily("dataferry_batches", "Batches filled, per feed.", labels=["feed"])
     bad = CounterMetricFamily("dataferry_bad_files", "Files skipped, per feed.", labels=["feed"])
+    waits = CounterMetricFamily(
+        "dataferry_store_waits",
+        "Tasks handed back because the data's store did not answer within the read deadline, per feed.",
+        labels=["feed"],
+    )
     slots = GaugeMetricFamily("dataferry_slots", "Batch slots per feed and state.", labels=["feed", "state"])
     for feed in feeds:
         name = str(feed.get("name", ""))
         for family, key in ((decoded, "decoded"), (rate, "images_per_second"), (batches, "batches")):
             _add(family, [name], feed.get(key))
         _add(bad, [name], feed.get("bad_files"))
+        _add(waits, [name], feed.get("store_waits"))
         counts = feed.get("slots")
         for state in SLOT_STATES:
             _add(slots, [name, state], counts.get(state) if isinstance(counts, Mapping) else None)
-    yield from (decoded, rate, batches, bad, slots)
+    yield from (decoded, rate, batches, bad, waits, slots)
     yield from _cache_families(feeds)
     yield from _source_families(feeds)
 

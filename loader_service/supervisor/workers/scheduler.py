@@ -164,6 +164,7 @@ class Scheduler:
         goes back in line whole, under a fresh id. Only a store silent for ``MAX_STORE_WAITS`` tries
         in a row (a quarter of an hour at the default deadline) costs the batch's samples."""
         waits = record.waits + 1
+        record.feed.counters.store_waits += 1
         if waits >= MAX_STORE_WAITS:
             why = f"the data's store did not answer {waits} times in a row: {reason}"
             self._complete(record, 0, tuple((i, why) for i in np.frombuffer(record.indices, "<i8").tolist()))
