@@ -209,7 +209,7 @@ def ratios(runs: list[tuple[Segment, Segment]]) -> dict[str, Any]:
 def status_round_trip(endpoint: str, times: int = 20) -> float | None:
     """The median seconds from a status request to its answer on one connection, as top asks: at
     most what each frame costs the service's main loop (it includes the client's own decoding)."""
-    from loader_service.tools.top import StatusLink, snapshot
+    from loader_service.tools.top_live import StatusLink, snapshot
 
     link = StatusLink(endpoint, None, None)
     took = []

@@ -178,7 +178,7 @@ def _add_top(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
 
 
 def _cmd_top(args: argparse.Namespace) -> int:
-    from loader_service.tools.top import main_top
+    from loader_service.tools.top_live import main_top
 
     if args.json and not args.once:
         print("loader-service top: --json prints one frame: give --once too", file=sys.stderr)

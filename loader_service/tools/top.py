@@ -9,28 +9,15 @@ judged by ``protocol.verdict``. Building a frame and drawing it are pure (``buil
 
 from __future__ import annotations
 
-import json
-import os
-import signal
-import sys
-import termios
-import time
-import tty
-from collections.abc import Callable, Iterator, Mapping
-from contextlib import contextmanager
+from collections.abc import Mapping
 from typing import Any
 
-import zmq
 from rich import box
-from rich.console import Console, Group, JustifyMethod, RenderableType
-from rich.live import Live
+from rich.console import Group, JustifyMethod, RenderableType
 from rich.table import Table
 from rich.text import Text
 
-from curvekeys import ClientKeys
-from loader_service.tools.status_view import SLOT_STATES, _duration, _endpoint_hint, _records
-from protocol.codec import decode, encode
-from protocol.messages import ErrorReply, Heartbeat, ProtocolError, StatusReply, StatusRequest
+from loader_service.tools.status_view import SLOT_STATES, _duration, _records
 from protocol.verdict import share_from_demand, verdict
 
 REFRESH = 1.0
@@ -41,6 +28,8 @@ QUIT_KEYS = b"qQ\x03"
 VERDICT_STYLES = {"fed": "green", "somewhat input-bound": "yellow", "input-bound": "bold red"}
 TRAINER_COLUMNS = "TRAINER CLIENT FEED >WAIT VERDICT >BATCHES/S >IMAGES/S >LAG"
 FEED_COLUMNS = "FEED >IMAGES/S SLOTS >BAD_FILES SAMPLE_CACHE"
+SOURCE_COLUMNS = "TRAINER SOURCE >SERVED >SHARE >ASKED >PASS >POSITION"
+SOURCE_KEYS = ("source", "served", "share", "asked", "pass", "position")
 """Column titles: ``_`` stands for a space, ``>`` aligns right."""
 NO_WRAP = {"TRAINER", "FEED", "VERDICT"}
 Sample = tuple[float, Mapping[str, Any]]
@@ -87,7 +76,12 @@ def _trainer(s: Mapping[str, Any], old: Mapping[str, Any] | None, rows: float | 
         "wait_share": round(share, 3), "verdict": verdict(share), "demand": demand, "batches_per_s": batches,
         "images_per_s": None if batches is None or rows is None else round(batches * rows, 1),
         "delivered": s.get("delivered"), "lag": s.get("lag"), "idle_s": _number(s.get("idle_seconds")),
+        "sources": [dict(row) for row in _list(s.get("sources")) if isinstance(row, Mapping)],
     }  # fmt: skip
+
+
+def _list(value: object) -> list[Any]:
+    return value if isinstance(value, list) else []
 
 
 def _rows_per_batch(feed: Mapping[str, Any]) -> float | None:
@@ -166,8 +160,20 @@ def render(frame: Frame, hint: str = "") -> RenderableType:
     """The frame as rich renderables: a header (ending in ``hint``), trainers, feeds, workers, the store."""
     bad = _map(frame.get("store")).get("bad_files")
     store = f"store: {_cell(_map(frame.get('store')).get('retries'))} retries; {_cell(bad)} bad file(s)"
-    return Group(_header(frame, hint), _trainer_table(frame["trainers"]), _feed_table(frame["feeds"]),
-                 _worker_lines(frame["workers"]), Text(store if bad is not None else ""))  # fmt: skip
+    return Group(_header(frame, hint), _trainer_table(frame["trainers"]), _source_table(frame["trainers"]),
+                 _feed_table(frame["feeds"]), _worker_lines(frame["workers"]),
+                 Text(store if bad is not None else ""))  # fmt: skip
+
+
+def _source_table(trainers: list[dict[str, Any]]) -> RenderableType:
+    """Each trainer's ledger by source, for feeds of several (NOTE [ Source ledger ])."""
+    rows = [(t["session"], row) for t in trainers for row in t.get("sources", [])]
+    if not rows:
+        return Text("")
+    table = _table("sources (share: of the trainer's rows; asked: by its weights now)", SOURCE_COLUMNS)
+    for session, row in rows:
+        table.add_row(_cell(session), *(_cell(row.get(key)) for key in SOURCE_KEYS))
+    return table
 
 
 def _header(frame: Frame, hint: str) -> Text:
@@ -242,159 +248,3 @@ def _cell(value: object) -> str:
     if isinstance(value, float):
         return f"{value:.2f}" if value < 10 else f"{value:.0f}"
     return "-" if value is None else str(value)
-
-
-# --- the service and the terminal -------------------------------------------------------------------
-
-
-class StatusLink:
-    """One DEALER to the service, kept between snapshots; made anew after a lost answer."""
-
-    def __init__(self, endpoint: str, server_key: str | None, client_key: str | None) -> None:
-        self.endpoint = endpoint
-        self._keys = ClientKeys.load(server_key, client_key)  # ValueError naming a bad file
-        self._ctx: zmq.Context[zmq.Socket[bytes]] = zmq.Context()
-        self.sock = self._connect()
-
-    def _connect(self) -> zmq.Socket[bytes]:
-        sock = self._ctx.socket(zmq.DEALER)
-        sock.setsockopt(zmq.LINGER, 0)
-        if self._keys is not None:
-            self._keys.apply(sock)
-        try:
-            sock.connect(self.endpoint)
-        except zmq.ZMQError as exc:  # a malformed endpoint: nothing to keep
-            self.close()
-            raise ValueError(f"invalid endpoint {self.endpoint!r}: {exc}") from None
-        return sock
-
-    def ask(self) -> None:
-        self.sock.send(encode(StatusRequest()), zmq.NOBLOCK)
-
-    def take(self) -> Mapping[str, Any] | None:
-        """The newest status body waiting, if any; ``RuntimeError`` if the service refused."""
-        body = None
-        while self.sock.poll(0):
-            try:
-                msg = decode(self.sock.recv_multipart()[-1], (StatusReply, Heartbeat, ErrorReply))
-            except ProtocolError:
-                continue
-            if isinstance(msg, ErrorReply):
-                raise RuntimeError(f"the service at {self.endpoint} refused the request: {msg.message}")
-            if isinstance(msg, StatusReply):
-                body = msg.body
-        return body
-
-    def close(self) -> None:
-        self._ctx.destroy(linger=0)
-
-
-def snapshot(link: StatusLink, timeout: float, fd: int | None = None) -> Sample:
-    """Ask and wait; ``TimeoutError`` (the link made anew) if no answer comes within ``timeout``."""
-    link.ask()
-    body = wait(link, fd, time.monotonic() + timeout, reply=True)
-    if body is not None:
-        return time.monotonic(), body
-    link.sock.close()  # a new connection: no stale request is answered later
-    link.sock = link._connect()
-    hint = _endpoint_hint(link.endpoint)
-    raise TimeoutError(f"no status reply from {link.endpoint} within {timeout:g} s{hint}")
-
-
-def wait(link: StatusLink, fd: int | None, until: float, reply: bool) -> Mapping[str, Any] | None:
-    """Until ``until`` or, if ``reply``, a status body; ``KeyboardInterrupt`` on q read from ``fd``."""
-    while (left := until - time.monotonic()) > 0:
-        ready = zmq.select([link.sock, *([] if fd is None else [fd])], [], [], left)[0]
-        if fd is not None and fd in ready and _quits(fd):
-            raise KeyboardInterrupt
-        if link.sock in ready and (body := link.take()) is not None and reply:
-            return body
-    return None
-
-
-def _quits(fd: int) -> bool:
-    try:
-        keys = os.read(fd, 64)
-    except OSError:  # EIO: the terminal went away, as does an end of file
-        return True
-    return not keys or any(key in QUIT_KEYS for key in keys)
-
-
-@contextmanager
-def keys_pressed() -> Iterator[int | None]:
-    """stdin's descriptor in cbreak mode (keys come one by one, unechoed) for the ``with`` body, its
-    settings restored after it whatever happens; ``None`` if stdin is no terminal."""
-    if not sys.stdin.isatty():
-        yield None
-        return
-    fd, saved = sys.stdin.fileno(), termios.tcgetattr(sys.stdin.fileno())
-    try:
-        tty.setcbreak(fd)
-        yield fd
-    finally:
-        termios.tcsetattr(fd, termios.TCSADRAIN, saved)
-
-
-def watch(link: StatusLink, timeout: float, show: Callable[[Frame], None], fd: int | None) -> None:
-    """A frame a second until q (``KeyboardInterrupt``); a lost service is shown so and asked again."""
-    before: Sample | None = None
-    frame: Frame | None = None
-    while True:
-        started = time.monotonic()
-        try:
-            now = snapshot(link, timeout, fd)
-            frame = build_frame(link.endpoint, now, before)
-            before = now
-        except (TimeoutError, RuntimeError) as exc:
-            frame = lost_frame(link.endpoint, str(exc), frame)
-        show(frame)
-        wait(link, fd, started + REFRESH, reply=False)
-
-
-def _console() -> Console:  # 120 columns rather than 80 when printing to no terminal (COLUMNS unset)
-    return Console(width=None if sys.stdout.isatty() or "COLUMNS" in os.environ else 120)
-
-
-def _live(link: StatusLink, timeout: float) -> None:
-    console = _console()
-    for sig in (signal.SIGTERM, signal.SIGHUP):  # as Ctrl-C: the terminal's settings are restored
-        signal.signal(sig, signal.default_int_handler)
-    if not console.is_terminal:  # piped: one frame after another, as `top -b` does
-        watch(link, timeout, lambda frame: console.print(render(frame), "\n"), None)
-        return
-    with keys_pressed() as fd, Live(console=console, auto_refresh=False, screen=True) as live:
-        watch(link, timeout, lambda frame: live.update(render(frame, "q quits"), refresh=True), fd)
-
-
-def _once(link: StatusLink, timeout: float, as_json: bool) -> None:
-    first = snapshot(link, timeout)
-    time.sleep(max(0.0, REFRESH - (time.monotonic() - first[0])))
-    frame = build_frame(link.endpoint, snapshot(link, timeout), first)
-    if as_json:
-        print(json.dumps(frame, indent=2, sort_keys=True))
-    else:
-        _console().print(render(frame))
-
-
-def main_top(endpoint: str, once: bool, as_json: bool, timeout: float,
-             server_key: str | None = None, client_key: str | None = None) -> int:  # fmt: skip
-    """``loader-service top``: 0 on q or Ctrl-C or after ``--once``'s frame; 1 (why on stderr) for a bad
-    endpoint or key, or no answer to ``--once``; 130 if ``--once`` is interrupted."""
-    try:
-        link = StatusLink(endpoint, server_key, client_key)
-    except ValueError as exc:
-        print(f"loader-service top: {exc}", file=sys.stderr)
-        return 1
-    try:
-        if once:
-            _once(link, timeout, as_json)
-        else:
-            _live(link, timeout)
-    except (TimeoutError, RuntimeError) as exc:
-        print(f"loader-service top: {exc}", file=sys.stderr)
-        return 1
-    except KeyboardInterrupt:
-        return 130 if once else 0
-    finally:
-        link.close()
-    return 0

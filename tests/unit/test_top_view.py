@@ -3,6 +3,7 @@ service; and its terminal handling on a pseudo-terminal."""
 
 from __future__ import annotations
 
+import io
 import json
 import math
 import os
@@ -17,14 +18,8 @@ import pytest
 from rich.console import Console
 
 from loader_service.tools.cli import main
-from loader_service.tools.top import (
-    StatusLink,
-    build_frame,
-    keys_pressed,
-    lost_frame,
-    render,
-    wait,
-)
+from loader_service.tools.top import build_frame, lost_frame, render
+from loader_service.tools.top_live import StatusLink, keys_pressed, wait
 from protocol.verdict import share_from_demand, verdict
 
 ENDPOINT = "ipc:///tmp/nowhere.sock"
@@ -206,3 +201,23 @@ def test_a_terminal_that_went_away_ends_the_view() -> None:
     finally:
         link.close()
         os.close(slave)
+
+
+def test_a_trainers_ledger_by_source_is_in_the_frame_and_drawn() -> None:
+    """NOTE [ Source ledger ]: a trainer of a feed of several sources brings its rows by source."""
+    ledger = [
+        {"source": "photos", "served": 120, "share": 0.6, "asked": 0.6, "pass": 1, "position": 20},
+        {"source": "extra", "served": 80, "share": 0.4, "asked": 0.4},
+    ]
+    now = body((140, 25), 2000)
+    now["sessions"][0]["sources"] = ledger
+    frame = build_frame(ENDPOINT, (2.0, now), None)
+    assert frame["trainers"][0]["sources"] == ledger and frame["trainers"][1]["sources"] == []
+    console = Console(width=160, record=True, file=io.StringIO())
+    console.print(render(frame))
+    rows = [line.split() for line in console.export_text().splitlines()]
+    assert ["t1", "photos", "120", "0.60", "0.60", "1", "20"] in rows
+    assert ["t1", "extra", "80", "0.40", "0.40", "-", "-"] in rows
+    console = Console(width=160, record=True, file=io.StringIO())
+    console.print(render(two_frames()))
+    assert "sources (" not in console.export_text(), "a feed of one source: no ledger"
