@@ -52,8 +52,8 @@ import signal
 import sys
 import tempfile
 import time
-from collections.abc import Callable, Iterable, Mapping, Sequence
-from dataclasses import asdict, dataclass, replace
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -66,7 +66,7 @@ from torch.utils.data import DataLoader, IterableDataset
 from benchmarks.cli import run_benchmark
 from benchmarks.config import BenchConfig, ConfigError
 from benchmarks.contenders import Contender, Stream, Tick, batch_rows, loader_stream
-from benchmarks.datasets import prepare_data, single_threaded_worker
+from benchmarks.datasets import DataSpec, prepare_data, single_threaded_worker
 from benchmarks.machine import machine_facts
 from benchmarks.proctree import service_segments, tree
 from benchmarks.progress import LazyProgress, say
@@ -529,49 +529,91 @@ class MixtureRun:
         return summarize(got.rates, got.cpu_per_1000, counts, plan.weights)
 
 
-def run(plan: Plan, cache: Path) -> dict[str, Any]:
+@dataclass
+class Setting:
+    """What a mixture benchmark (this one, ``benchmarks.mixture_sharing``) runs on: the sample
+    dataset split into the three sources in a scratch folder, a folder for the services' files,
+    and, once it is over, the processes it left behind (killed)."""
+
+    started: str
+    begin: float
+    cfg: BenchConfig
+    data: DataSpec
+    sources: Sources | None = None
+    run_dir: Path | None = None
+    left: list[int] = field(default_factory=list)
+
+    def record(
+        self, plan: Mapping[str, Any], services: Sequence[ServiceProcess], **own: Any
+    ) -> dict[str, Any]:
+        """The run's JSON: what both benchmarks record (``plan``: the run's, as a dict), with ``own``
+        (the figures) in between."""
+        assert self.sources is not None
+        return {
+            "started": self.started,
+            "seconds": time.monotonic() - self.begin,
+            "plan": dict(plan),
+            "data": self.data.public(),
+            "sources": dict(zip(NAMES, self.sources.sizes, strict=True)),
+            "image_size": SIZE,
+            "interpolation": self.cfg.interpolation,
+            "decoder_used": describe_decoder(DECODER),
+            "machine": machine_facts(),
+            **own,
+            "cleanup": {
+                "service_exit_codes": [s.exit_code for s in services],
+                "segments_left": sum(len(service_segments(s.pid)) for s in services),
+                "workers_killed": len(self.left),
+            },
+        }
+
+
+def setting(images: int, seed: int, cache: Path) -> Setting:
+    """The sample dataset of ``images`` photos (generated once into ``cache``, then reused)."""
     started = datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")
     begin = time.monotonic()
     cv2.setNumThreads(1)
-    cfg = replace(BenchConfig(), images=plan.images, cache=cache, seed=plan.seed)
+    cfg = replace(BenchConfig(), images=images, cache=cache, seed=seed)
     generation = LazyProgress("generating the sample dataset")
     data = prepare_data(cfg, progress=generation)
     generation.close()
     say(data.describe())
+    return Setting(started, begin, cfg, data)
+
+
+@contextlib.contextmanager
+def split(run: Setting, prefix: str) -> Iterator[Setting]:
+    """``run`` with its sources and run folder in a scratch folder, removed afterwards, and every
+    process left behind killed (``reap_children``) however the run ends."""
+    with tempfile.TemporaryDirectory(prefix=prefix) as scratch:
+        run.sources = make_sources(run.data.root, run.data.images, Path(scratch))
+        run.run_dir = Path(scratch) / "run"
+        run.run_dir.mkdir()
+        try:
+            yield run
+        finally:
+            run.left = reap_children()
+            if run.left:
+                say(f"killed {len(run.left)} process(es) left behind: {run.left}")
+
+
+def run(plan: Plan, cache: Path) -> dict[str, Any]:
+    setup = setting(plan.images, plan.seed, cache)
     skipped = {k: why for k, (module, dist) in PEERS.items() if (why := peer_problem(module, dist))}
     for key, why in skipped.items():
         say(f"{TITLES[key]} skipped: {why}")
-    with tempfile.TemporaryDirectory(prefix="dataferry-mixture-") as scratch:
-        sources = make_sources(data.root, data.images, Path(scratch))
-        run_dir = Path(scratch) / "run"
-        run_dir.mkdir()
-        bench = MixtureRun(plan, sources, run_dir, cfg.interpolation)
-        try:
-            summary = bench.measure(skipped)
-        finally:
-            left = reap_children()
-            if left:
-                say(f"killed {len(left)} worker process(es) left behind: {left}")
-    return {
-        "started": started,
-        "seconds": time.monotonic() - begin,
-        "plan": asdict(plan),
-        "data": data.public(),
-        "sources": dict(zip(NAMES, sources.sizes, strict=True)),
-        "batch_size": BATCH,
-        "image_size": SIZE,
-        "interpolation": cfg.interpolation,
-        "decoder_used": describe_decoder(DECODER),
-        "machine": machine_facts(),
-        "peers": {dist: _version(dist) for _, dist in PEERS.values()},
-        "skipped": skipped,
+    with split(setup, "dataferry-mixture-") as ready:
+        assert ready.sources is not None and ready.run_dir is not None
+        bench = MixtureRun(plan, ready.sources, ready.run_dir, ready.cfg.interpolation)
+        summary = bench.measure(skipped)
+    return setup.record(
+        asdict(plan),
+        bench.services,
+        batch_size=BATCH,
+        peers={dist: _version(dist) for _, dist in PEERS.values()},
+        skipped=skipped,
         **summary,
-        "cleanup": {
-            "service_exit_codes": [s.exit_code for s in bench.services],
-            "segments_left": sum(len(service_segments(s.pid)) for s in bench.services),
-            "workers_killed": len(left),
-        },
-    }
+    )
 
 
 def parse_weights(text: str) -> tuple[float, ...]:

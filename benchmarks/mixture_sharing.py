@@ -40,10 +40,8 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import datetime
 import json
 import sys
-import tempfile
 import threading
 import time
 from collections.abc import Mapping, Sequence
@@ -51,22 +49,17 @@ from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
-import cv2
 import numpy as np
 
 from benchmarks.cache import cache_bytes
 from benchmarks.cli import run_benchmark
 from benchmarks.config import BenchConfig, ConfigError
-from benchmarks.datasets import prepare_data
-from benchmarks.machine import machine_facts
-from benchmarks.mixture import DECODER, NAMES, SIZE, Sources, make_sources, reap_children
-from benchmarks.proctree import service_segments
-from benchmarks.progress import LazyProgress, say
+from benchmarks.mixture import DECODER, NAMES, SIZE, Sources, setting, split
+from benchmarks.progress import say
 from benchmarks.run import SERVICE_CREDITS
 from benchmarks.service_process import BenchError, ServiceProcess, ServiceSpec, running_service
 from loader_service.dataset.index import build_index
 from loader_service.decode.cache import entry_bytes
-from loader_service.decode.decoders import describe_decoder
 from loader_service.tools.cache_size import image_pixels
 from loader_service.tools.status_view import query_status
 
@@ -348,51 +341,22 @@ def run_case(
 
 
 def run(plan: Plan, data_cache: Path) -> dict[str, Any]:
-    started = datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")
-    begin = time.monotonic()
-    cv2.setNumThreads(1)
-    cfg = replace(BenchConfig(), images=plan.images, cache=data_cache, seed=plan.seed)
-    generation = LazyProgress("generating the sample dataset")
-    data = prepare_data(cfg, progress=generation)
-    generation.close()
-    say(data.describe())
+    setup = setting(plan.images, plan.seed, data_cache)
     cases: dict[str, dict[str, Any]] = {}
     services: list[ServiceProcess] = []
-    with tempfile.TemporaryDirectory(prefix="dataferry-sharing-") as scratch:
-        sources = make_sources(data.root, data.images, Path(scratch))
-        run_dir = Path(scratch) / "run"
-        run_dir.mkdir()
-        cache = full_cache_bytes(sources, plan.workers)
+    with split(setup, "dataferry-sharing-") as ready:
+        assert ready.sources is not None and ready.run_dir is not None
+        cache = full_cache_bytes(ready.sources, plan.workers)
         say(f"--cache-memory {cache} ({cache / 2**20:.0f} MiB: every decoded image, and a margin)")
-        try:
-            for case in CASES:
-                say(f"{case.key}: {case.title}")
-                cases[case.key], service = run_case(case, plan, sources, run_dir, cfg.interpolation, cache)
-                services.append(service)
-        finally:
-            left = reap_children()
-            if left:
-                say(f"killed {len(left)} process(es) left behind: {left}")
-    return {
-        "started": started,
-        "seconds": time.monotonic() - begin,
-        "plan": asdict(plan),
-        "data": data.public(),
-        "sources": dict(zip(NAMES, sources.sizes, strict=True)),
-        "batch_size": BATCH,
-        "image_size": SIZE,
-        "credits": SERVICE_CREDITS,
-        "interpolation": cfg.interpolation,
-        "decoder_used": describe_decoder(DECODER),
-        "cache_memory": cache,
-        "machine": machine_facts(),
-        "cases": cases,
-        "cleanup": {
-            "service_exit_codes": [s.exit_code for s in services],
-            "segments_left": sum(len(service_segments(s.pid)) for s in services),
-            "workers_killed": len(left),
-        },
-    }
+        for case in CASES:
+            say(f"{case.key}: {case.title}")
+            cases[case.key], service = run_case(
+                case, plan, ready.sources, ready.run_dir, ready.cfg.interpolation, cache
+            )
+            services.append(service)
+    return setup.record(
+        asdict(plan), services, batch_size=BATCH, credits=SERVICE_CREDITS, cache_memory=cache, cases=cases
+    )
 
 
 # --- output ----------------------------------------------------------------------------------------------

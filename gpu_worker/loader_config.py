@@ -8,6 +8,7 @@ from dataclasses import KW_ONLY, dataclass, field
 from typing import Any
 
 from gpu_worker.names import name_of
+from gpu_worker.schedule import check_weight
 from protocol.layout import FieldSpec
 from protocol.messages import MODES, REMAINDERS, TRANSPORTS
 
@@ -110,12 +111,7 @@ class LoaderConfig:
         if len(self.group_secret) > 64:
             raise ValueError("group_secret must be at most 64 characters")
         for name, weight in self.weights:
-            if (
-                not isinstance(weight, (int, float))
-                or isinstance(weight, bool)
-                or not 0 <= weight < float("inf")
-            ):
-                raise ValueError(f"weight of {name!r} must be a finite number >= 0, got {weight!r}")
+            check_weight(name, weight)
         if self.epoch_samples < 0 or (self.epoch_samples and not self.weights):
             raise ValueError("epoch_samples goes with weights, and is 0 (the feed's size) or more")
         return self

@@ -37,6 +37,12 @@ Change = tuple[int, tuple[float, ...]]
 STATE_KEY = "weight_changes"
 
 
+def check_weight(name: str, value: object) -> None:
+    """ValueError unless ``value`` is a finite number >= 0 (a bool is no weight)."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 <= value < math.inf:
+        raise ValueError(f"weight of {name!r} must be a finite number >= 0, got {value!r}")
+
+
 def ordered_weights(weights: Mapping[str, float], sources: Sequence[str]) -> tuple[float, ...]:
     """``weights`` in the order of ``sources``; ValueError naming a name that is not a source, a
     source left out, a weight that is not a finite number >= 0, or weights that are all zero."""
@@ -56,8 +62,7 @@ def ordered_weights(weights: Mapping[str, float], sources: Sequence[str]) -> tup
         )
     values = tuple(weights[name] for name in sources)
     for name, value in zip(sources, values, strict=True):
-        if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 <= value < math.inf:
-            raise ValueError(f"weight of {name!r} must be a finite number >= 0, got {value!r}")
+        check_weight(name, value)
     if not any(values):
         raise ValueError("weights are all zero: at least one source must have a weight above 0")
     return tuple(float(v) for v in values)

@@ -139,6 +139,16 @@ def train() -> None:
         metrics.stop()
 
 
+def stop(proc: subprocess.Popen[bytes]) -> None:
+    """SIGTERM, then SIGKILL if it is still there 20 s later."""
+    proc.send_signal(signal.SIGTERM)
+    try:
+        proc.wait(20)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.wait(10)
+
+
 @contextlib.contextmanager
 def trainer(
     endpoint: str, weights: dict[str, float], step: float, log: Path, switch: tuple[dict[str, float], float]
@@ -155,12 +165,7 @@ def trainer(
     try:
         yield port
     finally:
-        proc.send_signal(signal.SIGTERM)
-        try:
-            proc.wait(20)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait(10)
+        stop(proc)
         print(f"--- trainer {log.stem} (exit {proc.returncode}):\n{log.read_text()[-3000:]}")
 
 
@@ -220,12 +225,7 @@ def prometheus(folder: Path, targets: dict[str, list[str]]) -> Iterator[str]:
         poll(ready, "Prometheus ready", 60)
         yield url
     finally:
-        proc.terminate()
-        try:
-            proc.wait(20)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait(10)
+        stop(proc)
         print(f"--- prometheus log:\n{log.read_text()[-4000:]}")
 
 

@@ -86,9 +86,7 @@ class Producer:
         self.gen = next(GENERATIONS)
         self.plan_key = plan_key
         self._order = None  # computed when the first batch is planned: many plans never are
-        if self._choice is not None and not self._choice.of(self.mixture, self.epoch):
-            self._choice.cancel()
-            self._choice = None
+        self._forget_stale_choice()
         self.next_produce = position
         self.filling = 0
 
@@ -97,15 +95,18 @@ class Producer:
         thread first, asked for here (NOTE [ Choosing off the main loop ])."""
         if self._order is not None or self.mixture is None:
             return True
-        if self._choice is not None and (
-            not self._choice.of(self.mixture, self.epoch) or self._choice.cancelled()
-        ):
-            self._choice.cancel()
-            self._choice = None
+        self._forget_stale_choice()
         if self._choice is None:
             self._choice = Choice(self.mixture, self.epoch)
             return self._choice.wait(CHOICE_WAIT)
         return self._choice.done()
+
+    def _forget_stale_choice(self) -> None:
+        """Cancel a request for another plan's epoch or weights, and drop one cancelled meanwhile."""
+        choice = self._choice
+        if choice is not None and (not choice.of(self.mixture, self.epoch) or choice.cancelled()):
+            choice.cancel()
+            self._choice = None
 
     def share_choice(self, other: Producer) -> None:
         """Take ``other``'s request over where it is for this plan's epoch and weights (a stream
