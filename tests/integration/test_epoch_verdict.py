@@ -11,7 +11,8 @@ from pathlib import Path
 import pytest
 
 from gpu_worker import ServiceLoader
-from tests.helpers import ServiceFactory
+from loader_service.supervisor.streams.early import WARM_BATCHES
+from tests.helpers import ServiceFactory, status, wait_until
 
 pytestmark = pytest.mark.integration
 
@@ -44,11 +45,22 @@ def test_a_data_bound_loop_is_called_input_bound(
 def test_a_compute_bound_loop_is_called_fed(
     photos: Path, start_service: ServiceFactory, caplog: pytest.LogCaptureFixture
 ) -> None:
+    """A loop whose step is long against what a pull costs is fed, on a loaded machine too.
+
+    The exposed wait has two parts a busy host stretches: the first pull (the service's warm
+    batches still decoding as it starts) and each pull's own work in the loader (a few ms here with
+    a CPU burner beside it). The first is awaited away (the warm batches ready before the loop
+    starts); the second is kept small against the step: 12 steps of 0.25 s, where 0.1 s steps read
+    5-6 % on a loaded two-core machine (issue 45) against the 5 % line."""
     caplog.set_level(logging.INFO, logger="gpu_worker.passes")
-    quick = start_service(photos, workers=2, batch_size=4, image_size=32)
+    quick = start_service(photos, workers=2, batch_size=8, image_size=32)
+    wait_until(
+        lambda: status(quick.endpoint)["feeds"][0]["slots"]["ready"] >= WARM_BATCHES,
+        "the warm start's batches decoded",
+    )
     with ServiceLoader(quick.endpoint, timeout=60) as loader:
         for _ in loader:
-            time.sleep(0.1)  # the training step: far longer than a batch of 4 small crops takes
+            time.sleep(0.25)  # the training step: far longer than a batch of 8 small crops takes
         fed = loader.stats()
     (line,) = epoch_lines(caplog)
     assert ": fed: the model sets the pace" in line, line

@@ -22,7 +22,16 @@ from loader_service.dataset.sampler import shard_order
 from loader_service.supervisor.streams.early import WARM_BATCHES
 from protocol.messages import FeedInfo
 from protocol.shares import batches_per_epoch, shard_size
-from tests.helpers import DIE_AFTER, ServiceFactory, in_threads, our_segments, status, trainer_process
+from tests.helpers import (
+    DIE_AFTER,
+    ServiceFactory,
+    ServiceProcess,
+    in_threads,
+    our_segments,
+    status,
+    trainer_process,
+    wait_until,
+)
 
 pytestmark = pytest.mark.integration
 TRAINERS = 100
@@ -117,6 +126,20 @@ def problems(
     return found
 
 
+def all_sessions_end(service: ServiceProcess) -> None:
+    """Every session ends: a killed trainer's when its heartbeats stop, the others' at their bye.
+
+    Awaited on the service's own account, not by counting "no heartbeat" lines: a trainer's close
+    sends its bye without waiting for it (gpu_worker/service.py), so the last trainers' byes can
+    still be on their way when the loop returns, and on a loaded host a live trainer's late
+    heartbeat ends its session too (it reconnects and goes on). The count of those lines was once
+    reached with two sessions still attached (issue 45)."""
+    wait_until(lambda: status(service.endpoint)["attached"] == 0, "every session ended", timeout=30)
+    expired = [line for line in service.lines if "detached: no heartbeat for 2 s" in line]
+    print(f"soak: {len(expired)} sessions ended by their heartbeat timeout ({KILLED} trainers killed)")
+    assert len(expired) >= KILLED, "each killed trainer's session ended by its timeout"
+
+
 def test_hundred_trainers_come_and_go(photos: Path, start_service: ServiceFactory) -> None:
     service = start_service(photos, batch_size=4, slots=12, client_timeout=2, image_size=32)
     rng = random.Random(1)
@@ -171,9 +194,8 @@ def test_hundred_trainers_come_and_go(photos: Path, start_service: ServiceFactor
         if (found := problems(got, p[1], ended, labels, pixels))
     }
     assert not wrong, {i: (plans[i], found[:3]) for i, found in list(wrong.items())[:5]}
-    service.wait_for(r"detached: no heartbeat for 2 s", timeout=30, count=KILLED)
+    all_sessions_end(service)
     body = status(service.endpoint)
-    assert body["attached"] == 0
     slots = body["feeds"][0]["slots"]
     assert slots["leased"] == 0 and sum(slots.values()) == 12, "the pool is whole"
     assert slots["ready"] + slots["filling"] <= WARM_BATCHES, "only the warm start holds slots"
