@@ -32,6 +32,7 @@ from gpu_worker.loop_clock import LoopClock
 from gpu_worker.names import Name, Resolver, name_of
 from gpu_worker.service import Service
 from protocol.messages import FeedInfo, Hello, Welcome
+from protocol.printable import printable
 
 log = logging.getLogger(__name__)
 POLL_SLICE = 0.1
@@ -291,7 +292,7 @@ class Fleet:
     def _retire(self, service: Service, why: str) -> None:
         """Stop using ``service``: the pass gives its batches to the others; its session ends once
         the loop holds none of its batches (their slots stay the loop's until then)."""
-        log.info("leaving %s: it %s", service.endpoint, why)
+        log.info("leaving %s: it %s", service.endpoint, printable(why))
         service.refused = why
         if self.listener is not None:
             self.listener.on_event(service, SessionEvent.REFUSED, why)
@@ -324,7 +325,7 @@ class Fleet:
                 service.adopt(detail)
             elif what is SessionEvent.RESUMED:
                 service.leases.resumed(conn.generation, service.resume_held)
-                log.warning("resumed session %s with %s", conn.session, service.endpoint)
+                log.warning("resumed session %s with %s", printable(conn.session), service.endpoint)
             elif what is SessionEvent.LOST:
                 log.warning("lost the loader service at %s (%s); reconnecting", service.endpoint, detail)
                 waiting = () if self.listener is None else self.listener.waiting_leases(service)
@@ -361,7 +362,7 @@ class Fleet:
     def _leave_out(self, service: Service, why: str) -> None:
         """Stop using ``service`` for good; the pass under way gives its batches to the others."""
         service.refused = why
-        log.error("leaving %s out: it %s", service.endpoint, why)
+        log.error("leaving %s out: it %s", service.endpoint, printable(why))
         if self.listener is not None:
             self.listener.on_event(service, SessionEvent.REFUSED, why)
         service.close()

@@ -5,14 +5,31 @@ from __future__ import annotations
 import logging
 import sys
 
+from protocol.printable import printable
+
 
 def configure_logging(level: str, role: str) -> None:
     """Set up this process's root logger; ``role`` names it in every line (``service``, ``worker-3``)."""
     handler = logging.StreamHandler(sys.stderr)
-    handler.setFormatter(logging.Formatter(f"%(asctime)s %(levelname)s {role}[%(process)d] %(message)s"))
+    handler.setFormatter(TextFormatter(f"%(asctime)s %(levelname)s {role}[%(process)d] %(message)s"))
     root = logging.getLogger()
     root.handlers[:] = [handler]
     root.setLevel(level)
+
+
+class TextFormatter(logging.Formatter):
+    """Every message as one line of text, whatever names it holds: a trainer's, a group's, a file's
+    (NOTE [ Chosen names are shown as text ]); a traceback keeps its lines, each shown so."""
+
+    def formatMessage(self, record: logging.LogRecord) -> str:  # noqa: N802 (logging's names)
+        record.message = printable(record.message)
+        return super().formatMessage(record)
+
+    def formatException(self, ei: logging._SysExcInfoType) -> str:  # noqa: N802
+        return "\n".join(map(printable, super().formatException(ei).split("\n")))
+
+    def formatStack(self, stack_info: str) -> str:  # noqa: N802
+        return "\n".join(map(printable, stack_info.split("\n")))
 
 
 class LogLimiter:

@@ -1,7 +1,9 @@
 """``loader-service status``: ask a running service for its snapshot and show it as tables.
 
 The snapshot is the body of a ``status`` reply (``LoaderService.status``): informational, not a
-contract, so every field is read defensively and a missing one shows as ``-``.
+contract, so every field is read defensively and a missing one shows as ``-``. Every value is shown
+as text: a name a trainer or a dataset chose never reaches the terminal as an escape
+(NOTE [ Chosen names are shown as text ]).
 """
 
 from __future__ import annotations
@@ -18,6 +20,7 @@ import zmq
 from curvekeys import ClientKeys
 from protocol.codec import decode, encode
 from protocol.messages import ErrorReply, Heartbeat, ProtocolError, StatusReply, StatusRequest
+from protocol.printable import printable
 
 RECENT_BAD_FILES = 3  # paths shown per feed; the service keeps the last five
 SLOT_STATES = ("free", "filling", "ready", "leased")
@@ -82,7 +85,7 @@ def main_status(
     try:
         body = query_status(endpoint, timeout, server_key, client_key)
     except (TimeoutError, RuntimeError, ValueError) as exc:
-        print(f"loader-service status: {exc}", file=sys.stderr)
+        print(f"loader-service status: {printable(exc)}", file=sys.stderr)
         return 1
     print(json.dumps(body, indent=2, sort_keys=True) if as_json else render(body))
     return 0
@@ -95,12 +98,19 @@ def render(body: Mapping[str, Any]) -> str:
     """The snapshot as a summary line and one table per feed, worker and trainer."""
     sections = [
         _summary(body),
-        _feeds(_records(body, "feeds")),
+        _feeds(_records(body, "feeds")) + _left_out(body.get("feeds_left_out"), "feed"),
         _workers(_records(body, "worker_list")),
-        _trainers(_records(body, "sessions")),
+        _trainers(_records(body, "sessions")) + _left_out(body.get("sessions_left_out"), "trainer"),
         _sources(_records(body, "sessions")),
     ]
     return "\n\n".join(section for section in sections if section)
+
+
+def _left_out(count: object, what: str) -> str:
+    """NOTE [ A status fits one frame ]: what the service left out of its reply, if anything."""
+    if isinstance(count, bool) or not isinstance(count, int) or count <= 0:
+        return ""
+    return f"\n{count} more {what}(s) not listed: the status reply fits one frame"
 
 
 def _records(body: Mapping[str, Any], key: str) -> list[Mapping[str, Any]]:
@@ -133,7 +143,7 @@ def _sizing_line(sizing: object) -> str:
     if isinstance(last, Mapping):
         line += (
             f"; {_cell(last.get('from'))} -> {_cell(last.get('to'))} "
-            f"{_duration(last.get('seconds_ago'))} ago: {last.get('reason')}"
+            f"{_duration(last.get('seconds_ago'))} ago: {_cell(last.get('reason'))}"
         )
     return line
 
@@ -164,13 +174,13 @@ def _feeds(feeds: list[Mapping[str, Any]]) -> str:
     for f in feeds:
         if f.get("fields"):
             what = f"{_cell(f.get('format'))} data, {_cell(f.get('augment'))}"
-            lines.append(f"  {_cell(f.get('name'))}: {what}; fields {', '.join(map(str, f['fields']))}")
+            lines.append(f"  {_cell(f.get('name'))}: {what}; fields {', '.join(map(_cell, f['fields']))}")
         cache = f.get("cache")
         if isinstance(cache, Mapping):
             lines.append(f"  {_cell(f.get('name'))}: {_cache_line(cache)}")
         recent = f.get("recent_bad_files")
         if isinstance(recent, list) and recent:
-            shown = ", ".join(str(p) for p in recent[-RECENT_BAD_FILES:])
+            shown = ", ".join(_cell(p) for p in recent[-RECENT_BAD_FILES:])
             lines.append(f"  last bad files in {_cell(f.get('name'))}: {shown}")
     return "\n".join(lines)
 
@@ -264,13 +274,14 @@ def _table(columns: Sequence[Column], rows: Sequence[Sequence[object]]) -> list[
 
 
 def _cell(value: object) -> str:
+    """A value as text (NOTE [ Chosen names are shown as text ])."""
     if value is None:
         return "-"
     if isinstance(value, bool):
         return "yes" if value else "no"
     if isinstance(value, float):
         return f"{value:.1f}"
-    return str(value)
+    return printable(value)
 
 
 def _duration(seconds: object) -> str:

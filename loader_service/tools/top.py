@@ -4,7 +4,9 @@ A frame is built from two status snapshots (``LoaderService.status``) taken abou
 rates are the growth of the service's counters between them, so ``--once`` asks twice too. Each
 trainer's wait share is its demand's (NOTE [ Input-bound verdict ], over the service's last 10 s),
 judged by ``protocol.verdict``. Building a frame and drawing it are pure (``build_frame``,
-``lost_frame``, ``render``); the rest talks to the service and the terminal.
+``lost_frame``, ``render``); the rest talks to the service and the terminal. Every value is drawn
+as text: shown so (NOTE [ Chosen names are shown as text ]) and never read as rich markup, so a
+trainer named ``[/]`` is drawn as it is.
 """
 
 from __future__ import annotations
@@ -18,6 +20,7 @@ from rich.table import Table
 from rich.text import Text
 
 from loader_service.tools.status_view import SLOT_STATES, _duration, _records
+from protocol.printable import printable
 from protocol.verdict import share_from_demand, verdict
 
 REFRESH = 1.0
@@ -56,6 +59,7 @@ def build_frame(endpoint: str, now: Sample, before: Sample | None) -> Frame:
     return {
         "endpoint": endpoint, "lost": None, "uptime_s": _number(body.get("uptime")),
         "interval_s": round(seconds, 3) if old else None, "trainers": trainers, "workers": _workers(body),
+        "trainers_left_out": _count(body.get("sessions_left_out")),
         "feeds": [_feed(f, old_feeds.get(f.get("name")), seconds) for f in feeds], "store": store,
     }  # fmt: skip
 
@@ -172,15 +176,17 @@ def _source_table(trainers: list[dict[str, Any]]) -> RenderableType:
         return Text("")
     table = _table("sources (share: of the trainer's rows; asked: by its weights now)", SOURCE_COLUMNS)
     for session, row in rows:
-        table.add_row(_cell(session), *(_cell(row.get(key)) for key in SOURCE_KEYS))
+        _add_row(table, _cell(session), *(_cell(row.get(key)) for key in SOURCE_KEYS))
     return table
 
 
 def _header(frame: Frame, hint: str) -> Text:
-    text = Text.assemble(("loader-service top ", "bold"), frame["endpoint"])
-    text.append(f"  up {_duration(frame['uptime_s'])}  {len(frame['trainers'])} trainer(s)  {hint}")
+    text = Text.assemble(("loader-service top ", "bold"), _cell(frame["endpoint"]))
+    left_out = frame.get("trainers_left_out")  # NOTE [ A status fits one frame ]
+    more = f" ({left_out} more not listed)" if left_out else ""
+    text.append(f"  up {_duration(frame['uptime_s'])}  {len(frame['trainers'])} trainer(s){more}  {hint}")
     if frame["lost"]:
-        text.append(f"\nservice lost: {frame['lost']}; still trying", style="bold red")
+        text.append(f"\nservice lost: {_cell(frame['lost'])}; still trying", style="bold red")
     return text
 
 
@@ -189,8 +195,8 @@ def _trainer_table(trainers: list[dict[str, Any]]) -> RenderableType:
         return Text("no trainers attached")
     table = _table("trainers (wait: share of the step, last 10 s)", TRAINER_COLUMNS)
     for t in trainers:
-        table.add_row(
-            _cell(t["session"]), _cell(t["client"]), _cell(t["feed"]), f"{100 * t['wait_share']:.0f}%",
+        _add_row(
+            table, _cell(t["session"]), _cell(t["client"]), _cell(t["feed"]), f"{100 * t['wait_share']:.0f}%",
             Text(t["verdict"], style=VERDICT_STYLES.get(t["verdict"], "")),
             _cell(t["batches_per_s"]), _cell(t["images_per_s"]), _cell(t["lag"]),
         )  # fmt: skip
@@ -204,9 +210,14 @@ def _feed_table(feeds: list[dict[str, Any]]) -> RenderableType:
     for f in feeds:
         states = ", ".join(f"{f['slots'][state]} {state}" for state in SLOT_STATES)
         slots = f"{f['slots_in_use']} used of {_cell(f['slots_most'])}: {states}"
-        table.add_row(_cell(f["name"]), _cell(f["images_per_s"]), slots, _cell(f["bad_files"]),
-                      _cache_cell(f["cache"]))  # fmt: skip
+        _add_row(table, _cell(f["name"]), _cell(f["images_per_s"]), slots, _cell(f["bad_files"]),
+                 _cache_cell(f["cache"]))  # fmt: skip
     return table
+
+
+def _add_row(table: Table, *cells: str | Text) -> None:
+    """A row of text: a string is never read as rich markup (a trainer named ``[/]``)."""
+    table.add_row(*(cell if isinstance(cell, Text) else Text(cell) for cell in cells))
 
 
 def _table(title: str, columns: str) -> Table:
@@ -221,7 +232,8 @@ def _cache_cell(cache: dict[str, Any] | None) -> str:
     if cache is None:
         return "none"
     last = "" if cache["recent_hit_rate"] is None else f", last second {_percent(cache['recent_hit_rate'])}"
-    return f"{cache['kind']}: {_percent(cache['hit_rate'])} hits{last}{' (full)' if cache['full'] else ''}"
+    full = " (full)" if cache["full"] else ""
+    return f"{_cell(cache['kind'])}: {_percent(cache['hit_rate'])} hits{last}{full}"
 
 
 def _worker_lines(w: dict[str, Any]) -> Text:
@@ -236,7 +248,7 @@ def _worker_lines(w: dict[str, Any]) -> Text:
     last = w["last_decision"]
     if last:
         text.append(f"\nsizing: {_cell(last.get('from'))} -> {_cell(last.get('to'))} "
-                    f"{_duration(last.get('seconds_ago'))} ago: {last.get('reason')}")  # fmt: skip
+                    f"{_duration(last.get('seconds_ago'))} ago: {_cell(last.get('reason'))}")  # fmt: skip
     return text
 
 
@@ -245,6 +257,7 @@ def _percent(share: float | None) -> str:
 
 
 def _cell(value: object) -> str:
+    """A value as text (NOTE [ Chosen names are shown as text ])."""
     if isinstance(value, float):
         return f"{value:.2f}" if value < 10 else f"{value:.0f}"
-    return "-" if value is None else str(value)
+    return "-" if value is None else printable(value)

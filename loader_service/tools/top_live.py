@@ -24,6 +24,7 @@ from loader_service.tools.status_view import _endpoint_hint
 from loader_service.tools.top import QUIT_KEYS, REFRESH, Frame, Sample, build_frame, lost_frame, render
 from protocol.codec import decode, encode
 from protocol.messages import ErrorReply, Heartbeat, ProtocolError, StatusReply, StatusRequest
+from protocol.printable import printable
 
 
 class StatusLink:
@@ -162,7 +163,7 @@ def main_top(endpoint: str, once: bool, as_json: bool, timeout: float,
     try:
         link = StatusLink(endpoint, server_key, client_key)
     except ValueError as exc:
-        print(f"loader-service top: {exc}", file=sys.stderr)
+        print(f"loader-service top: {printable(exc)}", file=sys.stderr)
         return 1
     try:
         if once:
@@ -170,7 +171,7 @@ def main_top(endpoint: str, once: bool, as_json: bool, timeout: float,
         else:
             _live(link, timeout)
     except (TimeoutError, RuntimeError) as exc:
-        print(f"loader-service top: {exc}", file=sys.stderr)
+        print(f"loader-service top: {printable(exc)}", file=sys.stderr)
         return 1
     except KeyboardInterrupt:
         return 130 if once else 0

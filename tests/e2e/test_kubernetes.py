@@ -8,11 +8,13 @@ trainer Job names for the loaders the StatefulSet runs.
 
 from __future__ import annotations
 
+import dataclasses
 import re
 from typing import Any
 
 import pytest
 
+from loader_service.config.options import ServiceConfig
 from tests.helpers import REPO
 
 kubernetes_validate = pytest.importorskip("kubernetes_validate")
@@ -103,9 +105,28 @@ def test_the_autoscaler_scales_the_fleet_on_the_load_the_pods_export() -> None:
     loader = pod["spec"]["containers"][0]
     served = flags(loader["args"])
     ports = {p["name"]: p["containerPort"] for p in loader["ports"]}
-    assert served["metrics-addr"] == "0.0.0.0", "scraped from outside the pod"
+    assert served["metrics-addr"] == "$(POD_IP)", "scraped from outside the pod, on its own address"
     scraped = int(pod["metadata"]["annotations"]["prometheus.io/port"])
     assert int(served["metrics-port"]) == ports["metrics"] == scraped
+
+
+def test_only_prometheus_reaches_the_metrics_port() -> None:
+    """/metrics has no authentication: the pods serve it on their own IP (the service's default is
+    loopback), and a NetworkPolicy lets in only Prometheus's pods there, while the feed port stays
+    open to any pod (CURVE admits only the trainers' keys). Before, 0.0.0.0 and no policy."""
+    fleet, policy = by_kind("StatefulSet"), by_kind("NetworkPolicy")["spec"]
+    loader = fleet["spec"]["template"]["spec"]["containers"][0]
+    env = {e["name"]: e for e in loader["env"]}
+    assert env["POD_IP"]["valueFrom"]["fieldRef"]["fieldPath"] == "status.podIP"
+    assert policy["podSelector"]["matchLabels"] == fleet["spec"]["template"]["metadata"]["labels"]
+    assert policy["policyTypes"] == ["Ingress"], "what is not listed below is refused"
+    opened = {port["port"]: rule.get("from") for rule in policy["ingress"] for port in rule["ports"]}
+    assert set(opened) == {p["name"] for p in loader["ports"]} == {"feed", "metrics"}
+    assert opened["feed"] is None, "any pod may reach the feed port: CURVE decides who is let in"
+    (prometheus,) = opened["metrics"]
+    assert set(prometheus) == {"namespaceSelector", "podSelector"}, "one entry: that namespace AND those pods"
+    default = {f.name: f.default for f in dataclasses.fields(ServiceConfig)}["metrics_addr"]
+    assert default == "127.0.0.1", "loopback unless the operator says otherwise"
 
 
 def test_the_image_holds_the_service_and_its_extras_and_nothing_to_build_or_test_with() -> None:

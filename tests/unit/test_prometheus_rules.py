@@ -252,7 +252,7 @@ def test_shm_space_and_the_renamed_ratios_are_exported() -> None:
     samples = scrape(FULL_BODY)
     assert samples["dataferry_shm_free_bytes"] == 300 and samples["dataferry_shm_size_bytes"] == 1000
     assert samples["dataferry_decode_busy_ratio"] == samples["dataferry_decode_busy"] == 0.75
-    asked = '{client="host:1",feed="train",session="t1",source="a"}'
+    asked = '{client="host:1",feed="train",source="a"}'
     assert samples[f"dataferry_trainer_source_asked_ratio{asked}"] == 0.25
     assert f"dataferry_trainer_source_asked_share{asked}" not in samples, "never released: no old name"
     older = scrape({key: value for key, value in FULL_BODY.items() if key != "shm"})

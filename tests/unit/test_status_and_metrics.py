@@ -132,6 +132,36 @@ def test_render_copes_with_older_or_partial_bodies() -> None:
     assert "no feeds reported" in render({})
 
 
+OSC_52 = "\x1b]52;c;cHduZWQ=\x07"
+RAW = ("\x1b", "\x07", "\x9b", "\u202e", "\r", "\n")
+
+
+def test_render_shows_chosen_names_as_text() -> None:
+    """NOTE [ Chosen names are shown as text ]: a broadcast group named with a clipboard write, a
+    bad file's name with a title escape, a client with a bidi override, a source with a C1 CSI, a
+    sizing reason with a carriage return: each as its escapes, none raw (the table is made of lines,
+    so a newline is checked in the names only)."""
+    session = {**SAMPLE_BODY["sessions"][0], "mode": "broadcast", "group": OSC_52, "client": "c\u202e",
+               "sources": [{"source": "s\x9b2J", "served": 1}]}  # fmt: skip
+    feed = {**SAMPLE_BODY["feeds"][0], "recent_bad_files": ["a/bad\x1b]0;t\x07\n.jpg"], "format": "f\r"}
+    sizing = {**SAMPLE_BODY["sizing"], "decisions": [{"from": 1, "to": 2, "reason": "why\r\x1b[K"}]}
+    text = render({**SAMPLE_BODY, "sessions": [session], "feeds": [feed], "sizing": sizing})
+    assert not [raw for raw in RAW[:-1] if raw in text], text
+    ledger = 3  # a blank line, the sources table's header and its row
+    assert len(text.splitlines()) == len(render(SAMPLE_BODY).splitlines()) + ledger, "a name added a line"
+    for escaped in (r"\x1b]52;c;cHduZWQ=\x07", r"a/bad\x1b]0;t\x07\n.jpg", "c\\u202e", r"s\x9b2J",
+                    r"why\r\x1b[K"):  # fmt: skip
+        assert escaped in text, escaped
+
+
+def test_render_says_what_the_reply_left_out() -> None:
+    """NOTE [ A status fits one frame ]: the sessions and feeds the reply had no room for."""
+    text = render({**SAMPLE_BODY, "sessions_left_out": 40, "feeds_left_out": 2})
+    assert "40 more trainer(s) not listed: the status reply fits one frame" in text
+    assert "2 more feed(s) not listed" in text
+    assert "not listed" not in render({**SAMPLE_BODY, "sessions_left_out": 0, "feeds_left_out": 0})
+
+
 @pytest.fixture
 def fake_service(tmp_path: Path) -> Iterator[str]:
     """A ROUTER answering one status request with a heartbeat, a garbage frame, then the sample body."""
@@ -219,10 +249,10 @@ def test_service_metrics_follow_the_status_body() -> None:
     assert samples[("dataferry_trainers_attached", frozenset())] == 2
     assert samples[("dataferry_uptime_seconds", frozenset())] == 12.3
     assert samples[("dataferry_worker_decode_images_per_second", frozenset({("worker", "0")}))] == 210.5
-    session = frozenset({("session", "ab12"), ("client", "host:123"), ("feed", "train")})
-    assert samples[("dataferry_trainer_lag_batches", session)] == 4
-    assert samples[("dataferry_trainer_credits", session)] == 6
-    assert samples[("dataferry_trainer_loop_demand", session)] == 1.5
+    trainer = frozenset({("client", "host:123"), ("feed", "train")})  # NOTE [ Trainer series ]: no session
+    assert samples[("dataferry_trainer_lag_batches", trainer)] == 4
+    assert samples[("dataferry_trainer_credits", trainer)] == 6
+    assert samples[("dataferry_trainer_loop_demand", trainer)] == 1.5
     assert samples[("dataferry_load", frozenset())] == 1.35  # NOTE [ Fleet load ]
     assert samples[("dataferry_decode_busy", frozenset())] == 0.9
     assert samples[("dataferry_demand", frozenset())] == 1.5
@@ -234,6 +264,63 @@ def test_service_metrics_follow_the_status_body() -> None:
     samples = scrape(metrics.registry)
     assert samples[("dataferry_worker_restarts_total", frozenset())] == 1
     assert not any(name.startswith("dataferry_trainer_") for name, _ in samples)
+
+
+def trainer_series(metrics: ServiceMetrics) -> set[tuple[str, frozenset[tuple[str, str]]]]:
+    return {key for key in scrape(metrics.registry) if key[0].startswith("dataferry_trainer_")}
+
+
+def rows(session: str, client: str, served: int, feed: str = "train") -> dict[str, Any]:
+    ledger = [{"source": "a", "served": served, "asked": 0.5, "pass": 0}]
+    return {"session": session, "client": client, "feed": feed, "lag": 1, "credits": 4, "leased": 2,
+            "demand": 1.0 + served / 1000, "sources": ledger}  # fmt: skip
+
+
+def test_trainer_series_follow_trainers_not_sessions() -> None:
+    """NOTE [ Trainer series ]: five rounds of 100 sessions of the same trainer, each with a new
+    session id (before: one series per session id and family, 2,000 gauges for Prometheus to
+    keep), are one series per family; the sessions of one trainer are summed or their largest
+    taken; a departed trainer leaves no series."""
+    pytest.importorskip("prometheus_client")
+    metrics = ServiceMetrics()
+    seen: set[tuple[str, frozenset[tuple[str, str]]]] = set()
+    for round_ in range(5):
+        sessions = [rows(f"t{100 * round_ + i}", "host:7", i) for i in range(100)]
+        metrics.update({**SAMPLE_BODY, "sessions": sessions})
+        seen |= trainer_series(metrics)
+        metrics.update({**SAMPLE_BODY, "sessions": []})  # the round's sessions left
+        assert not trainer_series(metrics), "departed sessions leave no series"
+    assert len(seen) == 7, sorted(seen)  # lag, credits, leased, demand; served, asked, pass by source
+    metrics.update({**SAMPLE_BODY, "sessions": [rows("x1", "host:7", 10), rows("x2", "host:7", 990),
+                                                rows("x3", "host:8", 5, feed="val")]})  # fmt: skip
+    samples = scrape(metrics.registry)
+    seven = frozenset({("client", "host:7"), ("feed", "train")})
+    assert samples[("dataferry_trainer_lag_batches", seven)] == 2, "summed over its sessions"
+    assert samples[("dataferry_trainer_leased_batches", seven)] == 4
+    assert samples[("dataferry_trainer_loop_demand", seven)] == 1.99, "its largest"
+    assert samples[("dataferry_trainer_source_asked_ratio", seven | {("source", "a")})] == 0.5
+    assert samples[("dataferry_trainer_credits", frozenset({("client", "host:8"), ("feed", "val")}))] == 4
+
+
+def test_a_trainers_rows_served_never_go_back_when_one_of_its_sessions_leaves() -> None:
+    """NOTE [ Trainer series ]: a sum over live sessions would fall when one leaves, and ``rate()``
+    would take the fall for a counter reset and count the whole remaining total again."""
+    pytest.importorskip("prometheus_client")
+    metrics = ServiceMetrics()
+    served = ("dataferry_trainer_source_served_samples_total",
+              frozenset({("client", "host:7"), ("feed", "train"), ("source", "a")}))  # fmt: skip
+    counts = []
+    for sessions in (
+        [rows("t1", "host:7", 100)],
+        [rows("t1", "host:7", 150), rows("t2", "host:7", 30)],  # a second loader on the same feed
+        [rows("t2", "host:7", 50)],  # the first one's session ends
+        [rows("t2", "host:7", 80)],
+    ):
+        metrics.update({**SAMPLE_BODY, "sessions": sessions})
+        counts.append(scrape(metrics.registry)[served])
+    assert counts == [100, 180, 200, 230]
+    metrics.update({**SAMPLE_BODY, "sessions": []})
+    assert served not in scrape(metrics.registry)
 
 
 def test_ready_wait_histogram() -> None:

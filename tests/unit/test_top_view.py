@@ -221,3 +221,41 @@ def test_a_trainers_ledger_by_source_is_in_the_frame_and_drawn() -> None:
     console = Console(width=160, record=True, file=io.StringIO())
     console.print(render(two_frames()))
     assert "sources (" not in console.export_text(), "a feed of one source: no ledger"
+
+
+OSC_52 = "\x1b]52;c;cHduZWQ=\x07"
+RAW = ("\x1b", "\x07", "\x9b", "\u202e", "\r")
+
+
+def test_chosen_names_are_drawn_as_text_never_as_markup_or_escapes() -> None:
+    """NOTE [ Chosen names are shown as text ]: a trainer named ``[/]`` (markup that closes nothing:
+    rich raised MarkupError and top exited), names holding escapes (a clipboard write, a title, a
+    C1 CSI, a bidi override, a carriage return) in every place a frame draws one."""
+    now = body((140, 25), 2000)
+    now["sessions"][0].update(client="[/]", session="[bold]t1")
+    now["sessions"][1].update(client=f"evil{OSC_52}\u202e", feed="f\x1b]0;title\x07")
+    now["sessions"][0]["sources"] = [{"source": "s\x1b[2J", "served": 1}]
+    now["feeds"][0]["name"] = "train\x9b31m"
+    now["feeds"][0]["cache"]["kind"] = "[red]kind"
+    now["sizing"]["decisions"][0]["reason"] = "why\r\x1b[K"
+    frame = build_frame("ipc:///x\x1b[2J", (2.0, now), None)
+    text = ""
+    for shown in (frame, lost_frame(ENDPOINT, f"lost {OSC_52}", frame)):
+        out = io.StringIO()
+        Console(file=out, width=200, color_system=None).print(render(shown, "q quits"))
+        text += out.getvalue()
+    assert not [raw for raw in RAW if raw in text], text
+    assert "[/]" in text and "[bold]t1" in text and "[red]kind" in text
+    escapes = ("evil\\x1b]52;c;cHduZWQ=\\x07\\u202e", "f\\x1b]0;title\\x07", "s\\x1b[2J", "train\\x9b31m",
+               "why\\r\\x1b[K", "ipc:///x\\x1b[2J", "lost \\x1b]52")  # fmt: skip
+    for escaped in escapes:
+        assert escaped in text, escaped
+
+
+def test_trainers_the_status_left_out_are_counted_in_the_header() -> None:
+    """NOTE [ A status fits one frame ]: the sessions the reply had no room for are said."""
+    now = {**body((140, 25), 2000), "sessions_left_out": 37}
+    frame = build_frame(ENDPOINT, (2.0, now), None)
+    assert frame["trainers_left_out"] == 37
+    assert "2 trainer(s) (37 more not listed)" in drawn(frame)
+    assert "more not listed" not in drawn(two_frames())

@@ -6,8 +6,10 @@ asking for them without it raises ``MetricsUnavailable`` naming the package.
 The service's metrics are its status snapshot (``LoaderService.status``), handed to
 ``ServiceMetrics.update`` from the main loop and turned into samples when Prometheus scrapes. The
 HTTP server thread never touches service state, and trainers or workers that are gone simply stop
-appearing. Counters are the service's own running totals: they restart from 0 with the service,
-which Prometheus's ``rate()`` handles as a counter reset.
+appearing. A trainer's series are the trainer's, not its sessions': labelled by client and feed,
+as many as the sessions a status lists at most (NOTE [ Trainer series ], in ``trainer_metrics``).
+Counters are the service's own running totals: they restart from 0 with the service, which
+Prometheus's ``rate()`` handles as a counter reset.
 
     dataferry_uptime_seconds                                   gauge
     dataferry_trainers_attached                                gauge
@@ -27,20 +29,20 @@ which Prometheus's ``rate()`` handles as a counter reset.
     dataferry_cache_misses_total{feed}                         counter
     dataferry_cache_lock_timeouts_total{feed}                  counter (stores given up: lock held)
     dataferry_worker_decode_images_per_second{worker}          gauge
-    dataferry_trainer_lag_batches{session, client, feed}       gauge   (decoded, not yet taken)
-    dataferry_trainer_credits{session, client, feed}           gauge
-    dataferry_trainer_leased_batches{session, client, feed}    gauge
+    dataferry_trainer_lag_batches{client, feed}                gauge   (decoded, not yet taken)
+    dataferry_trainer_credits{client, feed}                    gauge
+    dataferry_trainer_leased_batches{client, feed}             gauge
     dataferry_batch_ready_wait_seconds{feed}                   histogram (``observe_ready_wait``)
     dataferry_decode_workers_active                            gauge   (NOTE [ Sizing workers ])
     dataferry_cpu_budget_cores                                 gauge   (--workers auto only)
     dataferry_load                                             gauge   (busy x demand, NOTE [ Fleet load ])
     dataferry_decode_busy_ratio                                gauge   (0 to 1)
     dataferry_demand                                           gauge
-    dataferry_trainer_loop_demand{session, client, feed}       gauge
+    dataferry_trainer_loop_demand{client, feed}                gauge
     dataferry_source_served_samples_total{feed, source}        counter (a feed of several sources)
-    dataferry_trainer_source_served_samples_total{session, client, feed, source}  counter
-    dataferry_trainer_source_asked_ratio{session, client, feed, source}           gauge (0 to 1)
-    dataferry_trainer_source_pass{session, client, feed, source}                  gauge (weighted jobs)
+    dataferry_trainer_source_served_samples_total{client, feed, source}  counter
+    dataferry_trainer_source_asked_ratio{client, feed, source}           gauge (0 to 1)
+    dataferry_trainer_source_pass{client, feed, source}                  gauge (weighted jobs)
     dataferry_shm_free_bytes                                   gauge   (/dev/shm, as ``df`` says)
     dataferry_shm_size_bytes                                   gauge
 
@@ -60,6 +62,8 @@ from __future__ import annotations
 from collections.abc import Iterator, Mapping
 from typing import TYPE_CHECKING, Any
 
+from loader_service.supervisor.edges.trainer_metrics import ServedKey, ServedRows, trainer_families
+
 if TYPE_CHECKING:
     from wsgiref.simple_server import WSGIServer
 
@@ -72,7 +76,6 @@ WAIT_BUCKETS = (  # seconds, 100 us to 10 s
     1e-4, 2.5e-4, 5e-4, 1e-3, 2.5e-3, 5e-3, 1e-2, 2.5e-2, 5e-2, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0,
 )  # fmt: skip
 SLOT_STATES = ("free", "filling", "ready", "leased")
-SESSION_LABELS = ("session", "client", "feed")
 RENAMED = {"dataferry_decode_busy_ratio": "dataferry_decode_busy"}
 """New name -> the old one, exported beside it until the next release (the module's docstring)."""
 
@@ -128,6 +131,7 @@ class ServiceMetrics:
         from prometheus_client import CollectorRegistry, Histogram
 
         self.registry = CollectorRegistry()
+        self._served = ServedRows()
         self._snapshot = _SnapshotCollector()
         self.registry.register(self._snapshot)
         self._ready_wait = Histogram(
@@ -153,7 +157,7 @@ class ServiceMetrics:
 
     def update(self, body: Mapping[str, Any]) -> None:
         """Take a new status snapshot (call from the main loop, about once a second)."""
-        self._snapshot.body = body
+        self._snapshot.last = (body, self._served.update(_records(body, "sessions")))
 
     def observe_ready_wait(self, feed: str, seconds: float) -> None:
         """A batch of ``feed`` went from ready to leased after waiting ``seconds``."""
@@ -178,16 +182,17 @@ class _SnapshotCollector:
     """Builds every sample from the last snapshot at scrape time (nothing before the first one)."""
 
     def __init__(self) -> None:
-        self.body: Mapping[str, Any] | None = None
+        self.last: tuple[Mapping[str, Any], Mapping[ServedKey, float]] | None = None
+        """The last snapshot, and the rows served to its trainers (NOTE [ Trainer series ])."""
 
     def collect(self) -> Iterator[Metric]:
-        body = self.body
-        if body is None:
+        if self.last is None:
             return
+        body, served = self.last
         yield from _service_families(body)
         yield from _feed_families(_records(body, "feeds"))
         yield from _worker_families(_records(body, "worker_list"))
-        yield from _session_families(_records(body, "sessions"))
+        yield from trainer_families(_records(body, "sessions"), served)
 
 
 def _service_families(body: Mapping[str, Any]) -> Iterator[Metric]:
@@ -338,66 +343,6 @@ def _worker_families(workers: list[Mapping[str, Any]]) -> Iterator[Metric]:
     for worker in workers:
         _add(rate, [str(worker.get("worker", ""))], worker.get("images_per_second"))
     yield rate
-
-
-def _session_families(sessions: list[Mapping[str, Any]]) -> Iterator[Metric]:
-    from prometheus_client.core import GaugeMetricFamily
-
-    families = {
-        "lag": GaugeMetricFamily(
-            "dataferry_trainer_lag_batches",
-            "Batches decoded for a trainer that it has not taken yet.",
-            labels=SESSION_LABELS,
-        ),
-        "credits": GaugeMetricFamily(
-            "dataferry_trainer_credits", "Credits a trainer has granted.", labels=SESSION_LABELS
-        ),
-        "leased": GaugeMetricFamily(
-            "dataferry_trainer_leased_batches", "Batches a trainer holds.", labels=SESSION_LABELS
-        ),
-        "demand": GaugeMetricFamily(
-            "dataferry_trainer_loop_demand",
-            "A trainer's (waited + computed) / computed over the last 10 s, as far as the service saw "
-            "it wait (NOTE [ Exposed wait ], NOTE [ Fleet load ]).",
-            labels=SESSION_LABELS,
-        ),
-    }
-    for session in sessions:
-        labels = [str(session.get(k, "")) for k in SESSION_LABELS]
-        for key, family in families.items():
-            _add(family, labels, session.get(key))
-    yield from families.values()
-    yield from _session_source_families(sessions)
-
-
-def _session_source_families(sessions: list[Mapping[str, Any]]) -> Iterator[Metric]:
-    """Each trainer's ledger by source (NOTE [ Source ledger ])."""
-    from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
-
-    labels = [*SESSION_LABELS, "source"]
-    families: dict[str, CounterMetricFamily | GaugeMetricFamily] = {
-        "served": CounterMetricFamily(
-            "dataferry_trainer_source_served_samples",
-            "Rows announced to a trainer, by source.",
-            labels=labels,
-        ),
-        "asked": GaugeMetricFamily(
-            "dataferry_trainer_source_asked_ratio",
-            "The share of a source a trainer's weights ask for now.",
-            labels=labels,
-        ),
-        "pass": GaugeMetricFamily(
-            "dataferry_trainer_source_pass", "A weighted job's pass over a source.", labels=labels
-        ),
-    }
-    for session in sessions:
-        rows = session.get("sources")
-        for row in rows if isinstance(rows, list) else []:
-            if isinstance(row, Mapping):
-                named = [*(str(session.get(k, "")) for k in SESSION_LABELS), str(row.get("source", ""))]
-                for key, family in families.items():
-                    _add(family, named, row.get(key))
-    yield from families.values()
 
 
 def _add(family: CounterMetricFamily | GaugeMetricFamily, labels: list[str], value: object) -> None:
