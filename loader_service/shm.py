@@ -10,8 +10,10 @@ NOTE [ Shared-memory cleanup ]
     * Space is reserved with ``posix_fallocate`` before any of it is used: at creation (an undersized
       /dev/shm fails at start-up with a message saying how much is needed, instead of a SIGBUS when a
       page is first touched), and for a pool that grows, each range before it is handed out (NOTE
-      [ A pool as large as what is in flight ] in loader_service/supervisor/slots.py). A segment's
-      size beyond what is reserved is a hole: address space, no memory, never touched.
+      [ A pool as large as what is in flight ] in loader_service/supervisor/slots.py), never below
+      the floor (NOTE [ A /dev/shm floor ]). A segment's size beyond what is reserved is a hole:
+      address space, no memory, never touched. A range a pool gives back is punched out again
+      (``MADV_REMOVE``): its memory returns to /dev/shm and the range is a hole once more.
     * Mode 0600: only the service's user (and the trainers running as it) can map the pool; with
       ``group`` set, 0660 and owned by that group, for trainers running as other users in it.
     * At start, ``remove_stale`` removes what services killed with SIGKILL left behind. A live
@@ -21,6 +23,20 @@ NOTE [ Shared-memory cleanup ]
     * The service unlinks its segments on every exit path (``LoaderService.shutdown``, see NOTE
       [ Shutdown order ]). Trainers and workers that still map a segment keep their mapping until they
       unmap it; unlinking only removes the name.
+
+NOTE [ A /dev/shm floor ]
+    /dev/shm is shared: the trainers' own DataLoader workers, NCCL and other jobs on the host
+    allocate there too, and where it is full they fail (ENOSPC, or a SIGBUS when a page is first
+    touched). A growing pool must not take it all (a peer that held every slot it was granted once
+    grew a pool until a 300 MiB /dev/shm was full, and another job's 16 MiB allocation failed). So
+    the pool never grows by a slot that would leave less than ``shm_floor`` of /dev/shm free: a
+    tenth of its size, or a quarter where that is less than 64 MiB (at most 64 MiB then), e.g.
+    16 MiB of a 64 MiB container's, 64 MiB of 300 MiB, 6.4 GiB of 64 GiB. Such a growth is refused
+    before anything is reserved (counted as the feed's ``pool_refused``, logged at most once a
+    minute), the trainers share the slots there are, and the pool tries again a second later at the
+    soonest: what others free may be its again. The floor bounds growth only: the slots reserved at
+    start (all of a fixed ``--slots``) and a sample cache are what the operator asked for, and start
+    or fail whole. ``status`` shows the floor beside /dev/shm's free bytes (``shm``).
 
 NOTE [ Hostile /dev/shm ]
     /dev/shm and the temp dir are writable by every user, and the service scans both at start, so
@@ -133,10 +149,18 @@ class Segment:
         return cls(name, size, mapping, owner=False)
 
     def reserve(self, offset: int, nbytes: int) -> bool:
-        """Reserve memory for one more range of the creator's segment; False if /dev/shm cannot
-        hold it (nothing of the range may then be touched)."""
+        """Reserve memory for one more range of the creator's segment; False if /dev/shm would then
+        keep less than its floor free (NOTE [ A /dev/shm floor ]) or cannot hold it (nothing of
+        the range may then be touched)."""
         assert self._lock_fd is not None, "only the creator reserves"
-        return _fallocate(self._lock_fd, offset, nbytes)
+        return nbytes <= shm_room() and _fallocate(self._lock_fd, offset, nbytes)
+
+    def give_back(self, offset: int, nbytes: int) -> None:
+        """Return a reserved range's memory to /dev/shm: a hole again, as before ``reserve``. Nobody
+        may touch the range until it is reserved again (NOTE [ Giving slots back ] in
+        loader_service/supervisor/slots.py)."""
+        assert self.owner, "only the creator gives back"
+        self.buf.madvise(mmap.MADV_REMOVE, offset, nbytes)
 
     def close(self) -> None:
         try:
@@ -371,3 +395,25 @@ def _reserve(fd: int, ranges: tuple[tuple[int, int], ...], purpose: str) -> None
 def _free_bytes(directory: Path) -> int:
     st = os.statvfs(directory)
     return st.f_bavail * st.f_frsize
+
+
+FLOOR_SHARE = 10
+"""/dev/shm kept free for others: one part in this many of its size (NOTE [ A /dev/shm floor ])..."""
+FLOOR_SMALL = 64 * 2**20
+"""... or, where a tenth is less, a quarter of it up to this many bytes."""
+
+
+def shm_floor(size: int) -> int:
+    """The bytes of a /dev/shm of ``size`` bytes a pool's growth leaves free (NOTE [ A /dev/shm
+    floor ])."""
+    return max(size // FLOOR_SHARE, min(FLOOR_SMALL, size // 4))
+
+
+def shm_room(directory: Path = SHM_DIR) -> int:
+    """Bytes a pool may still reserve in ``directory`` and leave its floor free; 0 where it cannot
+    be read. One ``statvfs``."""
+    try:
+        st = os.statvfs(directory)
+    except OSError:
+        return 0
+    return max(0, st.f_bavail * st.f_frsize - shm_floor(st.f_blocks * st.f_frsize))

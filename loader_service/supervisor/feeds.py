@@ -23,11 +23,12 @@ from loader_service.dataset.tables import DatasetError
 from loader_service.decode.cache import LOCK_NAME, CacheKind, CacheSegment, CacheTooSmall, cache_kind
 from loader_service.decode.contract import PIPELINE_REASON, PipelineError, WorkerFeed
 from loader_service.decode.probe import probe_fields
-from loader_service.shm import Segment, new_segment_name
+from loader_service.shm import Segment, new_segment_name, shm_room
 from loader_service.supervisor.rates import FeedCounters
 from loader_service.supervisor.slots import SlotPool
+from loader_service.supervisor.trainers.sessions import credit_cap
 from protocol.layout import CHECK_BYTES, PAGE, SlotLayout, describe_fields
-from protocol.messages import FeedInfo, Hello
+from protocol.messages import MAX_WHERE, FeedInfo, Hello
 from protocol.shares import rank_batches, shard_size
 
 log = logging.getLogger(__name__)
@@ -104,26 +105,19 @@ class Feed:
             raise
         check = secrets.token_bytes(CHECK_BYTES)
         segment.buf[pool_end : pool_end + CHECK_BYTES] = check  # NOTE in protocol.layout
-        pool = SlotPool(config.first_slots or config.slots, config.slots)
+        pool = SlotPool(config.first_slots or config.slots, config.slots, segment, layout.stride, config.name)
         fingerprint = index.fingerprint()
         return cls(feed_id, config, index, layout, segment, pool, index_dir, fingerprint, check.hex(), cache)
 
     def grow_pool(self) -> bool:
-        """One more slot for a trainer's batch, if the pool may grow and /dev/shm holds it (NOTE
-        [ A pool as large as what is in flight ]); a /dev/shm that cannot ends the growth."""
-        if self.pool.full:
-            return False
-        if not self.segment.reserve(self.layout.segment_bytes(len(self.pool)), self.layout.stride):
-            log.warning(
-                "feed %s: /dev/shm cannot hold more than %d slots of %.1f MiB; trainers share them",
-                self.name,
-                len(self.pool),
-                self.layout.stride / 2**20,
-            )
-            self.pool.capacity = len(self.pool)
-            return False
-        self.pool.add()
-        return True
+        """One more slot for a trainer's batch, if the pool may grow and /dev/shm holds it above its
+        floor (NOTE [ A pool as large as what is in flight ])."""
+        return self.pool.grow()
+
+    def reach(self) -> int:
+        """The slots the pool may have now: those it has and what /dev/shm holds above its floor,
+        at most its capacity (NOTE [ Credits per session ])."""
+        return min(self.pool.capacity, len(self.pool) + shm_room() // self.layout.stride)
 
     @property
     def image_size(self) -> int:
@@ -231,6 +225,8 @@ class Feed:
             decoding=decoding_of(self.config, self.cache),
             sources=self.index.names if cfg.sources else (),
             source_sizes=tuple(len(i) for i in self.index.indexes) if cfg.sources else (),
+            data=cfg.data[:MAX_WHERE],  # a path is shorter; a longer pattern or URL fails the compare
+            pipeline=cfg.pipeline[:MAX_WHERE],
         )
 
     def worker_feed(self) -> WorkerFeed:
@@ -284,6 +280,9 @@ class Feed:
             "samples": len(self.index),
             "slots": self.pool.counts(),
             "slots_most": self.pool.capacity,
+            "credits_most": credit_cap(self.reach()),
+            "pool_refused": self.pool.refused,
+            "pool_given_back": self.pool.given_back,
             "decoded": self.counters.decoded.total,
             "images_per_second": round(self.counters.decoded.rate(), 1),
             "warm_decoded": self.counters.warm_decoded,

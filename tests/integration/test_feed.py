@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import hashlib
-import os
 import signal
 import threading
 from pathlib import Path
@@ -23,7 +22,7 @@ from loader_service.decode.decoders import roi_decoder_version
 from loader_service.decode.geometry import eval_geometry, random_resized_crop_params
 from loader_service.decode.regions import ROI_HEADROOM, roi_scale
 from protocol.layout import PAGE, SlotLayout
-from tests.helpers import ServiceFactory, in_background, our_segments, status
+from tests.helpers import ServiceFactory, in_background, our_segments, pool_bytes, status
 
 pytestmark = pytest.mark.integration
 
@@ -143,8 +142,9 @@ def test_eval_pixels_match_reference_decode(photos: Path, start_service: Service
 
 
 def test_held_batches_stay_intact_while_slots_are_reused(photos: Path, start_service: ServiceFactory) -> None:
-    # 5 slots, 12 batches an epoch: without lease tracking the held batches would be overwritten.
-    service = start_service(photos, slots=5, workers=2)
+    # 6 slots (5 credits: NOTE [ Credits per session ]), 12 batches an epoch: without lease
+    # tracking the held batches would be overwritten.
+    service = start_service(photos, slots=6, workers=2)
     with ServiceLoader(service.endpoint, credits=5, timeout=30) as loader:
         held, copies = [], []
         for batch in loader:
@@ -292,12 +292,6 @@ def test_an_older_pass_resumed_after_a_newer_one_began_says_so(
         assert next(newer).seq == 1, "the newer pass goes on"
 
 
-def pool_bytes(service_pid: int) -> int:
-    """Memory backing the service's slot pool now (blocks of its segment, not its size)."""
-    (name,) = [n for n in our_segments() if n.startswith(f"dataferry-{service_pid}-train-")]
-    return os.stat(f"/dev/shm/{name}").st_blocks * 512
-
-
 def test_an_automatic_pool_grows_to_what_its_trainer_holds(
     photos: Path, start_service: ServiceFactory
 ) -> None:
@@ -317,7 +311,8 @@ def test_an_automatic_pool_grows_to_what_its_trainer_holds(
         del held
         for _batch in it:  # the epoch finishes in the slots there are
             pass
-    assert sum(status(service.endpoint)["feeds"][0]["slots"].values()) == grown, "a pool never shrinks"
+    body = status(service.endpoint)  # given back only once mostly free for twice the client timeout
+    assert sum(body["feeds"][0]["slots"].values()) == grown, "not given back at once"
 
 
 def test_a_given_pool_is_reserved_whole_at_start(photos: Path, start_service: ServiceFactory) -> None:

@@ -50,6 +50,11 @@ class Attachments:
         self._by_id.pop(session.session_id, None)
         self._by_token.pop(session.token, None)
 
+    def pinned_through(self, feed: int) -> int:
+        """Slots ``0 .. this - 1`` of the feed's pool some trainer attached to it may have pinned
+        (NOTE [ Giving slots back ] in loader_service/supervisor/slots.py)."""
+        return max((s.pinned_through for s in self.sessions.values() if s.feed == feed), default=0)
+
     def stream_for(self, session: Session, feed: Feed) -> Stream:
         """The stream the session receives from, created for its first member."""
         key = session.stream_key()

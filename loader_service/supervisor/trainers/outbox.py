@@ -88,6 +88,7 @@ class Outbox:
                 if self.observe_ready_wait is not None:
                     self.observe_ready_wait(stream.feed.name, waited)
             session.leases[lease] = Leased(key, announced, sent)
+            session.note_announced(batch.slot)  # NOTE [ Giving slots back ]
             session.delivered += 1
             session.served = count_served(stream.feed, session.served, batch.slot, batch.count)
 
