@@ -173,6 +173,15 @@ class ServiceConfig(FeedOptions):
     max_sessions: int = field(
         default=256, metadata=option("trainers attached at once, at most", check=between(1, 65536))
     )
+    order_memory: ByteSize = field(
+        default=ByteSize(0),
+        metadata=option(
+            "memory weighted jobs' epoch orders may hold together (64M, 1G): a job past it is refused "
+            "by name; 0: a sixteenth of the host's memory, or of its cgroup's limit where lower "
+            "(NOTE [ Orders' memory ])",
+            check=at_least(0),
+        ),
+    )
     metrics_port: int = field(
         default=0,
         metadata=option(

@@ -22,12 +22,14 @@ NOTE [ Mixture order ]
     alone, the same for every epoch with the same weights, and where the sources stand at any
     epoch's start is a sum, not a replay of the epochs before it. Over many epochs a source's total
     can thus drift from its share by less than one sample an epoch (one in ``epoch_samples``).
-    Choosing costs O(epoch_samples x sources) once for each distinct epoch, and holds the epoch's
-    order whole (6 bytes a position, ``MAX_EPOCH_SAMPLES`` at most). The service chooses on a
-    thread, not in its main loop (NOTE [ Choosing off the main loop ]), and in C (``_mixture.c``,
-    the same integers, the GIL released; a test holds it to the Python reference): 10 ms for a
-    million positions of three sources here, 0.32 s for the largest epoch (50 times the Python's
-    0.53 s a million, which remains where the extension is not built). A batch's samples then cost
+    Choosing costs O(epoch_samples x sources) once for each distinct epoch (its length and the
+    weights in it: every epoch, every job with the same ones share it), and holds the epoch's
+    order as marks, a byte a source every few thousand positions, each batch's positions walked
+    again from the nearest (NOTE [ Epoch marks ]). The service chooses on a thread, not in its
+    main loop (NOTE [ Choosing off the main loop ]), and in C (``_mixture.c``, the same integers,
+    the GIL released; a test holds it to the Python reference): 10 ms for a million positions of
+    three sources here, 0.3 s for the largest epoch (50 times the Python's 0.53 s a million, which
+    remains where the extension is not built). A batch's samples then cost its window's walk and
     one keyed permutation per (source, pass) among its rows (96 us for 64 rows of three sources).
 
     Inside a source, its ``m``-th draw since the run began is position ``m % size`` of pass
@@ -54,40 +56,30 @@ from __future__ import annotations
 import dataclasses
 import itertools
 import math
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from fractions import Fraction
-from functools import cached_property, lru_cache
-from types import ModuleType
+from functools import cached_property
 
 import numpy as np
 import numpy.typing as npt
 
+from loader_service.dataset.marks import SHELF, EpochMarks, Going, Rule, always
 from loader_service.dataset.sampler import epoch_order
 from loader_service.dataset.tables import DatasetError, offsets_of
-from protocol.messages import MAX_WEIGHT_CHANGES
 
 MAX_EPOCH_SAMPLES = 1 << 24
-"""Positions of one mixture epoch the service chooses for: its order is held whole, 6 bytes a
-position (100 MB at this bound), and chosen on the service's one chooser thread (0.32 s at this
-bound in C, NOTE [ Mixture order ]), so a trainer's ``epoch_samples`` is a peer's number that must
-be bounded."""
+"""Positions of one mixture epoch the service chooses for: chosen on the service's one chooser
+thread (0.3 s at this bound in C, NOTE [ Mixture order ]) and held as marks (12 KiB at this bound
+with three sources, NOTE [ Epoch marks ]), so a trainer's ``epoch_samples`` is a peer's number that
+must be bounded."""
 MAX_SCHEDULE_CHOICE = 1 << 26
 """Positions a start may have to choose for a job's weight changes (each epoch that holds one, and
 the one after it): about 1.3 s of the chooser thread in C at this bound, once per schedule (each
-epoch's counts are kept, ``epoch_counts``), during which that job waits."""
+epoch's counts are kept, ``KEPT_COUNTS``), during which that job waits."""
 WEIGHT_UNIT = 1 << 32
 """The sum the weights are scaled to: a share is exact to 1 part in 4 billion."""
 _SOURCE_TAG = 0x50C
-C_MAX_TOTAL = 1 << 44
-C_MAX_SOURCES = 256
-"""What ``_mixture.c`` takes: larger sums (weights of sources' sizes past 2^44) are chosen in Python."""
-
-_mixture: ModuleType | None
-try:
-    from loader_service.dataset import _mixture
-except ImportError:  # not built (no C compiler at install): the same order, chosen in Python
-    _mixture = None
 
 
 def integer_weights(weights: Mapping[str, float], names: Sequence[str]) -> tuple[int, ...]:
@@ -155,105 +147,6 @@ class Schedule:
         inside = [(max(p - start, 0), w) for p, w in self.changes if p < stop]
         first = max(i for i, (p, _) in enumerate(inside) if p == 0)
         return tuple(inside[first:])
-
-
-@dataclass(frozen=True)
-class EpochDraws:
-    """One epoch's sources, position by position, for weights given relative to its start."""
-
-    source: npt.NDArray[np.uint16]
-    """The source of each position."""
-    draw: npt.NDArray[np.int32]
-    """Each position's draw of its source inside this epoch: 0 for its first, 1 for its second..."""
-    counts: tuple[int, ...]
-    """Each source's positions in the epoch."""
-
-
-@lru_cache(maxsize=4)
-def epoch_draws(samples: int, segments: tuple[tuple[int, tuple[int, ...]], ...]) -> EpochDraws:
-    """The sources of ``samples`` positions by the rule of NOTE [ Mixture order ]; ``segments``:
-    weights from positions of the epoch on, the first at 0. O(samples x sources), made once for
-    every epoch that has the same weights."""
-    sources = len(segments[0][1])
-    chosen = np.zeros(samples, np.uint16)
-    draw = np.arange(samples, dtype=np.int32)  # one source: its draws are the positions
-    counts = _choose(chosen, draw, segments) if sources > 1 else (samples,)
-    chosen.setflags(write=False)
-    draw.setflags(write=False)
-    return EpochDraws(chosen, draw, counts)
-
-
-def _choose(
-    chosen: npt.NDArray[np.uint16],
-    draw: npt.NDArray[np.int32],
-    segments: tuple[tuple[int, tuple[int, ...]], ...],
-) -> tuple[int, ...]:
-    """Fill ``chosen`` position by position (NOTE [ Mixture order ]), in integers, and ``draw`` with
-    each position's draw of its source; return each source's positions. Deficits are in units of
-    ``1 / total``, every segment's weights scaled to that one sum, so that the deficits left at a
-    change carry over exactly. In C (``_mixture.c``) where it is built and the sums allow."""
-    sources = len(segments[0][1])
-    total = math.lcm(*(sum(w) for _, w in segments))
-    starts = [min(p, len(chosen)) for p, _ in segments] + [len(chosen)]
-    scaled = [[w * (total // sum(given)) for w in given] for _, given in segments]
-    if _mixture is not None and total < C_MAX_TOTAL and sources <= C_MAX_SOURCES:
-        bounds = np.asarray(starts, np.int64)
-        counts: tuple[int, ...] = _mixture.choose(
-            chosen, draw, bounds, np.asarray(scaled, np.int64), total, sources
-        )
-        return counts
-    _choose_here(chosen, starts, scaled, total)
-    found = []
-    for s in range(sources):
-        where = np.flatnonzero(chosen == s)
-        draw[where] = np.arange(where.size)
-        found.append(int(where.size))
-    return tuple(found)
-
-
-def _choose_here(
-    chosen: npt.NDArray[np.uint16], starts: list[int], scaled: list[list[int]], total: int
-) -> None:
-    """``_choose`` in Python: the reference the C choice is tested against."""
-    sources = len(scaled[0])
-    slack = 2 * sources - 2
-    """A source is eligible once its deficit reaches ``1 / slack``."""
-    deficit = [0] * sources
-    for weights, start, stop in zip(scaled, starts, starts[1:], strict=False):
-        for j in range(start, stop):
-            best, key = -1, (0, 0)
-            for s in range(sources):
-                before = deficit[s]
-                deficit[s] += weights[s]
-                if deficit[s] * slack < total:
-                    continue  # not eligible
-                # Its deadline, (1 - 1/slack - before) / weight, as a fraction; a weight of 0 (a
-                # deficit left from before a change) comes last.
-                mine = (slack * (total - before) - total, slack * weights[s])
-                if best < 0 or _earlier(mine, key):
-                    best, key = s, mine
-            deficit[best] -= total
-            chosen[j] = best
-
-
-def _earlier(a: tuple[int, int], b: tuple[int, int]) -> bool:
-    """``a[0] / a[1] < b[0] / b[1]``, a zero denominator meaning infinitely late."""
-    if a[1] == 0:
-        return False
-    if b[1] == 0:
-        return True
-    return a[0] * b[1] < b[0] * a[1]
-
-
-def epoch_counts(samples: int, segments: tuple[tuple[int, tuple[int, ...]], ...]) -> tuple[int, ...]:
-    """Each source's positions in an epoch (``epoch_draws``'s counts), kept for many more epochs
-    than their orders: where the sources stand at an epoch sums the epochs before it."""
-    return _counts(samples, segments)
-
-
-@lru_cache(maxsize=4 * MAX_WEIGHT_CHANGES)
-def _counts(samples: int, segments: tuple[tuple[int, tuple[int, ...]], ...]) -> tuple[int, ...]:
-    return epoch_draws(samples, segments).counts
 
 
 @dataclass(frozen=True)
@@ -328,29 +221,50 @@ class Mixture:
         return tuple(source_seed(self.seed, s) for s in range(len(self.sizes)))
 
     def epoch(self, epoch: int) -> MixtureEpoch:
-        return MixtureEpoch(self, epoch, self._draws(epoch), self.before(epoch))
+        """Epoch ``epoch``'s order, walked here where it is not known (the service's chooser thread
+        asks for it with ``choose``, NOTE [ Choosing off the main loop ])."""
+        chosen = self.choose(epoch)
+        assert chosen is not None
+        return chosen
+
+    def choose(self, epoch: int, going: Going = always) -> MixtureEpoch | None:
+        """``epoch``'s order; None if ``going`` turned false before it was walked."""
+        marks = SHELF.marks(self._rule(epoch), going)
+        start = self._before(epoch, lambda rule: SHELF.counts(rule, going))
+        return None if marks is None or start is None else MixtureEpoch(self, epoch, marks, start)
+
+    def known(self, epoch: int) -> MixtureEpoch | None:
+        """``epoch``'s order if nothing is left to walk for it (an order alive shares its marks)."""
+        marks = SHELF.known(self._rule(epoch))
+        start = self._before(epoch, SHELF.known_counts)
+        return None if marks is None or start is None else MixtureEpoch(self, epoch, marks, start)
 
     def before(self, epoch: int) -> tuple[int, ...]:
         """Each source's draws in the epochs before ``epoch``: O(changes), not a replay. Between two
         epochs that hold a change, the epochs hold none and draw alike."""
+        found = self._before(epoch, lambda rule: SHELF.counts(rule, always))
+        assert found is not None
+        return found
+
+    def _before(
+        self, epoch: int, counts_of: Callable[[Rule], tuple[int, ...] | None]
+    ) -> tuple[int, ...] | None:
         n = self.epoch_samples
         marks = sorted({min(p // n, epoch) for p, _ in self.schedule.changes} | {epoch})
         totals = np.zeros(len(self.sizes), np.int64)
         for first, stop in itertools.pairwise(marks):
-            totals += self._counts(first)
-            if stop - first > 1:
-                totals += np.asarray(self._counts(first + 1), np.int64) * (stop - first - 1)
+            for alike, times in ((first, 1), (first + 1, stop - first - 1)):
+                if times < 1:
+                    continue
+                counts = counts_of(self._rule(alike))
+                if counts is None:
+                    return None
+                totals += np.asarray(counts, np.int64) * times
         return tuple(int(t) for t in totals)
 
-    def _segments(self, epoch: int) -> tuple[tuple[int, tuple[int, ...]], ...]:
+    def _rule(self, epoch: int) -> Rule:
         n = self.epoch_samples
-        return self.schedule.within(epoch * n, (epoch + 1) * n)
-
-    def _draws(self, epoch: int) -> EpochDraws:
-        return epoch_draws(self.epoch_samples, self._segments(epoch))
-
-    def _counts(self, epoch: int) -> tuple[int, ...]:
-        return epoch_counts(self.epoch_samples, self._segments(epoch))
+        return Rule.of(n, self.schedule.within(epoch * n, (epoch + 1) * n))
 
 
 def describe(mixture: Mixture | None, names: Sequence[str]) -> str:
@@ -371,7 +285,8 @@ class MixtureEpoch:
 
     mixture: Mixture
     number: int
-    draws: EpochDraws
+    marks: EpochMarks
+    """The epoch's sources, held as NOTE [ Epoch marks ]."""
     start: tuple[int, ...]
     """Each source's draws before this epoch."""
 
@@ -379,17 +294,26 @@ class MixtureEpoch:
     def samples(self) -> int:
         return self.mixture.epoch_samples
 
+    @property
+    def counts(self) -> tuple[int, ...]:
+        """Each source's positions in the epoch."""
+        return self.marks.counts
+
     def sources(self, positions: npt.NDArray[np.int64]) -> npt.NDArray[np.int64]:
         """The source of each position."""
-        return self.draws.source[positions].astype(np.int64)
+        return self.marks.lookup(np.asarray(positions, np.int64))[0]
+
+    def drawn_before(self, position: int) -> npt.NDArray[np.int64]:
+        """Each source's draws in the run before ``position`` of this epoch (NOTE [ Source ledger ])."""
+        return self._start + self.marks.drawn_at(position)
 
     def at(self, positions: npt.NDArray[np.int64]) -> npt.NDArray[np.int64]:
         """The feed's sample number at each position (each in ``[0, samples)``)."""
         mixture = self.mixture
-        source = self.draws.source[positions].astype(np.int64)
-        drawn = self._start[source] + self.draws.draw[positions]
+        source, draw = self.marks.lookup(np.asarray(positions, np.int64))
+        drawn = self._start[source] + draw
         passes, inside = np.divmod(drawn, mixture.size_array[source])
-        local = np.empty(positions.shape, np.int64)
+        local = np.empty(source.shape, np.int64)
         # Rows of one (source, pass) share one keyed order: a batch holds a few such groups.
         groups = source * (int(passes.max(initial=0)) + 1) + passes
         for group in np.unique(groups).tolist():

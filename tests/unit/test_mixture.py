@@ -8,16 +8,16 @@ import math
 
 import numpy as np
 import pytest
-from hypothesis import given, settings
+from hypothesis import assume, given, settings
 from hypothesis import strategies as st
 
-from loader_service.dataset import mixture as mixture_module
+from loader_service.dataset import marks as marks_module
+from loader_service.dataset.marks import EpochMarks, Rule, State, epoch_draws, walk
 from loader_service.dataset.mixture import (
     MAX_EPOCH_SAMPLES,
     WEIGHT_UNIT,
     Mixture,
     Schedule,
-    epoch_draws,
     integer_weights,
 )
 from loader_service.dataset.sampler import ShardOrder
@@ -158,9 +158,9 @@ def test_where_the_sources_stand_at_an_epoch_is_the_sum_of_the_epochs_before_it(
     replayed = np.zeros(3, np.int64)
     for e in range(12):
         assert mixture.before(e) == tuple(replayed.tolist()), f"epoch {e}"
-        replayed += mixture.epoch(e).draws.counts
-    assert mixture.epoch(7).draws.counts == (1, 9, 0), "position 70 still had the weights of position 24"
-    assert mixture.epoch(8).draws.counts == (0, 10, 0), "from 71 on only source 1 has a weight"
+        replayed += mixture.epoch(e).counts
+    assert mixture.epoch(7).counts == (1, 9, 0), "position 70 still had the weights of position 24"
+    assert mixture.epoch(8).counts == (0, 10, 0), "from 71 on only source 1 has a weight"
 
 
 def shares(epoch: object, world: int, remainder: str, offset: int = 0) -> list[list[int]]:
@@ -227,33 +227,82 @@ def test_a_mixture_that_cannot_be_is_refused(
         Mixture.of(sizes, 0, epoch_samples, weights)
 
 
-@settings(max_examples=150, deadline=None)
-@given(
-    schedule=st.lists(
-        st.tuples(st.integers(0, 3000), weights_st.filter(lambda w: len(w) > 1)), min_size=1, max_size=4
-    ),
-    samples=st.integers(1, 3000),
-)
-def test_the_c_choice_is_the_python_one(schedule: list[tuple[int, list[int]]], samples: int) -> None:
-    """``_mixture.c`` and the reference in Python give the same sources and draws, changes included
-    (their weights' sums differ: the C choice takes their lcm as the Python one does)."""
-    if mixture_module._mixture is None:
-        pytest.skip("_mixture.c is not built here (no C compiler at install)")
+def segments_of(schedule: list[tuple[int, list[int]]]) -> tuple[tuple[int, tuple[int, ...]], ...]:
+    """A schedule of ``k`` weights from its first entry's length on, none all zero."""
     k = len(schedule[0][1])
-    changes = {p: [*(w * k)[: k - 1], 1] for p, w in schedule[1:]}  # k weights, not all zero
-    segments = tuple((p, tuple(w)) for p, w in sorted({**changes, 0: schedule[0][1]}.items()))
-    here = mixture_module
-    chosen, draw = np.zeros(samples, np.uint16), np.zeros(samples, np.int32)
-    counts = here._choose(chosen, draw, segments)
+    changes = {p: [*(w * k)[: k - 1], 1] for p, w in schedule[1:]}
+    return tuple((p, tuple(w)) for p, w in sorted({**changes, 0: schedule[0][1]}.items()))
+
+
+def walked_in_python(rule: Rule, state: State, stop: int, *args: object) -> State:
     try:
-        built, here._mixture = here._mixture, None
-        reference = np.zeros(samples, np.uint16), np.zeros(samples, np.int32)
-        reference_counts = here._choose(*reference, segments)
+        built, marks_module._mixture = marks_module._mixture, None
+        rule = Rule(rule.bounds, rule.scaled, rule.total)  # not yet told it is walked in C
+        return walk(rule, state, stop, *args)  # type: ignore[arg-type]
     finally:
-        here._mixture = built
-    assert chosen.tolist() == reference[0].tolist()
-    assert draw.tolist() == reference[1].tolist()
-    assert counts == reference_counts
+        marks_module._mixture = built
+
+
+schedules = st.lists(
+    st.tuples(st.integers(0, 3000), weights_st.filter(lambda w: len(w) > 1)), min_size=1, max_size=4
+)
+
+
+@settings(max_examples=150, deadline=None)
+@given(schedule=schedules, samples=st.integers(1, 3000), cut=st.floats(0.0, 1.0))
+def test_the_c_walk_is_the_python_one(
+    schedule: list[tuple[int, list[int]]], samples: int, cut: float
+) -> None:
+    """``_mixture.c`` and the reference in Python give the same sources, draws and marks, changes
+    included (their weights' sums differ: the walk takes their lcm), and the same state where a
+    walk is cut in two."""
+    if marks_module._mixture is None:
+        pytest.skip("_mixture.c is not built here (no C compiler at install)")
+    rule = Rule.of(samples, segments_of(schedule))
+    assume(rule.in_c)  # sums past 2^44 are walked in Python either way
+    zero = np.zeros(rule.sources, np.int64)
+    results = []
+    for walker in (walk, walked_in_python):
+        outputs = np.zeros(samples, np.uint16), np.zeros(samples, np.int32)
+        marks = np.zeros((-(-samples // rule.stride), rule.sources), np.int8)
+        middle = walker(rule, State(0, zero, zero), int(cut * samples))
+        rest = (outputs[0][middle.position :], outputs[1][middle.position :])
+        end = walker(rule, middle, samples, rest, marks)
+        results.append((outputs[0].tolist(), outputs[1].tolist(), marks.tolist(), end.drawn.tolist()))
+    assert results[0] == results[1]
+
+
+@settings(max_examples=100, deadline=None)
+@given(schedule=schedules, samples=st.integers(1, 3000), picked=st.lists(st.floats(0.0, 1.0), max_size=40))
+def test_marks_give_every_position_the_whole_walk_gives(
+    schedule: list[tuple[int, list[int]]], samples: int, picked: list[float]
+) -> None:
+    """NOTE [ Epoch marks ]: positions asked for in any order, windows resumed from marks or from
+    where the last one ended, and the draws before any position, are the whole walk's."""
+    segments = segments_of(schedule)
+    whole = epoch_draws(samples, segments)
+    marks = EpochMarks.choose(Rule.of(samples, segments), lambda: True)
+    assert marks is not None and marks.counts == whole.counts
+    positions = np.asarray([int(f * (samples - 1)) for f in picked], np.int64)
+    source, draw = marks.lookup(positions)
+    assert source.tolist() == whole.source[positions].tolist()
+    assert draw.tolist() == whole.draw[positions].tolist()
+    for p in positions.tolist():
+        counts = np.bincount(whole.source[:p], minlength=len(schedule[0][1]))
+        assert marks.drawn_at(p).tolist() == counts.tolist()
+    assert marks.window(0, samples)[0].tolist() == whole.source.tolist()
+
+
+def test_the_largest_epoch_is_held_in_little_memory() -> None:
+    """NOTE [ Epoch marks ]: the largest epoch of three sources holds 12 KiB, not 96 MiB, and a
+    batch's positions cost a walk of at most a stride from their mark."""
+    weights = integer_weights({"a": 0.5, "b": 0.3, "c": 0.2}, "abc")
+    epoch = Mixture.of((7, 11, 13), 1, MAX_EPOCH_SAMPLES, weights).epoch(0)
+    assert epoch.marks.marks.nbytes == 12 * 1024
+    assert sum(epoch.counts) == MAX_EPOCH_SAMPLES
+    near_the_end = np.arange(MAX_EPOCH_SAMPLES - 64, MAX_EPOCH_SAMPLES, dtype=np.int64)
+    assert epoch.sources(near_the_end).tolist() == epoch.sources(near_the_end[::-1]).tolist()[::-1]
+    assert epoch.drawn_before(MAX_EPOCH_SAMPLES).tolist() == list(epoch.counts)
 
 
 def test_weights_sum_to_the_unit_exactly() -> None:

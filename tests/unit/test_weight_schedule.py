@@ -14,7 +14,7 @@ import pytest
 from gpu_worker.schedule import STATE_KEY, WeightChanges, ordered_weights
 from loader_service.dataset.mixture import MAX_EPOCH_SAMPLES, Mixture, integer_weights
 from loader_service.dataset.tables import DatasetError
-from loader_service.supervisor.streams.choosing import Choice, _chooser
+from loader_service.supervisor.streams.choosing import Choice, Chooser
 from loader_service.supervisor.streams.producers import Producer
 from protocol.messages import MAX_WEIGHT_CHANGES
 
@@ -124,36 +124,47 @@ def test_an_epoch_is_chosen_on_the_chooser_thread_not_the_callers(monkeypatch: p
     """NOTE [ Choosing off the main loop ]: asking returns at once, the choosing runs on the one
     chooser thread, and the result is the epoch the caller would have chosen itself."""
     threads: list[str] = []
-    choose = Mixture.epoch
+    choose = Mixture.choose
 
-    def recording(self: Mixture, epoch: int) -> Any:
+    def recording(self: Mixture, epoch: int, going: Any = lambda: True) -> Any:
         threads.append(threading.current_thread().name)
-        return choose(self, epoch)
+        return choose(self, epoch, going)
 
-    monkeypatch.setattr(Mixture, "epoch", recording)
+    monkeypatch.setattr(Mixture, "choose", recording)
     big = Mixture.of(
         (5_000_000, 3_000_000, 2_000_000), 3, 10_000_000, integer_weights({"a": 5, "b": 3, "c": 2}, NAMES)
     )
     asked = time.monotonic()
-    choice = Choice(big, 1)
+    choice = Choice(big, 1, on=Chooser())
     assert time.monotonic() - asked < 0.05, "asking does not choose"
     assert choice.wait(60)
-    assert threads == ["mixture-order_0"]
+    assert threads == ["mixture-order"]
     positions = np.arange(0, 10_000_000, 999_983)
-    assert choice.result().at(positions).tolist() == choose(big, 1).at(positions).tolist()
+    assert choice.result().at(positions).tolist() == big.epoch(1).at(positions).tolist()
     assert choice.of(big, 1) and not choice.of(big, 2)
 
 
-def test_a_choice_handed_over_survives_the_producer_that_asked_moving_on() -> None:
+def test_a_choice_handed_over_survives_the_producer_that_asked_moving_on(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
     """A stream takes the epoch chosen for the batches decoded ahead; the ahead producer then
     moves to the next epoch, which cancels its own requests, never the one it handed over (two
     weighted jobs once crashed the service so: a cancelled request read as chosen)."""
     mixture = Mixture.of((50, 30, 20), 7, 100, integer_weights({"a": 1, "b": 1, "c": 1}, NAMES))
+    blocker = Mixture.of((50, 30, 20), 7, 101, integer_weights({"a": 1, "b": 1, "c": 1}, NAMES))
+    busy = threading.Event()
+    choose = Mixture.choose
+
+    def held(self: Mixture, epoch: int, going: Any = lambda: True) -> Any:
+        if self == blocker:
+            busy.wait(30)
+        return choose(self, epoch, going)
+
+    monkeypatch.setattr(Mixture, "choose", held)
     feed: Any = None  # neither producer plans a batch here
     ahead, stream = Producer(feed, (1, 0, 1, "pad", 0)), Producer(feed, (1, 0, 1, "pad", 0))
     ahead.mixture = stream.mixture = mixture
-    busy = threading.Event()
-    _chooser().submit(busy.wait, 30)  # the one chooser thread is busy: the request waits, cancellable
+    occupied = Choice(blocker, 0)  # the one chooser thread is busy: the request waits, cancellable
     try:
         ahead.order_ready()
         stream.share_choice(ahead)
@@ -163,3 +174,4 @@ def test_a_choice_handed_over_survives_the_producer_that_asked_moving_on() -> No
         busy.set()
     assert stream._choice.wait(30)
     assert stream.chosen is not None and stream.chosen.number == 1
+    occupied.cancel()

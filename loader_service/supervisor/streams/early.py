@@ -23,6 +23,7 @@ NOTE [ Warm start ]
 from __future__ import annotations
 
 import logging
+from collections.abc import Hashable
 from dataclasses import dataclass, field
 
 from loader_service.dataset.mixture import Mixture
@@ -57,7 +58,7 @@ class EarlyBatches(Producer):
 
     Used for the feed's warm start (``WARM_PLAN``, ``Lane.WARM``) and, per shard stream, for the
     first batches of the next epoch while the trainer finishes the current one (``Lane.AHEAD``,
-    NOTE [ Warm start ]).
+    NOTE [ Warm start ]), whose epochs are chosen in its stream's queue (``requester``).
     """
 
     def __init__(
@@ -67,8 +68,9 @@ class EarlyBatches(Producer):
         plan: PlanKey = WARM_PLAN,
         lane: Lane = Lane.WARM,
         mixture: Mixture | None = None,
+        requester: Hashable = None,
     ) -> None:
-        super().__init__(feed, plan)
+        super().__init__(feed, plan, requester)
         self.lane = lane
         self.mixture = mixture
         self._limit = batches

@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import enum
 import itertools
-from collections.abc import Iterable
+from collections.abc import Hashable, Iterable
 
 import numpy as np
 import numpy.typing as npt
@@ -29,9 +29,10 @@ from loader_service.supervisor.streams.choosing import Choice
 
 GENERATIONS = itertools.count(1)
 CHOICE_WAIT = 0.005
-"""Seconds the main loop waits for an epoch it has just asked to be chosen: an epoch of up to about
-half a million positions is chosen in that time (C), and is planned from at once instead of at the
-next tick; a longer one is planned from when it is there (NOTE [ Choosing off the main loop ])."""
+"""Seconds the main loop waits for an epoch it has just asked to be chosen, where the chooser takes
+it at once: an epoch of up to about half a million positions is chosen in that time (C), and is
+planned from at once instead of at the next tick; a longer one, or one queued behind others, is
+planned from when it is there (NOTE [ Choosing off the main loop ])."""
 
 
 class Lane(enum.Enum):
@@ -63,8 +64,11 @@ class Producer:
         """Samples in one epoch of its mixture; 0: the feed's size."""
         return self.mixture.epoch_samples if self.mixture is not None else 0
 
-    def __init__(self, feed: Feed, plan_key: PlanKey) -> None:
+    def __init__(self, feed: Feed, plan_key: PlanKey, requester: Hashable = None) -> None:
         self.feed = feed
+        self.requester: Hashable = self if requester is None else requester
+        """Whom its epochs are chosen for: the queue it waits in (NOTE [ Choosing off the main
+        loop ]); a stream's ahead waits in its stream's."""
         self.gen = next(GENERATIONS)
         self.plan_key = plan_key
         self.next_produce = 0
@@ -97,8 +101,8 @@ class Producer:
             return True
         self._forget_stale_choice()
         if self._choice is None:
-            self._choice = Choice(self.mixture, self.epoch)
-            return self._choice.wait(CHOICE_WAIT)
+            self._choice = Choice(self.mixture, self.epoch, self.requester)
+            return self._choice.wait(CHOICE_WAIT if self._choice.next_up else 0.0)
         return self._choice.done()
 
     def _forget_stale_choice(self) -> None:
@@ -106,6 +110,12 @@ class Producer:
         choice = self._choice
         if choice is not None and (not choice.of(self.mixture, self.epoch) or choice.cancelled()):
             choice.cancel()
+            self._choice = None
+
+    def forget_choice(self) -> None:
+        """Cancel its request, whatever it is for: nobody will plan from it (a stream closed)."""
+        if self._choice is not None:
+            self._choice.cancel()
             self._choice = None
 
     def share_choice(self, other: Producer) -> None:

@@ -125,7 +125,7 @@ class ShardStream(Stream):
         following = (epoch + 1, self.rank, self.world_size, self.remainder, 0)
         if self.ahead is None:
             self.ahead = EarlyBatches(
-                self.feed, self.window, following, lane=Lane.AHEAD, mixture=self.mixture
+                self.feed, self.window, following, Lane.AHEAD, self.mixture, self.requester
             )
         else:
             self.ahead.retarget(following)

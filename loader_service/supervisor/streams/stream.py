@@ -21,9 +21,6 @@ import time
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 
-import numpy as np
-import numpy.typing as npt
-
 from loader_service.dataset.tables import DatasetError
 from loader_service.supervisor.feeds import Feed
 from loader_service.supervisor.streams.early import EarlyBatches, Handover
@@ -69,7 +66,7 @@ class Stream(Producer):
 
     def __init__(self, key: tuple[object, ...], feed: Feed, session: Session) -> None:
         self.rank, self.world_size, self.remainder = session.rank, session.world_size, session.remainder
-        super().__init__(feed, (-1, self.rank, self.world_size, self.remainder, 0))
+        super().__init__(feed, (-1, self.rank, self.world_size, self.remainder, 0), key)
         self.key = key
         self.started = False
         """Whether an epoch has begun."""
@@ -82,9 +79,6 @@ class Stream(Producer):
         self.blocked_since: float | None = None
         self.ahead: EarlyBatches | None = None
         """The next epoch's first batches, decoded early where the kind does (NOTE [ Warm start ])."""
-        self.source_front: tuple[int, int, npt.NDArray[np.int64]] | None = None
-        """A weighted job's counted prefix of its epoch's order: (epoch, position, each source's
-        draws in the run there), extended at each status (NOTE [ Source ledger ])."""
 
     def planned_batches(self) -> int:
         """Batches of the epoch's plan before its planning front (a picked run plans out of order:
@@ -153,7 +147,7 @@ class Stream(Producer):
         except DatasetError as exc:
             raise StartRefused(str(exc)) from None
         if mixture != self.mixture:
-            self.mixture, self.source_front = mixture, None
+            self.mixture = mixture
             if self.ahead is not None:
                 self.ahead.mixture = mixture
                 self.ahead.drop()
@@ -211,12 +205,15 @@ class Stream(Producer):
         self._collect()
 
     def close(self) -> None:
-        """The last member left: free every batch; those still decoding are freed when they report."""
+        """The last member left: free every batch; those still decoding are freed when they report.
+        Its epochs wanted of the chooser are no longer (NOTE [ Choosing off the main loop ])."""
         self.free(batch.slot for batch in self.batches.values())
         self.batches.clear()
         if self.ahead is not None:
             self.ahead.drop()
+            self.ahead.forget_choice()
         self.restart(self.plan_key)
+        self.forget_choice()
         self.started = False
 
     # --- production -----------------------------------------------------------------------------

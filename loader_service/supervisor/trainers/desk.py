@@ -16,12 +16,13 @@ from loader_service.dataset.mixture import describe
 from loader_service.supervisor.feeds import Feed
 from loader_service.supervisor.streams.broadcast import BroadcastStream
 from loader_service.supervisor.streams.early import EarlyBatches
+from loader_service.supervisor.streams.orders import OrderBudget
 from loader_service.supervisor.streams.shard import ShardStream
 from loader_service.supervisor.streams.stream import StartRefused, Stream
 from loader_service.supervisor.trainers.attachments import Attachments
 from loader_service.supervisor.trainers.limits import RateGate
 from loader_service.supervisor.trainers.outbox import Outbox
-from loader_service.supervisor.trainers.sessions import Session, group_key
+from loader_service.supervisor.trainers.sessions import Session, credit_cap, group_key
 from protocol.codec import decode
 from protocol.messages import (
     Ack,
@@ -60,6 +61,7 @@ class TrainerDesk:
         self._outbox = outbox
         self._status = status
         self._gate = RateGate()
+        self._orders = OrderBudget(config.order_memory)
         self._beating: dict[bytes, float] = {}
         """Heartbeat connections that carried a live session's token, and when they last did."""
         self._labels = itertools.count(1)
@@ -188,9 +190,15 @@ class TrainerDesk:
             return
         feed = self._find_feed(msg.feed)
         assert feed is not None
+        too_much = self._order_refusal(feed, msg)
+        if too_much is not None:
+            self._outbox.reject(routing_id, "refused", too_much, fatal=True)
+            return
         label = f"t{next(self._labels)}"  # public: status and logs show it; the token stays secret
         session = Session(routing_id, label, msg, feed.id, time.monotonic(), opened_by=msg)
-        session.max_credits = feed.config.slots  # more could never be honoured: no slots behind them
+        session.max_credits = credit_cap(feed.reach())  # NOTE [ Credits per session ]
+        if session.credits < msg.credits:
+            log.info("session %s asked %d credits; granted %d", label, msg.credits, session.credits)
         self._attached.add(session)
         stream = self._attached.stream_for(session, feed)
         stream.mixture = stream.mixture or feed.mixture_of(msg)  # a shard stream: its one trainer's
@@ -206,6 +214,15 @@ class TrainerDesk:
             else f"broadcast group {session.group!r}",
         )
         self._outbox.send(routing_id, self._welcome(session))
+
+    def _order_refusal(self, feed: Feed, msg: Hello) -> str | None:
+        """NOTE [ Orders' memory ]: why a weighted job's orders cannot be held beside the others'."""
+        asked = feed.mixture_of(msg)
+        key = group_key(feed.id, msg.group, msg.group_secret)
+        if asked is None or (msg.mode == "broadcast" and key in self._attached.streams):
+            return None  # no order, or the group's (checked to be the same, ``_refusal``)
+        held = (s.mixture for s in self._attached.streams.values() if s.mixture is not None)
+        return self._orders.refusal(held, asked)
 
     def _rebind(self, session: Session, routing_id: bytes, hello: Hello) -> None:
         """NOTE [ Reconnecting ]: a trainer that lost touch with this (live) service takes its session

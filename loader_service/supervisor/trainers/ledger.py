@@ -8,8 +8,10 @@ NOTE [ Source ledger ]
     (a slot a peer could scribble on) counts for the nearest source, never outside the table. Per
     trainer (``status``' sessions) and per feed (the metrics' counter). A weighted job's pass and
     position in each source are read at its stream's planning front: where the whole job's next
-    planned batch begins in the epoch's order (its ranks move in step), a prefix counted once and
-    then extended, so a status costs what was planned since the last one, not the epoch.
+    planned batch begins in the epoch's order (its ranks move in step), walked from the epoch's
+    nearest mark (NOTE [ Epoch marks ]): at most a stride of positions a job, wherever in its
+    epoch it is, so a status costs O(sessions), never a count from position 0 on the main loop
+    (that cost 0.1 to 0.35 s a job whose epoch had changed: 0.63 s a status with 8 peers).
     For a feed of one source nothing is counted.
 """
 
@@ -63,18 +65,13 @@ def _asked(mixture: Mixture | None, feed: Feed, epoch: int, position: int) -> li
 
 def _front(stream: Stream, mixture: Mixture) -> tuple[int, Counts | None]:
     """The planning front's position in the epoch and each source's draws before it in the run."""
-    epoch, _rank, world, _remainder, offset = stream.plan_key
+    _epoch, _rank, world, _remainder, offset = stream.plan_key
     n = mixture.epoch_samples
     position = consumed(offset, stream.planned_batches(), stream.feed.config.batch_size, world, n)
     order = stream.chosen
     if order is None:  # not chosen yet (NOTE [ Choosing off the main loop ]): nothing counted
         return position, None
-    front = stream.source_front
-    if front is None or front[0] != epoch or front[1] > position:
-        front = (epoch, 0, np.asarray(order.start, np.int64))
-    more = np.bincount(order.draws.source[front[1] : position], minlength=len(mixture.sizes))
-    stream.source_front = (epoch, position, front[2] + more)
-    return position, stream.source_front[2]
+    return position, order.drawn_before(min(position, n))
 
 
 def source_status(feed: Feed, stream: Stream | None, served: Counts | None) -> list[dict[str, object]]:
