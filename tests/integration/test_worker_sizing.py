@@ -18,7 +18,7 @@ import pytest
 
 from gpu_worker import ServiceLoader
 from loader_service.tools.status_view import query_status
-from tests.helpers import ServiceFactory, ServiceProcess
+from tests.helpers import ServiceFactory, ServiceProcess, running, template_of
 
 pytestmark = pytest.mark.integration
 CPUS = len(os.sched_getaffinity(0))
@@ -197,23 +197,6 @@ def test_the_budget_is_the_cgroup_quota_the_service_runs_under(
         got = sizing(service)
         service.stop()
     assert got["budget"] == 1.5 and got["active"] == 1 and got["most"] == 6, got
-
-
-def running(pid: int) -> bool:
-    """Alive and not a zombie (an orphan's exit waits for whatever reaps orphans here)."""
-    try:
-        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
-    except OSError:
-        return False
-
-
-def template_of(service: ServiceProcess) -> int:
-    """The pid of the process the service's workers are forked from (NOTE [ Workers from a template ])."""
-    children = Path(f"/proc/{service.proc.pid}/task/{service.proc.pid}/children").read_text().split()
-    for child in map(int, children):
-        if b"forkserver" in Path(f"/proc/{child}/cmdline").read_bytes():
-            return child
-    raise AssertionError(f"no template among the service's children {children}")
 
 
 def test_a_worker_or_the_template_killed_costs_nothing(photos: Path, start_service: ServiceFactory) -> None:

@@ -16,36 +16,29 @@ NOTE [ Workers from a template ]
     64-core host). A worker parked after a decrease stays started, so the most ever started is what
     the controller once wanted. A worker's parent is the template, not the service, so a worker
     watches the service process itself (its pid and start time, which a recycled pid does not
-    share) and exits when it is gone; the template exits then too. A template that dies (the OOM
-    killer) takes with it what the service knows of its workers' exits: each is then taken for
-    dead, ended if it still runs (``_end_orphan``), and replaced from a new template, its task
-    redone, as for any worker that dies (NOTE [ Worker restarts ]).
+    share) and exits when it is gone; the template exits then too, when the last holder of its
+    pipe (the service, its workers) is gone. A template that dies (the OOM killer, or killed for
+    not answering: NOTE [ A template that does not answer ]) takes with it what the service knows
+    of its workers' exits: each is then taken for dead, ended if it still runs (``end_orphan``),
+    and replaced from a new template, its task redone, as for any worker that dies (NOTE [ Worker
+    restarts ]).
 """
 
 from __future__ import annotations
 
-import contextlib
 import logging
-import multiprocessing
 import multiprocessing.process
 import os
-import signal
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 
-from loader_service.decode.contract import (
-    BENCH_WRITE_NOTHING_ENV,
-    PIPELINES_ENV,
-    WORKER_BOOT_ERROR,
-    WorkerConfig,
-)
-from loader_service.decode.entry import worker_main
+from loader_service.decode.contract import BENCH_WRITE_NOTHING_ENV, WORKER_BOOT_ERROR, WorkerConfig
 from loader_service.supervisor.rates import RateMeter
+from loader_service.supervisor.workers.template import BOOT_DEADLINE, WorkerTemplate, end_orphan
 
 log = logging.getLogger(__name__)
-_TEMPLATE = multiprocessing.get_context("forkserver")
 BOOT_BACKOFF = 0.25
 MAX_BOOT_FAILURES = 5
 WARM = 1.0
@@ -76,6 +69,10 @@ class WorkerHandle:
     """Seconds spent on finished tasks (NOTE [ Fleet load ])."""
     ready_at: float | None = None
     """When it said ``w_ready``."""
+    starting: bool = False
+    """Asked of the template, not answered yet: no pid (NOTE [ A template that does not answer ])."""
+    early: tuple[int, bytes] | None = None
+    """A ``w_ready`` (pid, routing id) that came before the template's answer."""
 
     @property
     def idle(self) -> bool:
@@ -108,16 +105,25 @@ class WorkerSet:
     """
 
     def __init__(
-        self, template: WorkerConfig, count: int, spawn: Spawner | None = None, active: int | None = None
+        self,
+        config: WorkerConfig,
+        count: int,
+        spawn: Spawner | None = None,
+        active: int | None = None,
+        folder: Path | None = None,
     ) -> None:
-        self._template = template
-        self._start_process = spawn or _spawn_process
-        if spawn is None:
-            prepare_template(template)
+        """``spawn``: a stand-in that starts a worker at once, for tests; by default workers are
+        forked from the template, asked off the main loop (NOTE [ A template that does not answer ]),
+        which starts in ``folder``, the service's private one (NOTE [ Nothing from the working
+        folder ])."""
+        self._config = config
+        self._spawner = spawn
+        if spawn is None and folder is None:
+            raise ValueError("workers forked from a template need the service's private folder")
+        self._template = WorkerTemplate(config, folder) if spawn is None and folder else None
         self.most = count
         """The most workers there may be (``--workers``, or what ``auto`` may use)."""
         self._active = count if active is None else max(1, min(count, active))
-        self._handles = {i: self._spawn(i) for i in range(self._active)}
         self._lost: list[WorkerHandle] = []
         """Killed workers that would not exit, watched until they do."""
         self._restart_at: dict[int, float] = {}
@@ -125,6 +131,10 @@ class WorkerSet:
         """Seconds on tasks of workers that are gone."""
         self.restarts = 0
         self.boot_failures = 0
+        self._handles = {i: self._spawn(i) for i in range(self._active)}
+        if self._template is not None:  # ready with its first workers forked, as the template boots once
+            self._template.settle(time.monotonic() + BOOT_DEADLINE)
+            self._collect_starts(time.monotonic())
 
     @property
     def active(self) -> int:
@@ -150,9 +160,34 @@ class WorkerSet:
         return self.boot_failures >= MAX_BOOT_FAILURES
 
     def _spawn(self, worker: int) -> WorkerHandle:
-        process = self._start_process(replace(self._template, worker=worker))
+        config = replace(self._config, worker=worker)
+        if self._template is not None:
+            return WorkerHandle(worker, self._template.ask(config), starting=True)
+        assert self._spawner is not None
+        process = self._spawner(config)
         log.info("started decode worker %d (pid %s)", worker, process.pid)
         return WorkerHandle(worker, process)
+
+    def _collect_starts(self, now: float) -> None:
+        """The template's answers: each worker started, or failed to start (NOTE [ A template that
+        does not answer ]); a ``w_ready`` it sent meanwhile is taken now."""
+        if self._template is None:
+            return
+        for process, why in self._template.answered():
+            h = next((h for h in self._handles.values() if h.process is process), None)
+            if h is None:
+                continue
+            h.starting = False
+            if why:
+                log.error(
+                    "decode worker %d failed to start: its template did not fork it (%s)", h.worker, why
+                )
+                self._forget(h, now)
+                self._failed_to_start(h.worker, now)
+                continue
+            log.info("started decode worker %d (pid %s)", h.worker, process.pid)
+            if h.early is not None and h.early[0] == process.pid:
+                self.mark_ready(h, h.early[1])
 
     def __iter__(self) -> Iterator[WorkerHandle]:
         return iter(self._handles.values())
@@ -191,7 +226,7 @@ class WorkerSet:
         """Kill workers that finished no sample for ``limit``; return those given up for lost, whose
         tasks must be redone now (NOTE [ Stuck workers ])."""
         for h in self._handles.values():
-            if h.task is not None and h.killed_at is None and now - h.task_since > limit:
+            if self._overran(h, now, limit):
                 log.error(
                     "decode worker %d (pid %s) spent over %.0f s on one sample of task %s; killing it",
                     h.worker,
@@ -220,6 +255,33 @@ class WorkerSet:
             self._restart_at[h.worker] = now
         return lost
 
+    def on_ready(self, worker: int, pid: int, routing_id: bytes) -> None:
+        """A worker said ``w_ready``: taken if it is the process the service started for it, held
+        if the template's answer (its pid) has not been collected yet."""
+        handle = self._handles.get(worker)
+        if handle is None:
+            return
+        if handle.starting:
+            handle.early = (pid, routing_id)
+        elif handle.process.pid == pid:
+            self.mark_ready(handle, routing_id)
+
+    @property
+    def template_restarts(self) -> int:
+        """Templates killed for not answering (NOTE [ A template that does not answer ])."""
+        return 0 if self._template is None else self._template.restarts
+
+    def _overran(self, h: WorkerHandle, now: float, limit: float) -> bool:
+        """Alive on one sample longer than ``limit``, not killed yet: one that is gone is not stuck,
+        its exit only unreported (NOTE [ A template that does not answer ])."""
+        if h.task is None or h.killed_at is not None or now - h.task_since <= limit:
+            return False
+        return not self._exited(h)
+
+    def _exited(self, handle: WorkerHandle) -> bool:
+        """Gone, whatever its template has reported (NOTE [ A template that does not answer ])."""
+        return self._template is not None and self._template.exited(handle.process)
+
     def mark_ready(self, handle: WorkerHandle, routing_id: bytes) -> None:
         handle.routing_id = routing_id
         handle.ready_at = time.monotonic()
@@ -227,10 +289,13 @@ class WorkerSet:
 
     def reap(self, now: float) -> list[WorkerHandle]:
         """Collect workers that exited and start the replacements that are due; return the dead."""
+        self._collect_starts(now)
+        if self._template is not None:
+            self._template.check(now)
         self._reap_lost()
         dead = [h for h in self._handles.values() if h.process.exitcode is not None]
         for h in dead:
-            _end_orphan(h.process.pid)
+            end_orphan(h.process.pid)
             self._forget(h, now)
             booted = h.routing_id is not None and h.process.exitcode != WORKER_BOOT_ERROR
             log.error(
@@ -245,14 +310,17 @@ class WorkerSet:
             if booted:
                 self._restart_at[h.worker] = now
             else:
-                self.boot_failures += 1
-                self._restart_at[h.worker] = now + BOOT_BACKOFF * 2 ** (self.boot_failures - 1)
+                self._failed_to_start(h.worker, now)
         for worker, due in list(self._restart_at.items()):
             if due <= now and not self.given_up:
                 del self._restart_at[worker]
                 self._handles[worker] = self._spawn(worker)
                 self.restarts += 1
         return dead
+
+    def _failed_to_start(self, worker: int, now: float) -> None:
+        self.boot_failures += 1
+        self._restart_at[worker] = now + BOOT_BACKOFF * 2 ** (self.boot_failures - 1)
 
     def _reap_lost(self) -> None:
         for h in [h for h in self._lost if h.process.exitcode is not None]:
@@ -266,13 +334,21 @@ class WorkerSet:
         return len(self._lost)
 
     def join(self, deadline: float) -> None:
-        """Join every worker by ``deadline`` (the caller has sent ``stop``), then terminate, then kill."""
-        for h in self._handles.values():
+        """Join every worker by ``deadline`` (the caller has sent ``stop``), then terminate, then
+        kill. A template that owes the exit of a worker that is gone is killed first, and one that
+        owes any exit at the end, so that no join, here or at exit, waits on it (NOTE [ A template
+        that does not answer ])."""
+        if self._template is not None:
+            self._template.close(deadline)
+            self._collect_starts(time.monotonic())
+        started = [h for h in self._handles.values() if not h.starting]
+        for h in started:
             if h.routing_id is None:
                 h.process.terminate()  # still starting: it holds no task and cannot hear ``stop``
-        for h in self._handles.values():
+        for h in [*started, *self._lost]:
             h.process.join(max(0.0, deadline - time.monotonic()))
-        for h in self._handles.values():
+        self._end_silent_template(started, self._exited)
+        for h in started:
             if h.process.exitcode is None:
                 log.warning("decode worker %d did not stop in time; terminating", h.worker)
                 h.process.terminate()
@@ -280,53 +356,25 @@ class WorkerSet:
             if h.process.exitcode is None:
                 h.process.kill()
                 h.process.join(1.0)
-        for h in self._lost:
-            h.process.join(max(0.0, deadline - time.monotonic()))
+        self._end_silent_template([*started, *self._lost], lambda h: True)
+        if self._template is not None:
+            self._template.release()
 
-
-def _end_orphan(pid: int | None) -> None:
-    """A worker is known dead through its template; a template that died (the OOM killer) leaves
-    its workers running without one, their exit unknown (NOTE [ Workers from a template ]). Such a
-    worker, forked from a template (its command line says so) and whose parent is no longer one,
-    is ended here, so its replacement does not run beside it."""
-    if pid is None or not _forked_from_template(pid):
-        return
-    try:
-        parent = int(Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[1])
-    except (OSError, ValueError, IndexError):
-        return
-    if not _forked_from_template(parent):
-        log.warning("decode worker (pid %d) outlived its template; ending it", pid)
-        with contextlib.suppress(ProcessLookupError):
-            os.kill(pid, signal.SIGKILL)
-
-
-def _forked_from_template(pid: int) -> bool:
-    try:
-        return b"multiprocessing.forkserver" in Path(f"/proc/{pid}/cmdline").read_bytes()
-    except OSError:
-        return False
+    def _end_silent_template(self, handles: list[WorkerHandle], gone: Callable[[WorkerHandle], bool]) -> None:
+        """At shutdown: kill the template if a worker ``gone`` has no exit reported, and take the
+        exits its death makes known."""
+        if self._template is None:
+            return
+        silent = [h for h in handles if h.process.exitcode is None and gone(h)]
+        if silent:
+            self._template.condemn(f"the exit of worker {silent[0].worker} unreported at shutdown")
+            for h in silent:
+                h.process.join(1.0)
 
 
 def _warm(handle: WorkerHandle, now: float) -> bool:
     ready = handle.ready_at
     return ready is not None and (handle.on_tasks > 0 or now - ready >= WARM)
-
-
-def prepare_template(template: WorkerConfig) -> None:
-    """What the template imports when it starts (NOTE [ Workers from a template ]): the worker, and
-    the feeds' pipelines (``decode/template.py``). Before the first worker starts it."""
-    pipelines = [feed.pipeline for feed in template.feeds if feed.pipeline]
-    os.environ[PIPELINES_ENV] = "\n".join(pipelines)
-    _TEMPLATE.set_forkserver_preload(["loader_service.decode.template"])
-
-
-def _spawn_process(cfg: WorkerConfig) -> multiprocessing.process.BaseProcess:
-    process = _TEMPLATE.Process(
-        target=worker_main, args=(cfg,), name=f"dataferry-worker-{cfg.worker}", daemon=True
-    )
-    process.start()
-    return process
 
 
 def _process_cores(pid: int | None) -> float:

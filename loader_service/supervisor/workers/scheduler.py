@@ -112,9 +112,7 @@ class Scheduler:
             log.error("bad message from a decode worker: %s", exc)
             return
         if isinstance(msg, WorkerReady):
-            handle = self._workers.get(msg.worker)
-            if handle is not None and handle.process.pid == msg.pid:
-                self._workers.mark_ready(handle, frames[0])
+            self._workers.on_ready(msg.worker, msg.pid, frames[0])
         elif isinstance(msg, TaskDone):
             self._on_task_done(msg)
 
