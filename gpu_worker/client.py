@@ -35,15 +35,8 @@ from gpu_worker.connection import ServiceError, ServiceTimeout, make_hello
 from gpu_worker.device import resolve_device
 from gpu_worker.fields import ExpectedFields, as_expected, expected_fields, field_differences
 from gpu_worker.fleet import Fleet
-from gpu_worker.loader_config import (
-    ENDPOINTS_ENV,
-    GROUP_SECRET_ENV,
-    LoaderConfig,
-    endpoints_from_env,
-    endpoints_of,
-    shard_of,
-)
-from gpu_worker.local import START_TIMEOUT, LocalService, expected_option
+from gpu_worker.loader_config import GROUP_SECRET_ENV, LoaderConfig, endpoints_of, shard_of
+from gpu_worker.local import START_TIMEOUT, LocalService, check_shared, expected_option, unless_shared
 from gpu_worker.passes import EpochPass, PassSettings, make_pass
 from gpu_worker.schedule import WeightChanges, ordered_weights, source_stats
 from gpu_worker.service import Service
@@ -170,18 +163,15 @@ class ServiceLoader:
         the loader closes, and when this process ends however it ends, SIGKILL included (NOTE
         [ Stop with stdin ]). Where ``DATAFERRY_ENDPOINTS`` is set, no service is started: the
         loader attaches to ``feed`` of those, so a script moves to a shared service without a
-        change. The options that shape a batch (``batch_size``, ``image_size``) are then what the
-        loader expects: a shared service that serves other batches fails the attach, before any
-        batch, naming both; the others are the shared service's business and ignored."""
+        change, and fails before any batch, naming each difference, if that feed serves other data
+        or batches than asked: ``data``, ``batch_size`` and ``image_size``, ``seed``, ``augment``,
+        ``interpolation``, ``pipeline`` where given (NOTE [ A shared service for a local call ])."""
         batch_size, image_size = (expected_option(serve_options, key) for key in ("batch_size", "image_size"))
-        private = None
-        if shared := endpoints_from_env():
-            log.info("%s is set: attaching to %s, no private service", ENDPOINTS_ENV, ", ".join(shared))
-        else:
-            private = LocalService(data, {**serve_options, "feed": feed or None}, start_timeout)
+        private = unless_shared(data, {**serve_options, "feed": feed or None}, start_timeout)
         endpoint = None if private is None else private.endpoint
+        loader: ServiceLoader | None = None
         try:
-            return cls(
+            loader = cls(
                 endpoint,
                 device=device,
                 feed=feed,
@@ -192,8 +182,13 @@ class ServiceLoader:
                 fields=fields,
                 _private=private,
             )
+            if private is None:
+                check_shared(loader.info, data, serve_options)
+            return loader
         except BaseException:
-            if private is not None:
+            if loader is not None:
+                loader.close()  # the private service with it
+            elif private is not None:
                 private.stop()
             raise
 

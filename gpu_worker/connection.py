@@ -49,7 +49,7 @@ import zmq
 from curvekeys import ClientKeys
 from gpu_worker.arrivals import Arrivals
 from gpu_worker.heartbeats import Heartbeats
-from gpu_worker.peer import Credentials, check_listener
+from gpu_worker.peer import Credentials, check_listener, peer_credentials
 from protocol.codec import decode, encode
 from protocol.layout import MAX_FIELDS
 from protocol.messages import (
@@ -69,6 +69,7 @@ from protocol.messages import (
     Want,
     Welcome,
 )
+from protocol.printable import printable
 
 log = logging.getLogger(__name__)
 
@@ -188,9 +189,9 @@ class Connection:
         elif self.session and now - self.last_heard > self._allowed_silence():
             self._lose(f"no word from the service for {now - self.last_heard:.0f} s")
 
-    def _opened(self, msg: Welcome) -> None:
-        try:
-            self.peer = check_listener(self.endpoint)  # the process that answered, not a name
+    def _opened(self, msg: Welcome, carrier: zmq.Frame) -> None:
+        try:  # the process that answered, on this very connection: not a name, looked up again
+            self.peer = check_listener(self.endpoint, _sender(carrier))
         except ValueError as exc:
             raise ServiceError(str(exc)) from None
         resumed = bool(self._resuming) and msg.token == self._resuming
@@ -264,7 +265,7 @@ class Connection:
                 raise ServiceError(f"malformed message from the service: {exc}") from None
             self.last_heard = time.monotonic()
             if not isinstance(msg, ErrorReply):
-                self._arrived(msg, parts[1:])
+                self._arrived(msg, parts)
             elif msg.code == "no-session" and self.session:
                 self._inbox.clear()
                 self._lose("the service no longer knows this session (it restarted)")
@@ -272,19 +273,28 @@ class Connection:
             elif msg.fatal or not self.session:
                 # The session is over: stop keeping it alive, even if the loader is never closed.
                 self._heartbeats.stop(self)
-                raise ServiceError(f"service at {self.endpoint} refused: {msg.message} ({msg.code})")
+                raise ServiceError(
+                    f"service at {self.endpoint} refused: {printable(msg.message)} ({printable(msg.code)})"
+                )
             else:
-                log.warning("service at %s reported: %s (%s)", self.endpoint, msg.message, msg.code)
+                log.warning(
+                    "service at %s reported: %s (%s)",
+                    self.endpoint,
+                    printable(msg.message),
+                    printable(msg.code),
+                )
 
-    def _arrived(self, msg: Message, frames: list[zmq.Frame]) -> None:
-        """Pass ``msg`` on in the order the service sent it (NOTE [ Acknowledged delivery ])."""
+    def _arrived(self, msg: Message, parts: list[zmq.Frame]) -> None:
+        """Pass ``msg`` (``parts[0]``, its bytes after it) on in the order the service sent it (NOTE
+        [ Acknowledged delivery ])."""
+        frames = parts[1:]
         if frames and (not isinstance(msg, BatchReady) or not 2 <= len(frames) <= MAX_FIELDS + 1):
             raise ServiceError(
                 f"malformed message from the service: {msg.KIND} with {len(frames)} extra frames"
             )
         if isinstance(msg, Welcome):
             if self.connecting:
-                self._opened(msg)
+                self._opened(msg, parts[0])
             return  # else a repeated hello's second welcome: the session is settled
         if not self.session:
             return  # what a lost session's service still sends: its next session starts afresh
@@ -341,3 +351,13 @@ class Connection:
 
 def make_hello(**fields: Any) -> Hello:
     return Hello(client=f"{socket.gethostname()}:{os.getpid()}"[:128], pid=os.getpid(), **fields)
+
+
+def _sender(frame: zmq.Frame) -> Credentials | None:
+    """The credentials of the process that sent ``frame`` over an ipc connection (NOTE [ A service's
+    identity ]); None where libzmq has none for it."""
+    try:
+        address = frame.get("Peer-Address")
+    except zmq.ZMQError:
+        return None
+    return peer_credentials(address) if isinstance(address, str) else None

@@ -1,10 +1,11 @@
 """A private service for one trainer process: what ``ServiceLoader.local`` starts and stops.
 
-The service runs as ``python -m loader_service serve`` (a separate process: the trainer side never
-imports the service side) with ``--stop-with-stdin`` and a pipe on its stdin whose write end only
-this process holds, so it stops when the loader closes and also when this process dies by any means
-(NOTE [ Stop with stdin ] in loader_service/supervisor/edges/lifeline.py). Its log goes to this process's
-standard error.
+The service runs as ``loader-service serve`` (a separate process: the trainer side never imports the
+service side) with ``--stop-with-stdin`` and a pipe on its stdin whose write end only this process
+holds, so it stops when the loader closes and also when this process dies by any means (NOTE [ Stop
+with stdin ] in loader_service/supervisor/edges/lifeline.py). Its log goes to this process's
+standard error. With ``DATAFERRY_ENDPOINTS`` set none is started, and the shared feed attached to
+instead must be what the call asked for (NOTE [ A shared service for a local call ]).
 
 NOTE [ A private service ]
     Another local user must not be able to stand in for a trainer's private service (a review
@@ -19,7 +20,20 @@ NOTE [ A private service ]
       ``SO_PEERCRED``); every attach then checks the listener and the pool's owner as for any
       service (NOTE [ A service's identity ] in gpu_worker/peer.py);
     * after READY the child is watched: the loader's every wait asks whether it has exited, and
-      a dead child fails the loop at once with its exit code, not after the loader's ``timeout``.
+      a dead child fails the loop at once with its exit code, not after the loader's ``timeout``;
+    * the child imports nothing from this process's working folder, which another user may write
+      in (a trainer run from /tmp): ``python -m`` would put that folder first on its path, and a
+      ``loader_service`` package planted there would run as this user (a review's re-ran the real
+      service on other data: the trainer trained on white images). It runs ``SERVICE_BOOT`` with
+      ``-c`` instead, which drops the folder ``-c`` puts first, and with ``-P`` (Python 3.11+),
+      which multiprocessing passes on to the children it starts; on every version the service
+      starts those (the workers' template, the resource tracker) from its private folder, and its
+      pipeline probe as this one (NOTE [ Nothing from the working folder ] in
+      loader_service/working_folder.py). Its path is otherwise the trainer's interpreter's:
+      ``PYTHONPATH``, the user's site-packages and editable installs as before (no ``-I``, which
+      would drop them); a checkout used without being installed needs ``pip install -e .`` or
+      ``PYTHONPATH``. A pipeline named ``package.module:FUNC`` is still looked for in the working
+      folder, as ``python -m`` would (the user named it); ``FILE.py:FUNC`` keeps the folder out.
     The folder goes when the loader closes. It is named and flocked as a service's runtime folder
     is (``dataferry-<pid>-local-*``, a held ``lock`` file), so one that a trainer killed with
     SIGKILL leaves behind is removed by the next service that starts on the host.
@@ -37,9 +51,12 @@ import sys
 import tempfile
 import time
 from collections.abc import Mapping
+from pathlib import Path
 
 from gpu_worker.connection import ServiceError
+from gpu_worker.loader_config import ENDPOINTS_ENV, endpoints_from_env
 from gpu_worker.peer import listener_of
+from protocol.messages import FeedInfo
 
 log = logging.getLogger(__name__)
 
@@ -48,6 +65,17 @@ START_TIMEOUT = 600.0
 STOP_TIMEOUT = 30.0
 """Seconds it may take to stop once its stdin has closed, before SIGTERM, then SIGKILL."""
 POLL = 0.2
+SAFE_PATH = ("-P",) if sys.version_info >= (3, 11) else ()
+"""Put no unsafe folder on the path; inherited by the children multiprocessing starts (NOTE [ A
+private service ])."""
+SERVICE_BOOT = (
+    "import sys\n"
+    "if not getattr(sys.flags, 'safe_path', False):\n"
+    "    del sys.path[0]  # the working folder, which -c puts first\n"
+    "import runpy\n"
+    "runpy.run_module('loader_service', run_name='__main__', alter_sys=True)\n"
+)
+"""``python -m loader_service``, minus the working folder (NOTE [ A private service ])."""
 NOTIFY_FD_ENV = "DATAFERRY_NOTIFY_FD"
 """The descriptor the child notifies on (``loader_service.supervisor.edges.systemd`` reads it)."""
 CHILD_UNSET = ("NOTIFY_SOCKET", "WATCHDOG_USEC", "WATCHDOG_PID")
@@ -81,6 +109,85 @@ def expected_option(serve_options: Mapping[str, object], key: str) -> int | None
     return value
 
 
+CHECKED_OPTIONS = ("seed", "augment", "interpolation", "pipeline")
+"""``local`` options a shared service must serve as given, beside ``data`` (NOTE [ A shared service
+for a local call ]); the geometry (``batch_size``, ``image_size``) is its hello's, which the service
+itself checks."""
+
+
+def served_differently(
+    info: FeedInfo, data: str | os.PathLike[str], options: Mapping[str, object]
+) -> list[str]:
+    """What a ``local`` call asks that the shared feed ``info`` does not serve, one ``NAME ASKED
+    (it serves SERVED)`` each.
+
+    NOTE [ A shared service for a local call ]
+        With ``DATAFERRY_ENDPOINTS`` set, ``ServiceLoader.local(data, **options)`` attaches to the
+        shared service instead of starting one, and must not train on something else than it asked
+        for (a review's attached to a service of the same geometry on another dataset, another
+        seed, another transform, and trained on it without a word). The feed's welcome says where
+        its data is (``FeedInfo.data``: a path made absolute on its host, or a store's URL) and its
+        seed, transform, resize filter and pipeline; ``data`` is compared always, made absolute as
+        the service makes it (the same data under another path is refused: name it as the service
+        does), and each of ``CHECKED_OPTIONS`` when the call gives it: an option left out is the
+        shared service's business, and so are the others (workers, caches, limits). Several
+        services of a fleet agree on the rest (NOTE [ A fleet ]); the first one's is compared.
+    """
+    given = {key: options[key] for key in CHECKED_OPTIONS if options.get(key) is not None}
+    pipeline = given.pop("pipeline", None)
+    asked: dict[str, object] = {"data": _where(os.fspath(data)), **given}
+    words = dict(word.partition("=")[::2] for word in info.decoding.split())
+    served: dict[str, object] = {
+        "data": _where(info.data) if info.data else f"sources {', '.join(info.sources)}",
+        "seed": info.seed,
+        "augment": info.augment,
+        "interpolation": words.get("interpolation", "none: a pipeline's feed"),
+        "pipeline": info.pipeline or "none: the built-in transforms",
+    }
+    if pipeline is not None:  # a pipeline's feed has no built-in transform or filter to compare
+        asked = {"data": asked["data"], "seed": asked.get("seed"), "pipeline": _pipeline(str(pipeline))}
+    return [
+        f"{key} {value!r} (it serves {served[key]!r})"
+        for key, value in asked.items()
+        if value is not None and str(value) != str(served[key])
+    ]
+
+
+def _where(data: str) -> str:
+    """``data`` as a service names it: a store's URL as given, a path made absolute on this host."""
+    if "://" in data:
+        return data.rstrip("/")
+    return str(Path(data).expanduser().resolve())
+
+
+def _pipeline(spec: str) -> str:
+    """A ``FILE.py:FUNC`` pipeline with its file made absolute, as the service makes it."""
+    module, _, func = spec.rpartition(":")
+    return f"{Path(module).expanduser().resolve()}:{func}" if module.endswith(".py") else spec
+
+
+def unless_shared(
+    data: str | os.PathLike[str], options: Mapping[str, object], start_timeout: float
+) -> LocalService | None:
+    """A private service for ``local``, or None where ``DATAFERRY_ENDPOINTS`` names shared ones."""
+    if shared := endpoints_from_env():
+        log.info("%s is set: attaching to %s, no private service", ENDPOINTS_ENV, ", ".join(shared))
+        return None
+    return LocalService(data, options, start_timeout)
+
+
+def check_shared(info: FeedInfo, data: str | os.PathLike[str], options: Mapping[str, object]) -> None:
+    """ServiceError naming each way the shared feed ``info`` is not what a ``local`` call asked
+    (NOTE [ A shared service for a local call ])."""
+    differences = served_differently(info, data, options)
+    if differences:
+        raise ServiceError(
+            f"{ENDPOINTS_ENV} names a service whose feed {info.name!r} is not what this call asked for: "
+            f"{'; '.join(differences)}. Ask for what it serves, or unset {ENDPOINTS_ENV} to start a "
+            "private service"
+        )
+
+
 def _hold_lock(path: str) -> int:
     """A flocked file kept open while the folder is in use: a service that starts on this host
     leaves the folder alone while it is held and removes it once its trainer is gone (NOTE
@@ -100,7 +207,7 @@ class LocalService:
         self._lock = _hold_lock(os.path.join(self.folder, "lock"))
         self.socket_path = os.path.join(self.folder, "service.sock")
         self.endpoint = f"ipc://{self.socket_path}"
-        argv = [sys.executable, "-m", "loader_service", "serve", "--data", os.fspath(data)]
+        argv = [sys.executable, *SAFE_PATH, "-c", SERVICE_BOOT, "serve", "--data", os.fspath(data)]
         argv += ["--endpoint", self.endpoint, "--stop-with-stdin", *serve_flags(options)]
         ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
         with ours, theirs:

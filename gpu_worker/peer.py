@@ -5,14 +5,18 @@ NOTE [ A service's identity ]
     first, or create a ``dataferry-*`` segment, could feed a trainer batches of their own or shrink
     a segment the trainer maps (a SIGBUS inside torch). So on every attach, not only for a private
     service:
-    * an ``ipc://`` endpoint's listener is asked for its credentials (``SO_PEERCRED`` of a plain
-      connection to the path, made when the welcome has arrived, so it names the process that
-      answered, not one that bound the path earlier). It is trusted when it runs as this user or
-      as root, or as the user who owns the socket's folder when nobody else may write in that
-      folder (``/run/dataferry``, 0750, owned by the service's user). A listener in a folder others
-      can write in (the shared temp folder) running as someone else is refused: anyone could have
-      bound that path;
-    * a segment is mapped only if it is a regular file owned by the service's user (an ipc peer's
+    * an ``ipc://`` endpoint's listener is known by the credentials of the very connection its
+      welcome came on (``SO_PEERCRED``, which libzmq reads when it connects and hands on with each
+      message as its ``Peer-Address``), not by a second connection to the path: a link swapped
+      after the connect would send that one elsewhere (a review's did, to a listener of root's, and
+      the trainer took another user's batches). It is trusted when it runs as this user or as root.
+      Another user is trusted only where nobody but that user and root could have put a listener:
+      the socket file and its folder are that user's, every folder above is theirs or root's, no
+      folder on the way is open to other users' writes and none of it is a symbolic link. So
+      ``/run/dataferry`` (``RuntimeDirectory=``: made by root in root's ``/run``, owned by the
+      service's user, 0750) passes; a folder that user made in ``/tmp`` does not, since anyone may
+      have made it first (a review's ``nobody`` made one, 0755, and the trainer took its batches);
+    * a segment is mapped only if it is a regular file owned by the service's user (the ipc peer's
       uid as above; over TCP, where no credentials travel, this user or root) that other users
       cannot open (no ``o`` bits; ``g`` bits are the trainers' group, NOTE [ Shared-memory cleanup ]).
       Over TCP CURVE proves the server's key; a pool that fails the check is read over the socket
@@ -50,7 +54,9 @@ def ipc_path(endpoint: str) -> str | None:
 
 
 def listener_of(path: str) -> Credentials:
-    """The credentials of whoever listens on ``path``; OSError if nobody does."""
+    """The credentials of whoever listens on ``path`` now; OSError if nobody does. Only for a path in
+    a folder of this user's alone (``ServiceLoader.local``'s): elsewhere a name may have changed since
+    a connection was made, and ``peer_credentials`` of that connection's messages is the answer."""
     with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as probe:
         probe.settimeout(PROBE_TIMEOUT)
         probe.connect(path)
@@ -58,35 +64,65 @@ def listener_of(path: str) -> Credentials:
     return Credentials(*_UCRED.unpack(raw))
 
 
-def _folder_is_theirs(path: str, uid: int) -> bool:
-    """``uid`` owns the socket's folder and nobody else may create or replace names in it."""
-    folder = os.stat(os.path.dirname(os.path.abspath(path)))
-    return folder.st_uid == uid and not folder.st_mode & (stat.S_IWGRP | stat.S_IWOTH)
+def peer_credentials(peer_address: str) -> Credentials | None:
+    """The listener's credentials from an ipc message's ``Peer-Address`` (``host:uid:gid:pid``, the
+    ``SO_PEERCRED`` libzmq read of the connection it came on); None where they are not there."""
+    _, *numbers = peer_address.rsplit(":", 3)
+    if len(numbers) != 3 or not all(n.isdigit() for n in numbers):
+        return None
+    uid, gid, pid = map(int, numbers)
+    return Credentials(pid, uid, gid)
+
+
+def _only_theirs(path: str, uid: int) -> bool:
+    """Could nobody but ``uid`` and root have bound ``path``? The socket and its folder are
+    ``uid``'s; every folder up to ``/`` is ``uid``'s or root's and closed to other users' writes;
+    nothing on the way is a symbolic link (NOTE [ A service's identity ])."""
+    path = os.path.abspath(path)
+    if ".." in path.split(os.sep):
+        return False  # resolved through what the names before it are: not checked here
+    seen = os.lstat(path)
+    folder = os.path.dirname(path)
+    if not stat.S_ISSOCK(seen.st_mode) or seen.st_uid != uid or os.lstat(folder).st_uid != uid:
+        return False
+    while True:
+        seen = os.lstat(folder)
+        closed = not seen.st_mode & (stat.S_IWGRP | stat.S_IWOTH)
+        if not stat.S_ISDIR(seen.st_mode) or seen.st_uid not in (uid, 0) or not closed:
+            return False
+        if folder == os.path.dirname(folder):
+            return True
+        folder = os.path.dirname(folder)
 
 
 def trusted_listener(uid: int, path: str) -> bool:
     """NOTE [ A service's identity ]: may a listener running as ``uid`` on ``path`` be believed?"""
-    return uid in (os.geteuid(), 0) or _folder_is_theirs(path, uid)
+    return uid in (os.geteuid(), 0) or _only_theirs(path, uid)
 
 
-def check_listener(endpoint: str) -> Credentials | None:
-    """The credentials of the service behind an ``ipc://`` endpoint, checked (NOTE [ A service's
-    identity ]); None for other transports. ValueError naming the user when it is not to be
-    trusted or cannot be asked."""
+def check_listener(endpoint: str, peer: Credentials | None) -> Credentials | None:
+    """``peer``, the credentials of the connection a service's welcome came on, checked for an
+    ``ipc://`` endpoint (NOTE [ A service's identity ]); None for other transports. ValueError
+    naming the user when it is not to be trusted or cannot be told."""
     path = ipc_path(endpoint)
     if path is None:
         return None
+    if peer is None:
+        raise ValueError(
+            f"cannot tell who listens on {endpoint} (no credentials came with its welcome); not trusting it"
+        )
     try:
-        peer = listener_of(path)
         trusted = trusted_listener(peer.uid, path)
     except OSError as exc:
-        raise ValueError(f"cannot tell who listens on {endpoint} ({exc}); not trusting it") from None
+        raise ValueError(f"cannot check who may bind {path} ({exc}); not trusting it") from None
     if not trusted:
         raise ValueError(
             f"the process listening on {endpoint} (pid {peer.pid}) runs as uid {peer.uid}, neither this "
-            f"user ({os.geteuid()}) nor root nor the owner of a folder only its owner can write in: "
-            "anyone could have bound that path. Put the socket in a folder the service's user owns "
-            "(RuntimeDirectory=, mode 0750) (NOTE [ A service's identity ])"
+            f"user ({os.geteuid()}) nor root, and that path is not one only that user and root could "
+            "have bound (the socket and its folder theirs, every folder above theirs or root's, none "
+            "open to others' writes, no symbolic link): anyone could have bound it. Put the socket in "
+            "the service user's runtime folder (RuntimeDirectory=, mode 0750) and name it by its real "
+            "path (NOTE [ A service's identity ])"
         )
     return peer
 

@@ -101,7 +101,7 @@ __all__ = [
     "Welcome",
 ]
 
-PROTOCOL_VERSION: Final = 10
+PROTOCOL_VERSION: Final = 11
 MAX_FRAME_BYTES: Final = 64 * 1024
 _FIELDS: Final = ListOf(Items((Str(64), OneOf(DTYPES), ListOf(Int(1, 1 << 24), MAX_DIMS))), MAX_FIELDS)
 MAX_RELEASES: Final = 4096
@@ -289,6 +289,8 @@ class Bye(Message):
 
 
 MAX_DECODING = 512
+MAX_WHERE = 4096
+"""Characters of a path or URL a feed names (``FeedInfo.data``, ``pipeline``): Linux's PATH_MAX."""
 
 
 @dataclass(frozen=True)
@@ -320,6 +322,12 @@ class FeedInfo:
     source_sizes: Annotated[tuple[int, ...], ListOf(Int(1), MAX_SOURCES), OMITTABLE] = ()
     """Samples of each source: feed sample ``i`` is sample ``i - sum(sizes before)`` of its source
     (NOTE [ Sources of a feed ] in loader_service/dataset/sources.py)."""
+    data: Annotated[str, Str(MAX_WHERE), OMITTABLE] = ""
+    """Where the feed's data is, as its ``--data`` names it: a path made absolute on the service's
+    host, or an object store's URL as given; empty for a feed of ``--source``s. What a trainer asked
+    of ``ServiceLoader.local`` is checked against it (``fingerprint`` is what proves the data)."""
+    pipeline: Annotated[str, Str(MAX_WHERE), OMITTABLE] = ""
+    """The feed's ``--pipeline`` (a ``FILE.py`` made absolute), empty for the built-in transforms."""
 
 
 @dataclass(frozen=True)
@@ -336,7 +344,8 @@ class Welcome(Message):
     token: Annotated[str, _TOKEN] = ""
     """The session's secret: every later message of the session, and a resume, must carry it."""
     credits: Annotated[int, Int(1, MAX_CREDITS)] = MAX_CREDITS
-    """Credits granted: those asked, at most the feed's pool size."""
+    """Credits granted: those asked, at most the session's share of the feed's pool (NOTE
+    [ Credits per session ] in loader_service/supervisor/trainers/sessions.py)."""
 
 
 @dataclass(frozen=True)

@@ -17,6 +17,7 @@ import pytest
 
 from loader_service.tools.sample_data import make_sample_dataset
 from tests.helpers import (
+    REPO,
     SHM,
     ServiceFactory,
     ServiceProcess,
@@ -85,7 +86,8 @@ def photos(tmp_path_factory: pytest.TempPathFactory) -> Path:
 @pytest.fixture
 def start_service(tmp_path: Path) -> Iterator[ServiceFactory]:
     """``start_service(data, **flags)`` -> a running service listening on an ipc endpoint in tmp_path
-    (``data`` None: no ``--data``, the flags name the sources)."""
+    (``data`` None: no ``--data``, the flags name the sources; ``cwd`` and ``program``: as
+    ``ServiceProcess`` takes them)."""
     started: list[ServiceProcess] = []
 
     def start(
@@ -96,6 +98,8 @@ def start_service(tmp_path: Path) -> Iterator[ServiceFactory]:
         endpoint: str = "",
         private_shm: bool = False,
         env: dict[str, str] | None = None,
+        cwd: Path = REPO,
+        program: list[str] | None = None,
         **flags: object,
     ) -> ServiceProcess:
         endpoint = endpoint or f"ipc://{tmp_path}/{name}.sock"
@@ -104,7 +108,7 @@ def start_service(tmp_path: Path) -> Iterator[ServiceFactory]:
             flag = f"--{key.replace('_', '-')}"
             for one in value if isinstance(value, list) else [value]:  # a list: a repeated flag
                 args += [flag] if one is True else [flag, str(one)]
-        service = ServiceProcess(args, endpoint, env=env, private_shm=private_shm)
+        service = ServiceProcess(args, endpoint, env=env, private_shm=private_shm, cwd=cwd, program=program)
         started.append(service)
         if wait_ready:
             service.wait_for(r"ready: ")

@@ -50,6 +50,12 @@ def left_behind(before: set[str]) -> set[str]:
     return {name for name in our_segments() - before if not owner_running(name)}
 
 
+def pool_bytes(service_pid: int, shm: Path = SHM, feed: str = "train") -> int:
+    """Memory backing a service's slot pool now: blocks of its segment in ``shm``, not its size."""
+    (name,) = [n for n in os.listdir(shm) if n.startswith(f"dataferry-{service_pid}-{feed}-")]
+    return os.stat(shm / name).st_blocks * 512
+
+
 def owner_running(segment: str) -> bool:
     """Is the service whose pid is in ``segment``'s name still running (another run's, say), or does
     a live process hold its flock (a service in another pid namespace, as a test plants one)?"""
@@ -80,16 +86,19 @@ class ServiceProcess:
         private_shm: bool = False,
         python: str = sys.executable,
         cwd: Path = REPO,
+        program: list[str] | None = None,
     ) -> None:
         """``private_shm``: the service gets its own empty /dev/shm, as on another host (the same
         process: ``unshare`` and ``sh`` exec it, so signals reach it; its segments go with it).
         ``python`` and ``cwd``: another install's interpreter, run where the checkout is not on its
-        path."""
+        path. ``program``: what runs ``args`` (default ``python -m loader_service``; the console
+        script, ``console_script("loader-service")``, as a user runs it)."""
         self.args = args
         self.endpoint = endpoint
         isolate = ["unshare", "--mount", "--propagation", "private", "sh", "-c", PRIVATE_SHM]
+        program = program or [python, "-m", "loader_service"]
         self.proc = subprocess.Popen(
-            [*(isolate if private_shm else []), python, "-m", "loader_service", *args],
+            [*(isolate if private_shm else []), *program, *args],
             stdout=subprocess.DEVNULL,
             stderr=subprocess.PIPE,
             text=True,
@@ -163,6 +172,33 @@ class ServiceProcess:
             pass
         self.proc.wait()
         self._close_pipe()
+
+
+def console_script(name: str) -> list[str]:
+    """The installed console script next to this interpreter, else ``python -m``."""
+    found = shutil.which(name, path=str(Path(sys.executable).parent))
+    return [found] if found else [sys.executable, "-m", name.replace("-", "_")]
+
+
+PLANT = """
+import os, sys
+with open({marker!r}, "a") as note:
+    note.write(f"{{__name__}} ran in pid {{os.getpid()}} (uid {{os.getuid()}}): {{sys.argv}}\\n")
+os._exit(3)
+"""
+PLANTED = ("loader_service/__init__.py", "multiprocessing/__init__.py", "runpy.py")
+"""The service's own package, what every multiprocessing child (its workers' template, the resource
+tracker, a spawned process) imports first, and what ``python -m`` imports."""
+
+
+def plant_packages(folder: Path, marker: Path) -> None:
+    """Leave in ``folder`` what another user could (a review's re-ran the real service on other data:
+    the trainer trained on all-white images, no error): each of ``PLANTED`` notes in ``marker`` that
+    it ran, in which process, as whom, and ends that process
+    (NOTE [ Nothing from the working folder ] in loader_service/working_folder.py)."""
+    for planted in PLANTED:
+        (folder / planted).parent.mkdir(parents=True, exist_ok=True)
+        (folder / planted).write_text(PLANT.format(marker=str(marker)))
 
 
 ServiceFactory = Callable[..., ServiceProcess]
@@ -438,6 +474,34 @@ def write_config(path: Path, top: dict[str, Any], feeds: dict[str, dict[str, Any
         lines += [f"{k} = {value(v)}" for k, v in table.items()]
     path.write_text("\n".join(lines) + "\n")
     return path
+
+
+def running(pid: int) -> bool:
+    """Alive and not a zombie (an orphan's exit waits for whatever reaps orphans here)."""
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
+    except OSError:
+        return False
+
+
+def template_of(service: ServiceProcess) -> int:
+    """The pid of the process the service's workers are forked from (NOTE [ Workers from a template ])."""
+    return child_of(service, b"forkserver", "template")
+
+
+def child_of(service: ServiceProcess, command: bytes, what: str) -> int:
+    """The pid of the service's running child whose command line holds ``command`` (the template's:
+    ``forkserver``; multiprocessing's resource tracker: ``resource_tracker``), a child of whichever
+    of the service's threads started it."""
+    children: list[str] = []
+    for task in Path(f"/proc/{service.proc.pid}/task").iterdir():
+        with contextlib.suppress(OSError):  # a thread that ended meanwhile
+            children += (task / "children").read_text().split()
+    for child in map(int, children):
+        with contextlib.suppress(OSError):  # gone meanwhile
+            if command in Path(f"/proc/{child}/cmdline").read_bytes() and running(child):
+                return child
+    raise AssertionError(f"no {what} among the service's children {children}")
 
 
 def busy_worker(endpoint: str) -> int | None:

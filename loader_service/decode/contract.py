@@ -42,6 +42,10 @@ it for training: the batches hold whatever pixels the slot held before."""
 PIPELINES_ENV = "DATAFERRY_TEMPLATE_PIPELINES"
 """The feeds' pipelines the worker template imports before it forks (NOTE [ Workers from a
 template ]), one spec a line."""
+TEMPLATE_FOLDER_ENV = "DATAFERRY_TEMPLATE_FOLDER"
+"""The service's working folder, where the template looks for a ``package.module:FUNC`` pipeline as
+the workers do; the template itself runs in the service's private folder (NOTE [ Nothing from the
+working folder ])."""
 PIPELINE_REASON = "pipeline: "
 """How the reason of a sample the pipeline itself failed on starts (the service logs each such
 reason once, however many samples share it)."""

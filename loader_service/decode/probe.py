@@ -4,8 +4,8 @@ The service must know the fields (names, shapes, dtypes) before it can size the 
 source is the pipeline itself. Importing user code into the service process would leave its threads,
 imports and global state there for the service's whole life, and a pipeline that hangs or crashes
 the interpreter would take the start with it; so ``probe_fields`` runs
-``python -m loader_service.decode.probe_child`` with a timeout: the request as JSON on stdin, the
-result as JSON on stdout (the pipeline's own prints are sent to stderr)::
+``loader_service.decode.probe_child`` in a child process (``CHILD_BOOT``) with a timeout: the request
+as JSON on stdin, the result as JSON on stdout (the pipeline's own prints are sent to stderr)::
 
     stdin:  {"pipeline": "aug.py:train", "index_dir": "...", "seed": 0, "max_file_bytes": 268435456}
     stdout: {"fields": [["image", "float16", [3, 224, 224]], ["label", "int64", []]], "warnings": [...]}
@@ -40,7 +40,17 @@ log = logging.getLogger(__name__)
 PROBE_SAMPLES = 16
 """Samples tried, from 0 on, while each is a bad file; a pipeline error on any of them is final."""
 CHILD = "loader_service.decode.probe_child"
-"""The module the probe runs as (``python -m``): it imports the pipeline, this one never does."""
+"""The module the probe runs (``CHILD_BOOT``): it imports the pipeline, this one never does."""
+CHILD_BOOT = (
+    "import sys\n"
+    "if not getattr(sys.flags, 'safe_path', False):\n"
+    "    del sys.path[0]  # the working folder, which -c puts first\n"
+    f"from {CHILD} import main\n"
+    "main()\n"
+)
+"""``python -m CHILD`` without the working folder on its path: the service's may be a folder other
+users write in (a trainer's private service starts in the trainer's), and a package planted there
+must not run (NOTE [ Nothing from the working folder ] in loader_service/working_folder.py)."""
 MAX_STDERR = 4000
 """Characters of the child's stderr quoted when it dies without a result."""
 
@@ -100,7 +110,7 @@ def _run_child(
     # A session of its own: on a timeout the whole tree goes, processes the pipeline started included,
     # so none keeps the pipes open and communicate() returns.
     child = subprocess.Popen(
-        [sys.executable, "-m", CHILD],
+        [sys.executable, "-c", CHILD_BOOT],
         stdin=subprocess.PIPE,
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,

@@ -19,17 +19,23 @@ import logging
 import os
 
 from loader_service.decode import worker as _worker  # noqa: F401 - imported for the workers forked from here
-from loader_service.decode.contract import PIPELINES_ENV, PipelineError
+from loader_service.decode.contract import PIPELINES_ENV, TEMPLATE_FOLDER_ENV, PipelineError
 from loader_service.decode.pipeline import load_pipeline
+from loader_service.working_folder import moved_to
 
 log = logging.getLogger(__name__)
 
 
 def _preload_pipelines() -> None:
+    """Each pipeline, loaded from the service's working folder: a ``package.module:FUNC`` one is
+    looked for there, as the workers look for it; this process runs in the service's private folder
+    (NOTE [ Nothing from the working folder ]), where it is again afterwards."""
+    working = os.environ.get(TEMPLATE_FOLDER_ENV) or "."
     for spec in filter(None, os.environ.get(PIPELINES_ENV, "").split("\n")):
         try:
-            load_pipeline(spec)
-        except PipelineError as exc:
+            with moved_to(working):
+                load_pipeline(spec)
+        except (PipelineError, OSError) as exc:
             log.debug("template: %s", exc)
 
 

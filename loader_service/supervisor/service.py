@@ -163,6 +163,9 @@ class LoaderService:
             self._cache_lock = lock
         elif cfg.cache_dir:
             cfg = self.config = replace(cfg, cache_dir="", cache_size=ByteSize(0))
+        # Re-read on SIGHUP: no path is relative once started (NOTE [ Nothing from the working folder ]).
+        if cfg.curve_authorized:
+            cfg = self.config = replace(cfg, curve_authorized=os.path.abspath(cfg.curve_authorized))
         for feed_id, feed_config in enumerate(cfg.feeds()):
             self.feeds.append(
                 Feed.open(
@@ -179,7 +182,10 @@ class LoaderService:
         # NOTE [ Per-sample progress ]: made before any worker maps it, removed with the folder.
         self._progress = ProgressBoard(self._runtime_dir / "progress", cfg.worker_processes, create=True)
         self._workers = WorkerSet(
-            self._worker_template(backend_endpoint), cfg.worker_processes, active=cfg.first_workers
+            self._worker_template(backend_endpoint),
+            cfg.worker_processes,
+            active=cfg.first_workers,
+            folder=self._runtime_dir,  # NOTE [ Nothing from the working folder ]
         )
         log.info("decoder: %s", describe_decoder(cfg.decoder))
         self._start_metrics()
@@ -325,6 +331,8 @@ class LoaderService:
         serving.desk.expire(now)
         serving.desk.evict_laggards(now)
         self._attached.watch_waits(now)
+        for feed in self.feeds:  # NOTE [ Giving slots back ]: after twice the client timeout
+            feed.pool.give_back(now, self._attached.pinned_through(feed.id), 2 * self.config.client_timeout)
         serving.outbox.heartbeat(now)
         self._report(serving, now)
 

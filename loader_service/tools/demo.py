@@ -2,7 +2,10 @@
 
 Makes (or reuses) a sample dataset, starts ``loader-service serve`` and ``gpu-worker run`` as real
 processes, prints what the trainer reports, stops the service with SIGTERM and checks that it left
-nothing in /dev/shm.
+nothing in /dev/shm. All of it runs in a private folder of its own, whatever folder it was started
+from, since the processes it starts look first for imports in theirs
+(NOTE [ Nothing from the working folder ]): the package must be installed (``pip install -e .``
+in a checkout), as for any console script.
 """
 
 from __future__ import annotations
@@ -16,21 +19,23 @@ import tempfile
 from pathlib import Path
 
 from loader_service.tools.sample_data import make_sample_dataset, progress_printer
+from loader_service.working_folder import moved_to
 from protocol.layout import SEGMENT_PREFIX
 
 SERVICE_STOP_TIMEOUT = 20.0
 
 
 def run_demo(args: argparse.Namespace) -> int:
-    data = Path(args.dir) / "data"
-    print(f"demo: sample dataset in {data}", flush=True)
-    summary = make_sample_dataset(
-        data, classes=args.classes, per_class=args.per_class, progress=progress_printer("sample images")
-    )
-    print(
-        f"demo: {summary.images} JPEGs, mean {summary.mean_width:.0f}x{summary.mean_height:.0f}", flush=True
-    )
-    with tempfile.TemporaryDirectory(prefix="dataferry-demo-") as run_dir:
+    data = Path(os.path.abspath(args.dir)) / "data"  # named before the demo moves to its own folder
+    with tempfile.TemporaryDirectory(prefix="dataferry-demo-") as run_dir, moved_to(run_dir):
+        print(f"demo: sample dataset in {data}", flush=True)
+        summary = make_sample_dataset(
+            data, classes=args.classes, per_class=args.per_class, progress=progress_printer("sample images")
+        )
+        print(
+            f"demo: {summary.images} JPEGs, mean {summary.mean_width:.0f}x{summary.mean_height:.0f}",
+            flush=True,
+        )
         endpoint = f"ipc://{run_dir}/feed.sock"
         service = _start_service(args, data, endpoint)
         try:

@@ -4,9 +4,7 @@ from __future__ import annotations
 
 import os
 import re
-import shutil
 import subprocess
-import sys
 from pathlib import Path
 
 import cv2
@@ -14,26 +12,28 @@ import numpy as np
 import pytest
 
 from loader_service.dataset.index import build_index
-from tests.helpers import REPO, ServiceFactory, ServiceProcess, left_behind, our_segments
+from tests.helpers import (
+    REPO,
+    ServiceFactory,
+    ServiceProcess,
+    console_script,
+    left_behind,
+    our_segments,
+    plant_packages,
+)
 
 pytestmark = pytest.mark.e2e
 
 
-def script(name: str) -> list[str]:
-    """The installed console script next to this interpreter, else ``python -m``."""
-    found = shutil.which(name, path=str(Path(sys.executable).parent))
-    return [found] if found else [sys.executable, "-m", name.replace("-", "_")]
-
-
 def run(
-    *args: str, timeout: float = 120, env: dict[str, str] | None = None
+    *args: str, timeout: float = 120, env: dict[str, str] | None = None, cwd: Path = REPO
 ) -> subprocess.CompletedProcess[str]:
     return subprocess.run(
-        [*script(args[0]), *args[1:]],
+        [*console_script(args[0]), *args[1:]],
         capture_output=True,
         text=True,
         timeout=timeout,
-        cwd=REPO,
+        cwd=cwd,
         check=False,
         env=None if env is None else {**os.environ, **env},
     )
@@ -132,6 +132,12 @@ def test_second_service_on_same_endpoint_is_refused(photos: Path, start_service:
 
 
 def test_demo_trains_and_cleans_up(tmp_path: Path) -> None:
+    """Run from a folder another user could write in: none of the processes the demo starts (those
+    making the photos, the service, its workers' template, the trainer) imports what was planted
+    there (NOTE [ Nothing from the working folder ]); before, the photo makers imported the planted
+    ``multiprocessing``."""
+    folder, marker = tmp_path / "shared", tmp_path / "ran"
+    plant_packages(folder, marker)
     before = our_segments()
     result = run(
         "loader-service",
@@ -147,7 +153,9 @@ def test_demo_trains_and_cleans_up(tmp_path: Path) -> None:
         "--image-size",
         "64",
         timeout=300,
+        cwd=folder,
     )
+    assert not marker.exists(), f"a planted module ran: {marker.read_text()}"
     assert result.returncode == 0, result.stdout + result.stderr
     assert re.search(r"images/s, data stall [\d.]+%", result.stdout)
     assert "shared memory left behind: 0 segments" in result.stdout

@@ -11,6 +11,7 @@ import os
 import pwd
 import shutil
 import signal
+import socket
 import subprocess
 import sys
 import tempfile
@@ -55,7 +56,7 @@ while time.monotonic() < deadline:
             argv = open(f"/proc/{pid}/cmdline", "rb").read().split(b"\0")
         except OSError:
             continue
-        if b"loader_service" not in argv or marker not in argv or b"--endpoint" not in argv:
+        if b"--stop-with-stdin" not in argv or marker not in argv or b"--endpoint" not in argv:
             continue
         path = argv[argv.index(b"--endpoint") + 1].decode()[len("ipc://"):]
         report = {}
@@ -129,8 +130,8 @@ def test_a_private_service_that_dies_fails_the_loop_at_once_with_its_exit_code(p
 
 
 # A service of another user, as far as a trainer can tell: it drops to ``nobody`` after its imports,
-# binds the endpoint and welcomes every hello with a feed whose pool it made (or, with ``root-pool``,
-# one made before it dropped root).
+# binds the endpoint and welcomes every hello with a feed whose pool it made (or, with ``root``, one
+# made before it dropped root); given a link and another path, it first points the link there.
 IMPOSTOR = r"""
 import secrets, sys
 import zmq
@@ -140,6 +141,7 @@ from protocol.messages import FeedInfo, Hello, Welcome
 from loader_service.shm import Segment, new_segment_name
 
 endpoint, pool_owner = sys.argv[1], sys.argv[2]
+link, elsewhere = sys.argv[3:5] if len(sys.argv) > 3 else ("", "")
 layout = SlotLayout.images(8, 32)
 check = secrets.token_bytes(CHECK_BYTES)
 
@@ -165,6 +167,10 @@ while True:
         decode(frame, (Hello,))
     except Exception:
         continue  # heartbeats and the like: an impostor need not answer them
+    if link:  # connected through ``link``: point it at another listener before answering
+        os.symlink(elsewhere, link + ".new")
+        os.replace(link + ".new", link)
+        link = ""
     feed = FeedInfo("train", 90, 1, 8, 32, 12, 0, "none", "ff" * 16, pool.name, 4, layout.wire(), check.hex())
     welcome = Welcome("s1", feed, 1.0, 12, 90, token=secrets.token_hex(16), credits=4)
     sock.send_multipart([peer, encode(welcome)])
@@ -181,12 +187,30 @@ def folder() -> Iterator[Path]:
         shutil.rmtree(path, ignore_errors=True)
 
 
+@pytest.fixture
+def run_folder() -> Iterator[Path]:
+    """A service's runtime folder as systemd's ``RuntimeDirectory=`` makes it (deploy/): in a folder
+    only root may write in, owned by the service's user (``nobody`` here), 0750."""
+    assert NOBODY is not None
+    if os.stat("/run").st_uid != 0 or os.stat("/run").st_mode & 0o022:
+        pytest.skip("needs /run to be root's and closed to other users' writes")
+    parent = Path(tempfile.mkdtemp(prefix="dataferry-identity-", dir="/run"))
+    try:
+        parent.chmod(0o755)
+        folder = parent / "dataferry"
+        folder.mkdir(mode=0o750)
+        os.chown(folder, NOBODY.pw_uid, NOBODY.pw_gid)
+        yield folder
+    finally:
+        shutil.rmtree(parent, ignore_errors=True)
+
+
 class Impostor:
     """``IMPOSTOR`` running; ``stop`` ends it and removes its pool (root may, in sticky /dev/shm)."""
 
-    def __init__(self, endpoint: str, pool_owner: str) -> None:
+    def __init__(self, endpoint: str, pool_owner: str, *swap: str) -> None:
         self.proc = subprocess.Popen(
-            [sys.executable, "-c", IMPOSTOR, endpoint, pool_owner],
+            [sys.executable, "-c", IMPOSTOR, endpoint, pool_owner, *swap],
             cwd=REPO,
             stdout=subprocess.PIPE,
             text=True,
@@ -207,11 +231,8 @@ class Impostor:
             Path("/dev/shm", self.pool).unlink(missing_ok=True)
 
 
-@needs_root
-def test_a_listener_of_another_user_where_anyone_may_bind_is_refused(folder: Path) -> None:
-    """A folder like /tmp (1777, root's): a ``nobody`` process listening there is not believed.
-    Before the fix the trainer took its welcome and mapped the pool it named."""
-    folder.chmod(0o1777)
+def refused_as_nobody(folder: Path) -> None:
+    """A ``nobody`` process listening in ``folder`` is refused, naming its uid."""
     endpoint = f"ipc://{folder / 'train.sock'}"
     impostor = Impostor(endpoint, "nobody")
     try:
@@ -222,13 +243,55 @@ def test_a_listener_of_another_user_where_anyone_may_bind_is_refused(folder: Pat
 
 
 @needs_root
-def test_a_pool_owned_by_another_user_than_the_listener_is_not_mapped(folder: Path) -> None:
-    """A service's own folder (``nobody``'s, 0750) is trusted, and so is the pool it owns; a pool it
-    names that another user owns is not mapped (a shrink of it would SIGBUS the trainer)."""
+def test_a_listener_of_another_user_where_anyone_may_bind_is_refused(folder: Path) -> None:
+    """A folder like /tmp (1777, root's): a ``nobody`` process listening there is not believed.
+    Before the fix the trainer took its welcome and mapped the pool it named."""
+    folder.chmod(0o1777)
+    refused_as_nobody(folder)
+
+
+@needs_root
+def test_a_listener_in_a_folder_another_user_made_in_the_shared_temp_folder_is_refused(folder: Path) -> None:
+    """``nobody``'s own folder, 0755, but in /tmp, where anyone could have made it first: it proves
+    nothing. Before the fix it passed the check (a folder of the listener's that only it may write
+    in) and the trainer took ``nobody``'s batches."""
     assert NOBODY is not None
     os.chown(folder, NOBODY.pw_uid, NOBODY.pw_gid)
-    folder.chmod(0o750)
-    endpoint = f"ipc://{folder / 'train.sock'}"
+    folder.chmod(0o755)
+    refused_as_nobody(folder)
+
+
+@needs_root
+def test_the_listener_checked_is_the_one_that_answered_not_a_name_swapped_since(
+    folder: Path, tmp_path: Path
+) -> None:
+    """The trainer connects through a link ``nobody`` controls, to ``nobody``'s listener, which then
+    points the link at a listener of root's before it answers. Before the fix the check connected
+    again, through the link, found root, and the trainer mapped the pool ``nobody`` named; now the
+    credentials are those of the connection the welcome came on."""
+    assert NOBODY is not None
+    os.chown(folder, NOBODY.pw_uid, NOBODY.pw_gid)
+    root_listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    root_listener.bind(str(tmp_path / "root.sock"))
+    root_listener.listen()
+    link = folder / "train.sock"
+    link.symlink_to(folder / "impostor.sock")
+    impostor = Impostor(f"ipc://{folder / 'impostor.sock'}", "root", str(link), str(tmp_path / "root.sock"))
+    try:
+        with pytest.raises(ServiceError, match=r"runs as uid 65534"):
+            ServiceLoader(f"ipc://{link}", transport="shm", timeout=10, connect_timeout=10)
+        assert os.readlink(link) == str(tmp_path / "root.sock"), "the link was swapped before the check"
+    finally:
+        impostor.stop()
+        root_listener.close()
+
+
+@needs_root
+def test_a_pool_owned_by_another_user_than_the_listener_is_not_mapped(run_folder: Path) -> None:
+    """A service's own runtime folder (``nobody``'s, 0750, in root's /run) is trusted, and so is the
+    pool it owns; a pool it names that another user owns is not mapped (a shrink of it would SIGBUS
+    the trainer)."""
+    endpoint = f"ipc://{run_folder / 'train.sock'}"
     impostor = Impostor(endpoint, "nobody")
     try:
         with ServiceLoader(endpoint, transport="shm", timeout=10, connect_timeout=10) as loader:
