@@ -21,7 +21,8 @@ NOTE [ Nothing from the working folder ]
       keys folder (re-read on SIGHUP) at start-up, and a relative endpoint is released at shutdown
       once that thread is joined. Multiprocessing could still start one itself, from the working
       folder, if it died in the instant between the look and the worker's start (no other user
-      can signal them; the OOM killer could);
+      can signal them; the OOM killer could, and so could the service itself, killing a template
+      that stopped answering in that instant: NOTE [ A template that does not answer ]);
     * a ``package.module:FUNC`` pipeline is looked for in the working folder, first on the path, as
       ``python -m`` would: the user named it there, and trusts that folder as the code it holds.
       The template loads it from the folder in ``$DATAFERRY_TEMPLATE_FOLDER``, the workers and the

@@ -99,6 +99,8 @@ static int run(const walk_t *w)
                 key_d = mine_d;
             }
         }
+        if (best < 0)
+            return 0; /* no source eligible: the deficits were not a walk's (never from check()ed input) */
         w->deficit[best] -= w->total;
         if (w->chosen != NULL) {
             w->chosen[j - w->first] = (uint16_t)best;
@@ -172,7 +174,7 @@ static PyObject *mixture_walk(PyObject *self, PyObject *args)
     kept = run(&w);
     Py_END_ALLOW_THREADS
     if (!kept) {
-        PyErr_SetString(PyExc_ValueError, "walk: a deficit left int8 marks' range");
+        PyErr_SetString(PyExc_ValueError, "walk: a deficit left int8 marks' range, or no source was eligible");
         goto done;
     }
     result = Py_NewRef(Py_None);

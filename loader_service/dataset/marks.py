@@ -75,6 +75,13 @@ except ImportError:  # not built (no C compiler at install): the same walk, in P
     _mixture = None
 if _mixture is not None and not hasattr(_mixture, "walk"):  # built from an older _mixture.c
     _mixture = None
+SLOW_WALK = (
+    None
+    if _mixture is not None
+    else "mixture order: walked in Python, about 150 times slower than C, on the main loop at each "
+    "weighted batch and status (_mixture not built, or built before walk(): pip install -e . again)"
+)
+"""What the service warns of at start where weighted jobs would walk their orders in Python."""
 
 
 @dataclass(frozen=True)

@@ -44,6 +44,7 @@ import zmq
 
 from loader_service.config import ServiceConfig
 from loader_service.config.values import ByteSize
+from loader_service.dataset.marks import SLOW_WALK
 from loader_service.dataset.storage.cachedir import open_cache_folder
 from loader_service.decode.contract import FAULT_ENV, THREAD_ENV, WorkerConfig
 from loader_service.decode.decoders import describe_decoder
@@ -188,6 +189,8 @@ class LoaderService:
             folder=self._runtime_dir,  # NOTE [ Nothing from the working folder ]
         )
         log.info("decoder: %s", describe_decoder(cfg.decoder))
+        if SLOW_WALK and any(len(feed.index.names) > 1 for feed in self.feeds):
+            log.warning("%s", SLOW_WALK)
         self._start_metrics()
         self._serving = self._serve(self._workers, self._progress)
         for feed in self.feeds:

@@ -9,7 +9,7 @@ import pytest
 
 from loader_service.dataset.marks import held_bytes
 from loader_service.dataset.mixture import MAX_EPOCH_SAMPLES, Mixture, integer_weights
-from loader_service.supervisor.streams.orders import HOST_SHARE, OrderBudget, host_memory
+from loader_service.supervisor.streams.orders import HOST_SHARE, UNKNOWN_MEMORY, OrderBudget, host_memory
 
 
 def host(root: Path, files: dict[str, str]) -> Path:
@@ -79,3 +79,8 @@ def test_by_default_a_share_of_the_hosts_memory() -> None:
     assert budget.bytes == 64 * 2**30 // HOST_SHARE
     assert "1/16 of the host's 65536.0 MiB" in budget.origin
     assert OrderBudget(0).bytes > 0, "this host's memory, read"
+
+
+def test_a_host_whose_memory_cannot_be_read_still_gets_a_budget(tmp_path: Path) -> None:
+    """No /proc/meminfo, no cgroup files (a sandbox): a stated default, not a failed start."""
+    assert host_memory(tmp_path) == UNKNOWN_MEMORY

@@ -26,6 +26,9 @@ from loader_service.dataset.mixture import Mixture
 
 HOST_SHARE = 16
 """The share of the memory this process may use that orders may hold by default: one sixteenth."""
+UNKNOWN_MEMORY = 8 * 2**30
+"""What ``host_memory`` says where neither /proc/meminfo nor a cgroup limit can be read (a
+sandbox): the service still starts, with a default budget of 512 MiB for orders."""
 
 
 def host_memory(root: Path = Path("/")) -> int:
@@ -42,7 +45,7 @@ def host_memory(root: Path = Path("/")) -> int:
         elif "memory" in controllers.split(","):  # v1: its own folder, or the mount's root in a container
             for folder in (root / "sys/fs/cgroup/memory" / path.lstrip("/"), root / "sys/fs/cgroup/memory"):
                 found.append(_number(_read(folder / "memory.limit_in_bytes")))
-    return min(n for n in found if n > 0)
+    return min((n for n in found if n > 0), default=UNKNOWN_MEMORY)
 
 
 def _meminfo_total(root: Path) -> int:

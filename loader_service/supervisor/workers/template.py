@@ -76,7 +76,10 @@ class WorkerTemplate:
     new template, their tasks redone, as when the template is killed outright (NOTE [ Workers from
     a template ]). Meanwhile the loop serves trainers: status answers, heartbeats flow, the workers
     still running decode. At shutdown the start in flight gets its deadline at most, and a
-    template that still owes a worker's exit is killed, so that nothing at exit waits on it.
+    template that still owes a worker's exit is killed, so that nothing at exit waits on it for
+    long: workers that do not stop when asked are terminated, then killed, within one second each
+    step for them all (not one second a worker), and a template that leaves a terminated worker's
+    exit unreported is killed between the two.
     Where pidfds are missing (Linux before 5.3), a dead worker's task is still taken back by the
     task timeout (NOTE [ Stuck workers ]), and its replacement's start has its deadline.
     """
