@@ -259,6 +259,13 @@ class Connection:
                 parts = self.sock.recv_multipart(zmq.NOBLOCK, copy=False)
             except zmq.Again:
                 return
+            if self.session and self.peer is not None and (sender := _sender(parts[0])) != self.peer:
+                # NOTE [ A service's identity ]: libzmq reconnected this socket to another process.
+                self._inbox.clear()
+                self._lose(
+                    f"{_who(sender)} answers there now, not pid {self.peer.pid} that opened the session"
+                )
+                return
             try:
                 msg = decode(parts[0].bytes, SERVICE_MESSAGES)
             except ProtocolError as exc:
@@ -351,6 +358,10 @@ class Connection:
 
 def make_hello(**fields: Any) -> Hello:
     return Hello(client=f"{socket.gethostname()}:{os.getpid()}"[:128], pid=os.getpid(), **fields)
+
+
+def _who(peer: Credentials | None) -> str:
+    return "a process without credentials" if peer is None else f"pid {peer.pid} of uid {peer.uid}"
 
 
 def _sender(frame: zmq.Frame) -> Credentials | None:

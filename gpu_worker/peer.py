@@ -15,7 +15,12 @@ NOTE [ A service's identity ]
       folder on the way is open to other users' writes and none of it is a symbolic link. So
       ``/run/dataferry`` (``RuntimeDirectory=``: made by root in root's ``/run``, owned by the
       service's user, 0750) passes; a folder that user made in ``/tmp`` does not, since anyone may
-      have made it first (a review's ``nobody`` made one, 0755, and the trainer took its batches);
+      have made it first (a review's ``nobody`` made one, 0755, and the trainer took its batches).
+      The session then believes only that process: libzmq reconnects a socket by itself, without a
+      welcome, to whoever binds the path next (a review's ``nobody`` did, in /tmp, after this user's
+      service died, and the trainer took its heartbeats and a batch naming a slot of the old pool),
+      so a message whose credentials are not the welcome's ends the session and its next hello's
+      welcome is checked afresh;
     * a segment is mapped only if it is a regular file owned by the service's user (the ipc peer's
       uid as above; over TCP, where no credentials travel, this user or root) that other users
       cannot open (no ``o`` bits; ``g`` bits are the trainers' group, NOTE [ Shared-memory cleanup ]).

@@ -7,6 +7,7 @@ script of the standard library, or a process of this test that drops to ``nobody
 from __future__ import annotations
 
 import json
+import logging
 import os
 import pwd
 import shutil
@@ -23,7 +24,7 @@ import pytest
 
 from gpu_worker import ServiceError, ServiceLoader
 from loader_service.shm import remove_stale
-from tests.helpers import REPO, epoch_indices
+from tests.helpers import REPO, ServiceFactory, epoch_indices
 
 pytestmark = pytest.mark.integration
 
@@ -131,13 +132,16 @@ def test_a_private_service_that_dies_fails_the_loop_at_once_with_its_exit_code(p
 
 # A service of another user, as far as a trainer can tell: it drops to ``nobody`` after its imports,
 # binds the endpoint and welcomes every hello with a feed whose pool it made (or, with ``root``, one
-# made before it dropped root); given a link and another path, it first points the link there.
+# made before it dropped root); given a link and another path, it first points the link there. A
+# session socket of a service that was there before, reconnected to it by libzmq, names the run and
+# the batches it waits for (``want``): it is told the run goes on (a heartbeat), and once its ``ack``
+# says which lease came last, the next lease is announced in slot 0 of the pool it still maps.
 IMPOSTOR = r"""
 import secrets, sys
 import zmq
 from protocol.codec import decode, encode
 from protocol.layout import CHECK_BYTES, SlotLayout
-from protocol.messages import FeedInfo, Hello, Welcome
+from protocol.messages import Ack, BatchReady, FeedInfo, Heartbeat, Hello, Want, Welcome
 from loader_service.shm import Segment, new_segment_name
 
 endpoint, pool_owner = sys.argv[1], sys.argv[2]
@@ -161,12 +165,23 @@ sock = ctx.socket(zmq.ROUTER)
 sock.setsockopt(zmq.LINGER, 0)
 sock.bind(endpoint)
 print(pool.name, flush=True)
+waiting, announced = {}, set()
 while True:
     peer, frame = sock.recv_multipart()
     try:
-        decode(frame, (Hello,))
+        msg = decode(frame, (Hello, Want, Ack))
     except Exception:
         continue  # heartbeats and the like: an impostor need not answer them
+    if isinstance(msg, Want):
+        waiting[peer] = (msg.run, msg.seqs[0])
+        sock.send_multipart([peer, encode(Heartbeat(run=msg.run))])
+        continue
+    if isinstance(msg, Ack):
+        if peer in waiting and peer not in announced:
+            run, seq = waiting[peer]
+            sock.send_multipart([peer, encode(BatchReady(run, 0, seq, msg.have + 1, 0, 8))])
+            announced.add(peer)
+        continue
     if link:  # connected through ``link``: point it at another listener before answering
         os.symlink(elsewhere, link + ".new")
         os.replace(link + ".new", link)
@@ -248,6 +263,48 @@ def test_a_listener_of_another_user_where_anyone_may_bind_is_refused(folder: Pat
     Before the fix the trainer took its welcome and mapped the pool it named."""
     folder.chmod(0o1777)
     refused_as_nobody(folder)
+
+
+@needs_root
+def test_a_listener_that_takes_a_gone_services_path_gets_nothing_into_its_session(
+    folder: Path, photos: Path, start_service: ServiceFactory, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A service of this user in a folder anyone may bind in (1777) is believed; once it is gone,
+    libzmq reconnects the trainer's session socket to whoever binds that path next, with no new
+    welcome to check. Before the fix a ``nobody`` listener there kept the session alive with its
+    heartbeats and the trainer took the batch it announced in slot 0 of the old pool, still mapped
+    (the first batch's pixels again, as the third); now the first message from another process ends
+    the session, and the new hello's welcome is refused, naming that process's uid."""
+    folder.chmod(0o1777)
+    endpoint = f"ipc://{folder / 'train.sock'}"
+    # Heartbeats every 2 s: the trainer keeps a silent service's session 10 s, which on a busy
+    # machine leaves the impostor time to bind before the trainer would reconnect of its own accord.
+    service = start_service(photos, endpoint=endpoint, heartbeat_interval=2)
+    try:
+        with (
+            caplog.at_level(logging.WARNING, logger="gpu_worker"),
+            ServiceLoader(endpoint, credits=2, transport="shm", timeout=30, connect_timeout=10) as loader,
+        ):
+            batches = iter(loader)
+            held = [next(batches), next(batches)]  # both credits: the service can announce no more
+            service.kill_group()  # SIGKILL: not a word to the trainer
+            # What a killed service leaves behind (its next start removes it; in a sticky folder
+            # only its owner or root may): the path is free for anyone to bind.
+            (folder / "train.sock").unlink()
+            impostor = Impostor(endpoint, "nobody")
+            try:
+                del held  # their releases and the next batch's ``want`` go out on the old socket
+                with pytest.raises(ServiceError, match=r"runs as uid 65534"):
+                    stolen = next(batches)
+                    pytest.fail(f"the trainer took batch {stolen.seq} from uid 65534 into its session")
+            finally:
+                impostor.stop()
+    finally:
+        remove_stale()  # the killed service's pool, as its next start would
+    lost = [r.getMessage() for r in caplog.records if r.getMessage().startswith("lost the loader service")]
+    assert any(f"pid {impostor.proc.pid}" in why and f"pid {service.proc.pid}" in why for why in lost), (
+        f"the session ended on the impostor's first message, naming both processes: {lost}"
+    )
 
 
 @needs_root
