@@ -578,3 +578,13 @@ def job_steps(
     finally:
         for each in loaders:
             each.close()
+
+
+def fake_root(root: Path, files: dict[str, str]) -> Path:
+    """A file tree under ``root`` standing for a host's ``/`` (``proc/...``, ``sys/fs/cgroup/...``):
+    each of ``files``, a path relative to it, holding its text."""
+    for name, text in files.items():
+        path = root / name
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(text)
+    return root

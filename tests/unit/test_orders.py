@@ -10,14 +10,11 @@ import pytest
 from loader_service.dataset.marks import held_bytes
 from loader_service.dataset.mixture import MAX_EPOCH_SAMPLES, Mixture, integer_weights
 from loader_service.supervisor.streams.orders import HOST_SHARE, UNKNOWN_MEMORY, OrderBudget, host_memory
+from tests.helpers import fake_root
 
 
 def host(root: Path, files: dict[str, str]) -> Path:
-    for name, text in {"proc/meminfo": "MemTotal:       16384000 kB\nMemFree: 1 kB\n", **files}.items():
-        path = root / name
-        path.parent.mkdir(parents=True, exist_ok=True)
-        path.write_text(text)
-    return root
+    return fake_root(root, {"proc/meminfo": "MemTotal:       16384000 kB\nMemFree: 1 kB\n", **files})
 
 
 @pytest.mark.parametrize(

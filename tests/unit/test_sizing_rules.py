@@ -21,6 +21,7 @@ from loader_service.supervisor.workers.sizing.rule import (
     Sample,
     Sizer,
 )
+from tests.helpers import fake_root
 
 CPUS = len(os.sched_getaffinity(0))
 
@@ -226,14 +227,6 @@ def test_a_cpu_bound_feed_at_its_budget_adds_nothing_in_its_first_window() -> No
 
 
 # --- the budget ------------------------------------------------------------------------------------
-
-
-def fake_root(tmp_path: Path, files: dict[str, str]) -> Path:
-    for name, text in files.items():
-        path = tmp_path / name
-        path.parent.mkdir(parents=True, exist_ok=True)
-        path.write_text(text)
-    return tmp_path
 
 
 @pytest.mark.parametrize(
