@@ -27,8 +27,10 @@ pytestmark = pytest.mark.integration
 
 HEARTBEAT = 0.25
 """Seconds between a trainer's heartbeats: its demand, which the verdict is read from, is fresh."""
-TRAINED = 4.0
-"""Seconds both trainers run before top looks (test_metrics' load test runs as long)."""
+TRAINED = 2.0
+"""Seconds both trainers run before top looks: long enough for every heartbeat's demand to be fresh,
+short enough that top's window (its start, under a second quiet, plus one second) ends well inside
+the computing loop's 9 s first epoch."""
 
 
 def top(endpoint: str, *args: str) -> subprocess.CompletedProcess[str]:
@@ -88,8 +90,12 @@ def test_once_json_tells_a_waiting_trainer_from_a_computing_one(
     photos: Path, start_service: ServiceFactory
 ) -> None:
     """One decode worker: a loop that only pulls waits on it (input-bound), a loop whose step is
-    0.2 s never does (fed). Each trainer's wait share is a number in [0, 1], with its rates."""
-    service = start_service(photos, workers=1, batch_size=8, heartbeat_interval=HEARTBEAT)
+    0.2 s never does (fed). Each trainer's wait share is a number in [0, 1], with its rates.
+
+    Batches of 2 make the computing loop's epoch 45 steps (9 s): top's one-second window falls
+    inside its first epoch, never on an epoch's start, where any loop waits for its first batch
+    (with batches of 8, a 2.4 s epoch, that wait fell in the window in CI and read 5-10 %)."""
+    service = start_service(photos, workers=1, batch_size=2, heartbeat_interval=HEARTBEAT)
     with trainer(service.endpoint, 0.0) as waiting, trainer(service.endpoint, 0.2) as computing:
         time.sleep(TRAINED)
         took = time.monotonic()
