@@ -29,11 +29,13 @@ from pathlib import Path
 import cv2
 import numpy as np
 
-from loader_service.decode import decoders, geometry, regions
+from loader_service.decode import decoders
 from loader_service.decode.contract import INTERPOLATIONS
-from loader_service.decode.regions import ROI_HEADROOM, SHARPNESS_TOLERANCE
-from loader_service.decode.transforms import Recipe, decode_bytes, load_bytes_into, transform_into
+from loader_service.decode.transforms import Recipe, load_bytes_into, transform_into
 from loader_service.tools.synthetic_photos import render_photo
+from pixels import geometry, regions
+from pixels.regions import ROI_HEADROOM, SHARPNESS_TOLERANCE
+from pixels.render import decode_bytes
 
 HEADROOMS = (1.0, 1.5, 2.0, 3.0, 4.0)
 

@@ -9,6 +9,10 @@ int64; a user pipeline gives what it returns). Slot ``i`` starts at ``i * stride
     +----------------------+-----+----------------------+-----------------------+---------+
     0                             offsets[k]             indices_offset          stride (page aligned)
 
+A feed that offers encoded rows (``encoded`` bytes a row, NOTE [ Encoded rows ] in
+``protocol/encoded.py``) has, after the indices, a table of ``encoded.COLUMNS`` int64 a row
+(``table_offset``) and ``cap * encoded`` bytes (``bytes_offset``), each 64-byte aligned.
+
 Every field starts on a 64-byte boundary, in the order the fields are declared. Rows ``[0, count)``
 of each array are valid for a delivered batch; the rest is stale.
 
@@ -27,6 +31,8 @@ import re
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
+from protocol.encoded import COLUMNS
+
 SEGMENT_PREFIX = "dataferry-"
 PAGE = 4096
 CHECK_BYTES = 16
@@ -42,6 +48,8 @@ MAX_FIELDS = 32
 MAX_DIMS = 8
 MAX_SLOT_BYTES = 1 << 36
 """64 GiB: far above any real batch, low enough that offsets never overflow anything."""
+MAX_ENCODED = 1 << 26
+"""Bytes of room for one encoded row (64 MiB): an average the byte area is sized by, not a file's cap."""
 _FIELD_NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_]{0,63}$")
 
 
@@ -110,9 +118,15 @@ class SlotLayout:
 
     capacity: int
     fields: tuple[FieldSpec, ...]
+    encoded: int = 0
+    """Bytes of room a row for encoded rows (NOTE [ Encoded rows ]); 0: the feed offers none."""
     offsets: tuple[int, ...] = field(init=False, repr=False, compare=False)
     """Byte offset of each field within the slot, in the order of ``fields``."""
     indices_offset: int = field(init=False, repr=False, compare=False)
+    table_offset: int = field(init=False, repr=False, compare=False)
+    """Where the encoded rows' table starts (its size: 0 rows where ``encoded`` is 0)."""
+    bytes_offset: int = field(init=False, repr=False, compare=False)
+    """Where the encoded rows' bytes start."""
     stride: int = field(init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
@@ -129,12 +143,19 @@ class SlotLayout:
         for f in fields:
             offsets.append(end)
             end = _align(end + self.capacity * f.row_bytes, 64)
-        stride = _align(end + 8 * self.capacity, PAGE)
+        if type(self.encoded) is not int or not 0 <= self.encoded <= MAX_ENCODED:
+            raise ValueError(f"encoded row room must be 0..{MAX_ENCODED} bytes, got {self.encoded!r}")
+        table = _align(end + 8 * self.capacity, 64)
+        rows = self.capacity if self.encoded else 0
+        area = _align(table + 8 * COLUMNS * rows, 64)
+        stride = _align(area + self.capacity * self.encoded, PAGE)
         if stride > MAX_SLOT_BYTES:
             raise ValueError(f"a slot of {stride} bytes is over the {MAX_SLOT_BYTES}-byte limit")
         object.__setattr__(self, "fields", fields)
         object.__setattr__(self, "offsets", tuple(offsets))
         object.__setattr__(self, "indices_offset", end)
+        object.__setattr__(self, "table_offset", table)
+        object.__setattr__(self, "bytes_offset", area)
         object.__setattr__(self, "stride", stride)
 
     @classmethod
@@ -176,7 +197,15 @@ class SlotLayout:
         """The fields as ``FeedInfo.fields`` carries them."""
         return tuple((f.name, f.dtype, f.shape) for f in self.fields)
 
+    @property
+    def encoded_area(self) -> int:
+        """Bytes of a slot's encoded-row area (0 without one)."""
+        return self.capacity * self.encoded
+
     @classmethod
-    def from_wire(cls, capacity: int, fields: tuple[tuple[str, str, tuple[int, ...]], ...]) -> SlotLayout:
+    def from_wire(
+        cls, capacity: int, fields: tuple[tuple[str, str, tuple[int, ...]], ...], encoded: int = 0
+    ) -> SlotLayout:
         """The layout a ``FeedInfo`` describes; ValueError if it is not a valid one."""
-        return cls(capacity, tuple(FieldSpec(name, dtype, tuple(shape)) for name, dtype, shape in fields))
+        specs = tuple(FieldSpec(name, dtype, tuple(shape)) for name, dtype, shape in fields)
+        return cls(capacity, specs, encoded)

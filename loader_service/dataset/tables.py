@@ -1,4 +1,5 @@
-"""The compact tables a dataset index is made of, and the errors every source raises.
+"""The compact tables a dataset index is made of, and the error an index that cannot be built raises
+(one sample's: ``pixels.DecodeError``).
 
 A million names as Python strings cost ~100 MB per process; a ``StringTable`` holds them as one utf-8
 blob plus an offsets array, which ``numpy.save`` writes and every decode worker maps read-only, so the
@@ -25,10 +26,6 @@ IMAGE_EXTENSIONS = ("jpg", "jpeg", "png", "webp", "bmp")
 
 class DatasetError(ValueError):
     """The data cannot be indexed; the message names the file, and the line, shard or offset."""
-
-
-class DecodeError(Exception):
-    """A sample that cannot be read or decoded; ``str()`` is the reason logged and reported."""
 
 
 def encode_name(text: str) -> bytes:

@@ -47,9 +47,9 @@ import numpy.typing as npt
 
 from loader_service.dataset.sampler import sample_rng
 from loader_service.dataset.storage.storeerrors import StoreUnavailable
-from loader_service.dataset.tables import DecodeError
 from loader_service.decode.contract import PIPELINE_REASON, THREAD_ENV, PipelineError, parse_spec
 from loader_service.decode.sample import Sample
+from pixels import DecodeError
 from protocol.layout import DTYPES, FieldSpec
 
 Pipeline = Callable[["Sample", np.random.Generator], object]

@@ -17,7 +17,6 @@ import numpy.typing as npt
 from loader_service.dataset.sources import FeedSources
 from loader_service.dataset.storage.storeconfig import StorageConfig
 from loader_service.dataset.storage.storeerrors import StoreUnavailable
-from loader_service.dataset.tables import DecodeError
 from loader_service.decode.contract import PipelineError
 from loader_service.decode.pipeline import (
     OutputError,
@@ -32,6 +31,7 @@ from loader_service.decode.pipeline import (
 from loader_service.decode.probe import PROBE_SAMPLES
 from loader_service.decode.reading import FeedReader
 from loader_service.decode.sample import Sample
+from pixels import DecodeError
 from protocol.layout import SlotLayout
 
 

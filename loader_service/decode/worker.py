@@ -28,7 +28,6 @@ from loader_service.dataset.sampler import sample_rng
 from loader_service.dataset.sources import FeedSources
 from loader_service.dataset.storage.objectstore import Heard
 from loader_service.dataset.storage.storeerrors import StoreUnavailable
-from loader_service.dataset.tables import DecodeError
 from loader_service.decode.cache import CacheKind, SampleCache
 from loader_service.decode.contract import (
     FAULT_ENV,
@@ -39,14 +38,16 @@ from loader_service.decode.contract import (
     WorkerFeed,
     slot_views,
 )
-from loader_service.decode.geometry import prepare
 from loader_service.decode.pipeline import Pipeline, load_pipeline, run_into
 from loader_service.decode.progress import PREFETCHING, ProgressBoard
 from loader_service.decode.reading import FeedReader
 from loader_service.decode.sample import Sample
-from loader_service.decode.transforms import Recipe, decode_bytes, load_bytes_into, transform_into
+from loader_service.decode.transforms import Recipe, load_bytes_into, transform_into
 from loader_service.logs import configure_logging
 from loader_service.shm import Segment, process_start
+from pixels import DecodeError
+from pixels.geometry import prepare
+from pixels.render import decode_bytes
 from protocol.codec import decode, encode
 from protocol.layout import SlotLayout, describe_fields, image_fields
 from protocol.messages import MAX_BAD_REPORTS

@@ -19,8 +19,8 @@ from loader_service.dataset.index import build_index
 from loader_service.dataset.sampler import sample_rng
 from loader_service.decode.contract import INTERPOLATIONS
 from loader_service.decode.decoders import roi_decoder_version
-from loader_service.decode.geometry import eval_geometry, random_resized_crop_params
-from loader_service.decode.regions import ROI_HEADROOM, roi_scale
+from pixels.geometry import eval_geometry, random_resized_crop_params
+from pixels.regions import ROI_HEADROOM, roi_scale
 from protocol.layout import PAGE, SlotLayout
 from tests.helpers import ServiceFactory, in_background, our_segments, pool_bytes, status
 

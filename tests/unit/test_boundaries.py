@@ -1,6 +1,6 @@
 """The packages keep to their sides: the service never imports the trainer's package nor the
-trainer the service's (type-checking and function-local imports count), ``protocol`` imports
-neither, and ``loader-service status`` starts without torch."""
+trainer the service's (type-checking and function-local imports count), ``protocol`` and
+``pixels`` import neither, and ``loader-service status`` starts without torch."""
 
 from __future__ import annotations
 
@@ -20,6 +20,7 @@ FORBIDDEN = {
     "gpu_worker": {"loader_service"},
     "protocol": {"loader_service", "gpu_worker", "curvekeys"},
     "curvekeys": {"loader_service", "gpu_worker", "protocol"},
+    "pixels": {"loader_service", "gpu_worker", "curvekeys"},
 }
 
 
@@ -67,7 +68,7 @@ def test_the_services_main_process_and_config_import_no_opencv() -> None:
     assert out.stdout.strip() == "False", "a module of the main process imports OpenCV"
 
 
-PRODUCT = ("protocol", "curvekeys", "loader_service", "gpu_worker")
+PRODUCT = ("protocol", "curvekeys", "pixels", "loader_service", "gpu_worker")
 KNOWN_CIRCLES: set[frozenset[str]] = set()
 """Circles left to break; none now. A new one fails the test."""
 

@@ -19,7 +19,7 @@ import pytest
 
 from loader_service.config import ConfigError, load_config
 from loader_service.dataset.storage.local import read_file
-from loader_service.dataset.tables import DecodeError
+from pixels import DecodeError
 
 DEADLINE = 10.0
 MIB = 2**20

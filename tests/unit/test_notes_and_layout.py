@@ -12,7 +12,7 @@ from tests.helpers import REPO
 CITED = re.compile(r"NOTE \[ ([^\]]+?) \]")
 DEFINED = re.compile(r'^(?:#|"""|\s)*NOTE \[ ([^\]]+?) \](?::.*)?$')
 """A definition opens a comment or docstring line: the name alone, or followed by a colon."""
-SOURCES = ("protocol", "loader_service", "gpu_worker", "benchmarks", "tests", "deploy", "docs", "examples")
+SOURCES = ("protocol", "pixels", "loader_service", "gpu_worker", "benchmarks", "tests", "deploy", "docs", "examples")
 
 
 def source_files() -> list[Path]:
@@ -65,9 +65,9 @@ def test_every_module_the_layout_names_exists() -> None:
     assert not missing, f"the layout section names modules that do not exist: {missing}"
 
 
-def test_the_layout_names_every_module_of_the_three_packages() -> None:
+def test_the_layout_names_every_module_of_the_packages() -> None:
     named = set(named_modules())
-    for package in ("gpu_worker", "protocol", "loader_service"):
+    for package in ("gpu_worker", "protocol", "pixels", "loader_service"):
         found = (REPO / package).rglob("*.py")
         modules = {p.relative_to(REPO) for p in found if not p.name.startswith("__")}
         assert modules <= named, (

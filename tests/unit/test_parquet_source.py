@@ -11,8 +11,9 @@ from loader_service.dataset.formats.parquet import source as parquet
 from loader_service.dataset.formats.parquet.reader import ParquetReader
 from loader_service.dataset.index import build_index
 from loader_service.dataset.source import Columns
-from loader_service.dataset.tables import DatasetError, DecodeError
+from loader_service.dataset.tables import DatasetError
 from loader_service.decode.reading import SampleReader
+from pixels import DecodeError
 from testkit.counting import CountingFiles
 from tests.helpers import folder_samples, write_parquet
 

@@ -11,9 +11,9 @@ import numpy as np
 import pytest
 from PIL import Image
 
-from loader_service.dataset.tables import DecodeError
-from loader_service.decode.geometry import RATIO, eval_geometry, random_resized_crop_params
 from loader_service.decode.transforms import Recipe, decode_file, transform_into
+from pixels import DecodeError
+from pixels.geometry import RATIO, eval_geometry, random_resized_crop_params
 
 
 def write(path: Path, bgr: np.ndarray) -> str:

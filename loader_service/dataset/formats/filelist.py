@@ -43,13 +43,13 @@ from loader_service.dataset.storage.storeconfig import StorageConfig
 from loader_service.dataset.tables import (
     I64,
     DatasetError,
-    DecodeError,
     ListMetadata,
     StringTable,
     StringTableBuilder,
     encode_name,
     packed,
 )
+from pixels import DecodeError
 
 LIST_SUFFIXES = {".csv": "csv", ".jsonl": "jsonl"}
 MAX_LIST_BYTES = 16 << 30

@@ -39,7 +39,8 @@ from loader_service.dataset.storage.storeerrors import (
     not_found,
 )
 from loader_service.dataset.storage.urls import split_url
-from loader_service.dataset.tables import DatasetError, DecodeError
+from loader_service.dataset.tables import DatasetError
+from pixels import DecodeError
 
 SCAN_DEADLINE = 120.0
 """Seconds the service's own requests (listing, fetching shards to index them) retry for."""

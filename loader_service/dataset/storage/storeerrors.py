@@ -6,7 +6,8 @@ from __future__ import annotations
 import errno
 import re
 
-from loader_service.dataset.tables import DatasetError, DecodeError
+from loader_service.dataset.tables import DatasetError
+from pixels import DecodeError
 
 
 class StorageError(DatasetError):

@@ -13,9 +13,7 @@ from loader_service.dataset.source import (
     Metadata,
 )
 from loader_service.dataset.storage.local import Files
-from loader_service.dataset.tables import (
-    DecodeError,
-)
+from pixels import DecodeError
 
 OPEN_CHUNKS = 256
 """Page maps a reader keeps (one per row group it read from): a few KiB each."""

@@ -9,13 +9,8 @@ from loader_service.dataset.source import (
     Metadata,
 )
 from loader_service.dataset.storage.local import Files
-from loader_service.dataset.tables import (
-    IMAGE_EXTENSIONS,
-    SIZE_UNKNOWN,
-    DecodeError,
-    StringTable,
-    TarMembers,
-)
+from loader_service.dataset.tables import IMAGE_EXTENSIONS, SIZE_UNKNOWN, StringTable, TarMembers
+from pixels import DecodeError
 
 
 class TarReader:

@@ -26,11 +26,11 @@ from types import ModuleType
 
 import numpy as np
 
-from loader_service.decode.geometry import U8, Crop, eval_geometry
+from pixels.geometry import U8, Crop, eval_geometry
 
 _jpegcrop: ModuleType | None
 try:
-    from loader_service.decode import _jpegcrop
+    from pixels import _jpegcrop
 except ImportError:  # built only where libjpeg-turbo's headers were found at install time
     _jpegcrop = None
 
