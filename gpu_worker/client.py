@@ -40,6 +40,7 @@ from gpu_worker.local import START_TIMEOUT, LocalService, check_shared, expected
 from gpu_worker.passes import EpochPass, PassSettings, make_pass
 from gpu_worker.schedule import WeightChanges, ordered_weights, source_stats
 from gpu_worker.service import Service
+from protocol.encoded import MAX_SHARE
 from protocol.layout import SlotLayout, describe_fields
 from protocol.messages import MAX_EPOCH, FeedInfo
 from protocol.shares import consumed, rank_batches
@@ -78,6 +79,8 @@ class ServiceLoader:
         resolve_interval: float = 5.0,
         weights: Mapping[str, float] | None = None,
         epoch_samples: int = 0,
+        decode: str | None = None,
+        decode_threads: int = 1,
         _private: LocalService | None = None,
     ) -> None:
         """``endpoint``: one service, or several (a fleet, NOTE [ A fleet ]); ``DATAFERRY_ENDPOINTS``
@@ -94,6 +97,12 @@ class ServiceLoader:
         source of the feed named) mixes a feed of several sources by weight, in epochs of
         ``epoch_samples`` (0: the feed's size; NOTE [ Mixture order ] in
         loader_service/dataset/mixture.py); the service refuses weights it cannot serve, naming why.
+        ``decode``: who decodes the JPEGs the service can send as they are (NOTE [ Encoded rows ] in
+        protocol/encoded.py): ``"service"``, ``"trainer"`` (in ``decode_threads`` threads of this
+        process, with the service's own code: the same pixels) or ``"auto"``, a share found while
+        the loop runs (NOTE [ Finding the split ] in gpu_worker/split.py); default ``"auto"`` on a
+        CUDA device, ``"service"`` elsewhere. ``"trainer"`` of a feed that sends no encoded rows
+        raises ServiceError naming both.
         ``_private`` is ``local``'s: the service it started, watched at every wait and stopped by
         ``close``."""
         rank, world_size = shard_of(mode, rank, world_size)
@@ -118,6 +127,8 @@ class ServiceLoader:
             resolve_interval=resolve_interval,
             weights=tuple(weights.items()) if weights else (),
             epoch_samples=epoch_samples,
+            decode=decode or ("auto" if str(device).startswith("cuda") else "service"),
+            decode_threads=decode_threads,
         ).validated()
         cfg = self.config
         keys = ClientKeys.load(server_key, client_key)
@@ -134,12 +145,13 @@ class ServiceLoader:
         self._closed = False
         self._private = _private
         """The service ``local`` started for this loader, stopped by ``close``."""
-        hello = make_hello(**cfg.hello_fields())
+        hello = make_hello(**cfg.hello_fields(), encode=MAX_SHARE if cfg.decode == "trainer" else 0)
         watch = None if _private is None else _private.check  # NOTE [ A private service ]
         self._fleet = Fleet(cfg, hello, keys, self.device, watch)
         try:
             self._fleet.attach(cfg.connect_timeout)
             self._check_fields()
+            self._check_decode()
         except BaseException:
             self.close()
             raise
@@ -155,6 +167,8 @@ class ServiceLoader:
         timeout: float = 60.0,
         fields: ExpectedFields | None = None,
         start_timeout: float = START_TIMEOUT,
+        decode: str | None = None,
+        decode_threads: int = 1,
         **serve_options: object,
     ) -> ServiceLoader:
         """A loader over a private service of its own: ``loader-service serve --data DATA`` with
@@ -180,6 +194,8 @@ class ServiceLoader:
                 credits=credits,
                 timeout=timeout,
                 fields=fields,
+                decode=decode,
+                decode_threads=decode_threads,
                 _private=private,
             )
             if private is None:
@@ -308,7 +324,9 @@ class ServiceLoader:
         blocked in ``next()`` and computing between pulls (NOTE [ Exposed wait ] in
         gpu_worker/loop_clock.py), their wait share and verdict (NOTE [ Input-bound verdict ]), and
         the last whole epoch's (``gpu_worker/epoch_report.py``); per source of a feed of several,
-        its rows, their share and the share asked for now (``source_stats``)."""
+        its rows, their share and the share asked for now (``source_stats``); who decoded the rows
+        (``decode``: rows this process decoded and the service's, ms per image here, the share now,
+        rows that could not be decoded: NOTE [ Finding the split ] in gpu_worker/split.py)."""
         counts = self._counts + (self._pass.counts() if self._pass is not None else Counter())
         waited, computed = self._fleet.clock.totals()
         cfg, info = self.config, self.info
@@ -323,6 +341,7 @@ class ServiceLoader:
             "wait_share": round(wait_share(waited, computed), 4),
             "verdict": verdict(wait_share(waited, computed)),
             "epoch": None if self._fleet.last_epoch is None else self._fleet.last_epoch.stats(),
+            "decode": self._fleet.decoder.stats(),
         }
 
     def state_dict(self) -> dict[str, Any]:
@@ -383,6 +402,19 @@ class ServiceLoader:
         self._fleet.close()
         if self._private is not None:
             self._private.stop()
+
+    def _check_decode(self) -> None:
+        """``decode="trainer"`` of a feed that sends no encoded rows: an error naming both, before
+        any batch (NOTE [ Encoded rows ])."""
+        if self.config.decode != "trainer":
+            return
+        none = [s.endpoint for s in self._fleet.services if s.info is not None and not s.info.encoded]
+        if none:
+            raise ServiceError(
+                f"decode='trainer': feed {self.info.name!r} at {', '.join(none)} sends no encoded rows "
+                "(it offers them for the built-in train or eval transform with the region decoder, "
+                "unless started with --encoded-row-bytes 0); use decode='service' or 'auto'"
+            )
 
     def _check_fields(self) -> None:
         """Refuse a feed whose fields are not the ones this trainer stated (``fields=``); no start

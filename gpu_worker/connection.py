@@ -65,6 +65,7 @@ from protocol.messages import (
     Message,
     ProtocolError,
     Release,
+    Spoiled,
     Start,
     Want,
     Welcome,
@@ -233,7 +234,7 @@ class Connection:
         """Queue ``msg`` without blocking; False when the socket refused it (full, or no session)."""
         if self.sock is None or not self.session:
             return False
-        if isinstance(msg, (Start, Want, Release, Ack, Bye)):
+        if isinstance(msg, (Start, Want, Release, Ack, Spoiled, Bye)):
             msg = replace(msg, token=self.token)
         try:
             self.sock.send(encode(msg), zmq.NOBLOCK)
@@ -295,7 +296,8 @@ class Connection:
         """Pass ``msg`` (``parts[0]``, its bytes after it) on in the order the service sent it (NOTE
         [ Acknowledged delivery ])."""
         frames = parts[1:]
-        if frames and (not isinstance(msg, BatchReady) or not 2 <= len(frames) <= MAX_FIELDS + 1):
+        # fields and indices, then an encoded-row table and its bytes (NOTE [ Encoded rows ])
+        if frames and (not isinstance(msg, BatchReady) or not 2 <= len(frames) <= MAX_FIELDS + 3):
             raise ServiceError(
                 f"malformed message from the service: {msg.KIND} with {len(frames)} extra frames"
             )

@@ -18,7 +18,10 @@ from gpu_worker.batch import Batch, frame_fields, slot_fields
 from gpu_worker.connection import ServiceError
 from gpu_worker.device import CudaStager
 from gpu_worker.leases import Lease, LeaseBook
+from gpu_worker.loop_clock import LoopClock
 from gpu_worker.mapping import SlotMap
+from gpu_worker.row_decoder import Bad, Pending, RowDecoder
+from protocol.encoded import COLUMNS
 from protocol.layout import SlotLayout
 from protocol.messages import BatchReady, FeedInfo
 
@@ -26,10 +29,25 @@ log = logging.getLogger(__name__)
 
 
 class Delivery:
-    def __init__(self, device: torch.device, want: str, leases: LeaseBook) -> None:
+    def __init__(
+        self,
+        device: torch.device,
+        want: str,
+        leases: LeaseBook,
+        decoder: RowDecoder | None = None,
+        timeout: float = 60.0,
+    ) -> None:
+        """``decoder``: the loader's, which decodes encoded rows (None: the service decodes every
+        row); ``timeout``: the most seconds a batch's rows may take to decode."""
         self.device = device
         self._want = want
         self._leases = leases
+        self._decoder = decoder or RowDecoder("service", 1, LoopClock())
+        self._timeout = timeout
+        self._pending: dict[Lease, Pending] = {}
+        """Batches whose encoded rows are being decoded, by lease (NOTE [ Encoded rows ])."""
+        self.spoiled: list[tuple[int, str]] = []
+        """(sample, why) of encoded rows that could not be decoded, for the service to be told."""
         self._slots: SlotMap | None = None
         self.stager: CudaStager | None = None
         self._pinned_slots = 0
@@ -44,10 +62,11 @@ class Delivery:
         pool's segment must have (the service's, where known: NOTE [ A service's identity ])."""
         old = self._slots
         try:
-            self._layout = SlotLayout.from_wire(info.batch_size, info.fields)
+            self._layout = SlotLayout.from_wire(info.batch_size, info.fields, info.encoded)
         except ValueError as exc:
             raise ServiceError(f"the service announced an unusable slot layout: {exc}") from None
         self._offsets = _offsets(info)
+        self._abandon_all()  # the old pool's batches: nothing may write into it from here
         self._slots = self._map(info, owner)
         self.transport = "tcp" if self._slots is None else "shm"
         if old is not None:
@@ -81,7 +100,79 @@ class Delivery:
         """Bytes a full batch brings over the socket: 0 where batches are mapped in place."""
         if self.transport != "tcp":
             return 0
-        return sum(nbytes for _, nbytes in self._layout.parts(self._layout.capacity))
+        layout = self._layout
+        encoded = layout.stride - layout.table_offset if layout.encoded else 0  # the table and its bytes
+        return sum(nbytes for _, nbytes in layout.parts(layout.capacity)) + encoded
+
+    @property
+    def _decoding(self) -> bool:
+        """Whether this trainer decodes the rows the feed sends encoded (NOTE [ Encoded rows ])."""
+        return bool(self._layout.encoded) and self._decoder.takes_encoded
+
+    def prepare(self, msg: BatchReady, lease: Lease, frames: list[zmq.Frame] | None) -> None:
+        """The batch arrived: begin decoding its encoded rows now, while the loop trains on the ones
+        before it (``wrap`` waits for them)."""
+        if self._decoding and lease not in self._pending and 0 < msg.count <= self._layout.capacity:
+            try:
+                pending = self._begin(msg, frames)
+            except (ValueError, ServiceError):
+                return  # ``wrap`` says what is wrong with it
+            if pending is not None:
+                self._pending[lease] = pending
+
+    def forget(self, lease: Lease) -> None:
+        """A batch the loop will not see: nothing writes into it once it goes back."""
+        pending = self._pending.pop(lease, None)
+        if pending is not None:
+            self._decoder.abandon(pending)
+
+    def _abandon_all(self) -> None:
+        for lease in list(self._pending):
+            self.forget(lease)
+
+    def _begin(self, msg: BatchReady, frames: list[zmq.Frame] | None) -> Pending | None:
+        """Start decoding the batch's encoded rows: into its slot (shm), or into a copy of the image
+        rows that arrived (tcp, whose frames are read-only)."""
+        layout, count = self._layout, msg.count
+        image_spec = layout.field("image")
+        if self._slots is not None:
+            owner = self._slots.slot(msg.slot)
+            view = memoryview(owner)
+            table = np.frombuffer(view, np.int64, count * COLUMNS, layout.table_offset).reshape(
+                count, COLUMNS
+            )
+            area = np.frombuffer(view, np.uint8, layout.encoded_area, layout.bytes_offset)
+            offset = layout.offsets[layout.names.index("image")]
+            image = np.frombuffer(view, np.uint8, count * image_spec.row_bytes, offset)
+            return self._decoder.start(table.copy(), area, image.reshape(count, *image_spec.shape), owner)
+        data, table_frame, area_frame = _split_frames(frames, layout, count)
+        table = np.frombuffer(table_frame.buffer, np.int64).reshape(count, COLUMNS).copy()
+        area = np.frombuffer(area_frame.buffer, np.uint8)
+        received = np.frombuffer(data[layout.names.index("image")].buffer, np.uint8)
+        image = received.reshape(count, *image_spec.shape).copy()
+        return self._decoder.start(table, area, image, area_frame)
+
+    def _decoded(
+        self, msg: BatchReady, lease: Lease, frames: list[zmq.Frame] | None
+    ) -> tuple[Pending | None, Bad]:
+        """The batch's encoded rows, decoded (waiting for what ``prepare`` began), and the bad ones."""
+        if not self._decoding:
+            return None, []
+        pending = self._pending.pop(lease, None)
+        if pending is None:
+            try:
+                pending = self._begin(msg, frames)
+            except ValueError as exc:
+                raise ServiceError(f"malformed batch from the service: {exc}") from None
+        if pending is None:
+            return None, []
+        try:
+            return pending, self._decoder.finish(pending, self._timeout)
+        except TimeoutError:
+            self._decoder.abandon(pending)
+            raise ServiceError(
+                f"decoding batch {msg.seq}'s encoded rows took over {self._timeout:.0f} s"
+            ) from None
 
     def wrap(self, msg: BatchReady, lease: Lease, frames: list[zmq.Frame] | None) -> Batch:
         if self._slots is None:
@@ -89,15 +180,34 @@ class Delivery:
         try:
             owner = self._slots.slot(msg.slot)
         except ValueError as exc:
+            self.forget(lease)
             raise ServiceError(f"service announced an invalid slot: {exc}") from None
         self._leases.watch(owner, lease)
+        try:
+            _, bad = self._decoded(msg, lease, None)
+        except BaseException:
+            del owner
+            raise
         fields, indices = slot_fields(memoryview(owner), self._slots.layout, msg.count)
         del owner  # from here on only the views keep the slot (and so the lease)
+        fields, indices = self._without(bad, fields, indices)
         if self.stager is not None:
             self._pin_through(self.stager, self._slots, msg.slot)
             host = tuple(fields.values())
             fields = dict(zip(fields, self.stager.stage(host, keep_alive=host), strict=True))
         return self._batch(fields, indices, msg)
+
+    def _without(
+        self, bad: Bad, fields: dict[str, torch.Tensor], indices: torch.Tensor
+    ) -> tuple[dict[str, torch.Tensor], torch.Tensor]:
+        """The batch without the rows that could not be decoded (copies of the rest), each noted
+        for the service with its sample: one bad file costs its row, never the batch."""
+        if not bad:
+            return fields, indices
+        samples = indices.tolist()
+        self.spoiled += [(samples[row], why) for row, why in bad]
+        keep = torch.from_numpy(np.setdiff1d(np.arange(len(samples)), [row for row, _ in bad]))
+        return {name: t.index_select(0, keep) for name, t in fields.items()}, indices.index_select(0, keep)
 
     def _pin_through(self, stager: CudaStager, slots: SlotMap, slot: int) -> None:
         """Pin the slots up to ``slot``: every slot below an announced one is backed by memory (NOTE
@@ -122,10 +232,16 @@ class Delivery:
         """TCP: tensors view the received frames (no copy on CPU); the lease ends with them."""
         if frames is None:
             raise ServiceError(f"batch {msg.seq} arrived without its data")
+        pending, bad = self._decoded(msg, lease, frames)
         try:
-            fields, indices = frame_fields(frames, self._layout, msg.count)
+            fields, indices = frame_fields(
+                _split_frames(frames, self._layout, msg.count)[0], self._layout, msg.count
+            )
         except ValueError as exc:
             raise ServiceError(f"malformed batch from the service: {exc}") from None
+        if pending is not None:  # the rows decoded here, in their writable copy
+            fields["image"] = torch.from_numpy(pending.image)
+        fields, indices = self._without(bad, fields, indices)
         self._leases.watch_all(frames, lease)
         del frames  # from here on only the views keep their frames (and so the lease)
         if self.device.type == "cuda":
@@ -161,10 +277,31 @@ class Delivery:
             self.stager.collect()
 
     def close(self) -> None:
+        self._abandon_all()
         if self.stager is not None:
             self.stager.close()
         if self._slots is not None:
             self._slots.close()
+
+
+def _split_frames(
+    frames: list[zmq.Frame] | None, layout: SlotLayout, count: int
+) -> tuple[list[zmq.Frame], zmq.Frame, zmq.Frame]:
+    """A received batch's frames: its fields' and indices' (``frame_fields`` reads them), then, for a
+    feed that offers encoded rows, the table's ``count`` rows and the bytes they name. ValueError
+    where there are not as many, or the table is not ``count`` rows."""
+    if frames is None:
+        raise ValueError("a batch without its data")
+    if not layout.encoded:
+        return frames, frames[-1], frames[-1]
+    if len(frames) != len(layout.fields) + 3:
+        raise ValueError(
+            f"{len(frames)} data frames where a feed with encoded rows sends {len(layout.fields) + 3}"
+        )
+    table = frames[-2]
+    if len(table.buffer) != count * COLUMNS * 8:
+        raise ValueError(f"an encoded-row table of {len(table.buffer)} bytes for {count} rows")
+    return frames[:-2], table, frames[-1]
 
 
 def _offsets(info: FeedInfo) -> npt.NDArray[np.int64] | None:

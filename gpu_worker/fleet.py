@@ -30,6 +30,7 @@ from gpu_worker.leases import LeaseBook
 from gpu_worker.loader_config import MAX_ADDRESSES, MAX_ENDPOINTS, LoaderConfig
 from gpu_worker.loop_clock import LoopClock
 from gpu_worker.names import Name, Resolver, name_of
+from gpu_worker.row_decoder import RowDecoder
 from gpu_worker.service import Service
 from protocol.messages import FeedInfo, Hello, Welcome
 from protocol.printable import printable
@@ -106,7 +107,9 @@ class Fleet:
         self.last_epoch: EpochReport | None = None
         """The last pass that ran to its epoch's end, as ``gpu_worker.epoch_report`` reads it."""
         """The loop's waited and computed time (NOTE [ Exposed wait ]), sent with every heartbeat."""
-        self._heartbeats = Heartbeats(self.clock)
+        self.decoder = RowDecoder(config.decode, config.decode_threads, self.clock)
+        """Decodes the encoded rows of every service's batches (NOTE [ Encoded rows ])."""
+        self._heartbeats = Heartbeats(self.clock, lambda: self.decoder.share)
         self._config, self._hello, self._keys, self._device = config, hello, keys, device
         endpoints = config.endpoints
         names = tuple(name for name in map(name_of, endpoints) if name is not None)
@@ -134,7 +137,7 @@ class Fleet:
     def _service(self, endpoint: str, via: str = "") -> Service:
         leases = LeaseBook()
         conn = Connection(endpoint, self._hello, self._keys, self._heartbeats)
-        delivery = Delivery(self._device, self._config.transport, leases)
+        delivery = Delivery(self._device, self._config.transport, leases, self.decoder, self._config.timeout)
         return Service(endpoint, conn, leases, delivery, self._config.credits, via=via)
 
     def attach(self, timeout: float) -> None:
@@ -389,3 +392,4 @@ class Fleet:
         for ending in endings:
             ending.join(max(0.0, deadline - time.monotonic()))
         self._heartbeats.close()
+        self.decoder.close()

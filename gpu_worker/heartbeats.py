@@ -3,7 +3,8 @@
 A ZeroMQ socket belongs to one thread, so this thread owns one heartbeat socket per session: the
 loader's thread only records what should beat (``beat``, ``stop``) and the thread applies it at its
 next wake-up. A heartbeat carries the session's token, so it keeps alive only that session, and
-the loop's waited and computed totals (NOTE [ Exposed wait ] in gpu_worker/loop_clock.py).
+the loop's waited and computed totals (NOTE [ Exposed wait ] in gpu_worker/loop_clock.py) and the
+share of rows it decodes itself.
 
 NOTE [ Early heartbeat ]
     A session's first heartbeat goes at once, its second ``EARLY`` seconds later (or at the interval,
@@ -19,6 +20,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -57,8 +59,11 @@ class _Live:
 class Heartbeats:
     """``beat(key, ...)`` starts (or replaces) the heartbeats of one session; ``stop(key)`` ends them."""
 
-    def __init__(self, clock: LoopClock | None = None) -> None:
+    def __init__(self, clock: LoopClock | None = None, share: Callable[[], int] = lambda: -1) -> None:
+        """``share``: the thousandths of its rows the loader decodes itself now, -1 for none (NOTE
+        [ Finding the split ] in gpu_worker/split.py), carried by every beat."""
         self._clock = clock or LoopClock()
+        self._share = share
         self._lock = threading.Lock()
         self._wanted: dict[object, Beat] = {}
         self._changed = threading.Event()
@@ -93,7 +98,7 @@ class Heartbeats:
                 now = time.monotonic()
                 for one in live.values():
                     if now >= one.due:
-                        _send(one.sock, one.beat, self._clock)
+                        _send(one.sock, one.beat, self._clock, self._share())
                         one.sent += 1
                         # NOTE [ Early heartbeat ]: the second beat a quarter second after the first.
                         one.due = now + (
@@ -132,9 +137,10 @@ def _apply(
             live[key] = _Live(beat, sock, time.monotonic())
 
 
-def _send(sock: zmq.Socket[Any], beat: Beat, clock: LoopClock) -> None:
+def _send(sock: zmq.Socket[Any], beat: Beat, clock: LoopClock, share: int) -> None:
     waited, computed = clock.totals()
-    msg = Heartbeat(beat.token, waited=int(waited * 1000), computed=int(computed * 1000), pulls=clock.pulls)
+    millis = {"waited": int(waited * 1000), "computed": int(computed * 1000)}
+    msg = Heartbeat(beat.token, **millis, pulls=clock.pulls, encode=share)
     try:
         sock.send(encode(msg), zmq.NOBLOCK)
     except zmq.Again:

@@ -13,6 +13,11 @@ from protocol.layout import FieldSpec
 from protocol.messages import MODES, REMAINDERS, TRANSPORTS
 
 TRANSPORT_CHOICES = ("auto", *TRANSPORTS)
+DECODES = ("service", "trainer", "auto")
+"""Where a trainer's rows are decoded: all by the service, every row the service can send encoded
+by this trainer, or a share found while the loop runs (NOTE [ Finding the split ] in
+gpu_worker/split.py)."""
+MAX_DECODE_THREADS = 64
 
 HELLO_FIELDS = (
     "feed", "credits", "mode", "rank", "world_size", "remainder", "group", "group_size", "batch_size",
@@ -65,6 +70,11 @@ class LoaderConfig:
     """A mixture over the feed's named sources (NOTE [ Mixture order ]); () the feed's own order."""
     epoch_samples: int = 0
     """With ``weights``: samples in an epoch; 0 the feed's size."""
+    decode: str = "service"
+    """Who decodes the rows the service can send encoded: ``service``, ``trainer`` or ``auto`` (a
+    share found while the loop runs: NOTE [ Finding the split ] in gpu_worker/split.py)."""
+    decode_threads: int = 1
+    """Threads that decode encoded rows in this process."""
 
     @property
     def endpoint(self) -> str:
@@ -112,6 +122,10 @@ class LoaderConfig:
             raise ValueError("group_secret must be at most 64 characters")
         for name, weight in self.weights:
             check_weight(name, weight)
+        if self.decode not in DECODES:
+            raise ValueError(f"decode must be one of {', '.join(DECODES)}, got {self.decode!r}")
+        if type(self.decode_threads) is not int or not 1 <= self.decode_threads <= MAX_DECODE_THREADS:
+            raise ValueError(f"decode_threads must be 1 to {MAX_DECODE_THREADS}, got {self.decode_threads!r}")
         if self.epoch_samples < 0 or (self.epoch_samples and not self.weights):
             raise ValueError("epoch_samples goes with weights, and is 0 (the feed's size) or more")
         return self

@@ -122,6 +122,7 @@ class EpochPass:
                 if msg is None:  # the broadcast epoch's end
                     break
                 batch = service.wrap(msg)
+                fleet.decoder.handed(len(batch.indices))
                 self.position = self._after(msg)
                 if not len(batch.indices):
                     self.empty += 1
@@ -316,6 +317,8 @@ class ShardPass(EpochPass):
                 mine = msg.run == service.run and id(service) in self._started
                 if not mine or not self._fleet_pass.arrived(service, msg.seq, arrived, now):
                     service.unread(msg, service.conn.generation)
+                else:
+                    service.arrived(msg, service.conn.generation)
 
     def _assign(self, now: float, starting: list[Service] | None = None) -> dict[Service, list[int]]:
         """Hand out batches to services with a free credit and name them (``want``); or, for

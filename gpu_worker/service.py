@@ -12,7 +12,17 @@ from gpu_worker.batch import Batch
 from gpu_worker.connection import Connection, ServiceError
 from gpu_worker.delivery import Delivery
 from gpu_worker.leases import LeaseBook
-from protocol.messages import MAX_RELEASES, BatchReady, Bye, FeedInfo, Start, Want, Welcome
+from protocol.messages import (
+    MAX_BAD_REPORTS,
+    MAX_RELEASES,
+    BatchReady,
+    Bye,
+    FeedInfo,
+    Spoiled,
+    Start,
+    Want,
+    Welcome,
+)
 
 log = logging.getLogger(__name__)
 
@@ -142,8 +152,14 @@ class Service:
         ``generation``: the session it came in; one of a lost session died with it."""
         if generation != self.conn.generation:
             return
+        self.delivery.forget((generation, msg.lease))
         self.conn.payloads.pop(msg.lease, None)
         self.leases.let_go((generation, msg.lease))
+
+    def arrived(self, msg: BatchReady, generation: int) -> None:
+        """A batch of the pass arrived: its encoded rows begin decoding now (NOTE [ Encoded rows ])."""
+        if generation == self.conn.generation and msg.count > 0:
+            self.delivery.prepare(msg, (generation, msg.lease), self.conn.payloads.get(msg.lease))
 
     def wrap(self, msg: BatchReady) -> Batch:
         """The loop's batch; one whose every sample was bad has no rows, and its slot is let go at
@@ -159,7 +175,17 @@ class Service:
         if msg.count == 0:
             self.leases.let_go(lease)
             return self.delivery.empty(msg)
-        return self.delivery.wrap(msg, lease, frames)
+        try:
+            return self.delivery.wrap(msg, lease, frames)
+        finally:
+            self._report_spoiled()
+
+    def _report_spoiled(self) -> None:
+        """Tell the service of encoded rows this trainer could not decode: it logs and counts them."""
+        spoiled = self.delivery.spoiled
+        while spoiled:
+            part, spoiled[:] = spoiled[:MAX_BAD_REPORTS], spoiled[MAX_BAD_REPORTS:]
+            self.conn.send(Spoiled(tuple(part)))
 
     def close(self) -> threading.Thread:
         """Leave the service without blocking; join the thread returned to wait for the bye."""

@@ -9,12 +9,15 @@ A ``batch`` names a slot of the feed's shared-memory segment (see ``protocol.lay
 the service's host maps the segment and reads the slot in place; a trainer that cannot (another
 host: its ``start`` says ``transport=tcp``) gets raw frames after the ``batch`` frame, one per field
 of the feed's layout in its order and then one of the indices (``SlotLayout.parts``), rows
-``[0, count)`` only, each a copy of the slot's bytes (NOTE [ Remote sends ]). Either way the
+``[0, count)`` only, each a copy of the slot's bytes (NOTE [ Remote sends ]); where the feed offers
+encoded rows (``FeedInfo.encoded``), then the table's rows ``[0, count)`` and the byte area up to the
+last byte they name (NOTE [ Encoded rows ] in protocol/encoded.py). Either way the
 trainer releases the batch by its lease. A trainer's session (the fields each message may carry;
 ``tests/unit/test_protocol.py`` keeps every name below a field of its kind)::
 
     trainer (DEALER)                         service (ROUTER)
-      hello{feed, credits, mode, rank, world_size, batch_size, image_size[, resume, held, have]} ->
+      hello{feed, credits, mode, rank, world_size, batch_size, image_size[, resume, held, have,
+            encode]} ->
                            <---------------- welcome{session, token, feed, credits, heartbeat_interval}
       start{run, epoch, position, transport, picked, want, token, offset} ->
       want{run, seqs, token} -------------->   (a picked start only: these batches too)
@@ -25,8 +28,9 @@ trainer releases the batch by its lease. A trainer's session (the fields each me
       ack{have, missing, held, token} ----->
                            <---------------- batch ... (again: each lease named in ``missing``)
                            <---------------- end{run, epoch, batches}
-      heartbeat{token, waited, computed, pulls}  (from a second socket, every heartbeat interval;
-                                                  NOTE [ Early heartbeat ])
+      heartbeat{token, waited, computed, pulls, encode}  (from a second socket, every heartbeat
+                                                  interval; NOTE [ Early heartbeat ])
+      spoiled{samples, token} -------------->   (encoded rows it could not decode: NOTE [ Encoded rows ])
       bye{token} --------------------------->
 
 Leases are numbered per session, 1, 2, 3, ... in the order they are announced, so a trainer knows
@@ -59,7 +63,8 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Annotated, Any, ClassVar, Final
 
-from protocol.layout import DTYPES, MAX_DIMS, MAX_FIELDS
+from protocol.encoded import MAX_SHARE
+from protocol.layout import DTYPES, MAX_DIMS, MAX_ENCODED, MAX_FIELDS
 from protocol.schema import (
     OMITTABLE,
     AnyMap,
@@ -70,6 +75,7 @@ from protocol.schema import (
     Items,
     ListOf,
     OneOf,
+    Pair,
     ProtocolError,
     Str,
 )
@@ -94,6 +100,7 @@ __all__ = [
     "Message",
     "ProtocolError",
     "Release",
+    "Spoiled",
     "Start",
     "StatusReply",
     "StatusRequest",
@@ -101,7 +108,7 @@ __all__ = [
     "Welcome",
 ]
 
-PROTOCOL_VERSION: Final = 11
+PROTOCOL_VERSION: Final = 12
 MAX_FRAME_BYTES: Final = 64 * 1024
 _FIELDS: Final = ListOf(Items((Str(64), OneOf(DTYPES), ListOf(Int(1, 1 << 24), MAX_DIMS))), MAX_FIELDS)
 MAX_RELEASES: Final = 4096
@@ -182,6 +189,9 @@ class Hello(Message):
     empty: every source once an epoch, shuffled together."""
     epoch_samples: Annotated[int, Int(0, MAX_EPOCH_SAMPLES), OMITTABLE] = 0
     """With ``weights``: samples in one epoch of the mixture; 0: the feed's size."""
+    encode: Annotated[int, Int(0, MAX_SHARE), OMITTABLE] = 0
+    """Thousandths of each batch's rows this trainer decodes itself, to begin with (NOTE [ Encoded
+    rows ]); ``Heartbeat.encode`` moves it. 0: every row decoded by the service."""
 
     def cross_check(self) -> None:
         """Called by the decoder once every field has passed its own rule."""
@@ -262,6 +272,9 @@ class Heartbeat(Message):
     waited: Annotated[int, _MILLIS, OMITTABLE] = 0
     computed: Annotated[int, _MILLIS, OMITTABLE] = 0
     pulls: Annotated[int, _MILLIS, OMITTABLE] = 0
+    encode: Annotated[int, Int(-1, MAX_SHARE), OMITTABLE] = -1
+    """From a trainer: the thousandths of its batches' rows it now decodes itself (``Hello.encode``);
+    -1: unchanged. From the service: unused."""
 
 
 @dataclass(frozen=True)
@@ -274,6 +287,16 @@ class Ack(Message):
     have: Annotated[int, _LEASE]
     missing: Annotated[tuple[int, ...], ListOf(_LEASE, MAX_RELEASES)] = ()
     held: Annotated[tuple[int, ...], ListOf(_LEASE, MAX_RELEASES)] = ()
+    token: Annotated[str, _TOKEN] = ""
+
+
+@dataclass(frozen=True)
+class Spoiled(Message):
+    """Samples of encoded rows this trainer could not decode, each with why (NOTE [ Encoded rows ]):
+    left out of their batches; the service logs and counts them as bad files."""
+
+    KIND: ClassVar[str] = "spoiled"
+    samples: Annotated[tuple[tuple[int, str], ...], ListOf(Pair(Int(), Str()), MAX_BAD_REPORTS)]
     token: Annotated[str, _TOKEN] = ""
 
 
@@ -328,6 +351,9 @@ class FeedInfo:
     of ``ServiceLoader.local`` is checked against it (``fingerprint`` is what proves the data)."""
     pipeline: Annotated[str, Str(MAX_WHERE), OMITTABLE] = ""
     """The feed's ``--pipeline`` (a ``FILE.py`` made absolute), empty for the built-in transforms."""
+    encoded: Annotated[int, Int(0, MAX_ENCODED), OMITTABLE] = 0
+    """Bytes of room a row for encoded rows in every slot (NOTE [ Encoded rows ] in
+    protocol/encoded.py); 0: the feed sends none, whatever a trainer asks."""
 
 
 @dataclass(frozen=True)

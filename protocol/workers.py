@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Annotated, ClassVar
 
+from protocol.encoded import MAX_SHARE
 from protocol.messages import MAX_BAD_REPORTS, Message
 from protocol.schema import (
     OMITTABLE,
@@ -36,6 +37,9 @@ class Task(Message):
     epoch: Annotated[int, Int()]
     indices: Annotated[bytes, PackedInt64(65536)]
     row: Annotated[int, Int(0, 65535), OMITTABLE] = 0
+    encode: Annotated[int, Int(0, MAX_SHARE), OMITTABLE] = 0
+    """Thousandths of the task's samples to leave encoded where they can be (NOTE [ Encoded rows ]):
+    which ones, ``encoded_rows`` says."""
 
 
 @dataclass(frozen=True)
@@ -50,6 +54,8 @@ class TaskDone(Message):
     count: Annotated[int, Int(0, 65536)]
     bad: Annotated[tuple[tuple[int, str], ...], ListOf(Pair(Int(), Str()), MAX_BAD_REPORTS)] = ()
     retry: Annotated[str, Str(), OMITTABLE] = ""
+    encoded: Annotated[int, Int(0, 65536), OMITTABLE] = 0
+    """Of the ``count`` rows, how many were left encoded."""
 
 
 @dataclass(frozen=True)

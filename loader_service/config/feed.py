@@ -16,7 +16,7 @@ from loader_service.dataset.index import FORMATS
 from loader_service.dataset.storage.location import Location
 from loader_service.decode.contract import INTERPOLATIONS
 from loader_service.decode.decoders import antialias_problem
-from protocol.layout import FieldSpec
+from protocol.layout import MAX_ENCODED, FieldSpec
 from protocol.messages import MAX_SOURCES
 
 AUGMENTS = ("train", "eval", "none")
@@ -29,6 +29,8 @@ AUTO_MOST_SLOTS = 256
 many it needs (8 DDP ranks of 6 credits hold 48; a pool of 12 for 2 workers let the first two
 ranks take every slot while the others waited for one). Address space until a trainer holds them;
 /dev/shm stops the growth before that if it is smaller."""
+AUTO_ENCODED_ROW_BYTES = 64 * 1024
+"""The least room ``-1`` gives a row: a small output size still leaves room for a photo's JPEG."""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -90,6 +92,16 @@ class FeedOptions:
             "the built-in transforms' resize filter: bilinear-antialias (torchvision's default), "
             "bilinear (OpenCV's INTER_LINEAR, as a plain cv2.resize) or area (OpenCV's INTER_AREA)",
             choices=INTERPOLATIONS,
+        ),
+    )
+    encoded_row_bytes: int = field(
+        default=-1,
+        metadata=option(
+            "room in every slot for rows a trainer decodes itself (ServiceLoader(decode=...)), in bytes "
+            f"a row on average: -1 (auto): max(3 x S x S, {AUTO_ENCODED_ROW_BYTES // 1024} KiB) where "
+            "the built-in train or eval transform runs with the region decoder, else none; 0: offer "
+            "no encoded rows",
+            check=between(-1, MAX_ENCODED, "-1 (auto)"),
         ),
     )
     seed: int = field(

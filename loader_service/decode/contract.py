@@ -25,6 +25,7 @@ from loader_service.dataset.index import LOCAL
 from loader_service.dataset.storage.storeconfig import StorageConfig
 from loader_service.decode.cache import CacheSpec
 from loader_service.shm import Segment
+from protocol.encoded import COLUMNS
 from protocol.layout import SlotLayout
 
 WORKER_BOOT_ERROR = 3
@@ -130,15 +131,26 @@ class SlotViews:
     fields: dict[str, npt.NDArray[Any]]
     """Each field's ``[capacity, *shape]`` rows, by name."""
     indices: npt.NDArray[np.int64]
+    table: npt.NDArray[np.int64] | None = None
+    """The encoded rows' table, ``[capacity, COLUMNS]``; None where the feed offers none (NOTE
+    [ Encoded rows ] in protocol/encoded.py)."""
+    encoded: npt.NDArray[np.uint8] | None = None
+    """The encoded rows' bytes, ``capacity * layout.encoded`` of them."""
 
 
 def slot_views(segment: Segment, layout: SlotLayout, slot: int, slots: int) -> SlotViews:
     base = layout.slot_offset(slot, slots)
     cap = layout.capacity
+    table = encoded = None
+    if layout.encoded:
+        table = np.ndarray((cap, COLUMNS), np.int64, segment.buf, base + layout.table_offset)
+        encoded = np.ndarray((layout.encoded_area,), np.uint8, segment.buf, base + layout.bytes_offset)
     return SlotViews(
         fields={
             f.name: np.ndarray((cap, *f.shape), f.dtype, segment.buf, base + offset)
             for f, offset in zip(layout.fields, layout.offsets, strict=True)
         },
         indices=np.ndarray((cap,), np.int64, segment.buf, base + layout.indices_offset),
+        table=table,
+        encoded=encoded,
     )

@@ -16,7 +16,7 @@ import signal
 import sys
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 import cv2
@@ -42,13 +42,14 @@ from loader_service.decode.pipeline import Pipeline, load_pipeline, run_into
 from loader_service.decode.progress import PREFETCHING, ProgressBoard
 from loader_service.decode.reading import FeedReader
 from loader_service.decode.sample import Sample
-from loader_service.decode.transforms import Recipe, load_bytes_into, transform_into
+from loader_service.decode.transforms import Recipe, load_bytes_into, plan_row, transform_into
 from loader_service.logs import configure_logging
 from loader_service.shm import Segment, process_start
 from pixels import DecodeError
 from pixels.geometry import prepare
-from pixels.render import decode_bytes
+from pixels.render import decode_bytes, render
 from protocol.codec import decode, encode
+from protocol.encoded import encoded_rows
 from protocol.layout import SlotLayout, describe_fields, image_fields
 from protocol.messages import MAX_BAD_REPORTS
 from protocol.workers import StopWorker, Task, TaskDone, WorkerReady
@@ -90,14 +91,39 @@ Progress = Callable[[int], None]
 """Called with the number of the task's samples finished so far (NOTE [ Per-sample progress ])."""
 
 
+class EncodedRoom:
+    """Where a task puts the bytes of the rows it leaves encoded: the part of the slot's byte area
+    that belongs to its rows, filled from the start (NOTE [ Encoded rows ])."""
+
+    def __init__(self, views: SlotViews, row: int, rows: int, per_row: int) -> None:
+        assert views.table is not None and views.encoded is not None
+        self.table, self.area = views.table, views.encoded
+        self.next, self.end = row * per_row, (row + rows) * per_row
+        self.rows = 0
+
+    def put(self, data: bytes) -> int | None:
+        """The offset ``data`` now has in the area, or None where the task's room is used up."""
+        if self.end - self.next < len(data):
+            return None
+        offset = self.next
+        self.area[offset : offset + len(data)] = np.frombuffer(data, np.uint8)
+        self.next += len(data)
+        self.rows += 1
+        return offset
+
+
 def fill_slot(worker: int, feed: OpenFeed, task: Task, progress: Progress | None = None) -> TaskDone:
     """Fill ``task``'s samples into consecutive rows from ``task.row`` on, skipping (and reporting)
-    bad samples; ``count`` is the rows written."""
-    views = slot_views(feed.segment, feed.spec.layout, task.slot, feed.spec.slots)
+    bad samples; ``count`` is the rows written, ``encoded`` those of them left encoded for the
+    trainer (``task.encode``'s share, where a sample can be: NOTE [ Encoded rows ])."""
+    layout = feed.spec.layout
+    views = slot_views(feed.segment, layout, task.slot, feed.spec.slots)
     row = task.row
     bad: list[tuple[int, str]] = []
     indices = np.frombuffer(task.indices, dtype="<i8").tolist()
     hang = _hang_text()
+    room = EncodedRoom(views, row, len(indices), layout.encoded) if layout.encoded else None
+    wanted = encoded_rows(task.encode if room is not None else 0, len(indices))
     try:
         _prefetch(feed, indices)
         if progress is not None:
@@ -105,7 +131,9 @@ def fill_slot(worker: int, feed: OpenFeed, task: Task, progress: Progress | None
         for done, idx in enumerate(indices, start=1):
             if hang:
                 _injected_hang(feed, idx, hang)
-            reason = fill_row(feed, views, row, idx, task.epoch)
+            if room is not None:
+                room.table[row] = 0  # a row the service decodes; an encoded one says so below
+            reason = fill_row(feed, views, row, idx, task.epoch, room if wanted[done - 1] else None)
             if reason is not None:
                 bad.append((idx, reason))
             else:
@@ -115,7 +143,8 @@ def fill_slot(worker: int, feed: OpenFeed, task: Task, progress: Progress | None
                 progress(done)
     except StoreUnavailable as exc:  # NOTE [ Object store reads ]: the task again later, whole
         return TaskDone(task.task, worker, 0, (), retry=str(exc)[:300])
-    return TaskDone(task.task, worker, row - task.row, tuple(bad[:MAX_BAD_REPORTS]))
+    encoded = 0 if room is None else room.rows
+    return TaskDone(task.task, worker, row - task.row, tuple(bad[:MAX_BAD_REPORTS]), encoded=encoded)
 
 
 def _prefetch(feed: OpenFeed, indices: list[int]) -> None:
@@ -124,8 +153,11 @@ def _prefetch(feed: OpenFeed, indices: list[int]) -> None:
     feed.reader.prefetch(indices if cache is None else [i for i in indices if not cache.holds(i)])
 
 
-def fill_row(feed: OpenFeed, views: SlotViews, row: int, idx: int, epoch: int) -> str | None:
-    """Write sample ``idx`` into ``row`` of every field: None, or why the sample is bad."""
+def fill_row(
+    feed: OpenFeed, views: SlotViews, row: int, idx: int, epoch: int, room: EncodedRoom | None = None
+) -> str | None:
+    """Write sample ``idx`` into ``row`` of every field: None, or why the sample is bad. With
+    ``room``, the row may be left encoded for the trainer instead (NOTE [ Encoded rows ])."""
     if not 0 <= idx < len(feed.index):
         return "index outside dataset"
     final = feed.final_cache()
@@ -134,7 +166,7 @@ def fill_row(feed: OpenFeed, views: SlotViews, row: int, idx: int, epoch: int) -
     if feed.pipeline is not None:
         reason = _pipeline_row(feed, feed.pipeline, views, row, idx, epoch)
     else:
-        reason = _builtin_row(feed, views, row, idx, epoch)
+        reason = _builtin_row(feed, views, row, idx, epoch, room)
     if reason is None and final is not None and final.admitting:
         final.store(idx, [views.fields[f.name][row, ...] for f in feed.spec.layout.fields])
     return reason
@@ -150,13 +182,17 @@ def _copy_cached(cache: SampleCache, layout: SlotLayout, views: SlotViews, row: 
     return True
 
 
-def _builtin_row(feed: OpenFeed, views: SlotViews, row: int, idx: int, epoch: int) -> str | None:
+def _builtin_row(
+    feed: OpenFeed, views: SlotViews, row: int, idx: int, epoch: int, room: EncodedRoom | None
+) -> str | None:
     try:
         rng = sample_rng(feed.spec.seed, epoch, idx)
         out = views.fields["image"][row]
         decoded = feed.decoded_cache()
         if decoded is not None:
             _through_decoded_cache(feed, decoded, idx, out, rng)
+        elif room is not None and (feed.cache is None or not (feed.cache.admitting or feed.cache.holds(idx))):
+            _maybe_encoded(feed.reader.image_bytes(idx), out, feed.recipe, rng, room, row)
         else:
             load_bytes_into(feed.reader.image_bytes(idx), out, feed.recipe, rng)
     except DecodeError as exc:
@@ -167,6 +203,27 @@ def _builtin_row(feed: OpenFeed, views: SlotViews, row: int, idx: int, epoch: in
         return f"{type(exc).__name__}: {exc}"[:200]
     views.fields["label"][row] = feed.index.labels[idx]
     return None
+
+
+def _maybe_encoded(
+    data: bytes,
+    out: npt.NDArray[np.uint8],
+    recipe: Recipe,
+    rng: np.random.Generator,
+    room: EncodedRoom,
+    row: int,
+) -> None:
+    """Leave the row encoded where its file can be and the task's room holds it; else decode it
+    here, with the draws already made (NOTE [ Encoded rows ])."""
+    planned = plan_row(data, out.shape[1], recipe, rng)
+    if planned is None:
+        transform_into(decode_bytes(data), out, recipe, rng)
+        return
+    offset = room.put(data)
+    if offset is None:
+        render(data, planned, out, check=False)
+        return
+    room.table[row] = replace(planned, offset=offset).columns()
 
 
 def _through_decoded_cache(

@@ -15,6 +15,7 @@ import numpy as np
 import numpy.typing as npt
 
 from loader_service.config import ConfigError, FeedConfig
+from loader_service.config.feed import AUTO_ENCODED_ROW_BYTES
 from loader_service.dataset.mixture import Mixture, MixtureEpoch, integer_weights
 from loader_service.dataset.sampler import ShardOrder, shard_order
 from loader_service.dataset.source import Columns
@@ -27,7 +28,8 @@ from loader_service.shm import Segment, new_segment_name, shm_room
 from loader_service.supervisor.rates import FeedCounters
 from loader_service.supervisor.slots import SlotPool
 from loader_service.supervisor.trainers.sessions import credit_cap
-from protocol.layout import CHECK_BYTES, PAGE, SlotLayout, describe_fields
+from protocol.encoded import COLUMNS, LENGTH, OFFSET
+from protocol.layout import CHECK_BYTES, PAGE, SlotLayout, describe_fields, image_fields
 from protocol.messages import MAX_WHERE, FeedInfo, Hello
 from protocol.shares import rank_batches, shard_size
 
@@ -227,6 +229,7 @@ class Feed:
             source_sizes=tuple(len(i) for i in self.index.indexes) if cfg.sources else (),
             data=cfg.data[:MAX_WHERE],  # a path is shorter; a longer pattern or URL fails the compare
             pipeline=cfg.pipeline[:MAX_WHERE],
+            encoded=self.layout.encoded,
         )
 
     def worker_feed(self) -> WorkerFeed:
@@ -246,10 +249,19 @@ class Feed:
 
     def slot_frames(self, slot: int, count: int) -> list[memoryview]:
         """The first ``count`` rows of each of a slot's fields, then its indices, as views of shared
-        memory: what a remote trainer is sent a copy of (NOTE [ Remote sends ])."""
-        start = self.layout.slot_offset(slot, self.config.slots)
+        memory: what a remote trainer is sent a copy of (NOTE [ Remote sends ]); for a feed that
+        offers encoded rows, then the table's ``count`` rows and the bytes up to the last they name."""
+        layout = self.layout
+        start = layout.slot_offset(slot, self.config.slots)
         whole = memoryview(self.segment.buf)
-        return [whole[start + offset : start + offset + size] for offset, size in self.layout.parts(count)]
+        frames = [whole[start + offset : start + offset + size] for offset, size in layout.parts(count)]
+        if layout.encoded:  # the table's rows and the bytes they name (NOTE [ Encoded rows ])
+            table = np.ndarray((count, COLUMNS), np.int64, self.segment.buf, start + layout.table_offset)
+            used = table[table[:, LENGTH] > 0]
+            end = min(int((used[:, OFFSET] + used[:, LENGTH]).max()), layout.encoded_area) if len(used) else 0
+            frames.append(whole[start + layout.table_offset : start + layout.table_offset + table.nbytes])
+            frames.append(whole[start + layout.bytes_offset : start + layout.bytes_offset + end])
+        return frames
 
     def note_bad(self, index: int, reason: str) -> None:
         """Count a skipped sample, and log it: a bad file once, a pipeline failure once per reason.
@@ -287,6 +299,8 @@ class Feed:
             "images_per_second": round(self.counters.decoded.rate(), 1),
             "warm_decoded": self.counters.warm_decoded,
             "split_batches": self.counters.split_batches,
+            "encoded_rows": self.counters.encoded,
+            "encoded_row_bytes": self.layout.encoded,
             "batches": self.counters.batches,
             "bad_files": self.counters.bad_files,
             "store_waits": self.counters.store_waits,
@@ -354,7 +368,7 @@ def batch_layout(config: FeedConfig, index_dir: Path, probe_timeout: float) -> S
     fields stops the start instead of filling every batch with bad samples.
     """
     if not config.pipeline:
-        return SlotLayout.images(config.batch_size, config.image_size)
+        return SlotLayout(config.batch_size, image_fields(config.image_size), encoded_room(config))
     log.info("feed %s: running pipeline %s on sample 0 to learn its fields", config.name, config.pipeline)
     timeout = probe_timeout + PROBE_START_ALLOWANCE
     found = probe_fields(
@@ -378,6 +392,17 @@ def batch_layout(config: FeedConfig, index_dir: Path, probe_timeout: float) -> S
         raise PipelineError(f"feed {config.name}: pipeline {config.pipeline}: {exc}") from None
     log.info("feed %s: batch fields %s", config.name, describe_fields(layout.fields))
     return layout
+
+
+def encoded_room(config: FeedConfig) -> int:
+    """Bytes a row of room for encoded rows (NOTE [ Encoded rows ]): what ``--encoded-row-bytes``
+    says, its auto where the built-in train or eval transform runs with the region decoder (the one
+    path whose crops a row can carry), and 0 wherever no row could go encoded."""
+    if config.pipeline or not config.roi or config.augment not in ("train", "eval"):
+        return 0
+    if config.encoded_row_bytes >= 0:
+        return config.encoded_row_bytes
+    return max(3 * config.image_size**2, AUTO_ENCODED_ROW_BYTES)
 
 
 def _indexing(config: FeedConfig, source: str) -> Callable[[int], None]:

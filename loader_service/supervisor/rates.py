@@ -45,6 +45,9 @@ class FeedCounters:
     """Images decoded for the warm start (NOTE [ Warm start ]), included in ``decoded``."""
     split_batches: int = 0
     """Batches decoded in parts by several workers at once (NOTE [ Split batches ])."""
+    encoded: int = 0
+    """Of the rows the workers wrote (``decoded``), those left encoded for their trainers to decode
+    (NOTE [ Encoded rows ])."""
     served_by_source: npt.NDArray[np.int64] | None = None
     """Rows announced to trainers, by source (NOTE [ Source ledger ]); None: one source."""
     store_waits: int = 0

@@ -12,7 +12,9 @@ from tests.helpers import REPO
 CITED = re.compile(r"NOTE \[ ([^\]]+?) \]")
 DEFINED = re.compile(r'^(?:#|"""|\s)*NOTE \[ ([^\]]+?) \](?::.*)?$')
 """A definition opens a comment or docstring line: the name alone, or followed by a colon."""
-SOURCES = ("protocol", "pixels", "loader_service", "gpu_worker", "benchmarks", "tests", "deploy", "docs", "examples")
+SOURCES = (
+    "protocol", "pixels", "loader_service", "gpu_worker", "benchmarks", "tests", "deploy", "docs", "examples"
+)  # fmt: skip
 
 
 def source_files() -> list[Path]:

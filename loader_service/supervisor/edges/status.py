@@ -32,6 +32,7 @@ from loader_service.supervisor.trainers.ledger import source_status
 from loader_service.supervisor.trainers.load import Load
 from loader_service.supervisor.trainers.sessions import Session
 from loader_service.supervisor.workers.pool import WorkerSet
+from protocol.encoded import MAX_SHARE
 from protocol.messages import MAX_FRAME_BYTES
 from protocol.printable import printable
 
@@ -84,6 +85,8 @@ def _session(feeds: list[Feed], attached: Attachments, s: Session, now: float) -
         "lag": lag(attached, s),
         "idle_seconds": round(now - s.last_seen, 1),
         "demand": round(s.loop.demand(), 3),
+        "encode_share": round(s.encode / MAX_SHARE, 3),
+        "spoiled": s.spoiled,
         "sources": source_status(feeds[s.feed], attached.streams.get(s.stream_key()), s.served),
     }
 

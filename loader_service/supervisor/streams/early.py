@@ -23,7 +23,7 @@ NOTE [ Warm start ]
 from __future__ import annotations
 
 import logging
-from collections.abc import Hashable
+from collections.abc import Callable, Hashable
 from dataclasses import dataclass, field
 
 from loader_service.dataset.mixture import Mixture
@@ -69,8 +69,13 @@ class EarlyBatches(Producer):
         lane: Lane = Lane.WARM,
         mixture: Mixture | None = None,
         requester: Hashable = None,
+        share: Callable[[], int] = lambda: 0,
     ) -> None:
+        """``share``: thousandths of each batch to leave encoded (NOTE [ Encoded rows ]): a stream's
+        next epoch's first batches are its trainer's, so they follow its share; the warm start's
+        have no trainer yet, and the service decodes them."""
         super().__init__(feed, plan, requester)
+        self._share = share
         self.lane = lane
         self.mixture = mixture
         self._limit = batches
@@ -79,6 +84,9 @@ class EarlyBatches(Producer):
         self._forwards: dict[int, _Forward] = {}
         """Old generation -> the stream its in-flight batches were handed to."""
         self.retarget(plan)
+
+    def encode_share(self) -> int:
+        return self._share()
 
     def retarget(self, plan: PlanKey) -> None:
         """Keep another plan warm; the old one's decoded batches are freed.

@@ -59,6 +59,11 @@ class Producer:
     """The weights its trainer chose over the feed's sources (NOTE [ Mixture order ]); None: the
     feed's own order."""
 
+    def encode_share(self) -> int:
+        """Thousandths of each batch's rows to leave encoded for the trainer (NOTE [ Encoded rows ]):
+        none for batches nobody has asked for yet."""
+        return 0
+
     @property
     def epoch_samples(self) -> int:
         """Samples in one epoch of its mixture; 0: the feed's size."""

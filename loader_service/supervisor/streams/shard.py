@@ -125,7 +125,7 @@ class ShardStream(Stream):
         following = (epoch + 1, self.rank, self.world_size, self.remainder, 0)
         if self.ahead is None:
             self.ahead = EarlyBatches(
-                self.feed, self.window, following, Lane.AHEAD, self.mixture, self.requester
+                self.feed, self.window, following, Lane.AHEAD, self.mixture, self.requester, self.encode_share
             )
         else:
             self.ahead.retarget(following)

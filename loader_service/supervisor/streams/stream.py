@@ -80,6 +80,14 @@ class Stream(Producer):
         self.ahead: EarlyBatches | None = None
         """The next epoch's first batches, decoded early where the kind does (NOTE [ Warm start ])."""
 
+    def encode_share(self) -> int:
+        """The share its trainer asked for (NOTE [ Encoded rows ]). A broadcast group's batches are
+        decoded by the service whatever its members ask: one decode there serves every member,
+        where encoded rows would be decoded once by each."""
+        if self.group_size > 1 or len(self.members) != 1:
+            return 0
+        return next(iter(self.members.values())).session.encode
+
     def planned_batches(self) -> int:
         """Batches of the epoch's plan before its planning front (a picked run plans out of order:
         the front is past the highest it planned)."""

@@ -32,16 +32,18 @@ from protocol.messages import (
     Message,
     ProtocolError,
     Release,
+    Spoiled,
     Start,
     StatusReply,
     StatusRequest,
     Want,
     Welcome,
 )
+from protocol.printable import printable
 from protocol.shares import shard_size
 
 log = logging.getLogger(__name__)
-TRAINER_MESSAGES = (Hello, Start, Want, Release, Ack, Heartbeat, Bye, StatusRequest)
+TRAINER_MESSAGES = (Hello, Start, Want, Release, Ack, Heartbeat, Spoiled, Bye, StatusRequest)
 
 
 class TrainerDesk:
@@ -94,6 +96,8 @@ class TrainerDesk:
             if beating is not None:
                 beating.last_seen = time.monotonic()
                 beating.loop.heard(beating.last_seen, msg, beating.delivered)
+                if msg.encode >= 0:
+                    beating.encode_now = msg.encode
                 self._note_beat(routing_id, beating.last_seen)
             return
         session = self._attached.sessions.get(routing_id)
@@ -101,7 +105,7 @@ class TrainerDesk:
             why = "send hello first (the service may have restarted)"
             self._outbox.reject(routing_id, "no-session", why, fatal=True)
             return
-        if isinstance(msg, (Start, Want, Release, Ack, Bye)) and not session.presents(msg.token):
+        if isinstance(msg, (Start, Want, Release, Ack, Spoiled, Bye)) and not session.presents(msg.token):
             self._outbox.reject(routing_id, "bad-token", "this message does not carry its session's token")
             return
         session.last_seen = time.monotonic()
@@ -116,6 +120,8 @@ class TrainerDesk:
             self._on_release(session, msg)
         elif isinstance(msg, Ack):
             self._on_ack(session, msg)
+        elif isinstance(msg, Spoiled):
+            self._on_spoiled(session, msg)
         elif isinstance(msg, Bye):
             self.drop(session, "said bye")
 
@@ -329,6 +335,16 @@ class TrainerDesk:
         stream = self._attached.stream_of(session)
         if isinstance(stream, ShardStream):
             stream.want(msg.seqs, session.credits)
+
+    def _on_spoiled(self, session: Session, msg: Spoiled) -> None:
+        """Encoded rows the trainer could not decode (NOTE [ Encoded rows ]): each a bad sample,
+        logged and counted like one a worker found, at most as many as the rows it was sent. A
+        peer's word is not a worker's: it never stops a ``--strict`` service."""
+        feed = self._feeds[session.feed]
+        room = session.delivered * feed.config.batch_size - session.spoiled
+        for idx, reason in msg.samples[: max(0, room)]:
+            session.spoiled += 1
+            feed.note_bad(idx, f"{printable(reason)[:200]} (decoded by trainer {session.client})")
 
     def _on_release(self, session: Session, msg: Release) -> None:
         stream = self._attached.stream_of(session)

@@ -95,6 +95,11 @@ class Session:
     pinned_through: int = 0
     """Slots ``0 .. this - 1`` the trainer may have pinned: it maps the pool, and was handed one of
     them while it did (NOTE [ Giving slots back ] in loader_service/supervisor/slots.py)."""
+    encode_now: int = -1
+    """Thousandths of its batches' rows the trainer last said it decodes itself (``Heartbeat.encode``);
+    -1: what its hello said."""
+    spoiled: int = 0
+    """Rows it reported it could not decode (``Spoiled``): at most the rows announced to it."""
     token: str = field(default_factory=lambda: secrets.token_hex(16))
     opened_by: Hello | None = None
     """The hello that opened or last resumed the session: the same one again is a repeat."""
@@ -124,6 +129,11 @@ class Session:
         """The trainer's self-description, made safe for a log line or a terminal
         (NOTE [ Chosen names are shown as text ])."""
         return printable(self.hello.client)
+
+    @property
+    def encode(self) -> int:
+        """Thousandths of each of its batches' rows to leave encoded (NOTE [ Encoded rows ])."""
+        return self.hello.encode if self.encode_now < 0 else self.encode_now
 
     @property
     def credits(self) -> int:

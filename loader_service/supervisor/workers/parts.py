@@ -106,7 +106,8 @@ def compact(views: SlotViews, runs: Sequence[Rows]) -> int:
     total = 0
     for start, count in runs:
         if count and start != total:
-            for array in (*views.fields.values(), views.indices):
+            table = () if views.table is None else (views.table,)  # NOTE [ Encoded rows ]
+            for array in (*views.fields.values(), views.indices, *table):
                 array[total : total + count] = array[start : start + count]  # numpy copes with overlap
         total += count
     return total

@@ -67,6 +67,8 @@ class TaskRecord:
     """The batch this task is one part of, if split."""
     waits: int = 0
     """Times a worker handed it back because the data's store did not answer (``TaskDone.retry``)."""
+    encode: int = 0
+    """Thousandths of its samples to leave encoded for the trainer (NOTE [ Encoded rows ])."""
 
     @property
     def feed(self) -> Feed:
@@ -139,6 +141,7 @@ class Scheduler:
                 msg.count,
                 msg.worker,
             )
+        record.feed.counters.encoded += msg.encoded
         self._complete(record, msg.count, msg.bad)
 
     def _complete(self, record: TaskRecord, count: int, bad: tuple[tuple[int, str], ...]) -> None:
@@ -287,7 +290,15 @@ class Scheduler:
             handle.task, handle.samples_done = record.task, 0
             handle.task_since = handle.task_started = now
             self._tasks[record.task] = record
-            task = Task(record.task, record.feed.id, record.slot, record.epoch, record.indices, record.row)
+            task = Task(
+                record.task,
+                record.feed.id,
+                record.slot,
+                record.epoch,
+                record.indices,
+                record.row,
+                record.encode,
+            )
             self._send_worker(handle.routing_id, task)
 
     def _share(self, records: list[TaskRecord], fresh: list[int], spare: int) -> list[TaskRecord]:
@@ -348,7 +359,9 @@ class Scheduler:
         gen, seq, planned = producer.plan_batch()
         self._next_task += 1
         indices = planned.astype("<i8", copy=False).tobytes()
-        record = TaskRecord(self._next_task, producer, gen, seq, producer.epoch, slot, indices)
+        record = TaskRecord(
+            self._next_task, producer, gen, seq, producer.epoch, slot, indices, encode=producer.encode_share()
+        )
         # Every worker taking tasks counts, even one still starting: parts go to whichever worker
         # is idle next; parked ones take none (NOTE [ Sizing workers ]).
         active = self._workers.active

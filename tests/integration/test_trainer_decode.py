@@ -1,0 +1,118 @@
+"""Encoded rows through real processes (issue 46): a trainer that decodes the JPEGs the service sends
+as they are gets the same samples, labels and pixels as one the service decodes for; bad files cost
+their row and are reported; a service that offers none is named; a remote trainer over CURVE takes
+them too; ``auto`` finds a share."""
+
+from __future__ import annotations
+
+import hashlib
+import shutil
+from pathlib import Path
+
+import pytest
+
+from gpu_worker import ServiceError, ServiceLoader
+from loader_service.supervisor.streams.early import WARM_BATCHES
+from protocol.encoded import MAX_SHARE
+from tests.helpers import ServiceFactory, status, wait_until
+
+pytestmark = pytest.mark.integration
+
+
+def epoch(loader: ServiceLoader, number: int) -> dict[int, tuple[int, str]]:
+    """Every sample of epoch ``number``: its label and a digest of its pixels."""
+    loader.set_epoch(number)
+    out: dict[int, tuple[int, str]] = {}
+    for batch in loader:
+        for i, label, image in zip(batch.indices.tolist(), batch.labels.tolist(), batch.images, strict=True):
+            assert i not in out, f"sample {i} twice in epoch {number}"
+            out[i] = (label, hashlib.sha1(image.numpy().tobytes()).hexdigest())
+    return out
+
+
+ROOM = 1 << 20
+"""Bytes of room a row: every test photo fits, so which rows go encoded is the share alone."""
+
+
+@pytest.mark.parametrize("augment", ["train", "eval"])
+def test_rows_a_trainer_decodes_are_the_ones_the_service_would_have_made(
+    photos: Path, start_service: ServiceFactory, augment: str
+) -> None:
+    """Same samples, labels and pixels (every byte: one function makes both) in two epochs; the
+    trainer decoded every row but any of the warm start's (decoded before anyone asked; the first
+    loader took them here)."""
+    service = start_service(
+        photos, batch_size=8, image_size=48, augment=augment, workers=2, encoded_row_bytes=ROOM
+    )
+    with ServiceLoader(service.endpoint, timeout=30) as theirs:
+        expected = [epoch(theirs, e) for e in (0, 1)]
+        assert theirs.stats()["decode"]["trainer_rows"] == 0
+    with ServiceLoader(service.endpoint, timeout=30, decode="trainer", decode_threads=2) as ours:
+        got = [epoch(ours, e) for e in (0, 1)]
+        decode = ours.stats()["decode"]
+    assert got == expected
+    rows = 2 * len(expected[0])
+    assert rows - WARM_BATCHES * 8 <= decode["trainer_rows"] <= rows, decode
+    assert decode["trainer_rows"] + decode["service_rows"] == rows and decode["spoiled"] == 0, decode
+    assert decode["share"] == 1.0 and decode["trainer_ms_per_image"] > 0, decode
+    # and the next epoch's first batches, decoded ahead for it and never taken
+    assert status(service.endpoint)["feeds"][0]["encoded_rows"] >= decode["trainer_rows"]
+
+
+def test_a_share_sends_that_part_of_each_batch_encoded(photos: Path, start_service: ServiceFactory) -> None:
+    """A share of a half, said in the heartbeats: about half the rows come encoded; the epoch is
+    whole and exact."""
+    service = start_service(photos, batch_size=8, image_size=32, workers=1, encoded_row_bytes=ROOM)
+    with ServiceLoader(service.endpoint, timeout=30) as reference:
+        expected = epoch(reference, 3)
+    with ServiceLoader(service.endpoint, timeout=30, decode="trainer") as loader:
+        loader._fleet.decoder.split.share = MAX_SHARE // 2
+        wait_until(
+            lambda: status(service.endpoint)["sessions"][0]["encode_share"] == 0.5, "the share arrived"
+        )
+        got = epoch(loader, 3)
+        decode = loader.stats()["decode"]
+    assert got == expected
+    assert 0.4 * len(got) <= decode["trainer_rows"] <= 0.6 * len(got), decode
+
+
+def undecodable(jpeg: bytes) -> bytes:
+    """A JPEG whose header reads (size, components: what the service reads before sending it) but
+    whose scan names a Huffman table the file never defines, so no decoder can decode its data."""
+    scan = jpeg.index(b"\xff\xda")
+    body = bytearray(jpeg)
+    body[scan + 6] = 0x33  # the first component's DC and AC tables: 3, defined nowhere
+    return bytes(body)
+
+
+def test_a_file_whose_data_does_not_decode_costs_its_row_and_is_reported(
+    photos: Path, start_service: ServiceFactory, tmp_path: Path
+) -> None:
+    """The service reads the header and sends the row; the trainer cannot decode it: the row is
+    left out of its batch (the rest is delivered, exact), and the service logs and counts it as a
+    bad file, as it does when its own worker fails on it."""
+    data = tmp_path / "data"
+    shutil.copytree(photos, data)
+    victim = sorted(data.rglob("*.jpg"))[4]
+    victim.write_bytes(undecodable(victim.read_bytes()))
+    service = start_service(data, batch_size=8, image_size=32, workers=1, encoded_row_bytes=ROOM)
+    with ServiceLoader(service.endpoint, timeout=30, decode="trainer") as loader:
+        got = epoch(loader, 1)
+        decode = loader.stats()["decode"]
+    assert decode["spoiled"] == 1 and len(got) == 89, decode
+    relative = str(victim.relative_to(data))
+    wait_until(lambda: "decoded by trainer" in service.log, "the service logged the trainer's bad row")
+    assert any(relative in line and "decoded by trainer" in line for line in service.log.splitlines())
+    assert status(service.endpoint)["feeds"][0]["bad_files"] == 1
+    with ServiceLoader(service.endpoint, timeout=30) as reference:
+        assert epoch(reference, 1) == got, "the service's own decode refuses it too, and agrees on the rest"
+
+
+def test_decode_trainer_of_a_feed_without_encoded_rows_names_both(
+    photos: Path, start_service: ServiceFactory
+) -> None:
+    service = start_service(photos, batch_size=8, image_size=32, encoded_row_bytes=0)
+    with pytest.raises(ServiceError, match=r"decode='trainer'.*sends no encoded rows.*--encoded-row-bytes 0"):
+        ServiceLoader(service.endpoint, timeout=10, decode="trainer")
+    with ServiceLoader(service.endpoint, timeout=10, decode="auto") as loader:
+        assert len(epoch(loader, 0)) == 90
