@@ -31,6 +31,7 @@ from protocol.messages import (
     Message,
     ProtocolError,
     Release,
+    Spoiled,
     Start,
     Want,
     Welcome,
@@ -76,13 +77,18 @@ EXAMPLES: list[Message] = [
     Heartbeat(sent=3, run=1),
     Ack(4, (6, 7), (1, 2)),
     Bye(),
+    Spoiled(((7, "decoder error: bad Huffman table"),)),
+    Hello("host:1", 1, encode=500),
+    Heartbeat("abc", encode=1000),
     Welcome("s1", FEED, 1.0, 2, 100),
     BatchReady(1, 2, 3, 4, 5, 64),
     EpochEnd(1, 2, 3),
     ErrorReply("bad", "why", True),
     WorkerReady(1, 99),
     Task(1, 0, 2, 3, b"\x00" * 16),
+    Task(1, 0, 2, 3, b"\x00" * 16, 8, encode=250),
     TaskDone(1, 2, 3, ((4, "empty file"),)),
+    TaskDone(1, 2, 3, encoded=2),
     TaskDone(1, 2, 0, (), retry="s3://bucket/a.tar: connection refused"),
     StopWorker(),
 ]
@@ -316,6 +322,10 @@ GOLDEN: list[tuple[Message, str]] = [
         "85a1760ca16ba56572726f72a4636f6465a3626164a76d657373616765a3776879a5666174616cc3",
     ),
     (Bye(), "83a1760ca16ba3627965a5746f6b656ea0"),
+    (
+        Spoiled(((3, "bad data"),)),
+        "84a1760ca16ba773706f696c6564a773616d706c6573919203a86261642064617461a5746f6b656ea0",
+    ),
     (
         Hello("host:1", 1, "train", 6, held=(7,)),
         "de0015a1760ca16ba568656c6c6fa6636c69656e74a6686f73743a31a370696401a466656564a5747261696ea76372656469"

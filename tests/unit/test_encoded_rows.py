@@ -1,0 +1,126 @@
+"""Encoded rows, pure parts (issue 46): the table row's bounds (a peer wrote it), which rows a share
+picks, the room in a slot, what a worker leaves encoded, and the rule that finds the split."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from gpu_worker.split import BUSY, LEAST_STEP, Split, Window
+from loader_service.decode.transforms import Recipe, load_bytes_into, plan_row
+from pixels.render import render
+from protocol.encoded import COLUMNS, EVAL, MAX_SHARE, TRAIN, BadRow, EncodedRow, encoded_rows
+from protocol.layout import PAGE, SlotLayout, image_fields
+from tests.unit.test_jpegcrop import photo_jpeg
+
+GOOD = EncodedRow(100, 5000, TRAIN, True, 480, 640, 10, 20, 300, 400, 4, "area")
+
+
+def test_a_row_round_trips_through_its_columns() -> None:
+    assert EncodedRow.check(GOOD.columns(), 5100) == GOOD
+
+
+@pytest.mark.parametrize(
+    ("column", "value", "area", "says"),
+    [
+        (0, -1, 10_000, "outside the"),  # offset before the area
+        (1, 0, 10_000, "outside the"),  # no bytes
+        (1, 6000, 5_100, "outside the"),  # past the area's end
+        (2, 3, 10_000, "not a known one"),  # mode
+        (3, 2, 10_000, "not a known one"),  # a flag bit nobody defined
+        (10, 3, 10_000, "not a known one"),  # a DCT scale libjpeg-turbo has no fast path for
+        (11, 9, 10_000, "not a known one"),  # filter
+        (4, 0, 10_000, "an image of"),
+        (5, 1 << 22, 10_000, "an image of"),  # 480 x 4M pixels: over MAX_PIXELS
+        (6, 200, 10_000, "outside 480 x 640"),  # the region's bottom past the image
+        (9, 700, 10_000, "outside 480 x 640"),
+        (7, -5, 10_000, "a region at"),
+    ],
+)
+def test_every_column_a_peer_wrote_is_bounded(column: int, value: int, area: int, says: str) -> None:
+    cols = list(GOOD.columns())
+    cols[column] = value
+    with pytest.raises(BadRow, match=says):
+        EncodedRow.check(cols, area)
+    with pytest.raises(BadRow, match="columns"):
+        EncodedRow.check(cols[:-1], area)
+
+
+@pytest.mark.parametrize("rows", [1, 7, 64])
+@pytest.mark.parametrize("share", [0, 1, 250, 500, 999, 1000])
+def test_a_share_picks_that_many_rows_spread_over_the_batch(rows: int, share: int) -> None:
+    picked = encoded_rows(share, rows)
+    assert sum(picked) == rows * share // MAX_SHARE
+    assert encoded_rows(share, rows) == picked, "the same answer for the same numbers"
+    if share == 500 and rows == 64:
+        assert picked[:32].count(True) == 16, "spread, not the first half"
+
+
+def test_the_room_follows_the_indices_and_a_layout_without_it_is_unchanged() -> None:
+    plain = SlotLayout(64, image_fields(224))
+    roomy = SlotLayout(64, image_fields(224), 150_000)
+    assert plain.stride == SlotLayout.images(64, 224).stride and plain.encoded_area == 0
+    assert roomy.table_offset >= roomy.indices_offset + 8 * 64 and roomy.table_offset % 64 == 0
+    assert roomy.bytes_offset == roomy.table_offset + 8 * COLUMNS * 64
+    assert roomy.stride % PAGE == 0 and roomy.stride >= roomy.bytes_offset + 64 * 150_000
+    with pytest.raises(ValueError, match="encoded row room"):
+        SlotLayout(64, image_fields(224), -1)
+
+
+@pytest.mark.parametrize("augment", ["train", "eval"])
+@pytest.mark.parametrize("interpolation", ["bilinear-antialias", "bilinear", "area"])
+def test_a_planned_row_rendered_elsewhere_is_the_row_the_service_writes(
+    augment: str, interpolation: str
+) -> None:
+    """What the service would write, and what a trainer makes of the planned row: every byte."""
+    data = photo_jpeg(450, 600, seed=11)
+    recipe = Recipe(augment, interpolation, roi=True)
+    service = np.empty((3, 64, 64), np.uint8)
+    load_bytes_into(data, service, recipe, np.random.default_rng(3))
+    planned = plan_row(data, 64, recipe, np.random.default_rng(3))
+    assert planned is not None and planned.mode == (EVAL if augment == "eval" else TRAIN)
+    trainer = np.empty((3, 64, 64), np.uint8)
+    render(data, EncodedRow.check(planned.columns(), len(data)), trainer)
+    assert np.array_equal(service, trainer)
+
+
+def test_only_what_the_region_path_takes_is_planned() -> None:
+    data = photo_jpeg(200, 300, seed=2)
+    rng = np.random.default_rng(0)
+    assert plan_row(data, 32, Recipe("none", roi=True), rng) is None, "no crop to carry"
+    assert plan_row(data, 32, Recipe("train", roi=False), rng) is None, "--decoder opencv"
+    assert plan_row(data[:-2], 32, Recipe("train", roi=True), rng) is None, "no EOI: OpenCV's to judge"
+
+
+def window(wait: float, busy: float, images: int = 1000) -> Window:
+    return Window(1.0, waited=wait, computed=1.0 - wait, images=images, busy=busy)
+
+
+def test_the_split_moves_towards_the_side_with_room() -> None:
+    split = Split(0, fixed=False)
+    for _ in range(6):  # the loop waits, the threads idle: more rows come encoded
+        split.observe(window(0.4, 0.2))
+    assert split.share > 500
+    high = split.share
+    split.observe(window(0.4, BUSY + 0.1))  # the threads are the ceiling now: fewer
+    assert split.share < high
+    settled = split.share
+    split.observe(window(0.0, 0.5))  # fed, threads with room: it holds
+    assert split.share == settled
+
+
+def test_a_step_followed_by_a_slower_loop_is_taken_back() -> None:
+    split = Split(500, fixed=False)
+    split.observe(window(0.3, 0.3, images=1000))
+    assert split.share > 500
+    split.observe(window(0.3, 0.3, images=800))  # 20 % fewer images a second
+    assert split.share == 500
+
+
+def test_a_fixed_split_never_moves_and_steps_shrink_on_reversals() -> None:
+    fixed = Split(MAX_SHARE, fixed=True)
+    assert fixed.observe(window(0.9, 0.0)) == MAX_SHARE
+    split = Split(500, fixed=False)
+    for turn in range(12):
+        split.observe(window(0.3, 0.1 if turn % 2 else 0.95))
+    assert split._step == LEAST_STEP and 0 < split.share < MAX_SHARE
