@@ -7,14 +7,17 @@ from __future__ import annotations
 
 import hashlib
 import shutil
+import time
 from pathlib import Path
+from typing import Any
 
 import pytest
 
 from gpu_worker import ServiceError, ServiceLoader
 from loader_service.supervisor.streams.early import WARM_BATCHES
 from protocol.encoded import MAX_SHARE
-from tests.helpers import ServiceFactory, status, wait_until
+from tests.helpers import ServiceFactory, free_port, job_steps, status, wait_until
+from tests.integration.test_remote import Keys
 
 pytestmark = pytest.mark.integration
 
@@ -116,3 +119,71 @@ def test_decode_trainer_of_a_feed_without_encoded_rows_names_both(
         ServiceLoader(service.endpoint, timeout=10, decode="trainer")
     with ServiceLoader(service.endpoint, timeout=10, decode="auto") as loader:
         assert len(epoch(loader, 0)) == 90
+
+
+def pixels_of(batch: Any) -> list[tuple[int, str]]:
+    return [
+        (i, hashlib.sha1(image.numpy().tobytes()).hexdigest())
+        for i, image in zip(batch.indices.tolist(), batch.images, strict=True)
+    ]
+
+
+def test_ranks_and_a_resume_at_another_world_size_take_encoded_rows_exactly_once(
+    photos: Path, start_service: ServiceFactory
+) -> None:
+    """Two ranks decoding their rows take 4 steps; the state resumes a job of three: across both
+    every sample once but the few ``remainder="drop"`` leaves out, each with the service's pixels."""
+    service = start_service(photos, batch_size=4, image_size=32, workers=2, encoded_row_bytes=ROOM)
+    with ServiceLoader(service.endpoint, timeout=30) as reference:
+        expected = epoch(reference, 0)
+    first, state = job_steps(service.endpoint, 2, 4, rows=pixels_of, decode="trainer")
+    rest, _ = job_steps(service.endpoint, 3, -1, state, rows=pixels_of, decode="trainer")
+    taken = dict(first + rest)
+    assert len(taken) == len(first) + len(rest), "no sample twice"
+    left_out = (len(expected) - state["consumed"]) % 3
+    assert len(taken) == len(expected) - left_out
+    assert all(expected[i][1] == digest for i, digest in taken.items())
+    assert status(service.endpoint)["feeds"][0]["encoded_rows"] >= len(taken) - 4 * 8
+
+
+def test_a_remote_trainer_over_curve_takes_encoded_rows(
+    photos: Path, start_service: ServiceFactory, tmp_path: Path
+) -> None:
+    """Over TCP with CURVE the table and the bytes come as two more frames; the trainer decodes into
+    its own copy of the rows (received frames are read-only): the service's pixels, every sample."""
+    keys = Keys(tmp_path / "keys")
+    endpoint = f"tcp://127.0.0.1:{free_port()}"
+    service = start_service(
+        photos, endpoint=endpoint, batch_size=8, image_size=32, encoded_row_bytes=ROOM, **keys.flags()
+    )
+    remote = {"transport": "tcp", "timeout": 30, **keys.of(keys.trainer)}
+    with ServiceLoader(service.endpoint, **remote) as reference:
+        expected = epoch(reference, 2)
+    with ServiceLoader(service.endpoint, decode="trainer", **remote) as loader:
+        assert loader.transport == "tcp"
+        got = epoch(loader, 2)
+        decode = loader.stats()["decode"]
+    assert got == expected
+    assert decode["trainer_rows"] >= len(got) - WARM_BATCHES * 8 and decode["spoiled"] == 0, decode
+
+
+def test_auto_moves_rows_to_a_trainer_whose_service_is_held_to_one_worker(
+    photos: Path, start_service: ServiceFactory
+) -> None:
+    """One decode worker for a loop that only pulls: the loop waits on the service while the
+    trainer's threads idle, so the split sends rows encoded; an epoch taken then is exact."""
+    service = start_service(
+        photos, batch_size=8, image_size=64, workers=1, encoded_row_bytes=ROOM, heartbeat_interval=0.25
+    )
+    with ServiceLoader(service.endpoint, timeout=30, decode="auto", decode_threads=2) as loader:
+        deadline, number = time.monotonic() + 60, 0
+        while loader.stats()["decode"]["trainer_rows"] < 8:
+            assert time.monotonic() < deadline, f"the split did not move: {loader.stats()['decode']}"
+            epoch(loader, number)
+            number += 1
+        before = loader.stats()["decode"]["trainer_rows"]
+        got = epoch(loader, number)
+        decode = loader.stats()["decode"]
+    assert decode["moves"] > 0 and decode["share"] > 0 and decode["trainer_rows"] > before, decode
+    with ServiceLoader(service.endpoint, timeout=30) as reference:
+        assert epoch(reference, number) == got
