@@ -86,7 +86,7 @@ def make_model(name: str) -> tuple[nn.Module, str]:
     if name not in MODELS:
         raise ValueError(f"unknown model {name!r}: one of {', '.join(MODELS)}")
     if name != "tiny" and importlib.util.find_spec("torchvision") is not None:
-        import torchvision.models  # type: ignore[import-not-found]
+        import torchvision.models
 
         return getattr(torchvision.models, name)(num_classes=CLASSES), "torchvision"
     return _own(name)(), "benchmarks.resnet"

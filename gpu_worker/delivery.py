@@ -8,6 +8,7 @@ whose lease ends when its tensors are freed (NOTE [ Slot lifecycle ]).
 from __future__ import annotations
 
 import logging
+import time
 
 import numpy as np
 import numpy.typing as npt
@@ -17,11 +18,12 @@ import zmq
 from gpu_worker.batch import Batch, frame_fields, slot_fields
 from gpu_worker.connection import ServiceError
 from gpu_worker.device import CudaStager
+from gpu_worker.gpu_rows import GpuRows, gpu_decoder
 from gpu_worker.leases import Lease, LeaseBook
 from gpu_worker.loop_clock import LoopClock
 from gpu_worker.mapping import SlotMap
 from gpu_worker.row_decoder import Bad, Pending, RowDecoder
-from protocol.encoded import COLUMNS
+from protocol.encoded import COLUMNS, LENGTH, OFFSET
 from protocol.layout import SlotLayout
 from protocol.messages import BatchReady, FeedInfo
 
@@ -46,6 +48,8 @@ class Delivery:
         self._timeout = timeout
         self._pending: dict[Lease, Pending] = {}
         """Batches whose encoded rows are being decoded, by lease (NOTE [ Encoded rows ])."""
+        self._gpu: GpuRows | None = None
+        """The GPU's JPEG engine, where the device is CUDA and torchvision can use it."""
         self.spoiled: list[tuple[int, str]] = []
         """(sample, why) of encoded rows that could not be decoded, for the service to be told."""
         self._slots: SlotMap | None = None
@@ -76,6 +80,8 @@ class Delivery:
         self._pinned_slots = 0
         if self._slots is not None and self.device.type == "cuda":
             self.stager = self.stager or CudaStager(self.device)
+        if self._decoding and self._gpu is None and (decode := gpu_decoder(self.device)) is not None:
+            self._gpu = GpuRows(self.device, decode)
 
     def _map(self, info: FeedInfo, owner: int | None) -> SlotMap | None:
         """The announced pool, mapped and checked; None where ``auto`` finds it cannot be (TCP)."""
@@ -112,6 +118,8 @@ class Delivery:
     def prepare(self, msg: BatchReady, lease: Lease, frames: list[zmq.Frame] | None) -> None:
         """The batch arrived: begin decoding its encoded rows now, while the loop trains on the ones
         before it (``wrap`` waits for them)."""
+        if self._gpu is not None:
+            return  # decoded on the device once staged (``wrap``)
         if self._decoding and lease not in self._pending and 0 < msg.count <= self._layout.capacity:
             try:
                 pending = self._begin(msg, frames)
@@ -156,7 +164,7 @@ class Delivery:
         self, msg: BatchReady, lease: Lease, frames: list[zmq.Frame] | None
     ) -> tuple[Pending | None, Bad]:
         """The batch's encoded rows, decoded (waiting for what ``prepare`` began), and the bad ones."""
-        if not self._decoding:
+        if not self._decoding or self._gpu is not None:
             return None, []
         pending = self._pending.pop(lease, None)
         if pending is None:
@@ -189,13 +197,39 @@ class Delivery:
             del owner
             raise
         fields, indices = slot_fields(memoryview(owner), self._slots.layout, msg.count)
+        table = self._table(owner, msg.count) if self._gpu is not None else None
         del owner  # from here on only the views keep the slot (and so the lease)
         fields, indices = self._without(bad, fields, indices)
         if self.stager is not None:
             self._pin_through(self.stager, self._slots, msg.slot)
             host = tuple(fields.values())
             fields = dict(zip(fields, self.stager.stage(host, keep_alive=host), strict=True))
+        if table is not None and self._gpu is not None:
+            fields, indices = self._on_device(self._gpu, fields, indices, *table)
         return self._batch(fields, indices, msg)
+
+    def _table(self, owner: object, count: int) -> tuple[npt.NDArray[np.int64], npt.NDArray[np.uint8]]:
+        """A copy of the slot's table rows and its byte area (read before the slot can go back)."""
+        layout, view = self._layout, memoryview(owner)  # type: ignore[arg-type]
+        table = np.frombuffer(view, np.int64, count * COLUMNS, layout.table_offset).reshape(count, COLUMNS)
+        area = np.frombuffer(view, np.uint8, layout.encoded_area, layout.bytes_offset)
+        used = table[table[:, LENGTH] != 0]
+        end = int((used[:, OFFSET] + used[:, LENGTH]).clip(0, len(area)).max()) if len(used) else 0
+        return table.copy(), area[:end].copy()
+
+    def _on_device(
+        self,
+        gpu: GpuRows,
+        fields: dict[str, torch.Tensor],
+        indices: torch.Tensor,
+        table: npt.NDArray[np.int64],
+        area: npt.NDArray[np.uint8],
+    ) -> tuple[dict[str, torch.Tensor], torch.Tensor]:
+        """The encoded rows decoded by the GPU's engine into the staged image rows."""
+        began = time.perf_counter()
+        bad, made = gpu.decode_into(fields["image"], table, area)
+        self._decoder.counted(made, len(bad), time.perf_counter() - began)
+        return self._without(bad, fields, indices)
 
     def _without(
         self, bad: Bad, fields: dict[str, torch.Tensor], indices: torch.Tensor

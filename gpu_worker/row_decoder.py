@@ -135,6 +135,13 @@ class RowDecoder:
             self.counts.spoiled += len(bad)
         return bad
 
+    def counted(self, made: int, spoiled: int, seconds: float) -> None:
+        """Rows decoded elsewhere than this pool's threads (the GPU's engine), for the counts."""
+        with self._lock:
+            self.counts.rows += made
+            self.counts.spoiled += spoiled
+            self.counts.seconds += seconds
+
     def finish(self, pending: Pending, timeout: float) -> Bad:
         """Wait for the batch's rows (TimeoutError after ``timeout`` seconds); the bad ones."""
         deadline = time.monotonic() + timeout

@@ -275,6 +275,27 @@ def scenario_cold(args: argparse.Namespace) -> dict[str, Any]:
     return figure(float(np.median(times)), "s", False, each=times)
 
 
+def scenario_split(args: argparse.Namespace) -> dict[str, Any]:
+    """A service held to one decode worker (the host's CPUs are the ceiling), train at 224: a loop
+    that only pulls, its images/s when the trainer decodes a share found while it runs beside the
+    service (``decode="auto"``, one thread; a revision without it gets the service alone), against
+    the service alone in the same run. The better of the last epochs, the split settled by then."""
+    flags = ["--batch-size", str(BATCH), "--image-size", str(SIZE), "--augment", "train", "--workers", "1"]
+    epochs = args.epochs + 2
+    with service(args.work, args.data, flags) as (endpoint, _):
+        with loader(endpoint) as alone_loader:
+            alone = max(epoch_rate(iter(alone_loader)) for _ in range(args.epochs))
+        try:
+            helped_loader = loader(endpoint, decode="auto", decode_threads=1)
+        except TypeError:  # a revision before encoded rows: the service decodes every row
+            helped_loader = loader(endpoint)
+        with helped_loader as trainer:
+            rates = [epoch_rate(iter(trainer)) for _ in range(epochs)]
+            decode = trainer.stats().get("decode", {})
+    helped = max(rates[-2:])
+    return figure(helped, "images/s", True, service_alone=alone, ratio=helped / alone, each=rates, decode=decode)
+
+
 def scenario_ramp(args: argparse.Namespace) -> dict[str, Any]:
     """A trainer attaches to an idle service started without ``--workers`` whose pipeline waits 10 ms
     a sample (batches of 16): its first epoch's images/s, from attach to the last batch."""
@@ -388,6 +409,7 @@ SCENARIOS: dict[str, Callable[[argparse.Namespace], dict[str, Any]]] = {
     "pipeline": scenario_pipeline,
     "cold": scenario_cold,
     "ramp": scenario_ramp,
+    "split": scenario_split,
     "remote": scenario_remote,
     "straggler": scenario_straggler,
     "idle_memory": scenario_idle_memory,
