@@ -11,8 +11,10 @@ read with RandomResizedCrop 224 and a horizontal flip, fed:
 2. DataLoader: ``num_workers`` = this host's cores, ``pin_memory``, persistent workers, decoding with
    the service's own OpenCV code per sample (``benchmarks.datasets.OpenCVCrops``);
 3. dataferry: ``loader-service serve`` with no ``--workers`` (it sizes itself), read by
-   ``ServiceLoader(device=...)``; its workers finish starting before the trainer attaches, as they do
-   for a service that runs for days.
+   ``ServiceLoader(device=..., decode=...)``, one row per ``--decodes``: the service decodes every
+   row, a share found while it runs goes to the trainer (on CUDA, the GPU's JPEG engine), or every
+   row it can send encoded does (issue 46); its workers finish starting before the trainer
+   attaches, as they do for a service that runs for days.
 
 Each feed first takes ``--warmup`` steps, then is timed for ``--seconds``, the device synchronised at
 both ends. Reported per row: images/s and its fraction of (1); the *exposed wait*, the share of the
@@ -192,8 +194,10 @@ def dataloader_rows(plan: Plan, device: torch.device, data: Path, base: dict[str
 
 
 def service_rows(
-    plan: Plan, device: torch.device, data: Path, run_dir: Path, base: dict[str, float]
+    plan: Plan, device: torch.device, data: Path, run_dir: Path, base: dict[str, float], decode: str
 ) -> list[Row]:
+    """The service's rows, the trainer's rows decoded as ``decode`` says (issue 46: ``service``,
+    ``auto`` or ``trainer``; on CUDA the trainer's share goes to the GPU's JPEG engine)."""
     from gpu_worker import ServiceLoader
     from loader_service.tools.status_view import query_status
 
@@ -201,14 +205,21 @@ def service_rows(
     args += ["--augment", "train", "--log-level", "WARNING"]
     with serving(run_dir, args) as (endpoint, _pid):
         wait_booted(endpoint, timeout=300)
-        with ServiceLoader(endpoint, device=str(device), connect_timeout=120, timeout=120) as loader:
+        with ServiceLoader(
+            endpoint, device=str(device), connect_timeout=120, timeout=120, decode=decode, decode_threads=2
+        ) as loader:
+            if device.type == "cuda":
+                torch.cuda.reset_peak_memory_stats(device)
             batches = epochs(loader)
-            rows = feed_models(plan, device, "dataferry", batches, own_tree, base)
+            rows = feed_models(plan, device, f"dataferry, decode={decode}", batches, own_tree, base)
             batches.close()
+            split = loader.stats()["decode"]
+            peak = torch.cuda.max_memory_allocated(device) / 2**30 if device.type == "cuda" else 0.0
         sizing = query_status(endpoint, 10).get("sizing") or {}
     for row in rows:
         row.feed = (
-            f"dataferry (auto: {sizing.get('active')} of {sizing.get('started')} workers active at the end)"
+            f"dataferry, decode={decode} (share {split['share']:.2f} at the end, GPU peak {peak:.1f} GiB; "
+            f"auto: {sizing.get('active')} of {sizing.get('started')} workers active)"
         )
     return rows
 
@@ -280,6 +291,9 @@ def parse(argv: list[str] | None) -> tuple[Plan, argparse.Namespace]:
     parser.add_argument("--seconds", type=float, default=0.0, help="timed seconds a row (default 25)")
     parser.add_argument("--data", default="", help="keep the photos here and reuse them on the next run")
     parser.add_argument("--out", default="", help="where gpu.json goes (default: a temporary folder)")
+    parser.add_argument(
+        "--decodes", default="service,auto,trainer", help="the service's rows, one per ServiceLoader decode="
+    )
     args = parser.parse_args(argv)
     quick = args.quick
     models = tuple(m for m in args.models.split(",") if m) or (
@@ -321,7 +335,8 @@ def main(argv: list[str] | None = None) -> int:
         base: dict[str, float] = {}
         rows = feed_models(plan, device, "synthetic", synthetic(plan, device), own_tree, base)
         rows += dataloader_rows(plan, device, data, base)
-        rows += service_rows(plan, device, data, run_dir, base)
+        for decode in args.decodes.split(","):
+            rows += service_rows(plan, device, data, run_dir, base, decode)
     text = table(rows, rates, plan, device)
     say("")
     say(text)

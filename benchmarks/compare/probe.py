@@ -293,7 +293,9 @@ def scenario_split(args: argparse.Namespace) -> dict[str, Any]:
             rates = [epoch_rate(iter(trainer)) for _ in range(epochs)]
             decode = trainer.stats().get("decode", {})
     helped = max(rates[-2:])
-    return figure(helped, "images/s", True, service_alone=alone, ratio=helped / alone, each=rates, decode=decode)
+    return figure(
+        helped, "images/s", True, service_alone=alone, ratio=helped / alone, each=rates, decode=decode
+    )
 
 
 def scenario_ramp(args: argparse.Namespace) -> dict[str, Any]:
