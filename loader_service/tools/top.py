@@ -29,7 +29,7 @@ STORE_FIELDS = (("retries", "store_waits"), ("bad_files", "bad_files"))  # a sto
 QUIT_KEYS = b"qQ\x03"
 """Keys that quit (Ctrl-C too, should the terminal pass it on as a key)."""
 VERDICT_STYLES = {"fed": "green", "somewhat input-bound": "yellow", "input-bound": "bold red"}
-TRAINER_COLUMNS = "TRAINER CLIENT FEED >WAIT VERDICT >BATCHES/S >IMAGES/S >LAG"
+TRAINER_COLUMNS = "TRAINER CLIENT FEED >WAIT VERDICT >BATCHES/S >IMAGES/S >LAG >DECODES"
 FEED_COLUMNS = "FEED >IMAGES/S SLOTS >BAD_FILES SAMPLE_CACHE"
 SOURCE_COLUMNS = "TRAINER SOURCE >SERVED >SHARE >ASKED >PASS >POSITION"
 SOURCE_KEYS = ("source", "served", "share", "asked", "pass", "position")
@@ -81,6 +81,7 @@ def _trainer(s: Mapping[str, Any], old: Mapping[str, Any] | None, rows: float | 
         "images_per_s": None if batches is None or rows is None else round(batches * rows, 1),
         "delivered": s.get("delivered"), "lag": s.get("lag"), "idle_s": _number(s.get("idle_seconds")),
         "sources": [dict(row) for row in _list(s.get("sources")) if isinstance(row, Mapping)],
+        "encode_share": _number(s.get("encode_share")),
     }  # fmt: skip
 
 
@@ -198,9 +199,14 @@ def _trainer_table(trainers: list[dict[str, Any]]) -> RenderableType:
         _add_row(
             table, _cell(t["session"]), _cell(t["client"]), _cell(t["feed"]), f"{100 * t['wait_share']:.0f}%",
             Text(t["verdict"], style=VERDICT_STYLES.get(t["verdict"], "")),
-            _cell(t["batches_per_s"]), _cell(t["images_per_s"]), _cell(t["lag"]),
+            _cell(t["batches_per_s"]), _cell(t["images_per_s"]), _cell(t["lag"]), _decodes(t["encode_share"]),
         )  # fmt: skip
     return table
+
+
+def _decodes(share: float | None) -> str:
+    """The share of its rows a trainer decodes itself (NOTE [ Encoded rows ]): blank for none."""
+    return "" if not share else f"{100 * share:.0f}%"
 
 
 def _feed_table(feeds: list[dict[str, Any]]) -> RenderableType:

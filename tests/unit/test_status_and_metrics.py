@@ -45,6 +45,7 @@ SAMPLE_BODY: dict[str, Any] = {
             "images_per_second": 400.1,
             "batches": 80,
             "bad_files": 3,
+            "encoded_rows": 96,
             "recent_bad_files": ["a/1.jpg", "a/2.jpg", "a/3.jpg", "b/x.jpg"],
             "cache": {
                 "kind": "decoded",
@@ -73,6 +74,7 @@ SAMPLE_BODY: dict[str, Any] = {
             "lag": 4,
             "idle_seconds": 0.2,
             "demand": 1.5,
+            "encode_share": 0.375,
         }
     ],
     "load": {"load": 1.35, "busy": 0.9, "demand": 1.5},
@@ -237,6 +239,7 @@ def test_service_metrics_follow_the_status_body() -> None:
     assert samples[("dataferry_decoded_images_total", train)] == 640
     assert samples[("dataferry_decode_images_per_second", train)] == 400.1
     assert samples[("dataferry_bad_files_total", train)] == 3
+    assert samples[("dataferry_encoded_rows_total", train)] == 96
     assert samples[("dataferry_batches_total", train)] == 80
     assert samples[("dataferry_cache_bytes", train)] == 4 * 2**30
     assert samples[("dataferry_cache_used_bytes", train)] == 3 * 2**30
@@ -253,6 +256,7 @@ def test_service_metrics_follow_the_status_body() -> None:
     assert samples[("dataferry_trainer_lag_batches", trainer)] == 4
     assert samples[("dataferry_trainer_credits", trainer)] == 6
     assert samples[("dataferry_trainer_loop_demand", trainer)] == 1.5
+    assert samples[("dataferry_trainer_encode_ratio", trainer)] == 0.375
     assert samples[("dataferry_load", frozenset())] == 1.35  # NOTE [ Fleet load ]
     assert samples[("dataferry_decode_busy", frozenset())] == 0.9
     assert samples[("dataferry_demand", frozenset())] == 1.5

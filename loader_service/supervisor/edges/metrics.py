@@ -21,6 +21,7 @@ Prometheus's ``rate()`` handles as a counter reset.
     dataferry_batches_total{feed}                              counter
     dataferry_slots{feed, state}                               gauge   (free, filling, ready, leased)
     dataferry_bad_files_total{feed}                            counter
+    dataferry_encoded_rows_total{feed}                         counter (decoded by their trainers)
     dataferry_store_waits_total{feed}                          counter (tasks handed back: a silent store)
     dataferry_cache_bytes{feed}                                gauge   (the cache's size, --cache-memory)
     dataferry_cache_used_bytes{feed}                           gauge
@@ -39,6 +40,7 @@ Prometheus's ``rate()`` handles as a counter reset.
     dataferry_decode_busy_ratio                                gauge   (0 to 1)
     dataferry_demand                                           gauge
     dataferry_trainer_loop_demand{client, feed}                gauge
+    dataferry_trainer_encode_ratio{client, feed}               gauge   (rows it decodes itself, 0 to 1)
     dataferry_source_served_samples_total{feed, source}        counter (a feed of several sources)
     dataferry_trainer_source_served_samples_total{client, feed, source}  counter
     dataferry_trainer_source_asked_ratio{client, feed, source}           gauge (0 to 1)
@@ -266,6 +268,11 @@ def _feed_families(feeds: list[Mapping[str, Any]]) -> Iterator[Metric]:
     )
     batches = CounterMetricFamily("dataferry_batches", "Batches filled, per feed.", labels=["feed"])
     bad = CounterMetricFamily("dataferry_bad_files", "Files skipped, per feed.", labels=["feed"])
+    encoded = CounterMetricFamily(
+        "dataferry_encoded_rows",
+        "Rows left encoded for their trainers to decode, per feed (NOTE [ Encoded rows ]).",
+        labels=["feed"],
+    )
     waits = CounterMetricFamily(
         "dataferry_store_waits",
         "Tasks handed back because the data's store did not answer within the read deadline, per feed.",
@@ -277,11 +284,12 @@ def _feed_families(feeds: list[Mapping[str, Any]]) -> Iterator[Metric]:
         for family, key in ((decoded, "decoded"), (rate, "images_per_second"), (batches, "batches")):
             _add(family, [name], feed.get(key))
         _add(bad, [name], feed.get("bad_files"))
+        _add(encoded, [name], feed.get("encoded_rows"))
         _add(waits, [name], feed.get("store_waits"))
         counts = feed.get("slots")
         for state in SLOT_STATES:
             _add(slots, [name, state], counts.get(state) if isinstance(counts, Mapping) else None)
-    yield from (decoded, rate, batches, bad, waits, slots)
+    yield from (decoded, rate, batches, bad, encoded, waits, slots)
     yield from _cache_families(feeds)
     yield from _source_families(feeds)
 

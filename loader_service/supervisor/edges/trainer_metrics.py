@@ -45,6 +45,8 @@ LARGEST = (
     ("demand", "dataferry_trainer_loop_demand", "A trainer's (waited + computed) / computed over the last "
      "10 s, as far as the service saw it wait, its largest over its sessions (NOTE [ Exposed wait ], "
      "NOTE [ Fleet load ])."),
+    ("encode_share", "dataferry_trainer_encode_ratio", "The share of a trainer's rows it decodes itself "
+     "(NOTE [ Encoded rows ]), its largest over its sessions."),
 )  # fmt: skip
 LARGEST_BY_SOURCE = (
     (
