@@ -16,6 +16,7 @@ import pytest
 from gpu_worker import ServiceError, ServiceLoader
 from loader_service.supervisor.streams.early import WARM_BATCHES
 from protocol.encoded import MAX_SHARE
+from protocol.messages import Spoiled
 from tests.helpers import ServiceFactory, free_port, job_steps, status, wait_until
 from tests.integration.test_remote import Keys
 
@@ -187,3 +188,22 @@ def test_auto_moves_rows_to_a_trainer_whose_service_is_held_to_one_worker(
     assert decode["moves"] > 0 and decode["share"] > 0 and decode["trainer_rows"] > before, decode
     with ServiceLoader(service.endpoint, timeout=30) as reference:
         assert epoch(reference, number) == got
+
+
+def test_a_trainers_reports_of_bad_rows_are_bounded_by_the_rows_it_was_sent(
+    photos: Path, start_service: ServiceFactory
+) -> None:
+    """A trainer is a peer: after one batch of 8 rows, 300 claims of bad samples (ten times over
+    the protocol's 256 a message) are counted as at most 8, and a ``--strict`` service, which stops
+    at the first bad file its own workers find, goes on."""
+    service = start_service(photos, batch_size=8, image_size=32, workers=1, strict=True)
+    with ServiceLoader(service.endpoint, timeout=30) as loader:
+        next(iter(loader))
+        conn = loader._fleet.services[0].conn
+        for first in range(0, 300, 100):
+            conn.send(Spoiled(tuple((i, "made up") for i in range(first, first + 100))))
+        wait_until(lambda: status(service.endpoint)["feeds"][0]["bad_files"] >= 8, "the claims arrived")
+        loader.set_epoch(1)
+        assert len(epoch(loader, 1)) == 90, "the service goes on, --strict or not"
+    assert status(service.endpoint)["feeds"][0]["bad_files"] == 8
+    assert service.proc.poll() is None
