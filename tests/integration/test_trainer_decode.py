@@ -207,3 +207,13 @@ def test_a_trainers_reports_of_bad_rows_are_bounded_by_the_rows_it_was_sent(
         assert len(epoch(loader, 1)) == 90, "the service goes on, --strict or not"
     assert status(service.endpoint)["feeds"][0]["bad_files"] == 8
     assert service.proc.poll() is None
+
+
+def test_a_local_loader_decodes_its_rows_too(photos: Path) -> None:
+    """``ServiceLoader.local(..., decode="trainer")``: the private service offers encoded rows and the
+    loader decodes them."""
+    options = {"batch_size": 8, "image_size": 32, "workers": 1, "encoded_row_bytes": ROOM}
+    with ServiceLoader.local(photos, decode="trainer", timeout=30, **options) as loader:
+        got = epoch(loader, 1)
+        decode = loader.stats()["decode"]
+    assert len(got) == 90 and decode["trainer_rows"] > 0 and decode["spoiled"] == 0, decode
