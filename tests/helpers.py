@@ -32,8 +32,9 @@ import zmq
 
 from curvekeys import ClientKeys
 from gpu_worker import ServiceLoader
+from loader_service.config.feed import AUTO_ENCODED_ROW_BYTES
 from protocol.codec import decode, encode
-from protocol.layout import SlotLayout
+from protocol.layout import PAGE, SlotLayout, image_fields
 from protocol.messages import StatusReply, StatusRequest
 
 SHM = Path("/dev/shm")
@@ -54,6 +55,15 @@ def pool_bytes(service_pid: int, shm: Path = SHM, feed: str = "train") -> int:
     """Memory backing a service's slot pool now: blocks of its segment in ``shm``, not its size."""
     (name,) = [n for n in os.listdir(shm) if n.startswith(f"dataferry-{service_pid}-{feed}-")]
     return os.stat(shm / name).st_blocks * 512
+
+
+def slot_reserve(batch_size: int, image_size: int) -> int:
+    """Bytes a slot of the built-in transforms' feed reserves when added (``SlotPool``'s ``ahead``,
+    whole pages): everything but its room for encoded rows, which the default offers and reserves
+    only once a batch there leaves a row encoded (NOTE [ Encoded rows ])."""
+    room = max(3 * image_size**2, AUTO_ENCODED_ROW_BYTES)
+    layout = SlotLayout(batch_size, image_fields(image_size), room)
+    return -(-layout.bytes_offset // PAGE) * PAGE
 
 
 def owner_running(segment: str) -> bool:

@@ -94,8 +94,11 @@ class Feed:
         index = FeedSources.load(index_dir)
         layout = batch_layout(config, index_dir, probe_timeout)
         pool_end = layout.segment_bytes(config.slots)
-        # NOTE [ A pool as large as what is in flight ]: the first slots and the check page now.
-        reserve = ((0, layout.segment_bytes(config.first_slots or config.slots)), (pool_end, PAGE))
+        # NOTE [ A pool as large as what is in flight ]: the first slots and the check page now; of
+        # each slot, its room for encoded rows only once a batch there uses it (SlotPool.room).
+        ahead = layout.bytes_offset if layout.encoded else layout.stride
+        first = config.first_slots or config.slots
+        reserve = (*((slot * layout.stride, ahead) for slot in range(first)), (pool_end, PAGE))
         segment = Segment.create(
             new_segment_name(config.name), layout.mapped_bytes(config.slots), group, reserve=reserve
         )
@@ -107,7 +110,7 @@ class Feed:
             raise
         check = secrets.token_bytes(CHECK_BYTES)
         segment.buf[pool_end : pool_end + CHECK_BYTES] = check  # NOTE in protocol.layout
-        pool = SlotPool(config.first_slots or config.slots, config.slots, segment, layout.stride, config.name)
+        pool = SlotPool(first, config.slots, segment, layout.stride, config.name, ahead=ahead)
         fingerprint = index.fingerprint()
         return cls(feed_id, config, index, layout, segment, pool, index_dir, fingerprint, check.hex(), cache)
 
@@ -295,6 +298,7 @@ class Feed:
             "credits_most": credit_cap(self.reach()),
             "pool_refused": self.pool.refused,
             "pool_given_back": self.pool.given_back,
+            "encoded_room_refused": self.pool.room_refused,
             "decoded": self.counters.decoded.total,
             "images_per_second": round(self.counters.decoded.rate(), 1),
             "warm_decoded": self.counters.warm_decoded,

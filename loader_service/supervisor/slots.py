@@ -117,7 +117,12 @@ class SlotPool:
         stride: int = 0,
         name: str = "",
         clock: Callable[[], float] = time.monotonic,
+        ahead: int = 0,
     ) -> None:
+        """``ahead``: the bytes of a slot reserved when it is added (0: all ``stride``); the rest
+        is its room for encoded rows, reserved when a batch there first leaves a row encoded
+        (``room``; NOTE [ Encoded rows ] in protocol/encoded.py), so a pool whose trainers decode
+        nothing never holds it."""
         self.capacity = max(capacity, slots)
         self.first = slots
         """The size it started at: it never gives back below it."""
@@ -127,6 +132,11 @@ class SlotPool:
         self._ready_since: dict[int, float] = {}
         self._backing: Backing = backing or _Unbacked()
         self._stride = stride
+        self._ahead = ahead or stride
+        self._roomy: set[int] = set()
+        """Slots whose room for encoded rows is reserved too."""
+        self.room_refused = 0
+        """Batches decoded whole because /dev/shm had no room for their slot's encoded rows."""
         self._name = name
         self.refused = 0
         """Growths refused: /dev/shm full, or at its floor (NOTE [ A /dev/shm floor ])."""
@@ -163,7 +173,7 @@ class SlotPool:
         now = self._clock()
         if self.full or now < self._retry_at:
             return False
-        if not self._backing.reserve(len(self) * self._stride, self._stride):
+        if not self._backing.reserve(len(self) * self._stride, self._ahead):
             self.refused += 1
             self._retry_at = now + GROW_RETRY
             if self._refusals.allow(now):
@@ -193,6 +203,7 @@ class SlotPool:
         if end == size:
             return 0
         del self._states[end:]
+        self._roomy = {slot for slot in self._roomy if slot < end}
         self._free = [slot for slot in self._free if slot < end]
         heapq.heapify(self._free)
         self._backing.give_back(end * self._stride, (size - end) * self._stride)
@@ -208,6 +219,18 @@ class SlotPool:
             after,
         )
         return size - end
+
+    def room(self, slot: int) -> bool:
+        """Whether ``slot``'s room for encoded rows is reserved, reserving it now if it may be: a
+        worker writes there only after this said True (every byte reserved before it is used)."""
+        if self._ahead >= self._stride or slot in self._roomy:
+            return True
+        start = slot * self._stride + self._ahead
+        if not self._backing.reserve(start, self._stride - self._ahead):
+            self.room_refused += 1
+            return False
+        self._roomy.add(slot)
+        return True
 
     @property
     def free(self) -> int:

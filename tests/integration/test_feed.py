@@ -21,8 +21,8 @@ from loader_service.decode.contract import INTERPOLATIONS
 from loader_service.decode.decoders import roi_decoder_version
 from pixels.geometry import eval_geometry, random_resized_crop_params
 from pixels.regions import ROI_HEADROOM, roi_scale
-from protocol.layout import PAGE, SlotLayout
-from tests.helpers import ServiceFactory, in_background, our_segments, pool_bytes, status
+from protocol.layout import PAGE
+from tests.helpers import ServiceFactory, in_background, our_segments, pool_bytes, slot_reserve, status
 
 pytestmark = pytest.mark.integration
 
@@ -297,7 +297,7 @@ def test_an_automatic_pool_grows_to_what_its_trainer_holds(
 ) -> None:
     # NOTE [ A pool as large as what is in flight ]: 8 slots reserved at start, 256 at most.
     service = start_service(photos, workers=2)
-    stride = SlotLayout.images(8, 32).stride
+    stride = slot_reserve(8, 32)  # what each slot reserves: its encoded rows' room only when used
     feed = status(service.endpoint)["feeds"][0]
     assert (sum(feed["slots"].values()), feed["slots_most"]) == (FIRST_SLOTS, AUTO_MOST_SLOTS)
     assert pool_bytes(service.proc.pid) == FIRST_SLOTS * stride + PAGE, "more than the first slots reserved"
@@ -317,6 +317,6 @@ def test_an_automatic_pool_grows_to_what_its_trainer_holds(
 
 def test_a_given_pool_is_reserved_whole_at_start(photos: Path, start_service: ServiceFactory) -> None:
     service = start_service(photos, slots=20)
-    assert pool_bytes(service.proc.pid) == 20 * SlotLayout.images(8, 32).stride + PAGE
+    assert pool_bytes(service.proc.pid) == 20 * slot_reserve(8, 32) + PAGE
     feed = status(service.endpoint)["feeds"][0]
     assert (sum(feed["slots"].values()), feed["slots_most"]) == (20, 20)

@@ -30,7 +30,15 @@ from protocol.messages import (
     Start,
     Welcome,
 )
-from tests.helpers import ServiceFactory, in_background, pool_bytes, private_shm_available, status, wait_until
+from tests.helpers import (
+    ServiceFactory,
+    in_background,
+    pool_bytes,
+    private_shm_available,
+    slot_reserve,
+    status,
+    wait_until,
+)
 
 pytestmark = pytest.mark.integration
 FROM_SERVICE = (Welcome, BatchReady, EpochEnd, ErrorReply, Heartbeat)
@@ -200,7 +208,7 @@ def test_the_pool_gives_back_what_a_peer_held_once_it_is_gone(
     the peer's: a trainer on this host keeps every slot up to the highest it was handed, which it
     may have pinned, until it leaves: NOTE [ Giving slots back ].)"""
     service = start_service(photos, batch_size=1, client_timeout=4)  # the pool looks every 8 s
-    stride = SlotLayout.images(1, 32).stride
+    stride = slot_reserve(1, 32)  # what each slot reserves: no trainer here decodes encoded rows
     trainer = Steps(service.endpoint)
     with in_background(trainer.run, "the trainer") as outcome:
         try:
@@ -249,7 +257,8 @@ def test_the_pool_stops_growing_above_a_floor_of_dev_shm(photos: Path, start_ser
     peer's share would need more. The pool grows by those two and no further, counted and logged,
     and the floor stays free: the other job can still allocate it. Before the floor the pool grew
     until /dev/shm was full and the other job's allocation failed with ENOSPC."""
-    service = start_service(photos, private_shm=True, batch_size=8, image_size=104)
+    # No room for encoded rows: slots of one size, so "two slots' worth" is two slots.
+    service = start_service(photos, private_shm=True, batch_size=8, image_size=104, encoded_row_bytes=0)
     shm = Path(f"/proc/{service.proc.pid}/root/dev/shm")  # the service's own /dev/shm
     stride = SlotLayout.images(8, 104).stride
     space = status(service.endpoint)["shm"]

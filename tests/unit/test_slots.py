@@ -91,6 +91,23 @@ def test_a_refused_growth_is_counted_and_tried_again_later() -> None:
     assert pool.grow() and len(pool) == 3, "room others freed is the pool's again"
 
 
+def test_a_slots_room_for_encoded_rows_is_reserved_only_once_a_batch_there_uses_it() -> None:
+    """NOTE [ Encoded rows ]: 100 bytes a slot, the last 40 its room; a pool whose trainers decode
+    nothing never holds that room, and a slot given back gives its room back with it."""
+    clock = [0.0]
+    memory = Memory()
+    pool = SlotPool(1, capacity=4, backing=memory, stride=100, clock=lambda: clock[0], ahead=60)
+    assert pool.grow() and memory.reserved == [(100, 60)], "a new slot without its room"
+    assert pool.room(1) and pool.room(1) and memory.reserved == [(100, 60), (160, 40)], "once"
+    memory.room = False
+    assert not pool.room(0) and pool.room_refused == 1, "no room: that batch is decoded whole"
+    memory.room = True
+    assert pool.room(0) and memory.reserved[-1] == (60, 40)
+    clock[0] += 100
+    assert pool.give_back(clock[0], keep=0, after=10) == 1 and memory.returned == [(100, 100)]
+    assert pool.grow() and pool.room(1) and memory.reserved[-2:] == [(100, 60), (160, 40)], "afresh"
+
+
 def acquired(pool: SlotPool) -> int:
     slot = pool.acquire()
     assert slot is not None

@@ -359,9 +359,10 @@ class Scheduler:
         gen, seq, planned = producer.plan_batch()
         self._next_task += 1
         indices = planned.astype("<i8", copy=False).tobytes()
-        record = TaskRecord(
-            self._next_task, producer, gen, seq, producer.epoch, slot, indices, encode=producer.encode_share()
-        )
+        encode = producer.encode_share()
+        if encode and not producer.feed.pool.room(slot):
+            encode = 0  # /dev/shm holds no room for its encoded rows: decoded whole (SlotPool.room)
+        record = TaskRecord(self._next_task, producer, gen, seq, producer.epoch, slot, indices, encode=encode)
         # Every worker taking tasks counts, even one still starting: parts go to whichever worker
         # is idle next; parked ones take none (NOTE [ Sizing workers ]).
         active = self._workers.active
