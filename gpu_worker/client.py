@@ -408,6 +408,10 @@ class ServiceLoader:
         any batch (NOTE [ Encoded rows ])."""
         if self.config.decode != "trainer":
             return
+        if self._fleet.decoder.unable:
+            raise ServiceError(
+                f"decode='trainer': this trainer cannot decode encoded rows: {self._fleet.decoder.unable}"
+            )
         none = [s.endpoint for s in self._fleet.services if s.info is not None and not s.info.encoded]
         if none:
             raise ServiceError(

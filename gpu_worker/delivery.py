@@ -23,8 +23,8 @@ from gpu_worker.leases import Lease, LeaseBook
 from gpu_worker.loop_clock import LoopClock
 from gpu_worker.mapping import SlotMap
 from gpu_worker.row_decoder import Bad, Pending, RowDecoder
-from protocol.encoded import COLUMNS, LENGTH, OFFSET
-from protocol.layout import SlotLayout
+from protocol.encoded import COLUMNS, LENGTH, MAX_PIXELS, OFFSET
+from protocol.layout import SlotLayout, describe_fields
 from protocol.messages import BatchReady, FeedInfo
 
 log = logging.getLogger(__name__)
@@ -49,6 +49,8 @@ class Delivery:
         self._pending: dict[Lease, Pending] = {}
         """Batches whose encoded rows are being decoded, by lease (NOTE [ Encoded rows ])."""
         self._gpu: GpuRows | None = None
+        self._max_pixels = MAX_PIXELS
+        """The largest image an encoded row may name: the service's own limit."""
         """The GPU's JPEG engine, where the device is CUDA and torchvision can use it."""
         self.spoiled: list[tuple[int, str]] = []
         """(sample, why) of encoded rows that could not be decoded, for the service to be told."""
@@ -69,6 +71,12 @@ class Delivery:
             self._layout = SlotLayout.from_wire(info.batch_size, info.fields, info.encoded)
         except ValueError as exc:
             raise ServiceError(f"the service announced an unusable slot layout: {exc}") from None
+        if info.encoded and not _encodable(self._layout):
+            raise ServiceError(
+                "the service offers encoded rows for a batch without an image field uint8[3, S, S]: "
+                f"{describe_fields(self._layout.fields)}"
+            )
+        self._max_pixels = _max_pixels(info.decoding)
         self._offsets = _offsets(info)
         self._abandon_all()  # the old pool's batches: nothing may write into it from here
         self._slots = self._map(info, owner)
@@ -80,8 +88,10 @@ class Delivery:
         self._pinned_slots = 0
         if self._slots is not None and self.device.type == "cuda":
             self.stager = self.stager or CudaStager(self.device)
-        if self._decoding and self._gpu is None and (decode := gpu_decoder(self.device)) is not None:
-            self._gpu = GpuRows(self.device, decode)
+        # The GPU's engine takes a mapped pool's rows; received ones (tcp) are decoded on the CPU.
+        self._gpu = None
+        if self._decoding and self._slots is not None and (decode := gpu_decoder(self.device)) is not None:
+            self._gpu = GpuRows(self.device, decode, self._max_pixels)
 
     def _map(self, info: FeedInfo, owner: int | None) -> SlotMap | None:
         """The announced pool, mapped and checked; None where ``auto`` finds it cannot be (TCP)."""
@@ -152,13 +162,14 @@ class Delivery:
             area = np.frombuffer(view, np.uint8, layout.encoded_area, layout.bytes_offset)
             offset = layout.offsets[layout.names.index("image")]
             image = np.frombuffer(view, np.uint8, count * image_spec.row_bytes, offset)
-            return self._decoder.start(table.copy(), area, image.reshape(count, *image_spec.shape), owner)
+            shape = image.reshape(count, *image_spec.shape)
+            return self._decoder.start(table.copy(), area, shape, owner, self._max_pixels)
         data, table_frame, area_frame = _split_frames(frames, layout, count)
         table = np.frombuffer(table_frame.buffer, np.int64).reshape(count, COLUMNS).copy()
         area = np.frombuffer(area_frame.buffer, np.uint8)
         received = np.frombuffer(data[layout.names.index("image")].buffer, np.uint8)
         image = received.reshape(count, *image_spec.shape).copy()
-        return self._decoder.start(table, area, image, area_frame)
+        return self._decoder.start(table, area, image, area_frame, self._max_pixels)
 
     def _decoded(
         self, msg: BatchReady, lease: Lease, frames: list[zmq.Frame] | None
@@ -241,7 +252,8 @@ class Delivery:
         samples = indices.tolist()
         self.spoiled += [(samples[row], why) for row, why in bad]
         keep = torch.from_numpy(np.setdiff1d(np.arange(len(samples)), [row for row, _ in bad]))
-        return {name: t.index_select(0, keep) for name, t in fields.items()}, indices.index_select(0, keep)
+        kept = {name: t.index_select(0, keep.to(t.device)) for name, t in fields.items()}
+        return kept, indices.index_select(0, keep)
 
     def _pin_through(self, stager: CudaStager, slots: SlotMap, slot: int) -> None:
         """Pin the slots up to ``slot``: every slot below an announced one is backed by memory (NOTE
@@ -310,12 +322,40 @@ class Delivery:
         if self.stager is not None:
             self.stager.collect()
 
+    def abandon_all(self) -> None:
+        """Every batch being decoded is given up, and nothing writes into its slot from here: before
+        a bye, which frees every slot of the session at once."""
+        self._abandon_all()
+
     def close(self) -> None:
         self._abandon_all()
         if self.stager is not None:
             self.stager.close()
         if self._slots is not None:
             self._slots.close()
+
+
+def _encodable(layout: SlotLayout) -> bool:
+    """Whether the layout has the built-in image field that encoded rows are decoded into."""
+    if "image" not in layout.names:
+        return False
+    image = layout.field("image")
+    return (
+        image.dtype == "uint8"
+        and len(image.shape) == 3
+        and image.shape[0] == 3
+        and image.shape[1] == image.shape[2]
+    )
+
+
+def _max_pixels(decoding: str) -> int:
+    """The service's pixel limit (``max-pixels=N`` in ``FeedInfo.decoding``), at most ``MAX_PIXELS``:
+    no encoded row may name a larger image, so no decode here allocates more than the service's would."""
+    for word in decoding.split():
+        key, _, value = word.partition("=")
+        if key == "max-pixels" and value.isdigit() and int(value) > 0:
+            return min(int(value), MAX_PIXELS)
+    return MAX_PIXELS
 
 
 def _split_frames(

@@ -31,7 +31,7 @@ import torch
 from torch.nn.functional import interpolate
 
 from pixels.geometry import eval_geometry
-from protocol.encoded import EVAL, LENGTH, BadRow, EncodedRow
+from protocol.encoded import EVAL, LENGTH, MAX_PIXELS, BadRow, EncodedRow
 
 Bad = list[tuple[int, str]]
 
@@ -56,8 +56,13 @@ class GpuRows:
     """Decodes a batch's encoded rows into its device image rows."""
 
     def __init__(
-        self, device: torch.device, decode: Callable[[list[torch.Tensor]], list[torch.Tensor]]
+        self,
+        device: torch.device,
+        decode: Callable[[list[torch.Tensor]], list[torch.Tensor]],
+        max_pixels: int = MAX_PIXELS,
     ) -> None:
+        """``max_pixels``: the service's limit; no row naming a larger image is decoded."""
+        self.max_pixels = max_pixels
         self.device = device
         self._decode = decode
         self._stream = torch.cuda.Stream(device)
@@ -71,7 +76,7 @@ class GpuRows:
         rows: list[tuple[int, EncodedRow, torch.Tensor]] = []
         for r in np.flatnonzero(table[:, LENGTH] != 0).tolist():
             try:
-                row = EncodedRow.check(table[r].tolist(), len(area))
+                row = EncodedRow.check(table[r].tolist(), len(area), self.max_pixels)
             except BadRow as exc:
                 bad.append((r, str(exc)))
                 continue

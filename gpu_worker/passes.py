@@ -118,10 +118,11 @@ class EpochPass:
                     self._restart()
                 clock.waiting()  # NOTE [ Exposed wait ]: only the pull counts as waiting
                 service, msg = self._next()
-                clock.computing()
                 if msg is None:  # the broadcast epoch's end
+                    clock.computing()
                     break
-                batch = service.wrap(msg)
+                batch = service.wrap(msg)  # its encoded rows' decode, if not done yet, is waiting too
+                clock.computing()
                 fleet.decoder.handed(len(batch.indices))
                 self.position = self._after(msg)
                 if not len(batch.indices):

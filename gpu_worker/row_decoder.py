@@ -15,7 +15,7 @@ from __future__ import annotations
 import threading
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import numpy as np
@@ -25,7 +25,7 @@ from gpu_worker.loader_config import DECODES, MAX_DECODE_THREADS
 from gpu_worker.loop_clock import LoopClock
 from gpu_worker.split import WINDOW, Split, Window
 from pixels import DecodeError
-from protocol.encoded import LENGTH, MAX_SHARE, BadRow, EncodedRow
+from protocol.encoded import LENGTH, MAX_PIXELS, MAX_SHARE, BadRow, EncodedRow
 
 Bad = list[tuple[int, str]]
 """(row, why) of rows that could not be decoded."""
@@ -69,19 +69,28 @@ class RowDecoder:
             raise ValueError(f"decode_threads must be 1 to {MAX_DECODE_THREADS}, got {threads}")
         self.mode = mode
         self.threads = threads
+        self.unable = ""
+        """Why this process cannot decode encoded rows though asked to ('' where it can)."""
         self.split = Split(MAX_SHARE if mode == "trainer" else 0, fixed=mode != "auto")
         self._clock = clock
         self._pool: ThreadPoolExecutor | None = None
         if mode != "service":
+            from pixels import regions
             from pixels.render import render  # OpenCV: imported only by a loader that decodes
 
             self._render = render
-            self._pool = ThreadPoolExecutor(threads, thread_name_prefix="dataferry-decode")
+            if regions.built():
+                self._pool = ThreadPoolExecutor(threads, thread_name_prefix="dataferry-decode")
+            else:
+                self.unable = (
+                    "the region decoder (pixels._jpegcrop) is not built in this install: install "
+                    "libjpeg-turbo's headers (Debian: libjpeg-dev) and reinstall dataferry"
+                )
         self._lock = threading.Lock()
         self.counts = DecodeCounts()
         self._began = time.monotonic()
-        self._window = (self._began, 0.0, 0.0, 0, 0.0)
-        """(start, waited, computed, rows delivered, decode seconds) when the window began."""
+        self._window = (self._began, 0.0, 0.0, 0, 0.0, 0)
+        """(start, waited, computed, rows delivered, decode seconds, rows decoded) when it began."""
 
     @property
     def takes_encoded(self) -> bool:
@@ -100,16 +109,18 @@ class RowDecoder:
         area: npt.NDArray[np.uint8],
         image: npt.NDArray[np.uint8],
         keep: Any,
+        max_pixels: int = MAX_PIXELS,
     ) -> Pending | None:
         """Begin decoding the encoded rows ``table`` names (``[count, COLUMNS]``, a copy) from the
-        byte ``area`` into ``image`` (``[count, 3, S, S]``); None where it names none."""
+        byte ``area`` into ``image`` (``[count, 3, S, S]``), none of an image over ``max_pixels``
+        (the service's limit); None where it names none."""
         if self._pool is None:
             return None
         rows = np.flatnonzero(table[:, LENGTH] != 0)
         if not len(rows):
             return None
         chunks = np.array_split(rows, min(self.threads, len(rows)))
-        futures = [self._pool.submit(self._decode, table, area, image, chunk) for chunk in chunks]
+        futures = [self._pool.submit(self._decode, table, area, image, chunk, max_pixels) for chunk in chunks]
         return Pending(futures, image, keep, len(rows))
 
     def _decode(
@@ -118,21 +129,25 @@ class RowDecoder:
         area: npt.NDArray[np.uint8],
         image: npt.NDArray[np.uint8],
         rows: npt.NDArray[np.intp],
+        max_pixels: int,
     ) -> Bad:
-        began = time.perf_counter()
         bad: Bad = []
         for r in rows.tolist():
+            began = time.perf_counter()
+            why = ""
             try:
-                row = EncodedRow.check(table[r].tolist(), len(area))
+                row = EncodedRow.check(table[r].tolist(), len(area), max_pixels)
                 self._render(area[row.offset : row.offset + row.length].tobytes(), row, image[r])
             except (BadRow, DecodeError) as exc:
-                bad.append((r, str(exc)[:200]))
+                why = str(exc)[:200]
             except Exception as exc:  # an OpenCV failure on one row must not take the loop down
-                bad.append((r, f"{type(exc).__name__}: {exc}"[:200]))
-        with self._lock:
-            self.counts.seconds += time.perf_counter() - began
-            self.counts.rows += len(rows) - len(bad)
-            self.counts.spoiled += len(bad)
+                why = f"{type(exc).__name__}: {exc}"[:200]
+            if why:
+                bad.append((r, why))
+            with self._lock:  # each row as it is done: the split reads a busy share from this
+                self.counts.seconds += time.perf_counter() - began
+                self.counts.rows += not why
+                self.counts.spoiled += bool(why)
         return bad
 
     def counted(self, made: int, spoiled: int, seconds: float) -> None:
@@ -152,7 +167,8 @@ class RowDecoder:
 
     def abandon(self, pending: Pending) -> None:
         """A batch the loop will not see: its rows not yet begun are not decoded, and those begun are
-        waited for, so nothing writes into its slot once it is given back."""
+        waited for, so nothing writes into its slot once it is given back. That wait has no timeout
+        of its own: a row's decode is bounded by its image (at most the service's pixel limit)."""
         for future in pending.futures:
             future.cancel()
         for future in pending.futures:
@@ -170,21 +186,22 @@ class RowDecoder:
         counts.batches += 1
         counts.delivered += rows
         now = time.monotonic()
-        start, waited0, computed0, rows0, seconds0 = self._window
+        start, waited0, computed0, rows0, seconds0, decoded0 = self._window
         if now - start < WINDOW or self.split.fixed:
             return
         waited, computed = self._clock.totals()
         with self._lock:
-            seconds = counts.seconds
+            seconds, decoded = counts.seconds, counts.rows + counts.spoiled
         busy = (seconds - seconds0) / ((now - start) * self.threads)
-        window = Window(
-            now - start, waited - waited0, computed - computed0, counts.delivered - rows0, min(1.0, busy)
-        )
+        delivered = counts.delivered - rows0
+        realized = (decoded - decoded0) / delivered if delivered else 0.0
+        window = Window(now - start, waited - waited0, computed - computed0, delivered, min(1.0, busy))
+        window = replace(window, realized=min(1.0, realized))
         before = self.split.share
         share = self.split.observe(window)
         if share != before:
             counts.history = [*counts.history[-63:], (round(now - self._began, 3), share)]
-        self._window = (now, waited, computed, counts.delivered, seconds)
+        self._window = (now, waited, computed, counts.delivered, seconds, decoded)
 
     def stats(self) -> dict[str, object]:
         """``loader.stats()["decode"]``."""

@@ -189,6 +189,7 @@ class Service:
 
     def close(self) -> threading.Thread:
         """Leave the service without blocking; join the thread returned to wait for the bye."""
+        self.delivery.abandon_all()  # no decode thread may write into a slot the bye frees
         if self.conn.session:  # a bye frees this trainer's slots now, not after its timeout
             self.conn.send(Bye())
         ending = self.conn.close()

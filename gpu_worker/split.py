@@ -13,7 +13,11 @@ NOTE [ Finding the split ]
       process's decoding never becomes the ceiling nor takes the loop's own CPU when the service
       has room;
     * otherwise (fed, threads with room) it holds.
-    A step that was followed by fewer images a second (by more than ``WORSE``) than the window
+    A step is judged only once it is at work: the service applies a share to batches it plans
+    after the next heartbeat, behind those already in flight, so the windows after a step are
+    skipped until the share of rows this process decoded is within ``SETTLED`` of the one asked
+    (or ``MOST_WAITS`` windows have passed: rows that cannot go encoded keep it below). Then a
+    step that was followed by fewer images a second (by more than ``WORSE``) than the window
     before it is taken back, and the step halves: what the two shares do not see (this process's
     threads slowing its own loop on a CPU device, say) still cannot cost the loop for long. A
     step in the same direction as the last doubles, up to ``MOST_STEP``; one that reverses halves,
@@ -37,6 +41,8 @@ WORSE: Final = 0.05
 FIRST_STEP: Final = 125
 MOST_STEP: Final = 250
 LEAST_STEP: Final = 16
+SETTLED: Final = 0.1
+MOST_WAITS: Final = 4
 
 
 @dataclass(frozen=True)
@@ -49,6 +55,8 @@ class Window:
     images: int
     busy: float
     """Decode threads' busy share over the window, in [0, 1]."""
+    realized: float = -1.0
+    """The share of the window's rows this process decoded (-1: not known)."""
 
     @property
     def wait_share(self) -> float:
@@ -70,12 +78,17 @@ class Split:
         self._last_move = 0
         """The last step taken (signed), 0 when the last window held."""
         self._last_rate = 0.0
+        self._waited = 0
+        """Windows since the last step that did not see it at work yet."""
         self.moves = 0
 
     def observe(self, window: Window) -> int:
         """Take one window's figures; the share from now on."""
         if self.fixed or window.seconds <= 0:
             return self.share
+        if self._last_move and not self._in_effect(window):
+            return self.share  # the last step is not at work yet: nothing to judge it by
+        self._waited = 0
         rate = window.rate
         if self._last_move and self._last_rate > 0 and rate < (1 - WORSE) * self._last_rate:
             self._move(-self._last_move, reverse=True)  # it got worse: back where it was
@@ -95,6 +108,14 @@ class Split:
         self._adapt(direction)
         self._last_move = self._move(direction * self._step)
         return self.share
+
+    def _in_effect(self, window: Window) -> bool:
+        """Whether the window saw the share the last step asked for (within ``SETTLED``), or has
+        waited ``MOST_WAITS`` windows for it (rows that cannot go encoded keep it below)."""
+        if window.realized < 0 or abs(window.realized - self.share / MAX_SHARE) <= SETTLED:
+            return True
+        self._waited += 1
+        return self._waited > MOST_WAITS
 
     def _adapt(self, direction: int) -> None:
         if self._last_move and (self._last_move > 0) != (direction > 0):

@@ -82,10 +82,10 @@ class EncodedRow:
         return tuple(cols)
 
     @classmethod
-    def check(cls, cols: tuple[int, ...] | list[int], area: int) -> EncodedRow:
+    def check(cls, cols: tuple[int, ...] | list[int], area: int, max_pixels: int = MAX_PIXELS) -> EncodedRow:
         """The row ``cols`` describes, each column bounded (the bytes inside an ``area``-byte area,
-        the region inside the image, a known mode, scale and filter); BadRow naming the first that
-        is not."""
+        an image of at most ``max_pixels``, the region inside it, a known mode, scale and filter);
+        BadRow naming the first that is not."""
         if len(cols) != COLUMNS:
             raise BadRow(f"a table row has {len(cols)} columns, not {COLUMNS}")
         offset, length = int(cols[OFFSET]), int(cols[LENGTH])

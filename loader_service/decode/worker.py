@@ -365,6 +365,8 @@ def indices_only(worker: int, feed: OpenFeed, task: Task) -> TaskDone:
     views = slot_views(feed.segment, feed.spec.layout, task.slot, feed.spec.slots)
     indices = np.frombuffer(task.indices, dtype="<i8")
     views.indices[task.row : task.row + len(indices)] = indices
+    if views.table is not None:
+        views.table[task.row : task.row + len(indices)] = 0  # no row left encoded
     return TaskDone(task.task, worker, len(indices), ())
 
 

@@ -3,14 +3,24 @@ picks, the room in a slot, what a worker leaves encoded, and the rule that finds
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import numpy as np
 import pytest
+import torch
 
-from gpu_worker.split import BUSY, LEAST_STEP, Split, Window
+from gpu_worker.connection import ServiceError
+from gpu_worker.delivery import Delivery
+from gpu_worker.leases import LeaseBook
+from gpu_worker.loop_clock import LoopClock
+from gpu_worker.row_decoder import RowDecoder
+from gpu_worker.split import BUSY, FIRST_STEP, LEAST_STEP, MOST_WAITS, Split, Window
 from loader_service.decode.transforms import Recipe, load_bytes_into, plan_row
+from pixels import regions
 from pixels.render import render
 from protocol.encoded import COLUMNS, EVAL, MAX_SHARE, TRAIN, BadRow, EncodedRow, encoded_rows
-from protocol.layout import PAGE, SlotLayout, image_fields
+from protocol.layout import PAGE, FieldSpec, SlotLayout, image_fields
+from protocol.messages import FeedInfo
 from tests.unit.test_jpegcrop import photo_jpeg
 
 GOOD = EncodedRow(100, 5000, TRAIN, True, 480, 640, 10, 20, 300, 400, 4, "area")
@@ -124,3 +134,38 @@ def test_a_fixed_split_never_moves_and_steps_shrink_on_reversals() -> None:
     for turn in range(12):
         split.observe(window(0.3, 0.1 if turn % 2 else 0.95))
     assert split._step == LEAST_STEP and 0 < split.share < MAX_SHARE
+
+
+def test_a_step_is_judged_only_once_the_service_applies_it() -> None:
+    """The share reaches batches planned after the next heartbeat, behind those in flight: windows
+    that do not see it yet neither take the step back nor move again."""
+    split = Split(0, fixed=False)
+    split.observe(replace(window(0.4, 0.2), realized=0.0))
+    assert split.share == FIRST_STEP
+    for _ in range(MOST_WAITS):  # slower windows, the step not at work: held, not taken back
+        assert split.observe(replace(window(0.4, 0.2, images=500), realized=0.0)) == FIRST_STEP
+    assert split.observe(replace(window(0.4, 0.2), realized=FIRST_STEP / MAX_SHARE)) > FIRST_STEP
+
+
+def test_a_trainer_without_the_region_decoder_takes_no_encoded_rows(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(regions, "_jpegcrop", None)
+    decoder = RowDecoder("trainer", 1, LoopClock())
+    assert not decoder.takes_encoded and decoder.share == -1 and "libjpeg" in decoder.unable
+    decoder.close()
+
+
+def encoded_feed(fields: tuple[FieldSpec, ...], decoding: str = "") -> FeedInfo:
+    layout = SlotLayout(4, fields, 4096)
+    return FeedInfo(
+        "train", 10, 2, 4, 8, 3, 0, "train", "ff" * 16, "dataferry-not-mapped", 2, layout.wire(), "",
+        decoding, encoded=4096,
+    )  # fmt: skip
+
+
+def test_a_feed_offering_encoded_rows_without_an_image_field_is_refused() -> None:
+    delivery = Delivery(torch.device("cpu"), "tcp", LeaseBook(), RowDecoder("trainer", 1, LoopClock()))
+    with pytest.raises(ServiceError, match="without an image field"):
+        delivery.adopt(encoded_feed((FieldSpec("x", "float32", (3, 8, 8)), FieldSpec("label", "int64", ()))))
+    delivery.adopt(encoded_feed(image_fields(8), "max-pixels=1000 interpolation=area"))
+    assert delivery._max_pixels == 1000, "no encoded row may name an image the service would refuse"
+    delivery.close()
