@@ -6,11 +6,13 @@ them too; ``auto`` finds a share."""
 from __future__ import annotations
 
 import hashlib
+import re
 import shutil
 import time
 from pathlib import Path
 from typing import Any
 
+import cv2
 import pytest
 
 from gpu_worker import ServiceError, ServiceLoader
@@ -217,3 +219,36 @@ def test_a_local_loader_decodes_its_rows_too(photos: Path) -> None:
         got = epoch(loader, 1)
         decode = loader.stats()["decode"]
     assert len(got) == 90 and decode["trainer_rows"] > 0 and decode["spoiled"] == 0, decode
+
+
+def jpeg_claiming(jpeg: bytes, height: int, width: int) -> bytes:
+    """``jpeg`` with its frame header (SOF0) saying ``height x width``: a decompression bomb's shape."""
+    sof = jpeg.index(b"\xff\xc0")
+    body = bytearray(jpeg)
+    body[sof + 5 : sof + 9] = height.to_bytes(2, "big") + width.to_bytes(2, "big")
+    return bytes(body)
+
+
+def test_bombs_and_other_formats_are_the_services_to_decode_or_refuse(
+    photos: Path, start_service: ServiceFactory, tmp_path: Path
+) -> None:
+    """A JPEG that claims 60000 x 60000 pixels is refused by the service from its header and never
+    sent; a PNG goes decoded. A trainer decoding the rest gets the same epoch as
+    one the service decodes for, and has nothing to report."""
+    data = tmp_path / "data"
+    shutil.copytree(photos, data)
+    jpegs = sorted(data.rglob("*.jpg"))
+    bomb = jpegs[0]
+    bomb.write_bytes(jpeg_claiming(bomb.read_bytes(), 60000, 60000))
+    png = jpegs[1].with_suffix(".png")
+    cv2.imwrite(str(png), cv2.imread(str(jpegs[1])))
+    jpegs[1].unlink()
+    service = start_service(data, batch_size=8, image_size=32, workers=1, encoded_row_bytes=ROOM)
+    with ServiceLoader(service.endpoint, timeout=30, decode="trainer") as loader:
+        got = epoch(loader, 1)
+        decode = loader.stats()["decode"]
+    with ServiceLoader(service.endpoint, timeout=30) as reference:
+        assert epoch(reference, 1) == got
+    assert len(got) == 89 and decode["spoiled"] == 0 and 0 < decode["trainer_rows"] <= 88, decode
+    service.wait_for(rf"{re.escape(str(bomb.relative_to(data)))}: refused: more pixels")
+    assert status(service.endpoint)["feeds"][0]["bad_files"] >= 1
