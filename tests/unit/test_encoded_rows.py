@@ -16,7 +16,7 @@ from gpu_worker.loop_clock import LoopClock
 from gpu_worker.row_decoder import RowDecoder
 from gpu_worker.split import BUSY, FIRST_STEP, LEAST_STEP, MOST_WAITS, Split, Window
 from loader_service.decode.transforms import Recipe, load_bytes_into, plan_row
-from pixels import regions
+from pixels import DecodeError, regions
 from pixels.render import render
 from protocol.encoded import COLUMNS, EVAL, MAX_SHARE, TRAIN, BadRow, EncodedRow, encoded_rows
 from protocol.layout import PAGE, FieldSpec, SlotLayout, image_fields
@@ -169,3 +169,15 @@ def test_a_feed_offering_encoded_rows_without_an_image_field_is_refused() -> Non
     delivery.adopt(encoded_feed(image_fields(8), "max-pixels=1000 interpolation=area"))
     assert delivery._max_pixels == 1000, "no encoded row may name an image the service would refuse"
     delivery.close()
+
+
+def test_a_row_whose_image_is_not_the_one_its_bytes_hold_is_refused_before_decoding() -> None:
+    """The trainer reads the header again: a row naming another size than the bytes' is bad."""
+    data = photo_jpeg(200, 300, seed=4)
+    planned = plan_row(data, 32, Recipe("train", roi=True), np.random.default_rng(1))
+    assert planned is not None
+    lying = replace(planned, height=planned.height - 8)
+    with pytest.raises(DecodeError, match="its header says 200 x 300"):
+        render(data, lying, np.empty((3, 32, 32), np.uint8))
+    with pytest.raises(DecodeError, match="not a JPEG the region decoder takes"):
+        render(b"\x89PNG" + data[4:], planned, np.empty((3, 32, 32), np.uint8))
