@@ -100,9 +100,10 @@ class ServiceLoader:
         ``decode``: who decodes the JPEGs the service can send as they are (NOTE [ Encoded rows ] in
         protocol/encoded.py): ``"service"``, ``"trainer"`` (in ``decode_threads`` threads of this
         process, with the service's own code: the same pixels) or ``"auto"``, a share found while
-        the loop runs (NOTE [ Finding the split ] in gpu_worker/split.py); default ``"auto"`` on a
-        CUDA device, ``"service"`` elsewhere. ``"trainer"`` of a feed that sends no encoded rows
-        raises ServiceError naming both.
+        the loop runs (NOTE [ Finding the split ] in gpu_worker/split.py); default ``"service"``
+        (``"auto"`` is to become the default on a CUDA device once the GPU decoder has run on a
+        GPU: issue 46). ``"trainer"`` of a feed that sends no encoded rows raises ServiceError
+        naming both.
         ``_private`` is ``local``'s: the service it started, watched at every wait and stopped by
         ``close``."""
         rank, world_size = shard_of(mode, rank, world_size)
@@ -127,7 +128,7 @@ class ServiceLoader:
             resolve_interval=resolve_interval,
             weights=tuple(weights.items()) if weights else (),
             epoch_samples=epoch_samples,
-            decode=decode or ("auto" if str(device).startswith("cuda") else "service"),
+            decode=decode or "service",
             decode_threads=decode_threads,
         ).validated()
         cfg = self.config
