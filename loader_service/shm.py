@@ -381,9 +381,12 @@ def _fallocate(fd: int, offset: int, nbytes: int) -> bool:
 
 
 def _reserve(fd: int, ranges: tuple[tuple[int, int], ...], purpose: str) -> None:
-    if not all(_fallocate(fd, offset, nbytes) for offset, nbytes in ranges):
+    """Reserve every range, or none: ranges that together pass what /dev/shm has free are refused
+    before any is reserved, since reserving them one by one (a slot each, NOTE [ Encoded rows ])
+    would first take all of /dev/shm, which is memory, and the host's processes with it."""
+    size = sum(nbytes for _, nbytes in ranges)
+    if size > _free_bytes(SHM_DIR) or not all(_fallocate(fd, offset, nbytes) for offset, nbytes in ranges):
         free = _free_bytes(SHM_DIR)
-        size = sum(nbytes for _, nbytes in ranges)
         raise SharedMemoryError(
             f"/dev/shm has {free / 2**20:.0f} MiB free but {purpose} needs {size / 2**20:.0f} MiB. "
             f"{REMEDIES[purpose]}, or enlarge /dev/shm "
