@@ -164,8 +164,8 @@ def test_trainers_that_come_and_go_leave_a_bounded_set_of_series(
     photos: Path, start_service: ServiceFactory
 ) -> None:
     """Five rounds of 20 sessions of one trainer (one client name), each session new: before, each
-    had series of its own (80 a round, 400 in all for Prometheus to keep); now the trainer's four,
-    and none once it has left."""
+    had series of its own (80 a round, 400 in all for Prometheus to keep); now the trainer's five
+    (lag, credits, leased, demand, encode share), and none once it has left."""
     pytest.importorskip("prometheus_client")
     port = free_port()
     service = start_service(photos, client_timeout=120, metrics_port=port)
@@ -174,7 +174,7 @@ def test_trainers_that_come_and_go_leave_a_bounded_set_of_series(
         with sessions(service.endpoint, [Hello("host:7", 7) for _ in range(20)]):
             seen |= until(lambda: trainer_series(port, 20), "the round's sessions in the metrics")
         assert until(lambda: trainer_series(port, 0), "the round's sessions gone") == set()
-    assert len(seen) == 4, sorted(seen)
+    assert len(seen) == 5, sorted(seen)
     assert all('{client="host:7",feed="train"}' in series for series in seen), seen
 
 

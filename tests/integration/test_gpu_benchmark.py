@@ -26,13 +26,11 @@ def test_the_gpu_benchmark_runs_on_cpu_and_reports_every_feed(tmp_path: Path) ->
     assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-2000:]
     record = json.loads((tmp_path / "gpu.json").read_text())
     feeds = [row["feed"] for row in record["rows"]]
-    assert (
-        feeds[0] == "synthetic"
-        and feeds[1].startswith("DataLoader (")
-        and feeds[2].startswith("dataferry (auto: ")
-    )
+    assert feeds[0] == "synthetic" and feeds[1].startswith("DataLoader (")
+    decodes = ("service", "auto", "trainer")  # a row each, the service's decode first (issue 46)
+    assert [feed.split(" (")[0] for feed in feeds[2:]] == [f"dataferry, decode={d}" for d in decodes], feeds
     for row in record["rows"]:
         assert row["images_per_s"] > 0 and 0 <= row["exposed_wait"] < 1 and row["cpu_cores"] > 0
     assert record["rows"][0]["of_synthetic"] == 1.0
     assert record["copy_gb_per_s"] == {}, "no host-to-device copy is timed on CPU"
-    assert "| tiny | dataferry (auto: " in done.stdout, "one table, printed"
+    assert "| tiny | dataferry, decode=auto (share " in done.stdout, "one table, printed"

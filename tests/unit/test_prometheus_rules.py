@@ -207,7 +207,7 @@ FULL_BODY: dict[str, Any] = {
     "shm": {"free_bytes": 300, "size_bytes": 1000},
     "feeds": [{
         "name": "train", "decoded": 10, "images_per_second": 1.0, "batches": 2, "bad_files": 0,
-        "store_waits": 1,
+        "store_waits": 1, "encoded_rows": 4,
         "slots": {"free": 1, "filling": 0, "ready": 0, "leased": 1},
         "cache": {"bytes": 9, "bytes_used": 1, "entries": 1, "hits": 1, "misses": 1, "lock_timeouts": 0},
         "sources": [{"source": "a", "served": 4}, {"source": "b", "served": 6}],
@@ -215,7 +215,8 @@ FULL_BODY: dict[str, Any] = {
     "worker_list": [{"worker": 0, "images_per_second": 1.0}],
     "sessions": [{
         "session": "t1", "client": "host:1", "feed": "train", "lag": 0, "credits": 2, "leased": 1,
-        "demand": 2.0, "sources": [{"source": "a", "served": 4, "asked": 0.25, "pass": 0}],
+        "encode_share": 0.5, "demand": 2.0,
+        "sources": [{"source": "a", "served": 4, "asked": 0.25, "pass": 0}],
     }],
 }  # fmt: skip
 """A status body with every key the metrics read."""
