@@ -193,6 +193,7 @@ def test_the_image_copies_what_the_install_needs_and_no_secret() -> None:
         "README.md",
         "protocol",
         "curvekeys",
+        "pixels",
         "loader_service",
         "gpu_worker",
     }
