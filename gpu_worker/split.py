@@ -37,7 +37,11 @@ WINDOW: Final = 1.0
 WAITING: Final = 0.05
 """A wait share above this is waiting (``protocol.verdict``'s *somewhat input-bound*)."""
 BUSY: Final = 0.85
-WORSE: Final = 0.05
+WORSE: Final = 0.15
+"""A window this much slower than the one before a step takes the step back. One-second windows of
+a loop vary by about a tenth (an epoch's start falls in some): at 0.05, noise took good steps back
+(`python -m benchmarks.split`: one round of three stuck at a share of 0, 0.83 of the better fixed
+extreme, where the other two settled at 0.62 and read 1.49 of it)."""
 FIRST_STEP: Final = 125
 MOST_STEP: Final = 250
 LEAST_STEP: Final = 16
