@@ -23,7 +23,7 @@ from gpu_worker.leases import Lease, LeaseBook
 from gpu_worker.loop_clock import LoopClock
 from gpu_worker.mapping import SlotMap
 from gpu_worker.row_decoder import Bad, Pending, RowDecoder
-from protocol.encoded import COLUMNS, LENGTH, MAX_PIXELS, OFFSET
+from protocol.encoded import COLUMNS, LENGTH, MAX_PIXELS, OFFSET, bytes_named
 from protocol.layout import SlotLayout, describe_fields
 from protocol.messages import BatchReady, FeedInfo
 
@@ -156,10 +156,7 @@ class Delivery:
         if self._slots is not None:
             owner = self._slots.slot(msg.slot)
             view = memoryview(owner)
-            table = np.frombuffer(view, np.int64, count * COLUMNS, layout.table_offset).reshape(
-                count, COLUMNS
-            )
-            area = np.frombuffer(view, np.uint8, layout.encoded_area, layout.bytes_offset)
+            table, area = self._encoded_views(view, count)
             offset = layout.offsets[layout.names.index("image")]
             image = np.frombuffer(view, np.uint8, count * image_spec.row_bytes, offset)
             shape = image.reshape(count, *image_spec.shape)
@@ -221,12 +218,17 @@ class Delivery:
 
     def _table(self, owner: object, count: int) -> tuple[npt.NDArray[np.int64], npt.NDArray[np.uint8]]:
         """A copy of the slot's table rows and its byte area (read before the slot can go back)."""
-        layout, view = self._layout, memoryview(owner)  # type: ignore[arg-type]
-        table = np.frombuffer(view, np.int64, count * COLUMNS, layout.table_offset).reshape(count, COLUMNS)
-        area = np.frombuffer(view, np.uint8, layout.encoded_area, layout.bytes_offset)
-        used = table[table[:, LENGTH] != 0]
-        end = int((used[:, OFFSET] + used[:, LENGTH]).clip(0, len(area)).max()) if len(used) else 0
+        table, area = self._encoded_views(memoryview(owner), count)  # type: ignore[arg-type]
+        end = bytes_named(table[:, OFFSET].tolist(), table[:, LENGTH].tolist(), len(area))
         return table.copy(), area[:end].copy()
+
+    def _encoded_views(
+        self, view: memoryview, count: int
+    ) -> tuple[npt.NDArray[np.int64], npt.NDArray[np.uint8]]:
+        """A mapped slot's table rows ``[count, COLUMNS]`` and its whole byte area, as views."""
+        layout = self._layout
+        table = np.frombuffer(view, np.int64, count * COLUMNS, layout.table_offset).reshape(count, COLUMNS)
+        return table, np.frombuffer(view, np.uint8, layout.encoded_area, layout.bytes_offset)
 
     def _on_device(
         self,

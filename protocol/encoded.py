@@ -22,6 +22,7 @@ NOTE [ Encoded rows ]
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Final
 
@@ -106,6 +107,12 @@ class EncodedRow:
             offset, length, mode, bool(flags & FLIP), height, width, top, left, crop_h, crop_w, scale,
             FILTERS[number],
         )  # fmt: skip
+
+
+def bytes_named(offsets: Sequence[int], lengths: Sequence[int], area: int) -> int:
+    """Where the last byte a batch's table names ends (rows whose length is 0 name none), at most
+    ``area``: how much of the byte area a remote trainer is sent, or a device decode copies."""
+    return max(0, min(max((o + n for o, n in zip(offsets, lengths, strict=True) if n > 0), default=0), area))
 
 
 def encoded_rows(share: int, rows: int) -> list[bool]:

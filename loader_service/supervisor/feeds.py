@@ -28,7 +28,7 @@ from loader_service.shm import Segment, new_segment_name, shm_room
 from loader_service.supervisor.rates import FeedCounters
 from loader_service.supervisor.slots import SlotPool
 from loader_service.supervisor.trainers.sessions import credit_cap
-from protocol.encoded import COLUMNS, LENGTH, OFFSET
+from protocol.encoded import COLUMNS, LENGTH, OFFSET, bytes_named
 from protocol.layout import CHECK_BYTES, PAGE, SlotLayout, describe_fields, image_fields
 from protocol.messages import MAX_WHERE, FeedInfo, Hello
 from protocol.shares import rank_batches, shard_size
@@ -260,8 +260,7 @@ class Feed:
         frames = [whole[start + offset : start + offset + size] for offset, size in layout.parts(count)]
         if layout.encoded:  # the table's rows and the bytes they name (NOTE [ Encoded rows ])
             table = np.ndarray((count, COLUMNS), np.int64, self.segment.buf, start + layout.table_offset)
-            used = table[table[:, LENGTH] > 0]
-            end = min(int((used[:, OFFSET] + used[:, LENGTH]).max()), layout.encoded_area) if len(used) else 0
+            end = bytes_named(table[:, OFFSET].tolist(), table[:, LENGTH].tolist(), layout.encoded_area)
             frames.append(whole[start + layout.table_offset : start + layout.table_offset + table.nbytes])
             frames.append(whole[start + layout.bytes_offset : start + layout.bytes_offset + end])
         return frames
