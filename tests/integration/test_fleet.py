@@ -115,9 +115,9 @@ def epoch(loader: ServiceLoader, stop_after: int | None = None) -> Seen:
     return seen
 
 
-def reference(fleet: Fleet, epochs: int) -> list[Seen]:
-    """What one local service alone delivers for the same seed."""
-    one = fleet.add(local=True)
+def reference(fleet: Fleet, epochs: int, **flags: object) -> list[Seen]:
+    """What one local service alone delivers for the same seed (and ``flags``)."""
+    one = fleet.add(local=True, **flags)
     with fleet.loader([one]) as loader:
         return [epoch(loader) for _ in range(epochs)]
 
@@ -138,8 +138,14 @@ def test_three_services_deliver_what_one_would_batch_for_batch(fleet: Fleet) -> 
 
 
 def test_a_killed_and_a_frozen_service_cost_only_time(fleet: Fleet) -> None:
-    expected = reference(fleet, 2)
-    killed, frozen = fleet.add(), fleet.add()
+    """Batches of 2 (45 an epoch) against 3 credits a service: when the two are lost after the
+    loop's third batch, most of the epoch is not yet given out, so once the loop has taken what
+    each had delivered, each is given batches it will never deliver, and those reach the loop from
+    another service: asked of it as a backup while the loop waits, or assigned again when the loss
+    is seen (3 s of silence). With batches of 8 (12 an epoch) a loaded machine's services had often
+    delivered all of theirs before the loss, and nothing was left to take over."""
+    expected = reference(fleet, 2, batch_size=2)
+    killed, frozen = fleet.add(batch_size=2), fleet.add(batch_size=2)
     endpoints = [fleet.services[0].endpoint, killed, frozen]
     with fleet.loader(endpoints, credits=3) as loader:
         first: Seen = []
@@ -152,7 +158,9 @@ def test_a_killed_and_a_frozen_service_cost_only_time(fleet: Fleet) -> None:
         second = epoch(loader)
         stats = loader.stats()
     assert [first, second] == expected, "exactly once, in order, the loop saw no error"
-    assert stats["reassigned"] > 0, "the lost services' batches went to the others"
+    assert stats["reassigned"] + stats["backups"] > 0, (
+        f"the lost services' batches went to the others: {stats}"
+    )
     assert stats["endpoints"][killed]["state"] == "reconnecting"
 
 
