@@ -15,8 +15,9 @@ NOTE [ Finding the split ]
     * otherwise (fed, threads with room) it holds.
     A step is judged only once it is at work: the service applies a share to batches it plans
     after the next heartbeat, behind those already in flight, so the windows after a step are
-    skipped until the share of rows this process decoded is within ``SETTLED`` of the one asked
-    (or ``MOST_WAITS`` windows have passed: rows that cannot go encoded keep it below). Then a
+    skipped until the share of rows this process decoded is nearer the share asked than the one
+    before the step (or ``MOST_WAITS`` windows have passed: rows that cannot go encoded keep it
+    below); a fixed distance would take a small step's stale windows for its own. Then a
     step that was followed by fewer images a second (by more than ``WORSE``) than the window
     before it is taken back, and the step halves: what the two shares do not see (this process's
     threads slowing its own loop on a CPU device, say) still cannot cost the loop for long. A
@@ -45,7 +46,6 @@ extreme, where the other two settled at 0.62 and read 1.49 of it)."""
 FIRST_STEP: Final = 125
 MOST_STEP: Final = 250
 LEAST_STEP: Final = 16
-SETTLED: Final = 0.1
 MOST_WAITS: Final = 4
 
 
@@ -81,6 +81,8 @@ class Split:
         self._step = FIRST_STEP
         self._last_move = 0
         """The last step taken (signed), 0 when the last window held."""
+        self._before = self.share
+        """The share before the last step."""
         self._last_rate = 0.0
         self._waited = 0
         """Windows since the last step that did not see it at work yet."""
@@ -114,9 +116,11 @@ class Split:
         return self.share
 
     def _in_effect(self, window: Window) -> bool:
-        """Whether the window saw the share the last step asked for (within ``SETTLED``), or has
-        waited ``MOST_WAITS`` windows for it (rows that cannot go encoded keep it below)."""
-        if window.realized < 0 or abs(window.realized - self.share / MAX_SHARE) <= SETTLED:
+        """Whether the window saw the share the last step asked for (its rows' share is nearer it
+        than the share before), or has waited ``MOST_WAITS`` windows for it (rows that cannot go
+        encoded keep it below)."""
+        now, before = self.share / MAX_SHARE, self._before / MAX_SHARE
+        if window.realized < 0 or abs(window.realized - now) < abs(window.realized - before):
             return True
         self._waited += 1
         return self._waited > MOST_WAITS
@@ -129,7 +133,7 @@ class Split:
 
     def _move(self, by: int, reverse: bool = False) -> int:
         """Move the share by ``by`` (clipped); the move made."""
-        before = self.share
+        before = self._before = self.share
         self.share = max(0, min(MAX_SHARE, self.share + by))
         if reverse:
             self._step = max(LEAST_STEP, self._step // 2)

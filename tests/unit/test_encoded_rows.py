@@ -4,6 +4,7 @@ picks, the room in a slot, what a worker leaves encoded, and the rule that finds
 from __future__ import annotations
 
 from dataclasses import replace
+from functools import partial
 
 import numpy as np
 import pytest
@@ -145,6 +146,64 @@ def test_a_step_is_judged_only_once_the_service_applies_it() -> None:
     for _ in range(MOST_WAITS):  # slower windows, the step not at work: held, not taken back
         assert split.observe(replace(window(0.4, 0.2, images=500), realized=0.0)) == FIRST_STEP
     assert split.observe(replace(window(0.4, 0.2), realized=FIRST_STEP / MAX_SHARE)) > FIRST_STEP
+
+
+def model_rate(s: float, service: float, threads: float, loop: float) -> float:
+    return min(loop, service / (1 - s) if s < 1 else loop, threads / s if s > 0 else loop)
+
+
+def two_decoders(
+    split: Split, phases: list[tuple[float, float, float]], windows: int
+) -> list[tuple[list[float], float]]:
+    """A model of the loop the split steers: the service decodes ``service`` images a second, this
+    process's threads ``threads``, the loop takes at most ``loop``; at share s the loop gets
+    min(loop, service / (1 - s), threads / s). A share the split asks for reaches the rows two
+    windows later (a heartbeat, then the batches already in flight). Per phase: each window's
+    images a second over the best any share gives, and the better fixed extreme's over the best."""
+    asked = [split.share / MAX_SHARE] * 2
+    out = []
+    for service, threads, loop in phases:
+        rate = partial(model_rate, service=service, threads=threads, loop=loop)
+        best = max(rate(k / MAX_SHARE) for k in range(MAX_SHARE + 1))
+        seen = []
+        for _ in range(windows):
+            s = asked[0]
+            images = rate(s)
+            busy = min(1.0, images * s / threads)
+            window = Window(1.0, 1 - images / loop, images / loop, round(images), busy, realized=s)
+            asked = [asked[1], split.observe(window) / MAX_SHARE]
+            seen.append(images / best)
+        out.append((seen, max(rate(0.0), rate(1.0)) / best))
+    return out
+
+
+def test_the_split_settles_and_follows_a_change_of_either_side() -> None:
+    """Both sides as fast; a neighbour takes half the service's cores; the trainer's threads lose
+    half theirs; a model that is slower than either. In each phase, from the 10th window on, the
+    loop averages 0.85 or more of the best share's pace (the rule keeps its threads under ``BUSY``
+    and probes, so it sits below the best), and over the whole phase, finding the share included,
+    it does no worse than 0.95 of the better fixed extreme (all rows on one side; 0.5 to 0.67 of
+    the best in the first three phases, the best in the last)."""
+    phases = [(600.0, 600.0, 2000.0), (300.0, 600.0, 2000.0), (600.0, 300.0, 2000.0), (600.0, 600.0, 500.0)]
+    for (seen, extreme), phase in zip(two_decoders(Split(0, fixed=False), phases, 30), phases, strict=True):
+        shown = (phase, [round(x, 2) for x in seen])
+        assert sum(seen[10:]) / len(seen[10:]) >= 0.85, shown
+        assert sum(seen) / len(seen) >= 0.95 * extreme, shown
+
+
+def test_a_small_step_is_not_judged_by_windows_from_before_it() -> None:
+    """A step of a few thousandths: a window whose rows still show the share before it (nearer the
+    old share than the new) neither takes it back nor moves again, however slow it was."""
+    split = Split(500, fixed=False)
+    for turn in range(12):  # reversals shrink the step to its least
+        split.observe(window(0.3, 0.1 if turn % 2 else 0.95))
+    before = split.share
+    split.observe(replace(window(0.3, 0.1), realized=before / MAX_SHARE))
+    stepped = split.share
+    assert 0 < stepped - before <= 2 * LEAST_STEP, "a step well under a tenth"
+    stale = replace(window(0.3, 0.1, images=500), realized=before / MAX_SHARE)
+    assert split.observe(stale) == stepped, "half the images, but from rows planned before the step"
+    assert split.observe(replace(window(0.3, 0.1), realized=stepped / MAX_SHARE)) > stepped
 
 
 def test_a_trainer_without_the_region_decoder_takes_no_encoded_rows(monkeypatch: pytest.MonkeyPatch) -> None:
