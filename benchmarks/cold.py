@@ -38,7 +38,7 @@ from benchmarks.sizing import wait_booted
 from loader_service.dataset.index import DatasetIndex, build_index
 from loader_service.decode.decoders import roi_decoder_version
 from loader_service.decode.transforms import Recipe
-from pixels.geometry import prepare
+from protocol.pixels.geometry import prepare
 
 BATCH = 64
 SIZE = 224

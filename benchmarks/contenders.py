@@ -20,7 +20,7 @@ import numpy as np
 from benchmarks.service_process import BenchError
 from loader_service.dataset.index import DatasetIndex
 from loader_service.decode.transforms import Recipe, load_into
-from pixels.geometry import prepare
+from protocol.pixels.geometry import prepare
 
 
 @dataclass(frozen=True)

@@ -36,8 +36,8 @@ from loader_service.dataset.index import DatasetIndex, build_index
 from loader_service.dataset.sampler import epoch_permutation, sample_rng
 from loader_service.decode.pipeline import load_pipeline, seed_globals
 from loader_service.decode.transforms import Recipe, decode_file, transform_into
-from pixels.geometry import random_resized_crop_params
-from pixels.render import decode_bytes
+from protocol.pixels.geometry import random_resized_crop_params
+from protocol.pixels.render import decode_bytes
 
 Sample = tuple[torch.Tensor, int]
 Fields = dict[str, Any]

@@ -33,9 +33,9 @@ from loader_service.decode import decoders
 from loader_service.decode.contract import INTERPOLATIONS
 from loader_service.decode.transforms import Recipe, load_bytes_into, transform_into
 from loader_service.tools.synthetic_photos import render_photo
-from pixels import geometry, regions
-from pixels.regions import ROI_HEADROOM, SHARPNESS_TOLERANCE
-from pixels.render import decode_bytes
+from protocol.pixels import geometry, regions
+from protocol.pixels.regions import ROI_HEADROOM, SHARPNESS_TOLERANCE
+from protocol.pixels.render import decode_bytes
 
 HEADROOMS = (1.0, 1.5, 2.0, 3.0, 4.0)
 

@@ -36,8 +36,8 @@ from PIL import Image
 from benchmarks.dct_scaling import folder_set, synthetic_set
 from loader_service.decode.contract import INTERPOLATIONS
 from loader_service.decode.transforms import Recipe, transform_into
-from pixels.geometry import random_resized_crop_params
-from pixels.render import decode_bytes
+from protocol.pixels.geometry import random_resized_crop_params
+from protocol.pixels.render import decode_bytes
 
 Reference = Callable[[bytes, np.random.Generator, int, str], np.ndarray]
 

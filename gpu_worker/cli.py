@@ -7,12 +7,12 @@ import logging
 import sys
 from collections.abc import Callable, Sequence
 
-from curvekeys import CLIENT_KEY_ENV, SERVER_KEY_ENV
 from gpu_worker.client import ServiceLoader
 from gpu_worker.connection import ServiceError
 from gpu_worker.loader_config import ENDPOINTS_ENV, TRANSPORT_CHOICES
 from gpu_worker.metrics import MetricsUnavailable
 from gpu_worker.runner import RunConfig, run
+from protocol.curve import CLIENT_KEY_ENV, SERVER_KEY_ENV
 
 
 def build_parser() -> argparse.ArgumentParser:

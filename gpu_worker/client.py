@@ -28,7 +28,6 @@ from typing import Any
 
 import torch
 
-from curvekeys import ClientKeys, warn_if_in_the_clear
 from gpu_worker.batch import Batch
 from gpu_worker.checkpoint import Resume, resume_from, state_at
 from gpu_worker.connection import ServiceError, ServiceTimeout, make_hello
@@ -40,6 +39,7 @@ from gpu_worker.local import START_TIMEOUT, LocalService, check_shared, expected
 from gpu_worker.passes import EpochPass, PassSettings, make_pass
 from gpu_worker.schedule import WeightChanges, ordered_weights, source_stats
 from gpu_worker.service import Service
+from protocol.curve import ClientKeys, warn_if_in_the_clear
 from protocol.encoded import MAX_SHARE
 from protocol.layout import SlotLayout, describe_fields
 from protocol.messages import MAX_EPOCH, FeedInfo

@@ -46,11 +46,11 @@ from typing import Any
 
 import zmq
 
-from curvekeys import ClientKeys
 from gpu_worker.arrivals import Arrivals
 from gpu_worker.heartbeats import Heartbeats
 from gpu_worker.peer import Credentials, check_listener, peer_credentials
 from protocol.codec import decode, encode
+from protocol.curve import ClientKeys
 from protocol.layout import MAX_FIELDS
 from protocol.messages import (
     MAX_CREDITS,

@@ -20,7 +20,6 @@ from typing import Any, Protocol
 import torch
 import zmq
 
-from curvekeys import ClientKeys
 from gpu_worker.connection import BYE_LINGER_MS, Connection, ServiceError, ServiceTimeout, SessionEvent
 from gpu_worker.delivery import Delivery
 from gpu_worker.epoch_report import EpochReport
@@ -32,6 +31,7 @@ from gpu_worker.loop_clock import LoopClock
 from gpu_worker.names import Name, Resolver, name_of
 from gpu_worker.row_decoder import RowDecoder
 from gpu_worker.service import Service
+from protocol.curve import ClientKeys
 from protocol.messages import FeedInfo, Hello, Welcome
 from protocol.printable import printable
 

@@ -30,8 +30,8 @@ import numpy.typing as npt
 import torch
 from torch.nn.functional import interpolate
 
-from pixels.geometry import eval_geometry
 from protocol.encoded import EVAL, LENGTH, MAX_PIXELS, BadRow, EncodedRow
+from protocol.pixels.geometry import eval_geometry
 
 Bad = list[tuple[int, str]]
 

@@ -26,9 +26,9 @@ from typing import Any
 
 import zmq
 
-from curvekeys import ClientKeys
 from gpu_worker.loop_clock import LoopClock
 from protocol.codec import encode
+from protocol.curve import ClientKeys
 from protocol.messages import Heartbeat
 
 log = logging.getLogger(__name__)

@@ -1,6 +1,6 @@
 """Encoded rows decoded in the trainer's process (``ServiceLoader(decode=...)``): a batch's encoded rows
 (NOTE [ Encoded rows ] in protocol/encoded.py) go to a small pool of threads as soon as the batch
-arrives, each row made by ``pixels.render`` (the service's own code, so the same pixels), written
+arrives, each row made by ``protocol.pixels.render`` (the service's own code, so the same pixels), written
 into the batch's image rows before the loop is handed it.
 
 A row whose table entry or bytes do not make a row (a JPEG whose header passes and whose data does
@@ -24,8 +24,8 @@ import numpy.typing as npt
 from gpu_worker.loader_config import DECODES, MAX_DECODE_THREADS
 from gpu_worker.loop_clock import LoopClock
 from gpu_worker.split import WINDOW, Split, Window
-from pixels import DecodeError
 from protocol.encoded import LENGTH, MAX_PIXELS, MAX_SHARE, BadRow, EncodedRow
+from protocol.pixels import DecodeError
 
 Bad = list[tuple[int, str]]
 """(row, why) of rows that could not be decoded."""
@@ -75,15 +75,15 @@ class RowDecoder:
         self._clock = clock
         self._pool: ThreadPoolExecutor | None = None
         if mode != "service":
-            from pixels import regions
-            from pixels.render import render  # OpenCV: imported only by a loader that decodes
+            from protocol.pixels import regions
+            from protocol.pixels.render import render  # OpenCV: imported only by a loader that decodes
 
             self._render = render
             if regions.built():
                 self._pool = ThreadPoolExecutor(threads, thread_name_prefix="dataferry-decode")
             else:
                 self.unable = (
-                    "the region decoder (pixels._jpegcrop) is not built in this install: install "
+                    "the region decoder (protocol.pixels._jpegcrop) is not built in this install: install "
                     "libjpeg-turbo's headers (Debian: libjpeg-dev) and reinstall dataferry"
                 )
         self._lock = threading.Lock()

@@ -1,6 +1,9 @@
-"""The dataferry wire format: pure message types, codecs, limits and the shared-memory batch layout.
+"""What the service and its trainers agree on: the message types, codecs and limits, the
+shared-memory batch layout, the keys a CURVE client presents (``curve``) and how a batch row's
+pixels are made (``pixels``), so both sides make the same ones.
 
-Nothing here opens a socket or a file; both the service and the trainer side import it.
+Both sides import it and it imports neither. Nothing here opens a socket, starts a thread or holds
+process state (it may read a file it is handed, such as a key).
 """
 
 from protocol.codec import decode, encode

@@ -1,6 +1,6 @@
 """Encoded rows: a batch row that carries an image's compressed bytes and what the service decided
 for it, for the trainer to decode (``ServiceLoader(decode=...)``). Pure: the table's format and its
-checks; ``pixels.render`` turns a row into pixels.
+checks; ``protocol.pixels.render`` turns a row into pixels.
 
 NOTE [ Encoded rows ]
     A feed that offers them (``FeedInfo.encoded``: bytes of room per row, 0 for none) has two more
@@ -11,7 +11,7 @@ NOTE [ Encoded rows ]
     them: the mode (a train crop, or eval's centre), the region decoded and its DCT scale, the
     flip, the filter, and the image's height and width as its header says. The crop and flip are
     the seeded draws the service makes for a decoded row (``sample_rng``), so a replay, a resume or
-    another world size gives the same row whichever side decodes it, and ``pixels.render`` is the
+    another world size gives the same row whichever side decodes it, and ``protocol.pixels.render`` is the
     one function both sides run to make the pixels. A row the service decoded has a zero row here.
     A task writes its encoded bytes only inside the byte range of the rows it was given
     (``[row * encoded, (row + rows) * encoded)``), so the parts of a split batch never share bytes,

@@ -30,10 +30,10 @@ from typing import Any, TypeVar
 
 import zmq
 
-from curvekeys import ClientKeys
 from gpu_worker import ServiceLoader
 from loader_service.config.feed import AUTO_ENCODED_ROW_BYTES
 from protocol.codec import decode, encode
+from protocol.curve import ClientKeys
 from protocol.layout import PAGE, SlotLayout, image_fields
 from protocol.messages import StatusReply, StatusRequest
 

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import ipaddress
 import math
 import os
 from collections.abc import Callable
@@ -14,6 +13,7 @@ import zmq.auth
 from loader_service.dataset.storage.location import Location
 from loader_service.decode.contract import parse_spec
 from loader_service.decode.decoders import decoder_problem
+from protocol.curve import is_loopback
 
 LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR")
 
@@ -90,19 +90,7 @@ def endpoint(name: str, value: Any) -> str | None:
     return None if os.path.isdir(parent) else f"directory for ipc endpoint does not exist: {parent}"
 
 
-LOOPBACK_HOSTS = ("localhost", "127.0.0.1", "::1", "[::1]")
 KEYS_HINT = "make keys with `loader-service keys --out DIR` (docs/trainers.md: Trainers on other hosts)"
-
-
-def is_loopback_tcp(endpoint: str) -> bool:
-    """A tcp:// endpoint only this host can reach; ``*``, 0.0.0.0 and interface names are not."""
-    host = endpoint[len("tcp://") :].rsplit(":", 1)[0]
-    if host in LOOPBACK_HOSTS:
-        return True
-    try:
-        return ipaddress.ip_address(host.strip("[]")).is_loopback
-    except ValueError:
-        return False
 
 
 def security(endpoint: str, secret_key: str, authorized: str, insecure: bool) -> str | None:
@@ -116,7 +104,7 @@ def security(endpoint: str, secret_key: str, authorized: str, insecure: bool) ->
     if secret_key:
         return _key_files(secret_key, authorized)
     if endpoint.startswith("tcp://") and not insecure:
-        reach = "every user of this host" if is_loopback_tcp(endpoint) else "other hosts"
+        reach = "every user of this host" if is_loopback(endpoint) else "other hosts"
         return (
             f"endpoint {endpoint} can be reached by {reach}: give --curve-secret-key and "
             f"--curve-authorized ({KEYS_HINT}), or --insecure-tcp to run it without authentication"

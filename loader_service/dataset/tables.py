@@ -1,5 +1,5 @@
 """The compact tables a dataset index is made of, and the error an index that cannot be built raises
-(one sample's: ``pixels.DecodeError``).
+(one sample's: ``protocol.pixels.DecodeError``).
 
 A million names as Python strings cost ~100 MB per process; a ``StringTable`` holds them as one utf-8
 blob plus an offsets array, which ``numpy.save`` writes and every decode worker maps read-only, so the

@@ -8,7 +8,7 @@ from types import ModuleType
 
 _jpegcrop: ModuleType | None
 try:
-    from pixels import _jpegcrop
+    from protocol.pixels import _jpegcrop
 except ImportError:  # built only where libjpeg-turbo's headers were found at install time
     _jpegcrop = None
 
@@ -32,7 +32,7 @@ def installed(module: str) -> bool:
 def antialias_problem() -> str | None:
     """Why ``bilinear-antialias`` cannot run here, or None: it needs the C resampler (built at
     install where a compiler was found) or, without it, torch (``geometry.prepare``)."""
-    if installed("pixels._resample") or installed("torch"):
+    if installed("protocol.pixels._resample") or installed("torch"):
         return None
     return (
         "interpolation bilinear-antialias needs the C resampler, which was not built (no C compiler "
@@ -47,7 +47,7 @@ def decoder_problem(choice: str) -> str | None:
         return f"decoder must be one of {', '.join(DECODERS)}"
     if choice == "jpeg-roi" and roi_decoder_version() is None:
         return (
-            "decoder jpeg-roi: the region decoder (pixels._jpegcrop) is not built; install "
+            "decoder jpeg-roi: the region decoder (protocol.pixels._jpegcrop) is not built; install "
             "libjpeg-turbo's headers (Debian: libjpeg-dev) and reinstall dataferry, or use auto"
         )
     return None

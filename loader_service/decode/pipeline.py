@@ -49,8 +49,8 @@ from loader_service.dataset.sampler import sample_rng
 from loader_service.dataset.storage.storeerrors import StoreUnavailable
 from loader_service.decode.contract import PIPELINE_REASON, THREAD_ENV, PipelineError, parse_spec
 from loader_service.decode.sample import Sample
-from pixels import DecodeError
 from protocol.layout import DTYPES, FieldSpec
+from protocol.pixels import DecodeError
 
 Pipeline = Callable[["Sample", np.random.Generator], object]
 """What ``--pipeline`` names: ``FUNC(sample, rng) -> {name: array or tensor}``."""

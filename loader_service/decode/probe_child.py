@@ -31,8 +31,8 @@ from loader_service.decode.pipeline import (
 from loader_service.decode.probe import PROBE_SAMPLES
 from loader_service.decode.reading import FeedReader
 from loader_service.decode.sample import Sample
-from pixels import DecodeError
 from protocol.layout import SlotLayout
+from protocol.pixels import DecodeError
 
 
 def probe(request: Mapping[str, Any]) -> dict[str, Any]:

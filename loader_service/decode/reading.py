@@ -16,7 +16,7 @@ from loader_service.dataset.source import Metadata
 from loader_service.dataset.sources import FeedSources
 from loader_service.dataset.storage.objectstore import Heard
 from loader_service.dataset.storage.storeconfig import StorageConfig
-from pixels import DecodeError
+from protocol.pixels import DecodeError
 
 
 class SampleReader:

@@ -14,7 +14,7 @@ from loader_service.dataset.index import DatasetIndex
 from loader_service.dataset.sources import FeedSources
 from loader_service.decode.cache import SampleCache
 from loader_service.decode.reading import FeedReader, SampleReader
-from pixels.render import decode_bytes
+from protocol.pixels.render import decode_bytes
 
 Pipeline = Callable[["Sample", np.random.Generator], object]
 """What ``--pipeline`` names: ``FUNC(sample, rng) -> {name: array or tensor}``."""

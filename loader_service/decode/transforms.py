@@ -20,21 +20,21 @@ import numpy as np
 
 from loader_service.dataset.storage.local import DEFAULT_MAX_FILE_BYTES, read_file
 from loader_service.decode.contract import INTERPOLATIONS
-from pixels import regions
-from pixels.geometry import (
+from protocol.encoded import EVAL, TRAIN, EncodedRow
+from protocol.pixels import regions
+from protocol.pixels.geometry import (
     U8,
     random_resized_crop_params,
     resize,
 )
-from pixels.regions import (
+from protocol.pixels.regions import (
     ROI_HEADROOM,
     eval_region,
     roi_header,
     roi_scale,
     whole_jpeg,
 )
-from pixels.render import apply_eval, decode_bytes, render, store
-from protocol.encoded import EVAL, TRAIN, EncodedRow
+from protocol.pixels.render import apply_eval, decode_bytes, render, store
 
 
 @dataclass(frozen=True)

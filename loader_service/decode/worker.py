@@ -45,13 +45,13 @@ from loader_service.decode.sample import Sample
 from loader_service.decode.transforms import Recipe, load_bytes_into, plan_row, transform_into
 from loader_service.logs import configure_logging
 from loader_service.shm import Segment, process_start
-from pixels import DecodeError
-from pixels.geometry import prepare
-from pixels.render import decode_bytes, render
 from protocol.codec import decode, encode
 from protocol.encoded import encoded_rows
 from protocol.layout import SlotLayout, describe_fields, image_fields
 from protocol.messages import MAX_BAD_REPORTS
+from protocol.pixels import DecodeError
+from protocol.pixels.geometry import prepare
+from protocol.pixels.render import decode_bytes, render
 from protocol.workers import StopWorker, Task, TaskDone, WorkerReady
 
 log = logging.getLogger(__name__)

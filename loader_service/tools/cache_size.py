@@ -28,8 +28,8 @@ from loader_service.dataset.storage.storeconfig import StorageConfig
 from loader_service.dataset.storage.storeerrors import StoreUnavailable
 from loader_service.decode.cache import CacheKind, cache_kind, entry_bytes, overhead_bytes
 from loader_service.decode.reading import FeedReader
-from pixels import DecodeError
-from pixels.render import decode_bytes
+from protocol.pixels import DecodeError
+from protocol.pixels.render import decode_bytes
 
 SAMPLED = 1000
 """Images whose headers are read per feed; all of them for a smaller dataset."""

@@ -17,8 +17,8 @@ from typing import Any
 
 import zmq
 
-from curvekeys import ClientKeys
 from protocol.codec import decode, encode
+from protocol.curve import ClientKeys
 from protocol.messages import ErrorReply, Heartbeat, ProtocolError, StatusReply, StatusRequest
 from protocol.printable import printable
 
@@ -33,7 +33,7 @@ def query_status(
     """The status body of the service at ``endpoint``; ``TimeoutError`` naming it if none comes in time.
 
     ``RuntimeError`` if the service answers with an error, ``ValueError`` for a malformed endpoint or
-    key file. CURVE keys as for a trainer (``curvekeys``, environment included).
+    key file. CURVE keys as for a trainer (``protocol.curve``, environment included).
     """
     keys = ClientKeys.load(server_key, client_key)
     ctx = zmq.Context()

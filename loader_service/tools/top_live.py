@@ -19,10 +19,10 @@ import zmq
 from rich.console import Console
 from rich.live import Live
 
-from curvekeys import ClientKeys
 from loader_service.tools.status_view import _endpoint_hint
 from loader_service.tools.top import QUIT_KEYS, REFRESH, Frame, Sample, build_frame, lost_frame, render
 from protocol.codec import decode, encode
+from protocol.curve import ClientKeys
 from protocol.messages import ErrorReply, Heartbeat, ProtocolError, StatusReply, StatusRequest
 from protocol.printable import printable
 

@@ -192,8 +192,6 @@ def test_the_image_copies_what_the_install_needs_and_no_secret() -> None:
         "pyproject.toml",
         "README.md",
         "protocol",
-        "curvekeys",
-        "pixels",
         "loader_service",
         "gpu_worker",
     }

@@ -19,9 +19,9 @@ from loader_service.dataset.index import build_index
 from loader_service.dataset.sampler import sample_rng
 from loader_service.decode.contract import INTERPOLATIONS
 from loader_service.decode.decoders import roi_decoder_version
-from pixels.geometry import eval_geometry, random_resized_crop_params
-from pixels.regions import ROI_HEADROOM, roi_scale
 from protocol.layout import PAGE
+from protocol.pixels.geometry import eval_geometry, random_resized_crop_params
+from protocol.pixels.regions import ROI_HEADROOM, roi_scale
 from tests.helpers import ServiceFactory, in_background, our_segments, pool_bytes, slot_reserve, status
 
 pytestmark = pytest.mark.integration

@@ -16,12 +16,12 @@ import pytest
 import zmq
 import zmq.auth
 
-from curvekeys import ClientKeys
 from gpu_worker import ServiceLoader
 from loader_service.dataset.index import build_index
 from loader_service.supervisor.edges.curve import CurveGuard, TrainerKeys
 from loader_service.tools.keys import KeyPair, make_keys
 from protocol.codec import decode, encode
+from protocol.curve import ClientKeys
 from protocol.messages import Heartbeat, Hello, Start, Welcome
 from tests.helpers import ServiceFactory, epoch_indices, in_threads, status, trainer_process, wait_until
 

@@ -26,7 +26,7 @@ from loader_service.dataset.storage.storeconfig import StorageConfig
 from loader_service.dataset.storage.storeerrors import StorageError
 from loader_service.dataset.tables import DatasetError
 from loader_service.decode.reading import SampleReader
-from pixels import DecodeError
+from protocol.pixels import DecodeError
 from testkit.counting import counted_store_reads
 from testkit.netfaults import FaultProxy
 from tests.helpers import (

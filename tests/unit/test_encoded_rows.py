@@ -17,11 +17,11 @@ from gpu_worker.loop_clock import LoopClock
 from gpu_worker.row_decoder import RowDecoder
 from gpu_worker.split import BUSY, FIRST_STEP, LEAST_STEP, MOST_WAITS, Split, Window
 from loader_service.decode.transforms import Recipe, load_bytes_into, plan_row
-from pixels import DecodeError, regions
-from pixels.render import render
 from protocol.encoded import COLUMNS, EVAL, MAX_SHARE, TRAIN, BadRow, EncodedRow, encoded_rows
 from protocol.layout import PAGE, FieldSpec, SlotLayout, image_fields
 from protocol.messages import FeedInfo
+from protocol.pixels import DecodeError, regions
+from protocol.pixels.render import render
 from tests.unit.test_jpegcrop import photo_jpeg
 
 GOOD = EncodedRow(100, 5000, TRAIN, True, 480, 640, 10, 20, 300, 400, 4, "area")

@@ -19,7 +19,7 @@ import pytest
 
 from loader_service.config import ConfigError, load_config
 from loader_service.dataset.storage.local import read_file
-from pixels import DecodeError
+from protocol.pixels import DecodeError
 
 DEADLINE = 10.0
 MIB = 2**20

@@ -20,9 +20,9 @@ from torch.nn.functional import interpolate
 from loader_service.decode.contract import INTERPOLATIONS
 from loader_service.decode.transforms import Recipe, load_bytes_into
 from loader_service.tools.sample_data import render_photo
-from pixels import geometry, regions
-from pixels.geometry import Crop, eval_geometry, resize
-from pixels.regions import ROI_HEADROOM, SHARPNESS_TOLERANCE, eval_region, roi_scale
+from protocol.pixels import geometry, regions
+from protocol.pixels.geometry import Crop, eval_geometry, resize
+from protocol.pixels.regions import ROI_HEADROOM, SHARPNESS_TOLERANCE, eval_region, roi_scale
 from tests.helpers import CountingDecoder
 
 jc = regions._jpegcrop

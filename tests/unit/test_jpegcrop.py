@@ -1,4 +1,4 @@
-"""The region decoder (pixels/_jpegcrop.c) and the train path built on it, on real JPEGs.
+"""The region decoder (protocol/pixels/_jpegcrop.c) and the train path built on it, on real JPEGs.
 
 The strongest check is equality: at full scale the region decoder must give exactly OpenCV's pixels,
 and ``load_into`` with it exactly what a full decode + crop gives, for the same per-sample seed.
@@ -21,9 +21,9 @@ from loader_service.decode import decoders
 from loader_service.decode.decoders import roi_decoder_version
 from loader_service.decode.transforms import Recipe, load_into
 from loader_service.tools.sample_data import render_photo
-from pixels import DecodeError, regions
-from pixels.geometry import Crop, random_resized_crop_params
-from pixels.regions import roi_scale
+from protocol.pixels import DecodeError, regions
+from protocol.pixels.geometry import Crop, random_resized_crop_params
+from protocol.pixels.regions import roi_scale
 from tests.helpers import CountingDecoder
 
 jc = regions._jpegcrop

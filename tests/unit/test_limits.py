@@ -9,11 +9,10 @@ from pathlib import Path
 import pytest
 import zmq.auth
 
-from curvekeys import ClientKeys, in_the_clear
 from loader_service.config import ConfigError, load_config
-from loader_service.config.checks import is_loopback_tcp
 from loader_service.supervisor.trainers.limits import RateGate
 from loader_service.tools.keys import KeysError, make_keys
+from protocol.curve import ClientKeys, in_the_clear, is_loopback
 
 
 def test_many_connections_together_stay_within_the_loops_budget() -> None:
@@ -49,7 +48,7 @@ def test_a_connection_over_its_rate_is_dropped_and_recovers() -> None:
     ],
 )
 def test_loopback_endpoints(endpoint: str, loopback: bool) -> None:
-    assert is_loopback_tcp(endpoint) is loopback
+    assert is_loopback(endpoint) is loopback
 
 
 def config(tmp_path: Path, **flags: object) -> object:

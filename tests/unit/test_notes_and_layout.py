@@ -13,7 +13,7 @@ CITED = re.compile(r"NOTE \[ ([^\]]+?) \]")
 DEFINED = re.compile(r'^(?:#|"""|\s)*NOTE \[ ([^\]]+?) \](?::.*)?$')
 """A definition opens a comment or docstring line: the name alone, or followed by a colon."""
 SOURCES = (
-    "protocol", "pixels", "loader_service", "gpu_worker", "benchmarks", "tests", "deploy", "docs", "examples"
+    "protocol", "loader_service", "gpu_worker", "benchmarks", "tests", "deploy", "docs", "examples"
 )  # fmt: skip
 
 
@@ -69,7 +69,7 @@ def test_every_module_the_layout_names_exists() -> None:
 
 def test_the_layout_names_every_module_of_the_packages() -> None:
     named = set(named_modules())
-    for package in ("gpu_worker", "protocol", "pixels", "loader_service"):
+    for package in ("gpu_worker", "protocol", "loader_service"):
         found = (REPO / package).rglob("*.py")
         modules = {p.relative_to(REPO) for p in found if not p.name.startswith("__")}
         assert modules <= named, (

@@ -13,7 +13,7 @@ from loader_service.dataset.index import build_index
 from loader_service.dataset.source import Columns
 from loader_service.dataset.tables import DatasetError
 from loader_service.decode.reading import SampleReader
-from pixels import DecodeError
+from protocol.pixels import DecodeError
 from testkit.counting import CountingFiles
 from tests.helpers import folder_samples, write_parquet
 

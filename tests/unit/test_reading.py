@@ -12,7 +12,7 @@ import pytest
 from loader_service.dataset.index import DatasetIndex, build_index
 from loader_service.dataset.storage import local as storage
 from loader_service.decode.reading import SampleReader
-from pixels import DecodeError
+from protocol.pixels import DecodeError
 from tests.helpers import write_tar
 
 MAX_BYTES = 1 << 20

@@ -10,7 +10,7 @@ import pytest
 
 from loader_service.dataset.storage.objectfiles import Deferred, NotFetched, Requests, Window
 from loader_service.dataset.storage.storeerrors import StoreUnavailable, sample_error
-from pixels import DecodeError
+from protocol.pixels import DecodeError
 
 exceptions = pytest.importorskip("obstore.exceptions")
 URL = "s3://bucket/shards/a.tar"

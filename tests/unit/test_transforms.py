@@ -12,8 +12,8 @@ import pytest
 from PIL import Image
 
 from loader_service.decode.transforms import Recipe, decode_file, transform_into
-from pixels import DecodeError
-from pixels.geometry import RATIO, eval_geometry, random_resized_crop_params
+from protocol.pixels import DecodeError
+from protocol.pixels.geometry import RATIO, eval_geometry, random_resized_crop_params
 
 
 def write(path: Path, bgr: np.ndarray) -> str:

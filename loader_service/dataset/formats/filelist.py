@@ -49,7 +49,7 @@ from loader_service.dataset.tables import (
     encode_name,
     packed,
 )
-from pixels import DecodeError
+from protocol.pixels import DecodeError
 
 LIST_SUFFIXES = {".csv": "csv", ".jsonl": "jsonl"}
 MAX_LIST_BYTES = 16 << 30

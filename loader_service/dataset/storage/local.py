@@ -17,7 +17,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Protocol
 
-from pixels import DecodeError
+from protocol.pixels import DecodeError
 
 DEFAULT_MAX_FILE_BYTES = 256 * 2**20
 """``--max-file-bytes``: a larger file is a bad sample, refused before it is read."""

@@ -44,7 +44,7 @@ from loader_service.dataset.storage.objectstore import Bucket, Heard
 from loader_service.dataset.storage.storeconfig import StorageConfig
 from loader_service.dataset.storage.storeerrors import StoreUnavailable, sample_error
 from loader_service.dataset.storage.urls import join_url, split_url
-from pixels import DecodeError
+from protocol.pixels import DecodeError
 
 MAX_CONCURRENT_READS = 64
 """Requests one worker has in flight at once."""

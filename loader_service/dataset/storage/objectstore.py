@@ -40,7 +40,7 @@ from loader_service.dataset.storage.storeerrors import (
 )
 from loader_service.dataset.storage.urls import split_url
 from loader_service.dataset.tables import DatasetError
-from pixels import DecodeError
+from protocol.pixels import DecodeError
 
 SCAN_DEADLINE = 120.0
 """Seconds the service's own requests (listing, fetching shards to index them) retry for."""

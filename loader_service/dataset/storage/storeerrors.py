@@ -7,7 +7,7 @@ import errno
 import re
 
 from loader_service.dataset.tables import DatasetError
-from pixels import DecodeError
+from protocol.pixels import DecodeError
 
 
 class StorageError(DatasetError):

@@ -12,9 +12,9 @@ from typing import Any
 import zmq
 
 from loader_service.config import ServiceConfig
-from loader_service.config.checks import is_loopback_tcp
 from loader_service.shm import restrict
 from loader_service.supervisor.edges.curve import CurveGuard
+from protocol.curve import is_loopback
 from protocol.messages import MAX_FRAME_BYTES
 
 log = logging.getLogger(__name__)
@@ -71,7 +71,7 @@ def bind_trainer_endpoint(ctx: zmq.Context[Socket], cfg: ServiceConfig) -> tuple
         guard = CurveGuard(ctx, Path(cfg.curve_secret_key), Path(cfg.curve_authorized))
         guard.secure(sock)
     elif cfg.endpoint.startswith("tcp://"):
-        reach = "every user of this host" if is_loopback_tcp(cfg.endpoint) else "other hosts"
+        reach = "every user of this host" if is_loopback(cfg.endpoint) else "other hosts"
         log.warning(
             "%s is open to %s WITHOUT authentication or encryption (--insecure-tcp): "
             "anyone who reaches it can attach; see docs/trainers.md, Trainers on other hosts",

@@ -13,7 +13,7 @@ from loader_service.dataset.source import (
     Metadata,
 )
 from loader_service.dataset.storage.local import Files
-from pixels import DecodeError
+from protocol.pixels import DecodeError
 
 OPEN_CHUNKS = 256
 """Page maps a reader keeps (one per row group it read from): a few KiB each."""

@@ -10,7 +10,7 @@ from loader_service.dataset.source import (
 )
 from loader_service.dataset.storage.local import Files
 from loader_service.dataset.tables import IMAGE_EXTENSIONS, SIZE_UNKNOWN, StringTable, TarMembers
-from pixels import DecodeError
+from protocol.pixels import DecodeError
 
 
 class TarReader:

@@ -13,10 +13,10 @@ from typing import cast
 import cv2
 import numpy as np
 
-from pixels import DecodeError
-from pixels.geometry import U8, Crop, eval_geometry, resize
-from pixels.regions import decode_region, roi_header
 from protocol.encoded import EVAL, EncodedRow
+from protocol.pixels import DecodeError
+from protocol.pixels.geometry import U8, Crop, eval_geometry, resize
+from protocol.pixels.regions import decode_region, roi_header
 
 
 def decode_bytes(data: bytes) -> U8:
@@ -82,7 +82,8 @@ def _crop(row: EncodedRow) -> Crop:
 
 
 def _eval(data: bytes, row: EncodedRow, out: U8, region: Crop) -> None:
-    """Eval on a canvas holding only the centre's region (NOTE [ Eval regions ] in pixels/regions.py)."""
+    """Eval on a canvas holding only the centre's region (NOTE [ Eval regions ] in
+    protocol/pixels/regions.py)."""
     decoded = decode_region(data, region, row.scale)
     if decoded is None:
         apply_eval(decode_bytes(data), out, row.filter)

@@ -1,6 +1,6 @@
 """CURVE on a client's side (a trainer, ``loader-service status``): the keys a connection presents,
-from arguments or the environment. Both the trainer's package and the service's tools use it, so it
-is a package of its own that imports neither.
+from arguments or the environment, and which tcp endpoints only this host can reach. Both the
+trainer's package and the service use it.
 
 A trainer needs the service's public key (``NAME.key``, to know it talks to the real service) and its
 own key pair (``NAME.key_secret``, which the service must have authorised). ``DATAFERRY_SERVER_KEY``
@@ -65,18 +65,26 @@ def _read(path: str) -> tuple[bytes, bytes | None]:
         raise ValueError(f"cannot read CURVE key {path}: {exc}") from None
 
 
-def in_the_clear(endpoint: str, keys: ClientKeys | None) -> bool:
-    """Would this connection carry batches unencrypted to another host (a tcp:// endpoint that is
-    not loopback, without keys)?"""
-    if keys is not None or not endpoint.startswith("tcp://"):
+def is_loopback(endpoint: str) -> bool:
+    """A tcp:// endpoint only this host can reach: ``localhost`` or a loopback address. ``*``,
+    0.0.0.0, interface names, other addresses and host names (another host, as far as this process
+    can tell) are not; nor is an endpoint of another transport. The one rule for both sides: the
+    service's warning on an unauthenticated bind and a trainer's on a connection in the clear."""
+    if not endpoint.startswith("tcp://"):
         return False
     host = endpoint[len("tcp://") :].rsplit(":", 1)[0].strip("[]")
     if host == "localhost":
-        return False
+        return True
     try:
-        return not ipaddress.ip_address(host).is_loopback
+        return ipaddress.ip_address(host).is_loopback
     except ValueError:
-        return True  # a host name: another host, as far as this process can tell
+        return False
+
+
+def in_the_clear(endpoint: str, keys: ClientKeys | None) -> bool:
+    """Would this connection carry batches unencrypted to another host (a tcp:// endpoint that is
+    not loopback, without keys)?"""
+    return keys is None and endpoint.startswith("tcp://") and not is_loopback(endpoint)
 
 
 def warn_if_in_the_clear(endpoint: str, keys: ClientKeys | None) -> None:

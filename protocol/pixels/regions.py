@@ -26,11 +26,11 @@ from types import ModuleType
 
 import numpy as np
 
-from pixels.geometry import U8, Crop, eval_geometry
+from protocol.pixels.geometry import U8, Crop, eval_geometry
 
 _jpegcrop: ModuleType | None
 try:
-    from pixels import _jpegcrop
+    from protocol.pixels import _jpegcrop
 except ImportError:  # built only where libjpeg-turbo's headers were found at install time
     _jpegcrop = None
 

@@ -16,7 +16,7 @@ U8 = npt.NDArray[np.uint8]
 
 _resample: ModuleType | None
 try:
-    from pixels import _resample
+    from protocol.pixels import _resample
 except ImportError:  # built wherever a C compiler was found at install time
     _resample = None
 
