@@ -242,7 +242,7 @@ def parquet_part(work: Path, server: Any, plan: Plan) -> dict[str, Any]:
 
 
 def _parquet_bytes_read(folder: Path) -> float:
-    from loader_service.dataset.formats.parquet import source as parquet
+    from loader_service.dataset.formats.parquet import format as parquet
     from loader_service.dataset.formats.parquet.reader import ParquetReader
     from loader_service.dataset.index import build_index
 

@@ -126,7 +126,7 @@ def start_service(tmp_path: Path) -> Iterator[ServiceFactory]:
 
 @pytest.fixture(scope="session")
 def photo_sources(photos: Path, tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
-    """``photos`` as every source kind, each with the ImageFolder index's order (tests.helpers)."""
+    """``photos`` in every format, each with the ImageFolder index's order (tests.helpers)."""
     folder = tmp_path_factory.mktemp("sources")
     shards = write_shards(photos, folder / "shards", per_shard=16)
     brace = folder / "shards" / f"train-{{000000..{len(shards) - 1:06d}}}.tar"

@@ -213,7 +213,7 @@ def plant_packages(folder: Path, marker: Path) -> None:
 
 ServiceFactory = Callable[..., ServiceProcess]
 SourceData = Callable[[str], tuple[str, "dict[str, str] | None"]]
-"""The ``data_of`` fixture: a source kind to (``--data``, the service's extra environment)."""
+"""The ``data_of`` fixture: a data format to (``--data``, the service's extra environment)."""
 
 
 T = TypeVar("T")

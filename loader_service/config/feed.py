@@ -12,7 +12,7 @@ from loader_service.config import checks
 from loader_service.config.checks import at_least, between
 from loader_service.config.option import option
 from loader_service.config.values import ByteSize, require
-from loader_service.dataset.index import FORMATS
+from loader_service.dataset.index import FORMAT_CHOICES
 from loader_service.dataset.storage.location import Location
 from loader_service.decode.contract import INTERPOLATIONS
 from loader_service.decode.decoders import antialias_problem
@@ -53,7 +53,7 @@ class FeedOptions:
             "what --data holds: imagefolder (one sub-folder per class), list (.csv or .jsonl: path, "
             "label, metadata), tar (WebDataset-style shards), parquet (Hugging Face datasets' files), "
             "or auto (told by --data)",
-            choices=FORMATS,
+            choices=FORMAT_CHOICES,
         ),
     )
     image_column: str = field(

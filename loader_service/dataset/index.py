@@ -1,6 +1,6 @@
 """The dataset index: which bytes are sample ``i``, and its label, held in a few compact numpy arrays.
 
-Every source format (``--format``: ``dataset.formats``) gives a sample an index (its position: the
+Every data format (``--format``: ``dataset.formats``) gives a sample an index (its position: the
 order is fixed by the source), a label (-1 when the source has none), a name, and whatever the
 format itself needs to find the sample's bytes (its ``IndexPart``: a list's other columns, a tar
 shard's member offsets). Adding a format adds a part, not a field here.
@@ -24,9 +24,9 @@ from typing import Any
 import numpy as np
 import numpy.typing as npt
 
-from loader_service.dataset.formats import FORMATS, detect_format, source
+from loader_service.dataset.format import Columns, IndexPart, Progress
+from loader_service.dataset.formats import FORMAT_CHOICES, detect_format, format_named
 from loader_service.dataset.formats.folder import EXTENSIONS
-from loader_service.dataset.source import Columns, IndexPart, Progress
 from loader_service.dataset.storage.cachedir import FetchCache, index_key
 from loader_service.dataset.storage.location import Location
 from loader_service.dataset.storage.storeconfig import StorageConfig
@@ -34,7 +34,7 @@ from loader_service.dataset.tables import I64, DatasetError, StringTable
 
 __all__ = [
     "EXTENSIONS",
-    "FORMATS",
+    "FORMAT_CHOICES",
     "DatasetError",
     "DatasetIndex",
     "build_index",
@@ -57,7 +57,7 @@ trainer states stay valid."""
 @dataclass(frozen=True)
 class DatasetIndex:
     kind: str
-    """The format's name (``formats.SOURCES``)."""
+    """The format's name (``formats.FORMATS``)."""
     root: Path
     """The ImageFolder, the list file's folder, or the folder the shards are named relative to."""
     classes: tuple[str, ...]
@@ -66,7 +66,7 @@ class DatasetIndex:
     names: StringTable
     """Per sample: the path relative to ``root`` (imagefolder, list), or the key in its shard (tar)."""
     part: IndexPart | None = None
-    """What the format keeps of its own (``dataset.source.IndexPart``), if anything."""
+    """What the format keeps of its own (``dataset.format.IndexPart``), if anything."""
     flaws: Mapping[int, str] = field(default_factory=dict)
     """Samples found unreadable while indexing (tar: a damaged header, a bad ``.cls``), and why."""
     url: str = ""
@@ -79,11 +79,11 @@ class DatasetIndex:
 
     def relpath(self, i: int) -> str:
         """How sample ``i`` is named in logs, status and ``loader-service index``; ``shard:key`` for tar."""
-        return source(self.kind).relpath(self, i)
+        return format_named(self.kind).relpath(self, i)
 
     def path(self, i: int) -> Path:
         """The image file (imagefolder, list), or the shard file that holds the sample (tar)."""
-        return source(self.kind).path(self, i)
+        return format_named(self.kind).path(self, i)
 
     @property
     def num_classes(self) -> int:
@@ -136,7 +136,7 @@ class DatasetIndex:
             classes=tuple(desc["classes"]),
             labels=mapped("labels"),
             names=StringTable(mapped("name_offsets"), mapped("name_blob")),
-            part=source(desc["kind"]).load_part(desc, mapped),
+            part=format_named(desc["kind"]).load_part(desc, mapped),
             flaws={int(k): v for k, v in desc["flaws"].items()},
             url=desc.get("storage", {}).get("url", ""),
             versions={
@@ -184,12 +184,12 @@ def build_index(
     """Index ``data`` once. ``progress(found_so_far)`` is called every 10,000 samples.
 
     ``data``: an ImageFolder, a folder of ``*.tar`` shards, a ``.csv`` or ``.jsonl`` file, a ``.tar``
-    file, or a brace pattern such as ``dir/train-{000000..000127}.tar`` (``formats.SOURCES``); the
+    file, or a brace pattern such as ``dir/train-{000000..000127}.tar`` (``formats.FORMATS``); the
     same in an object store (``s3://bucket/shards/``), but an ImageFolder.
     """
     where = Location.of(data, storage)  # NOTE [ One location ]
     kind = resolve_format(where, format)
-    found = source(kind).scan(where, progress, columns)
+    found = format_named(kind).scan(where, progress, columns)
     return DatasetIndex(
         kind,
         found.root,
@@ -206,12 +206,12 @@ def build_index(
 def resolve_format(data: str | Path | Location, format: str, storage: StorageConfig | None = None) -> str:
     """The format ``--format`` names, or the one ``data`` is (``auto``); DatasetError for a format
     that cannot read from where ``data`` is."""
-    if format not in FORMATS:
-        raise DatasetError(f"format must be one of {', '.join(FORMATS)}, not {format!r}")
+    if format not in FORMAT_CHOICES:
+        raise DatasetError(f"format must be one of {', '.join(FORMAT_CHOICES)}, not {format!r}")
     where = Location.of(data, storage)
     if format == "auto":
         return detect_format(where)
-    if where.in_store and not source(format).in_store:
+    if where.in_store and not format_named(format).in_store:
         raise DatasetError(f"{where}: format {format} cannot be read from an object store")
     return format
 
@@ -229,7 +229,7 @@ def load_or_build(
     if not storage.cache_dir:
         return build_index(data, format, progress, storage, columns)
     kind = resolve_format(data, format)
-    inputs = source(kind).inputs(data)
+    inputs = format_named(kind).inputs(data)
     if inputs is None:  # nothing to tell a change by (an object without an ETag): scan every start
         return build_index(data, kind, progress, storage, columns)
     cache = FetchCache(storage.cache_dir, storage.cache_size)

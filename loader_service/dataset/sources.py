@@ -24,8 +24,8 @@ from pathlib import Path
 import numpy as np
 import numpy.typing as npt
 
+from loader_service.dataset.format import Columns, Progress
 from loader_service.dataset.index import DatasetIndex, load_or_build
-from loader_service.dataset.source import Columns, Progress
 from loader_service.dataset.storage.storeconfig import StorageConfig
 from loader_service.dataset.tables import DatasetError, offsets_of
 

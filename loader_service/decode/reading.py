@@ -10,9 +10,9 @@ from collections.abc import Sequence
 
 import numpy as np
 
-from loader_service.dataset.formats import source
+from loader_service.dataset.format import Metadata
+from loader_service.dataset.formats import format_named
 from loader_service.dataset.index import LOCAL, DatasetIndex
-from loader_service.dataset.source import Metadata
 from loader_service.dataset.sources import FeedSources
 from loader_service.dataset.storage.objectstore import Heard
 from loader_service.dataset.storage.storeconfig import StorageConfig
@@ -27,7 +27,7 @@ class SampleReader:
         worker's progress page, NOTE [ Waiting on the store ])."""
         self.index = index
         self.max_bytes = max_bytes
-        self._reader = source(index.kind).reader(index, max_bytes, storage, heard)
+        self._reader = format_named(index.kind).reader(index, max_bytes, storage, heard)
 
     def prefetch(self, indices: Sequence[int]) -> None:
         """Fetch the images of ``indices`` from an object store at once (NOTE [ Object store reads ]);

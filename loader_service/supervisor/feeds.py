@@ -16,9 +16,9 @@ import numpy.typing as npt
 
 from loader_service.config import ConfigError, FeedConfig
 from loader_service.config.feed import AUTO_ENCODED_ROW_BYTES
+from loader_service.dataset.format import Columns
 from loader_service.dataset.mixture import Mixture, MixtureEpoch, integer_weights
 from loader_service.dataset.sampler import ShardOrder, shard_order
-from loader_service.dataset.source import Columns
 from loader_service.dataset.sources import FeedSources, index_sources
 from loader_service.dataset.tables import DatasetError
 from loader_service.decode.cache import LOCK_NAME, CacheKind, CacheSegment, CacheTooSmall, cache_kind

@@ -21,8 +21,8 @@ from pathlib import Path
 import numpy as np
 
 from loader_service.config import FeedConfig, ServiceConfig
+from loader_service.dataset.format import Columns
 from loader_service.dataset.index import LOCAL
-from loader_service.dataset.source import Columns
 from loader_service.dataset.sources import FeedSources, index_sources
 from loader_service.dataset.storage.storeconfig import StorageConfig
 from loader_service.dataset.storage.storeerrors import StoreUnavailable

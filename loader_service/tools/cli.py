@@ -13,8 +13,8 @@ from typing import Any
 
 from loader_service.config import OPTIONS, ConfigError, Option, load_config
 from loader_service.config.loading import parse_storage_flags
-from loader_service.dataset.index import FORMATS, DatasetError, build_index
-from loader_service.dataset.source import Columns
+from loader_service.dataset.format import Columns
+from loader_service.dataset.index import FORMAT_CHOICES, DatasetError, build_index
 from loader_service.dataset.storage.storeconfig import StorageConfig
 from loader_service.logs import configure_logging
 
@@ -197,7 +197,9 @@ def _add_index(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
         help="an ImageFolder, a .csv or .jsonl list, a folder of .tar shards or .parquet files, one such "
         "file, or a brace pattern such as 'shards/train-{000000..000127}.tar'; in an object store too",
     )
-    p.add_argument("--format", choices=FORMATS, default="auto", help="the source's kind (default auto)")
+    p.add_argument(
+        "--format", choices=FORMAT_CHOICES, default="auto", help="the data's format (default auto)"
+    )
     p.add_argument("--image-column", default="", help="Parquet: as for serve")
     p.add_argument("--label-column", default="label", help="Parquet: as for serve")
     p.add_argument("--storage-option", action="append", default=[], metavar="KEY=VALUE", help="as for serve")

@@ -189,6 +189,12 @@ RETIRED = {
     "curvekeys": "protocol.curve (the wheel's top-level names are protocol, loader_service, gpu_worker)",
     "is_loopback_tcp": "protocol.curve.is_loopback, the one rule for both sides",
     "LOOPBACK_HOSTS": "protocol.curve.is_loopback",
+    "Source": "Format (dataset/format.py): a source is a feed's named dataset, never a format",
+    "SOURCES": "formats.FORMATS, the registry of formats",
+    "TarSource": "TarFormat",
+    "ListSource": "ListFormat",
+    "ParquetSource": "ParquetFormat",
+    "FolderSource": "FolderFormat",
 }
 """Names a rename retired, and what took their place: no identifier of the product may use them again
 (comments and strings may, where the word means something else)."""

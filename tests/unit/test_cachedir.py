@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from loader_service.dataset.formats.tar import source as tarshards
+from loader_service.dataset.formats.tar import format as tarshards
 from loader_service.dataset.index import build_index, load_or_build
 from loader_service.dataset.storage.cachedir import FetchCache, index_key
 from loader_service.dataset.storage.storeconfig import StorageConfig

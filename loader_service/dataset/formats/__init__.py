@@ -1,36 +1,36 @@
-"""The source formats, by ``--format`` name: the one registry that detection, the index, the
-reader and the config's choices read from (each format is a ``dataset.source.Source``)."""
+"""The data formats, by ``--format`` name: the one registry that detection, the index, the
+reader and the config's choices read from (each format is a ``dataset.format.Format``)."""
 
 from __future__ import annotations
 
 import os
 from pathlib import Path
 
+from loader_service.dataset.format import Format
 from loader_service.dataset.formats import filelist, folder
-from loader_service.dataset.formats.parquet import source as parquet_source
-from loader_service.dataset.formats.tar import source as tar_source
-from loader_service.dataset.source import Source
+from loader_service.dataset.formats.parquet import format as parquet_format
+from loader_service.dataset.formats.tar import format as tar_format
 from loader_service.dataset.storage.location import Location
 from loader_service.dataset.storage.objectstore import SCAN_DEADLINE, Bucket
 from loader_service.dataset.storage.storeconfig import StorageConfig
 from loader_service.dataset.storage.urls import split_url
 from loader_service.dataset.tables import DatasetError
 
-SOURCES: dict[str, Source] = {
+FORMATS: dict[str, Format] = {
     # Parquet before tar: a brace pattern is tar's unless it names .parquet files.
     s.name: s
-    for s in (folder.SOURCE, filelist.SOURCE, parquet_source.SOURCE, tar_source.SOURCE)
+    for s in (folder.FORMAT, filelist.FORMAT, parquet_format.FORMAT, tar_format.FORMAT)
 }
-FORMATS = ("auto", *SOURCES)
-FOLDER_DEFAULT = folder.SOURCE.name
+FORMAT_CHOICES = ("auto", *FORMATS)
+FOLDER_DEFAULT = folder.FORMAT.name
 """What a folder no format claims is taken for: its scan then says what it lacks."""
 
 
-def source(name: str) -> Source:
+def format_named(name: str) -> Format:
     """The format called ``name``; DatasetError naming the ones there are."""
-    found = SOURCES.get(name)
+    found = FORMATS.get(name)
     if found is None:
-        raise DatasetError(f"format must be one of {', '.join(FORMATS)}, not {name!r}")
+        raise DatasetError(f"format must be one of {', '.join(FORMAT_CHOICES)}, not {name!r}")
     return found
 
 
@@ -46,14 +46,14 @@ def detect_format(data: str | Path | Location) -> str:
         return _store_format(where.text, where.storage)
     text = where.text
     if os.path.isdir(text):
-        return _one_of([s for s in SOURCES.values() if s.claims_folder(Path(text))], text)
+        return _one_of([s for s in FORMATS.values() if s.claims_folder(Path(text))], text)
     if os.path.exists(text):
         name = text.lower()
-        claimed = [s.name for s in SOURCES.values() if s.claims_file(name)]
+        claimed = [s.name for s in FORMATS.values() if s.claims_file(name)]
         if claimed:
             return claimed[0]
         raise DatasetError(f"cannot tell the format of {text}: expected {_what()}; say which with --format")
-    patterns = [s.name for s in SOURCES.values() if s.claims_pattern(text)]
+    patterns = [s.name for s in FORMATS.values() if s.claims_pattern(text)]
     if patterns:
         return patterns[0]
     raise DatasetError(f"data {text} does not exist")
@@ -62,7 +62,7 @@ def detect_format(data: str | Path | Location) -> str:
 def _store_format(url: str, storage: StorageConfig) -> str:
     """An object store URL's format: by the name or pattern it gives, else (a prefix) by the names of
     the objects directly under it, as a local folder's files tell."""
-    readable = [s for s in SOURCES.values() if s.in_store]
+    readable = [s for s in FORMATS.values() if s.in_store]
     for s in readable:
         if s.claims_pattern(url) or s.claims_file(url.lower()):
             return s.name
@@ -82,7 +82,7 @@ def _store_format(url: str, storage: StorageConfig) -> str:
     raise DatasetError(f"{url} holds {what}; say which with {flags}")
 
 
-def _one_of(claimed: list[Source], root: str) -> str:
+def _one_of(claimed: list[Format], root: str) -> str:
     if len(claimed) > 1:
         what = " and ".join(s.holds for s in claimed)
         flags = " or ".join(f"--format {s.name}" for s in claimed)
@@ -91,4 +91,4 @@ def _one_of(claimed: list[Source], root: str) -> str:
 
 
 def _what() -> str:
-    return "; ".join(f"{s.what} ({s.name})" for s in SOURCES.values())
+    return "; ".join(f"{s.what} ({s.name})" for s in FORMATS.values())

@@ -23,17 +23,17 @@ from typing import Any, NamedTuple
 
 import numpy as np
 
-from loader_service.dataset.formats.perfile import FilePerSample, SampleFiles
-from loader_service.dataset.source import (
+from loader_service.dataset.format import (
     Columns,
+    Format,
     Indexed,
     IndexPart,
     Mapped,
     Metadata,
     Progress,
     Scanned,
-    Source,
 )
+from loader_service.dataset.formats.perfile import FilePerSample, SampleFiles
 from loader_service.dataset.storage.files import open_files
 from loader_service.dataset.storage.listing import list_file
 from loader_service.dataset.storage.local import Files
@@ -220,8 +220,8 @@ def _kind(value: object) -> str:
     return "nothing" if value is None else type(value).__name__
 
 
-class ListSource(FilePerSample):
-    """``--format list`` (``dataset.source.Source``)."""
+class ListFormat(FilePerSample):
+    """``--format list`` (``dataset.format.Format``)."""
 
     name = "list"
     what = "a .csv or .jsonl list"
@@ -303,4 +303,4 @@ def _value(value: object) -> object:
     return value
 
 
-SOURCE: Source = ListSource()
+FORMAT: Format = ListFormat()

@@ -15,8 +15,8 @@ from typing import TYPE_CHECKING, Any, NamedTuple
 
 import numpy as np
 
+from loader_service.dataset.format import Columns, Format, IndexPart, Mapped, Progress, Scanned
 from loader_service.dataset.formats.perfile import FilePerSample
-from loader_service.dataset.source import Columns, IndexPart, Mapped, Progress, Scanned, Source
 from loader_service.dataset.tables import (
     I64,
     DatasetError,
@@ -100,8 +100,8 @@ def holds_class_folders(root: Path) -> bool:
     return bool(find_classes(root))
 
 
-class FolderSource(FilePerSample):
-    """``--format imagefolder`` (``dataset.source.Source``)."""
+class FolderFormat(FilePerSample):
+    """``--format imagefolder`` (``dataset.format.Format``)."""
 
     name = "imagefolder"
     what = "a folder of class sub-folders"
@@ -133,4 +133,4 @@ class FolderSource(FilePerSample):
         return None
 
 
-SOURCE: Source = FolderSource()
+FORMAT: Format = FolderFormat()

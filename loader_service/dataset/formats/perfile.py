@@ -6,7 +6,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from pathlib import Path
 
-from loader_service.dataset.source import Indexed, Metadata
+from loader_service.dataset.format import Indexed, Metadata
 from loader_service.dataset.storage.files import open_files
 from loader_service.dataset.storage.local import Files
 from loader_service.dataset.storage.objectstore import Heard
@@ -36,7 +36,7 @@ class SampleFiles:
 
 
 class FilePerSample:
-    """A ``dataset.source.Source`` mixin: a sample is the file its name says, under the index's root."""
+    """A ``dataset.format.Format`` mixin: a sample is the file its name says, under the index's root."""
 
     def relpath(self, index: Indexed, i: int) -> str:
         return index.names.text(i)

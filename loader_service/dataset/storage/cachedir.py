@@ -25,7 +25,7 @@ NOTE [ A private cache folder ]
 NOTE [ Saved indexes ]
     Indexing a million tar samples reads two million headers (seconds, or minutes from a cold disk
     or a store). The index of a ``--data`` value is saved under a key of its format and value, with
-    what its source says identifies the data's state (``Source.inputs``: each shard's size and
+    what its source says identifies the data's state (``Format.inputs``: each shard's size and
     mtime, or each object's ETag). At the next start the inputs are taken again, a cheap listing, and
     an equal record loads the saved index instead of scanning; any difference scans anew.
 """

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from loader_service.dataset.source import Indexed
+from loader_service.dataset.format import Indexed
 from loader_service.dataset.storage.local import Files, LocalFiles
 from loader_service.dataset.storage.objectfiles import ObjectFiles
 from loader_service.dataset.storage.objectstore import Heard

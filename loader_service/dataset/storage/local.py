@@ -1,6 +1,6 @@
 """Local storage: the bytes of a file, or of a range of one, read without trusting what is there.
 
-The layer below the source formats (``dataset.formats``): a format says which file and which bytes
+The layer below the data formats (``dataset.formats``): a format says which file and which bytes
 hold a sample, this module reads them (``dataset.storage.files.open_files`` picks it or a store's). Only
 regular files are read: a FIFO would block a read until ``--task-timeout`` kills the worker, a link
 to /dev/zero would read until memory runs out, and opening a device can act on it (a tape rewinds).

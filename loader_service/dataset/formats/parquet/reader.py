@@ -5,13 +5,13 @@ from __future__ import annotations
 from collections import OrderedDict
 from collections.abc import Callable, Sequence
 
+from loader_service.dataset.format import (
+    Metadata,
+)
 from loader_service.dataset.formats.filelist import listed_metadata
 from loader_service.dataset.formats.parquet.pagemodel import ParquetPageError
 from loader_service.dataset.formats.parquet.pages import ChunkPages
 from loader_service.dataset.formats.parquet.rows import ParquetRows
-from loader_service.dataset.source import (
-    Metadata,
-)
 from loader_service.dataset.storage.local import Files
 from protocol.pixels import DecodeError
 

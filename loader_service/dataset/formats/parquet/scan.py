@@ -12,13 +12,13 @@ from typing import Any
 import numpy as np
 import numpy.typing as npt
 
-from loader_service.dataset.formats.parquet.pagemodel import Chunk
-from loader_service.dataset.formats.parquet.rows import ParquetRows, RowGroups
-from loader_service.dataset.source import (
+from loader_service.dataset.format import (
     Columns,
     Progress,
     Scanned,
 )
+from loader_service.dataset.formats.parquet.pagemodel import Chunk
+from loader_service.dataset.formats.parquet.rows import ParquetRows, RowGroups
 from loader_service.dataset.tables import (
     I64,
     DatasetError,

@@ -5,7 +5,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from functools import partial
 
-from loader_service.dataset.source import (
+from loader_service.dataset.format import (
     Metadata,
 )
 from loader_service.dataset.storage.local import Files

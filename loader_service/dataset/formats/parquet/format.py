@@ -26,18 +26,18 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
-from loader_service.dataset.formats.parquet.reader import ParquetReader
-from loader_service.dataset.formats.parquet.rows import ParquetRows
-from loader_service.dataset.formats.parquet.scan import ParquetScan
-from loader_service.dataset.source import (
+from loader_service.dataset.format import (
     Columns,
+    Format,
     Indexed,
     IndexPart,
     Mapped,
     Progress,
     Scanned,
-    Source,
 )
+from loader_service.dataset.formats.parquet.reader import ParquetReader
+from loader_service.dataset.formats.parquet.rows import ParquetRows
+from loader_service.dataset.formats.parquet.scan import ParquetScan
 from loader_service.dataset.storage.files import open_files
 from loader_service.dataset.storage.listing import list_files
 from loader_service.dataset.storage.location import Location
@@ -76,8 +76,8 @@ def _local_names(text: str) -> tuple[Path, tuple[str, ...]]:
     return Path(root), tuple(os.path.relpath(p, root) for p in paths)
 
 
-class ParquetSource:
-    """``--format parquet`` (``dataset.source.Source``)."""
+class ParquetFormat:
+    """``--format parquet`` (``dataset.format.Format``)."""
 
     name = "parquet"
     what = "a .parquet file, a folder of them or a brace pattern"
@@ -148,4 +148,4 @@ def _rows(index: Indexed) -> ParquetRows:
     return index.part
 
 
-SOURCE: Source = ParquetSource()
+FORMAT: Format = ParquetFormat()

@@ -1,10 +1,10 @@
-"""What a source format is: the small protocol each format module implements (``dataset.formats``
+"""What a data format is: the small protocol each format module implements (``dataset.formats``
 registers them).
 
 A format recognises a ``--data`` value, scans it into the parts of an index every format shares
 (labels, names, flaws) plus a part of its own (``IndexPart``: arrays the decode workers map, and what
 JSON says of them), and opens a reader that returns a sample's image bytes and metadata. Adding a
-format is one module defining a ``Source`` and one entry in ``formats.SOURCES``.
+format is one module defining a ``Format`` and one entry in ``formats.FORMATS``.
 """
 
 from __future__ import annotations
@@ -55,7 +55,7 @@ class Columns:
 
 
 class Scanned(NamedTuple):
-    """What a scan found, in the source's order."""
+    """What a scan found, in the data's own order."""
 
     root: Path
     """What the names are relative to."""
@@ -104,7 +104,7 @@ class Reader(Protocol):
     def close(self) -> None: ...
 
 
-class Source(Protocol):
+class Format(Protocol):
     name: str
     """The ``--format`` value."""
     what: str

@@ -1,4 +1,4 @@
-"""The tar format (``dataset.source.Source``): WebDataset-style shards, indexed by ``scan`` and read
+"""The tar format (``dataset.format.Format``): WebDataset-style shards, indexed by ``scan`` and read
 by ``reader``, local or in a store (``dataset.storage.listing``)."""
 
 from __future__ import annotations
@@ -8,18 +8,18 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
-from loader_service.dataset.formats.tar.reader import TarReader
-from loader_service.dataset.formats.tar.scan import scan_files
-from loader_service.dataset.formats.tar.shards import holds_shards, list_shards
-from loader_service.dataset.source import (
+from loader_service.dataset.format import (
     Columns,
+    Format,
     Indexed,
     IndexPart,
     Mapped,
     Progress,
     Scanned,
-    Source,
 )
+from loader_service.dataset.formats.tar.reader import TarReader
+from loader_service.dataset.formats.tar.scan import scan_files
+from loader_service.dataset.formats.tar.shards import holds_shards, list_shards
 from loader_service.dataset.storage.files import open_files
 from loader_service.dataset.storage.listing import list_files
 from loader_service.dataset.storage.location import Location
@@ -31,8 +31,8 @@ from loader_service.dataset.tables import (
 )
 
 
-class TarSource:
-    """``--format tar`` (``dataset.source.Source``)."""
+class TarFormat:
+    """``--format tar`` (``dataset.format.Format``)."""
 
     name = "tar"
     what = "a folder of .tar shards, one .tar file or a brace pattern of them"
@@ -90,4 +90,4 @@ def _members(index: Indexed) -> TarMembers:
     return index.part
 
 
-SOURCE: Source = TarSource()
+FORMAT: Format = TarFormat()

@@ -7,10 +7,10 @@ from pathlib import Path
 
 import pytest
 
-from loader_service.dataset.formats.parquet import source as parquet
+from loader_service.dataset.format import Columns
+from loader_service.dataset.formats.parquet import format as parquet
 from loader_service.dataset.formats.parquet.reader import ParquetReader
 from loader_service.dataset.index import build_index
-from loader_service.dataset.source import Columns
 from loader_service.dataset.tables import DatasetError
 from loader_service.decode.reading import SampleReader
 from protocol.pixels import DecodeError
