@@ -37,7 +37,7 @@ from gpu_worker.fleet import Fleet
 from gpu_worker.loader_config import GROUP_SECRET_ENV, LoaderConfig, endpoints_of, shard_of
 from gpu_worker.local import START_TIMEOUT, LocalService, check_shared, expected_option, unless_shared
 from gpu_worker.passes import EpochPass, PassSettings, make_pass
-from gpu_worker.schedule import WeightChanges, ordered_weights, source_stats
+from gpu_worker.schedule import WeightChanges, source_stats
 from gpu_worker.service import Service
 from protocol.curve import ClientKeys, warn_if_in_the_clear
 from protocol.encoded import MAX_SHARE
@@ -45,6 +45,7 @@ from protocol.layout import SlotLayout, describe_fields
 from protocol.messages import MAX_EPOCH, FeedInfo
 from protocol.shares import consumed, rank_batches
 from protocol.verdict import verdict, wait_share
+from protocol.weights import ordered_weights
 
 log = logging.getLogger(__name__)
 __all__ = ["Batch", "LoaderConfig", "ServiceError", "ServiceLoader", "ServiceTimeout"]

@@ -8,9 +8,9 @@ from dataclasses import KW_ONLY, dataclass, field
 from typing import Any
 
 from gpu_worker.names import name_of
-from gpu_worker.schedule import check_weight
 from protocol.layout import FieldSpec
 from protocol.messages import MODES, REMAINDERS, TRANSPORTS
+from protocol.weights import MAX_EPOCH_SAMPLES, check_weight
 
 TRANSPORT_CHOICES = ("auto", *TRANSPORTS)
 DECODES = ("service", "trainer", "auto")
@@ -128,6 +128,11 @@ class LoaderConfig:
             raise ValueError(f"decode_threads must be 1 to {MAX_DECODE_THREADS}, got {self.decode_threads!r}")
         if self.epoch_samples < 0 or (self.epoch_samples and not self.weights):
             raise ValueError("epoch_samples goes with weights, and is 0 (the feed's size) or more")
+        if self.epoch_samples > MAX_EPOCH_SAMPLES:
+            raise ValueError(
+                f"epoch_samples is at most {MAX_EPOCH_SAMPLES}, got {self.epoch_samples} (choose a smaller "
+                "one: the run goes on across epochs)"
+            )
         return self
 
     def hello_fields(self) -> dict[str, Any]:

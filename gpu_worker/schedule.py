@@ -25,47 +25,16 @@ NOTE [ Weight changes ]
 
 from __future__ import annotations
 
-import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
 from protocol.messages import MAX_WEIGHT_CHANGES
+from protocol.weights import ordered_weights
 
 Change = tuple[int, tuple[float, ...]]
 """(global position, each source's weight in the feed's order)"""
 STATE_KEY = "weight_changes"
-
-
-def check_weight(name: str, value: object) -> None:
-    """ValueError unless ``value`` is a finite number >= 0 (a bool is no weight)."""
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 <= value < math.inf:
-        raise ValueError(f"weight of {name!r} must be a finite number >= 0, got {value!r}")
-
-
-def ordered_weights(weights: Mapping[str, float], sources: Sequence[str]) -> tuple[float, ...]:
-    """``weights`` in the order of ``sources``; ValueError naming a name that is not a source, a
-    source left out, a weight that is not a finite number >= 0, or weights that are all zero."""
-    unknown = sorted(set(weights) - set(sources))
-    missing = [name for name in sources if name not in weights]
-    if unknown or missing:
-        raise ValueError(
-            f"weights must name each source of the feed ({', '.join(sources)}) once: "
-            + "; ".join(
-                part
-                for part in (
-                    f"unknown {', '.join(unknown)}" if unknown else "",
-                    f"missing {', '.join(missing)}" if missing else "",
-                )
-                if part
-            )
-        )
-    values = tuple(weights[name] for name in sources)
-    for name, value in zip(sources, values, strict=True):
-        check_weight(name, value)
-    if not any(values):
-        raise ValueError("weights are all zero: at least one source must have a weight above 0")
-    return tuple(float(v) for v in values)
 
 
 @dataclass(frozen=True)

@@ -79,6 +79,7 @@ from protocol.schema import (
     ProtocolError,
     Str,
 )
+from protocol.weights import MAX_EPOCH_SAMPLES
 
 __all__ = [
     "MAX_BAD_REPORTS",
@@ -114,7 +115,6 @@ _FIELDS: Final = ListOf(Items((Str(64), OneOf(DTYPES), ListOf(Int(1, 1 << 24), M
 MAX_RELEASES: Final = 4096
 MAX_CREDITS: Final = 1024
 MAX_SOURCES: Final = 256
-MAX_EPOCH_SAMPLES: Final = 2**40
 MAX_WEIGHT_CHANGES: Final = 64
 """Weight changes a job's start may carry (``Start.changes``): each epoch that holds one is chosen
 anew when the job plans (NOTE [ Weight schedules ] in loader_service/dataset/mixture.py)."""

@@ -55,10 +55,8 @@ from __future__ import annotations
 
 import dataclasses
 import itertools
-import math
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
-from fractions import Fraction
 from functools import cached_property
 
 import numpy as np
@@ -67,51 +65,22 @@ import numpy.typing as npt
 from loader_service.dataset.marks import SHELF, EpochMarks, Going, Rule, always
 from loader_service.dataset.sampler import epoch_order
 from loader_service.dataset.tables import DatasetError, offsets_of
+from protocol.weights import MAX_EPOCH_SAMPLES, WEIGHT_UNIT, WeightError, whole_weights
 
-MAX_EPOCH_SAMPLES = 1 << 24
-"""Positions of one mixture epoch the service chooses for: chosen on the service's one chooser
-thread (0.3 s at this bound in C, NOTE [ Mixture order ]) and held as marks (12 KiB at this bound
-with three sources, NOTE [ Epoch marks ]), so a trainer's ``epoch_samples`` is a peer's number that
-must be bounded."""
 MAX_SCHEDULE_CHOICE = 1 << 26
 """Positions a start may have to choose for a job's weight changes (each epoch that holds one, and
 the one after it): about 1.3 s of the chooser thread in C at this bound, once per schedule (each
 epoch's counts are kept, ``KEPT_COUNTS``), during which that job waits."""
-WEIGHT_UNIT = 1 << 32
-"""The sum the weights are scaled to: a share is exact to 1 part in 4 billion."""
 _SOURCE_TAG = 0x50C
 
 
 def integer_weights(weights: Mapping[str, float], names: Sequence[str]) -> tuple[int, ...]:
-    """``weights`` by source name as integers summing to ``WEIGHT_UNIT``, in the order of
-    ``names``; DatasetError for a name that is not a source, a source left out, or a weight that is
-    negative, not finite, or the only kind there is (all zero)."""
-    unknown = sorted(set(weights) - set(names))
-    if unknown:
-        raise DatasetError(
-            f"weights name {', '.join(unknown)}: not sources of this feed ({', '.join(names)})"
-        )
-    missing = [n for n in names if n not in weights]
-    if missing:
-        raise DatasetError(
-            f"weights leave out {', '.join(missing)}: give every source a weight (0 to skip one)"
-        )
-    values = [weights[n] for n in names]
-    for name, value in zip(names, values, strict=True):
-        if not isinstance(value, (int, float)) or not math.isfinite(value) or value < 0:
-            raise DatasetError(f"weight of {name} must be a finite number >= 0, not {value!r}")
-    exact = [Fraction(v) for v in values]
-    total = sum(exact)
-    if total <= 0:
-        raise DatasetError("weights are all zero: at least one source must have a weight above 0")
-    # Largest remainders: the integers sum to WEIGHT_UNIT exactly, so every schedule's deficits
-    # share one unit (the C choice's bound), and exact fractions round alike on every platform.
-    shares = [w * WEIGHT_UNIT / total for w in exact]
-    scaled = [math.floor(share) for share in shares]
-    by_remainder = sorted(range(len(shares)), key=lambda i: (scaled[i] - shares[i], i))
-    for i in by_remainder[: WEIGHT_UNIT - sum(scaled)]:
-        scaled[i] += 1
-    return tuple(scaled)
+    """``weights`` by source name as whole numbers summing to ``WEIGHT_UNIT``, in the order of
+    ``names``: the rule both sides keep (``protocol.weights``), refusing with a DatasetError."""
+    try:
+        return whole_weights(weights, names)
+    except WeightError as exc:
+        raise DatasetError(str(exc)) from None
 
 
 @dataclass(frozen=True)

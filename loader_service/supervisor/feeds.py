@@ -47,7 +47,8 @@ MAX_LOGGED_REASONS = 10_000
 class Feed:
     id: int
     config: FeedConfig
-    index: FeedSources
+    sources: FeedSources
+    """The feed's sources (one for a feed of one ``--data``), their samples numbered one after another."""
     layout: SlotLayout
     segment: Segment
     pool: SlotPool
@@ -65,7 +66,7 @@ class Feed:
     _logged_reasons: set[str] = field(default_factory=set)
 
     def __post_init__(self) -> None:
-        self._bad_seen = np.zeros(len(self.index), bool)
+        self._bad_seen = np.zeros(len(self.sources), bool)
 
     @classmethod
     def open(
@@ -148,7 +149,9 @@ class Feed:
     def shard_batches(self, world_size: int, remainder: str, offset: int = 0, samples: int = 0) -> int:
         """Batches of each rank's share of an epoch of ``samples`` (0: the feed's size; a mixture
         sets its own) shared out from position ``offset`` on."""
-        return rank_batches(samples or len(self.index), self.config.batch_size, world_size, remainder, offset)
+        return rank_batches(
+            samples or len(self.sources), self.config.batch_size, world_size, remainder, offset
+        )
 
     def plan(
         self,
@@ -163,7 +166,9 @@ class Feed:
         protocol/shares.py): O(1) to make and to keep, each batch computed when planned. With a
         weighted job's ``order``, that epoch of its mixture (NOTE [ Mixture order ])."""
         if order is None:
-            return shard_order(self.config.seed, epoch, len(self.index), rank, world_size, remainder, offset)
+            return shard_order(
+                self.config.seed, epoch, len(self.sources), rank, world_size, remainder, offset
+            )
         samples = order.samples
         if not 0 <= offset < samples:
             raise ValueError(f"an epoch of {samples} samples cannot resume at position {offset}")
@@ -200,15 +205,15 @@ class Feed:
         given = dict(hello.weights)
         if len(given) != len(hello.weights):
             raise DatasetError("weights name a source twice")
-        weights = integer_weights(given, self.index.names)
-        sizes = tuple(len(index) for index in self.index.indexes)
-        return Mixture.of(sizes, self.config.seed, hello.epoch_samples or len(self.index), weights)
+        weights = integer_weights(given, self.sources.names)
+        sizes = tuple(len(index) for index in self.sources.indexes)
+        return Mixture.of(sizes, self.config.seed, hello.epoch_samples or len(self.sources), weights)
 
     def info(self, mixture: Mixture | None = None) -> FeedInfo:
         """What a trainer is told of the feed; with a ``mixture``, its epoch's length and a
         fingerprint of the weights too, so a checkpoint of other weights is refused."""
         cfg = self.config
-        samples = mixture.epoch_samples if mixture is not None else len(self.index)
+        samples = mixture.epoch_samples if mixture is not None else len(self.sources)
         fingerprint = self.fingerprint
         if mixture is not None:
             described = f"{fingerprint}:{samples}:{((0, mixture.weights),)!r}"  # the hello's weights
@@ -216,7 +221,7 @@ class Feed:
         return FeedInfo(
             name=cfg.name,
             samples=samples,
-            classes=self.index.num_classes,
+            classes=self.sources.num_classes,
             batch_size=cfg.batch_size,
             image_size=self.image_size,
             batches_per_epoch=self.shard_batches(1, "pad", 0, samples),
@@ -228,8 +233,8 @@ class Feed:
             fields=self.layout.wire(),
             check=self.check,
             decoding=decoding_of(self.config, self.cache),
-            sources=self.index.names if cfg.sources else (),
-            source_sizes=tuple(len(i) for i in self.index.indexes) if cfg.sources else (),
+            sources=self.sources.names if cfg.sources else (),
+            source_sizes=tuple(len(i) for i in self.sources.indexes) if cfg.sources else (),
             data=cfg.data[:MAX_WHERE],  # a path is shorter; a longer pattern or URL fails the compare
             pipeline=cfg.pipeline[:MAX_WHERE],
             encoded=self.layout.encoded,
@@ -273,13 +278,13 @@ class Feed:
         would bury the log (status keeps the count and the latest names).
         """
         self.counters.bad_files += 1
-        if not 0 <= index < len(self.index):
+        if not 0 <= index < len(self.sources):
             return
         if self._bad_seen[index]:
             return
         self._bad_seen[index] = True
         self._recent_bad.append(index)
-        where = self.index.relpath(index)
+        where = self.sources.relpath(index)
         if reason.startswith(PIPELINE_REASON):
             if reason in self._logged_reasons or len(self._logged_reasons) >= MAX_LOGGED_REASONS:
                 log.debug("feed %s: bad sample skipped: %s: %s", self.name, where, reason)
@@ -288,10 +293,10 @@ class Feed:
         log.warning("feed %s: bad sample skipped: %s: %s", self.name, where, reason)
 
     def status(self) -> dict[str, object]:
-        recent = [self.index.relpath(i)[-200:] for i in self._recent_bad]
+        recent = [self.sources.relpath(i)[-200:] for i in self._recent_bad]
         return {
             "name": self.name,
-            "samples": len(self.index),
+            "samples": len(self.sources),
             "slots": self.pool.counts(),
             "slots_most": self.pool.capacity,
             "credits_most": credit_cap(self.reach()),
@@ -308,7 +313,7 @@ class Feed:
             "bad_files": self.counters.bad_files,
             "store_waits": self.counters.store_waits,
             "recent_bad_files": recent,
-            "format": self.index.kind,
+            "format": self.sources.kind,
             "augment": self.augment,
             "interpolation": "" if self.config.pipeline else self.config.interpolation,
             "fields": [f.describe() for f in self.layout.fields],
@@ -320,7 +325,7 @@ class Feed:
         served = self.counters.served_by_source
         return [
             {"source": name, "samples": len(index), "served": 0 if served is None else int(served[s])}
-            for s, (name, index) in enumerate(zip(self.index.names, self.index.indexes, strict=True))
+            for s, (name, index) in enumerate(zip(self.sources.names, self.sources.indexes, strict=True))
         ]
 
 

@@ -189,7 +189,7 @@ class LoaderService:
             folder=self._runtime_dir,  # NOTE [ Nothing from the working folder ]
         )
         log.info("decoder: %s", describe_decoder(cfg.decoder))
-        if SLOW_WALK and any(len(feed.index.names) > 1 for feed in self.feeds):
+        if SLOW_WALK and any(len(feed.sources.names) > 1 for feed in self.feeds):
             log.warning("%s", SLOW_WALK)
         self._start_metrics()
         self._serving = self._serve(self._workers, self._progress)
@@ -221,9 +221,9 @@ class LoaderService:
             "ready: feed %r, %d samples (%s) in %d classes, %d batches/epoch of %d, "
             "pool %d of at most %d slots x %.1f MiB (%s), listening on %s",
             feed.name,
-            len(feed.index),
-            feed.index.kind,
-            feed.index.num_classes,
+            len(feed.sources),
+            feed.sources.kind,
+            feed.sources.num_classes,
             feed.shard_batches(1, "pad"),
             feed.config.batch_size,
             len(feed.pool),

@@ -189,8 +189,8 @@ def test_a_jobs_weights_mix_its_epoch_and_another_job_mixes_its_own(
 @pytest.mark.parametrize(
     ("weights", "message"),
     [
-        ({"folder": 1.0, "shards": 1.0}, "weights leave out list"),
-        ({"folder": 1.0, "shards": 1.0, "list": 1.0, "other": 1.0}, "weights name other: not sources"),
+        ({"folder": 1.0, "shards": 1.0}, "missing list"),
+        ({"folder": 1.0, "shards": 1.0, "list": 1.0, "other": 1.0}, "unknown other"),
         ({"folder": 0.0, "shards": 0.0, "list": 0.0}, "weights are all zero"),
     ],
 )

@@ -15,7 +15,7 @@ import pytest
 import zmq
 
 from gpu_worker import ServiceError, ServiceLoader
-from loader_service.dataset.mixture import MAX_EPOCH_SAMPLES, Mixture, integer_weights
+from loader_service.dataset.mixture import Mixture, integer_weights
 from protocol.codec import decode, encode
 from protocol.messages import (
     BatchReady,
@@ -29,6 +29,7 @@ from protocol.messages import (
     StatusRequest,
     Welcome,
 )
+from protocol.weights import MAX_EPOCH_SAMPLES
 from tests.helpers import ServiceFactory, ServiceProcess, status, wait_until
 
 pytestmark = pytest.mark.integration

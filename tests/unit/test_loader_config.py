@@ -6,6 +6,7 @@ import pytest
 
 from gpu_worker.loader_config import ENDPOINTS_ENV, LoaderConfig, endpoints_of
 from gpu_worker.names import name_of
+from protocol.weights import MAX_EPOCH_SAMPLES
 
 
 def test_one_endpoint_or_several_from_the_code(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -71,3 +72,21 @@ def test_a_tcp_endpoint_without_host_or_port_is_refused_before_any_lookup(endpoi
 def test_a_resolve_interval_out_of_range_is_refused(interval: float) -> None:
     with pytest.raises(ValueError, match="resolve_interval"):
         LoaderConfig(("tcp://loaders:5555",), resolve_interval=interval).validated()
+
+
+@pytest.mark.parametrize(
+    ("weights", "epoch_samples", "message"),
+    [
+        ((("a", 1.0), ("b", -1.0)), 0, "weight of 'b' must be a finite number >= 0"),
+        ((("a", True),), 0, "weight of 'a' must be a finite number"),
+        ((), 100, "epoch_samples goes with weights"),
+        ((("a", 1.0),), MAX_EPOCH_SAMPLES + 1, f"epoch_samples is at most {MAX_EPOCH_SAMPLES}"),
+    ],
+)
+def test_a_weighting_the_service_would_refuse_is_refused_in_the_trainer(
+    weights: tuple[tuple[str, object], ...], epoch_samples: int, message: str
+) -> None:
+    """The rule is ``protocol.weights``, the service's own: nothing it would refuse reaches the wire."""
+    config = LoaderConfig(("ipc:///a",), weights=weights, epoch_samples=epoch_samples)  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match=message):
+        config.validated()

@@ -13,16 +13,11 @@ from hypothesis import strategies as st
 
 from loader_service.dataset import marks as marks_module
 from loader_service.dataset.marks import EpochMarks, Rule, State, epoch_draws, walk
-from loader_service.dataset.mixture import (
-    MAX_EPOCH_SAMPLES,
-    WEIGHT_UNIT,
-    Mixture,
-    Schedule,
-    integer_weights,
-)
+from loader_service.dataset.mixture import Mixture, Schedule, integer_weights
 from loader_service.dataset.sampler import ShardOrder
 from loader_service.dataset.tables import DatasetError
 from protocol.shares import shard_size
+from protocol.weights import MAX_EPOCH_SAMPLES, WEIGHT_UNIT
 
 weights_st = st.lists(st.integers(0, 1000), min_size=1, max_size=10).filter(any)
 
@@ -185,11 +180,12 @@ def test_ranks_share_a_mixture_epoch_and_resume_it_at_another_world_size() -> No
 @pytest.mark.parametrize(
     ("weights", "message"),
     [
-        ({"a": 1.0, "b": 1.0, "x": 1.0}, "weights name x: not sources"),
-        ({"a": 1.0}, "weights leave out b, c"),
-        ({"a": -1.0, "b": 1.0, "c": 1.0}, "weight of a must be a finite number >= 0"),
-        ({"a": math.nan, "b": 1.0, "c": 1.0}, "weight of a must be a finite number"),
-        ({"a": math.inf, "b": 1.0, "c": 1.0}, "weight of a must be a finite number"),
+        ({"a": 1.0, "b": 1.0, "x": 1.0}, r"each source of the feed \(a, b, c\) once.*unknown x"),
+        ({"a": 1.0}, "missing b, c"),
+        ({"a": -1.0, "b": 1.0, "c": 1.0}, "weight of 'a' must be a finite number >= 0"),
+        ({"a": math.nan, "b": 1.0, "c": 1.0}, "weight of 'a' must be a finite number"),
+        ({"a": math.inf, "b": 1.0, "c": 1.0}, "weight of 'a' must be a finite number"),
+        ({"a": True, "b": 1.0, "c": 1.0}, "weight of 'a' must be a finite number"),
         ({"a": 0.0, "b": 0, "c": 0.0}, "weights are all zero"),
     ],
 )

@@ -8,8 +8,9 @@ from pathlib import Path
 import pytest
 
 from loader_service.dataset.marks import held_bytes
-from loader_service.dataset.mixture import MAX_EPOCH_SAMPLES, Mixture, integer_weights
+from loader_service.dataset.mixture import Mixture, integer_weights
 from loader_service.supervisor.streams.orders import HOST_SHARE, UNKNOWN_MEMORY, OrderBudget, host_memory
+from protocol.weights import MAX_EPOCH_SAMPLES
 from tests.helpers import fake_root
 
 

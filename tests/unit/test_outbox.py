@@ -36,7 +36,7 @@ class FeedStub:
         return self
 
     @property
-    def index(self) -> Any:
+    def sources(self) -> Any:
         """A feed of one source: nothing to count by source (NOTE [ Source ledger ])."""
         return SimpleNamespace(offsets=np.array([0, self.samples]))
 

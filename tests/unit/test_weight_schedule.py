@@ -11,12 +11,13 @@ from typing import Any
 import numpy as np
 import pytest
 
-from gpu_worker.schedule import STATE_KEY, WeightChanges, ordered_weights
-from loader_service.dataset.mixture import MAX_EPOCH_SAMPLES, Mixture, integer_weights
+from gpu_worker.schedule import STATE_KEY, WeightChanges
+from loader_service.dataset.mixture import Mixture, integer_weights
 from loader_service.dataset.tables import DatasetError
 from loader_service.supervisor.streams.choosing import Choice, Chooser
 from loader_service.supervisor.streams.producers import Producer
 from protocol.messages import MAX_WEIGHT_CHANGES
+from protocol.weights import MAX_EPOCH_SAMPLES, ordered_weights
 
 NAMES = ("a", "b", "c")
 

@@ -84,7 +84,7 @@ class ShardStream(Stream):
         picked: tuple[int, ...] | None = None,
         offset: int = 0,
     ) -> None:
-        if offset and not 0 < offset < (samples := self.epoch_samples or len(self.feed.index)):
+        if offset and not 0 < offset < (samples := self.epoch_samples or len(self.feed.sources)):
             raise StartRefused(f"offset {offset} is outside the epoch's {samples} samples")
         self._start_shard(self.members[session_id], epoch, position, warm, picked, offset)
 

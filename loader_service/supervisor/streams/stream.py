@@ -151,7 +151,7 @@ class Stream(Producer):
                 raise StartRefused("weight changes need weights: this trainer attached without them")
             return
         try:
-            mixture = self.mixture.changed(changes, self.feed.index.names)
+            mixture = self.mixture.changed(changes, self.feed.sources.names)
         except DatasetError as exc:
             raise StartRefused(str(exc)) from None
         if mixture != self.mixture:

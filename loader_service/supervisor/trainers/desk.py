@@ -163,7 +163,7 @@ class TrainerDesk:
         asked = feed.mixture_of(msg)
         if stream is not None and stream.mixture != asked:
             # One group, one order: a member with other weights would get the group's batches.
-            names = feed.index.names
+            names = feed.sources.names
             return (
                 f"broadcast group {stream.group!r} reads {describe(stream.mixture, names)}; "
                 f"this trainer asked for {describe(asked, names)}"
@@ -299,7 +299,7 @@ class TrainerDesk:
     def _welcome(self, session: Session) -> Welcome:
         feed = self._feeds[session.feed]
         stream = self._attached.stream_of(session)
-        samples = shard_size(stream.epoch_samples or len(feed.index), stream.world_size, stream.remainder)
+        samples = shard_size(stream.epoch_samples or len(feed.sources), stream.world_size, stream.remainder)
         return Welcome(
             session.session_id,
             feed.info(stream.mixture),

@@ -20,17 +20,18 @@ from __future__ import annotations
 import numpy as np
 import numpy.typing as npt
 
-from loader_service.dataset.mixture import WEIGHT_UNIT, Mixture
+from loader_service.dataset.mixture import Mixture
 from loader_service.supervisor.feeds import Feed
 from loader_service.supervisor.streams.stream import Stream
 from protocol.shares import consumed
+from protocol.weights import WEIGHT_UNIT
 
 Counts = npt.NDArray[np.int64]
 
 
 def batch_sources(feed: Feed, slot: int, count: int) -> Counts | None:
     """Each source's rows among a decoded batch's ``count``; None for a feed of one source."""
-    offsets = feed.index.offsets
+    offsets = feed.sources.offsets
     sources = len(offsets) - 1
     if sources < 2:
         return None
@@ -57,7 +58,7 @@ def _asked(mixture: Mixture | None, feed: Feed, epoch: int, position: int) -> li
     """The shares the job asks for at ``position`` of ``epoch``: its weights in force there, or each
     source's size for a job without weights."""
     if mixture is None:
-        sizes = [len(index) for index in feed.index.indexes]
+        sizes = [len(index) for index in feed.sources.indexes]
         return [size / sum(sizes) for size in sizes]
     at = epoch * mixture.epoch_samples + position
     weights = next(w for p, w in reversed(mixture.schedule.changes) if p <= at)
@@ -85,7 +86,7 @@ def source_status(feed: Feed, stream: Stream | None, served: Counts | None) -> l
     asked = _asked(mixture, feed, stream.epoch, position)
     total = int(served.sum())
     rows: list[dict[str, object]] = []
-    for s, name in enumerate(feed.index.names):
+    for s, name in enumerate(feed.sources.names):
         row: dict[str, object] = {
             "source": name,
             "served": int(served[s]),

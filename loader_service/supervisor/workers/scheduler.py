@@ -182,7 +182,7 @@ class Scheduler:
     def _report_bad(self, feed: Feed, idx: int, reason: str) -> None:
         feed.note_bad(idx, reason)
         if self._config.strict and self.fatal is None:
-            where = feed.index.relpath(idx) if 0 <= idx < len(feed.index) else f"sample {idx}"
+            where = feed.sources.relpath(idx) if 0 <= idx < len(feed.sources) else f"sample {idx}"
             self.fatal = f"--strict: feed {feed.name!r}: {where}: {reason}"
 
     # --- worker deaths --------------------------------------------------------------------------
