@@ -14,7 +14,7 @@ the loop receives is ``gpu_worker.batch``. Only the iterating thread touches the
 releases, starts and wants, and again whatever a socket refused, at every wait (NOTE [ Releases
 that could not be sent ]). A lost service is taken back as NOTE [ Reconnecting ] in
 ``gpu_worker/connection.py`` says; a weighted job's weight changes are NOTE [ Weight changes ] in
-``gpu_worker/schedule.py``.
+``gpu_worker/weighting.py``.
 """
 
 from __future__ import annotations
@@ -37,8 +37,8 @@ from gpu_worker.fleet import Fleet
 from gpu_worker.loader_config import GROUP_SECRET_ENV, LoaderConfig, endpoints_of, shard_of
 from gpu_worker.local import START_TIMEOUT, LocalService, check_shared, expected_option, unless_shared
 from gpu_worker.passes import EpochPass, PassSettings, make_pass
-from gpu_worker.schedule import WeightChanges, source_stats
 from gpu_worker.service import Service
+from gpu_worker.weighting import WeightChanges, source_stats
 from protocol.curve import ClientKeys, warn_if_in_the_clear
 from protocol.encoded import MAX_SHARE
 from protocol.layout import SlotLayout, describe_fields
@@ -299,7 +299,7 @@ class ServiceLoader:
     def set_weights(self, weights: Mapping[str, float], at_batch: int) -> None:
         """Mix by ``weights`` from this rank's batch ``at_batch`` of the current pass on; every rank
         calls it with the same arguments, as ``set_epoch`` (NOTE [ Weight changes ] in
-        gpu_worker/schedule.py). ValueError naming what is wrong: a loader without ``weights=``,
+        gpu_worker/weighting.py). ValueError naming what is wrong: a loader without ``weights=``,
         a batch already past or past the pass, weights that are not one number >= 0 per source."""
         if not self.config.weights or self.config.mode != "shard":
             raise ValueError("set_weights is for a shard loader made with weights=")

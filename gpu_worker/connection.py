@@ -130,7 +130,7 @@ class Connection:
         self.events: deque[tuple[SessionEvent, Any]] = deque()
         """``(OPENED, welcome)``, ``(RESUMED, welcome)`` or ``(LOST, why)``, oldest first."""
         self.session = ""
-        self.generation = 0
+        self.incarnation = 0
         self.last_heard = time.monotonic()
         self._silence_limit = float("inf")
         self.batch_bytes = 0
@@ -199,7 +199,7 @@ class Connection:
         if resumed:
             self._inbox.extendleft(reversed(self._kept))  # taken before anything after the welcome
         else:  # a new session: leases of the old one died with it
-            self.generation += 1
+            self.incarnation += 1
             self.arrivals.dropped_payloads()
             self.payloads.clear()
             self.arrivals = Arrivals(msg.credits)

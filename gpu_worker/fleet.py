@@ -327,7 +327,7 @@ class Fleet:
             if what is SessionEvent.OPENED:
                 service.adopt(detail)
             elif what is SessionEvent.RESUMED:
-                service.leases.resumed(conn.generation, service.resume_held)
+                service.leases.resumed(conn.incarnation, service.resume_held)
                 log.warning("resumed session %s with %s", printable(conn.session), service.endpoint)
             elif what is SessionEvent.LOST:
                 log.warning("lost the loader service at %s (%s); reconnecting", service.endpoint, detail)

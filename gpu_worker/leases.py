@@ -1,6 +1,6 @@
 """Lease bookkeeping: which slot leases a trainer holds, which it has let go, which are still unsent.
 
-A lease is named by ``(session generation, lease id)``: leases of a lost session are never sent to
+A lease is named by ``(session incarnation, lease id)``: leases of a lost session are never sent to
 its successor. Three sets matter:
 
     live      announced to this process, handed out as a batch, not yet let go
@@ -31,7 +31,7 @@ from protocol.messages import MAX_RELEASES, Release
 
 log = logging.getLogger(__name__)
 Lease = tuple[int, int]
-"""(session generation, lease id)."""
+"""(session incarnation, lease id)."""
 SendRelease = Callable[[Release], bool]
 """Sends one message without blocking; False when the socket refused it."""
 MAX_UNSENT = MAX_RELEASES
@@ -83,24 +83,24 @@ class LeaseBook:
         """Leases this trainer still references (delivered and not let go)."""
         return len(self._live - set(self._released))
 
-    def held_ids(self, generation: int) -> tuple[int, ...]:
-        """Lease ids of session ``generation`` still referenced: what a resuming hello names."""
+    def held_ids(self, incarnation: int) -> tuple[int, ...]:
+        """Lease ids of session ``incarnation`` still referenced: what a resuming hello names."""
         released = set(self._released)
-        return tuple(lease for gen, lease in self._live - released if gen == generation)
+        return tuple(lease for of, lease in self._live - released if of == incarnation)
 
-    def unreleased_ids(self, generation: int) -> tuple[int, ...]:
-        """Lease ids of session ``generation`` whose release has not gone out: held, or let go and
+    def unreleased_ids(self, incarnation: int) -> tuple[int, ...]:
+        """Lease ids of session ``incarnation`` whose release has not gone out: held, or let go and
         not yet sent. What an ``ack`` names as held (NOTE [ Acknowledged delivery ])."""
-        ids = {lease for gen, lease in self._live if gen == generation}
-        ids.update(lease for gen, lease in self._unsent if gen == generation)
+        ids = {lease for of, lease in self._live if of == incarnation}
+        ids.update(lease for of, lease in self._unsent if of == incarnation)
         return tuple(sorted(ids))
 
-    def unreturned(self, generation: int) -> int:
-        """Leases of session ``generation`` the service still counts against this trainer's
+    def unreturned(self, incarnation: int) -> int:
+        """Leases of session ``incarnation`` the service still counts against this trainer's
         credits, as far as it knows here: referenced, or let go with the release not yet sent.
         (Leases of an earlier session count against nothing: that session is gone.)"""
-        return sum(1 for gen, _ in self._live if gen == generation) + sum(
-            1 for gen, _ in self._unsent if gen == generation
+        return sum(1 for of, _ in self._live if of == incarnation) + sum(
+            1 for of, _ in self._unsent if of == incarnation
         )
 
     @property
@@ -108,9 +108,9 @@ class LeaseBook:
         """Something is waiting to be sent."""
         return bool(self._released or self._unsent)
 
-    def flush(self, generation: int, send: SendRelease) -> None:
-        """Send every pending release of session ``generation`` in one message; keep them if refused."""
-        self._take_released(generation)
+    def flush(self, incarnation: int, send: SendRelease) -> None:
+        """Send every pending release of session ``incarnation`` in one message; keep them if refused."""
+        self._take_released(incarnation)
         if not self._unsent:
             return
         if send(Release(tuple(lease for _, lease in self._unsent))):
@@ -118,12 +118,12 @@ class LeaseBook:
         else:
             log.debug("kept %d releases to send again", len(self._unsent))
 
-    def resumed(self, generation: int, held: tuple[int, ...]) -> None:
-        """The service kept only ``held`` of session ``generation`` and returned every other lease."""
+    def resumed(self, incarnation: int, held: tuple[int, ...]) -> None:
+        """The service kept only ``held`` of session ``incarnation`` and returned every other lease."""
         kept = set(held)
 
         def still_ours(lease: Lease) -> bool:
-            return lease[0] != generation or lease[1] in kept
+            return lease[0] != incarnation or lease[1] in kept
 
         self._live = {lease for lease in self._live if still_ours(lease)}
         self._unsent = {lease: None for lease in self._unsent if still_ours(lease)}
@@ -132,14 +132,14 @@ class LeaseBook:
             if still_ours(lease):
                 self._released.append(lease)
 
-    def _take_released(self, generation: int) -> None:
+    def _take_released(self, incarnation: int) -> None:
         """Move what was let go into ``unsent``, dropping leases of sessions that are gone."""
         while self._released:
             lease = self._released.popleft()
             self._live.discard(lease)
-            if lease[0] == generation:  # a lost session's leases died with it
+            if lease[0] == incarnation:  # a lost session's leases died with it
                 self._unsent[lease] = None
-        for lease in [lease for lease in self._unsent if lease[0] != generation]:
+        for lease in [lease for lease in self._unsent if lease[0] != incarnation]:
             del self._unsent[lease]
         excess = len(self._unsent) - MAX_UNSENT
         if excess > 0:

@@ -34,13 +34,13 @@ from gpu_worker.connection import ServiceError, ServiceTimeout, SessionEvent
 from gpu_worker.epoch_report import EpochReport
 from gpu_worker.fleet import Fleet
 from gpu_worker.fleet_pass import FleetPass
-from gpu_worker.schedule import Change
 from gpu_worker.service import Service
+from gpu_worker.weighting import Change
 from protocol.messages import BatchReady, EpochEnd, Start
 
 log = logging.getLogger(__name__)
 Arrived = tuple[int, BatchReady]
-"""(session generation, announcement): what waits in the fleet pass."""
+"""(session incarnation, announcement): what waits in the fleet pass."""
 
 
 @dataclass
@@ -99,7 +99,7 @@ class EpochPass:
 
     def replan(self, changes: tuple[Change, ...]) -> None:
         """New weight changes during the pass: the runs start again from the loop's next batch, at
-        its next pull (NOTE [ Weight changes ] in gpu_worker/schedule.py)."""
+        its next pull (NOTE [ Weight changes ] in gpu_worker/weighting.py)."""
         self._settings.changes = changes
         self._replan = True
 
@@ -149,8 +149,8 @@ class EpochPass:
         runs is given back unread, and a service that is away gets its start when it returns."""
         self._replan = False
         self._earlier = self.counts() - Counter(empty=self.empty)
-        for service, (generation, msg) in self._fleet_pass.drain():
-            service.unread(msg, generation)
+        for service, (incarnation, msg) in self._fleet_pass.drain():
+            service.unread(msg, incarnation)
         self._fleet_pass = FleetPass(self.position, self._settings.batches, _paces=self._fleet.paces)
         self._started.clear()
         for service in self._fleet.live:
@@ -161,13 +161,13 @@ class EpochPass:
         self.active = False
         if self._fleet.listener is self:
             self._fleet.listener = None
-        for service, (generation, msg) in self._fleet_pass.drain():
-            service.unread(msg, generation)
+        for service, (incarnation, msg) in self._fleet_pass.drain():
+            service.unread(msg, incarnation)
 
     def waiting_leases(self, service: Service) -> tuple[int, ...]:
         """Leases of batches taken from ``service`` that wait for the loop (``PassListener``)."""
-        gen = service.conn.generation
-        return tuple(msg.lease for g, msg in self._fleet_pass.waiting(service) if g == gen)
+        incarnation = service.conn.incarnation
+        return tuple(msg.lease for g, msg in self._fleet_pass.waiting(service) if g == incarnation)
 
     def on_event(self, service: Service, event: SessionEvent, detail: Any) -> None:
         """What happened to a session means for this pass's batches (NOTE [ A fleet ])."""
@@ -180,8 +180,8 @@ class EpochPass:
                 self._begin([service])
         else:  # REFUSED or OPENED
             # Left out for good, or a new session: it owes nothing, and what came from it is gone.
-            for generation, msg in fleet_pass.drop_waiting(service):
-                service.unread(msg, generation)
+            for incarnation, msg in fleet_pass.drop_waiting(service):
+                service.unread(msg, incarnation)
             fleet_pass.forget(service)
             if event is SessionEvent.OPENED:
                 fleet_pass.joined(service)
@@ -314,12 +314,12 @@ class ShardPass(EpochPass):
             while (msg := service.conn.next_message()) is not None:
                 if not isinstance(msg, BatchReady):
                     continue  # an ``end`` of a run before this one
-                arrived = (service.conn.generation, msg)
+                arrived = (service.conn.incarnation, msg)
                 mine = msg.run == service.run and id(service) in self._started
                 if not mine or not self._fleet_pass.arrived(service, msg.seq, arrived, now):
-                    service.unread(msg, service.conn.generation)
+                    service.unread(msg, service.conn.incarnation)
                 else:
-                    service.arrived(msg, service.conn.generation)
+                    service.arrived(msg, service.conn.incarnation)
 
     def _assign(self, now: float, starting: list[Service] | None = None) -> dict[Service, list[int]]:
         """Hand out batches to services with a free credit and name them (``want``); or, for
@@ -332,8 +332,8 @@ class ShardPass(EpochPass):
         if starting is None:
             room = fleet_pass.make_room(free)
             if room is not None:
-                service, (generation, msg) = room
-                service.unread(msg, generation)
+                service, (incarnation, msg) = room
+                service.unread(msg, incarnation)
         out = fleet_pass.assign(free, now)
         if starting is None:
             for service, seqs in out.items():
@@ -361,7 +361,7 @@ class BroadcastPass(EpochPass):
                 if isinstance(msg, BatchReady) and msg.run == service.run:
                     return service, msg
                 if isinstance(msg, BatchReady):
-                    service.unread(msg, service.conn.generation)
+                    service.unread(msg, service.conn.incarnation)
         return None
 
 

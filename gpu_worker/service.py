@@ -94,13 +94,13 @@ class Service:
     def in_use(self, waiting: tuple[int, ...]) -> int:
         """Credits this session's service counts as taken: leases not yet returned, announcements
         not yet taken, and the ``waiting`` leases (taken from it, waiting for the loop)."""
-        unreturned = self.leases.unreturned(self.conn.generation)
+        unreturned = self.leases.unreturned(self.conn.incarnation)
         return unreturned + len(self.conn.waiting_leases()) + self.conn.arrivals.early + len(waiting)
 
     def held(self, waiting: tuple[int, ...]) -> tuple[int, ...]:
         """What a resuming hello names: leases still referenced, or arrived and not yet taken."""
-        gen = self.conn.generation
-        return (*self.leases.held_ids(gen), *self.conn.waiting_leases(), *waiting)[:MAX_RELEASES]
+        incarnation = self.conn.incarnation
+        return (*self.leases.held_ids(incarnation), *self.conn.waiting_leases(), *waiting)[:MAX_RELEASES]
 
     def send_start(self, start: Start) -> None:
         """Send ``start``, or keep it to send again (it supersedes any start kept before)."""
@@ -123,7 +123,7 @@ class Service:
         self._start_again_if_lost()
         if self.unsent_start is not None:
             self.send_start(self.unsent_start)
-        self.leases.flush(self.conn.generation, self.conn.send)
+        self.leases.flush(self.conn.incarnation, self.conn.send)
         if owed and now - self.named_at > self.conn.heartbeat_interval and self.want(sorted(owed)):
             self.named_at = now
         if self.conn.arrivals.ack_due:
@@ -132,8 +132,8 @@ class Service:
     def _ack(self, waiting: tuple[int, ...]) -> None:
         """NOTE [ Acknowledged delivery ]: after the releases, on the same socket."""
         have = self.conn.arrivals.have
-        gen = self.conn.generation
-        unreleased = (*self.leases.unreleased_ids(gen), *self.conn.waiting_leases(), *waiting)
+        incarnation = self.conn.incarnation
+        unreleased = (*self.leases.unreleased_ids(incarnation), *self.conn.waiting_leases(), *waiting)
         self.conn.ack(tuple(lease for lease in unreleased if lease <= have))
 
     def _start_again_if_lost(self) -> None:
@@ -147,25 +147,25 @@ class Service:
             log.info("%s does not show run %d started; sending its start again", self.endpoint, start.run)
             self.send_start(start)
 
-    def unread(self, msg: BatchReady, generation: int) -> None:
+    def unread(self, msg: BatchReady, incarnation: int) -> None:
         """Give back a batch the loop will not see (an older run's, a second copy, or left over).
-        ``generation``: the session it came in; one of a lost session died with it."""
-        if generation != self.conn.generation:
+        ``incarnation``: the session it came in; one of a lost session died with it."""
+        if incarnation != self.conn.incarnation:
             return
-        self.delivery.forget((generation, msg.lease))
+        self.delivery.forget((incarnation, msg.lease))
         self.conn.payloads.pop(msg.lease, None)
-        self.leases.let_go((generation, msg.lease))
+        self.leases.let_go((incarnation, msg.lease))
 
-    def arrived(self, msg: BatchReady, generation: int) -> None:
+    def arrived(self, msg: BatchReady, incarnation: int) -> None:
         """A batch of the pass arrived: its encoded rows begin decoding now (NOTE [ Encoded rows ])."""
-        if generation == self.conn.generation and msg.count > 0:
-            self.delivery.prepare(msg, (generation, msg.lease), self.conn.payloads.get(msg.lease))
+        if incarnation == self.conn.incarnation and msg.count > 0:
+            self.delivery.prepare(msg, (incarnation, msg.lease), self.conn.payloads.get(msg.lease))
 
     def wrap(self, msg: BatchReady) -> Batch:
         """The loop's batch; one whose every sample was bad has no rows, and its slot is let go at
         once (NOTE [ Empty batches ] in gpu_worker/passes.py)."""
         assert self.info is not None
-        lease = (self.conn.generation, msg.lease)
+        lease = (self.conn.incarnation, msg.lease)
         frames = self.conn.payloads.pop(msg.lease, None)
         if msg.count > self.info.batch_size:
             self.leases.let_go(lease)

@@ -117,7 +117,7 @@ MAX_CREDITS: Final = 1024
 MAX_SOURCES: Final = 256
 MAX_WEIGHT_CHANGES: Final = 64
 """Weight changes a job's start may carry (``Start.changes``): each epoch that holds one is chosen
-anew when the job plans (NOTE [ Weight schedules ] in loader_service/dataset/mixture.py)."""
+anew when the job plans (NOTE [ Weightings ] in loader_service/dataset/mixture.py)."""
 """Named sources of one feed (``--source``)."""
 MAX_BAD_REPORTS: Final = 256
 _LEASE = Int(0, 2**62 - 1)
@@ -229,7 +229,7 @@ class Start(Message):
     ] = ()
     """A weighted job: its weights from global positions of its run on (``epoch * epoch_samples``
     plus the position in the epoch), each source's in the order of ``FeedInfo.sources``, after the
-    hello's weights (NOTE [ Weight changes ] in gpu_worker/schedule.py)."""
+    hello's weights (NOTE [ Weight changes ] in gpu_worker/weighting.py)."""
 
 
 @dataclass(frozen=True)

@@ -44,7 +44,7 @@ import numpy.typing as npt
 from protocol.messages import MAX_WEIGHT_CHANGES
 
 Segments = tuple[tuple[int, tuple[int, ...]], ...]
-"""Weights from positions of an epoch on, the first at 0 (``Schedule.within``)."""
+"""Weights from positions of an epoch on, the first at 0 (``Weighting.within``)."""
 C_MAX_TOTAL = 1 << 44
 C_MAX_SOURCES = 256
 """What ``_mixture.c`` takes: larger sums (weights of sources' sizes past 2^44) are walked in Python."""

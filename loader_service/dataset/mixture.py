@@ -1,7 +1,7 @@
 """Which source, and which of its samples, each position of a mixture's epoch draws (issue 38).
 
 A mixture is several sources read as one feed, with weights that belong to the job reading it. Its
-order is a pure function of (seed, the sources' sizes, the epoch's length, the weight schedule), so
+order is a pure function of (seed, the sources' sizes, the epoch's length, the weighting), so
 every rank, every restart and every service computes the same sequence.
 
 NOTE [ Mixture order ]
@@ -40,15 +40,15 @@ NOTE [ Mixture order ]
     Without weights, ``W_s`` is the source's size and the epoch is the sum of the sizes: every
     source exactly once per epoch, interleaved in proportion.
 
-NOTE [ Weight schedules ]
+NOTE [ Weightings ]
     A job may change its weights from a global position on (``epoch * epoch_samples + j``: a
     position, not a step, so a resume at another world size finds it where it was). Inside an
     epoch the deficit rule's targets then grow by the old weights up to that position and by the
     new ones after it, and the deficits left at the change carry over (all weights scaled to one
     common sum), so the positions before the change keep exactly the sources they had, and every
     prefix after it stays near the accumulated targets: within 1.5 samples (tested; 0.96 the most
-    seen in 6,000 random schedules of up to eight sources, where Tijdeman's bound is not proven).
-    Changes are never in the past: ``Schedule.then`` refuses a position before the last change.
+    seen in 6,000 random weightings of up to eight sources, where Tijdeman's bound is not proven).
+    Changes are never in the past: ``Weighting.then`` refuses a position before the last change.
 """
 
 from __future__ import annotations
@@ -67,9 +67,9 @@ from loader_service.dataset.sampler import epoch_order
 from loader_service.dataset.tables import DatasetError, offsets_of
 from protocol.weights import MAX_EPOCH_SAMPLES, WEIGHT_UNIT, WeightError, whole_weights
 
-MAX_SCHEDULE_CHOICE = 1 << 26
+MAX_WEIGHTING_CHOICE = 1 << 26
 """Positions a start may have to choose for a job's weight changes (each epoch that holds one, and
-the one after it): about 1.3 s of the chooser thread in C at this bound, once per schedule (each
+the one after it): about 1.3 s of the chooser thread in C at this bound, once per weighting (each
 epoch's counts are kept, ``KEPT_COUNTS``), during which that job waits."""
 _SOURCE_TAG = 0x50C
 
@@ -84,8 +84,8 @@ def integer_weights(weights: Mapping[str, float], names: Sequence[str]) -> tuple
 
 
 @dataclass(frozen=True)
-class Schedule:
-    """Weights from global positions on (NOTE [ Weight schedules ]): ``(position, weights)``, the
+class Weighting:
+    """Weights from global positions on (NOTE [ Weightings ]): ``(position, weights)``, the
     first at position 0, positions increasing."""
 
     changes: tuple[tuple[int, tuple[int, ...]], ...]
@@ -97,11 +97,11 @@ class Schedule:
             object.__setattr__(self, "first", self.changes[0][1])
 
     @classmethod
-    def constant(cls, weights: tuple[int, ...]) -> Schedule:
+    def constant(cls, weights: tuple[int, ...]) -> Weighting:
         return cls(((0, weights),))
 
-    def then(self, position: int, weights: tuple[int, ...]) -> Schedule:
-        """This schedule with ``weights`` from ``position`` on; ValueError for a position before
+    def then(self, position: int, weights: tuple[int, ...]) -> Weighting:
+        """This weighting with ``weights`` from ``position`` on; ValueError for a position before
         the last change (a change is never in the past of another)."""
         last = self.changes[-1][0]
         if position < last:
@@ -109,7 +109,7 @@ class Schedule:
         if len(weights) != len(self.changes[-1][1]):
             raise ValueError(f"{len(weights)} weights for {len(self.changes[-1][1])} sources")
         kept = tuple(c for c in self.changes if c[0] < position)
-        return Schedule((*kept, (position, weights)), self.first)
+        return Weighting((*kept, (position, weights)), self.first)
 
     def within(self, start: int, stop: int) -> tuple[tuple[int, tuple[int, ...]], ...]:
         """The weights in force over positions ``[start, stop)``, as changes relative to ``start``."""
@@ -125,35 +125,35 @@ class Mixture:
     sizes: tuple[int, ...]
     seed: int
     epoch_samples: int
-    schedule: Schedule
+    weighting: Weighting
 
     @property
     def weights(self) -> tuple[int, ...]:
         """The weights the job began with (its hello's); the fingerprint of its states covers them."""
-        return self.schedule.first
+        return self.weighting.first
 
     def changed(self, changes: Sequence[tuple[int, Sequence[float]]], names: Sequence[str]) -> Mixture:
         """The job's first weights, then ``changes`` (a start's: weights of ``names`` in order, NOTE
-        [ Weight schedules ]); DatasetError for weights ``integer_weights`` refuses, a change
-        before another, or a schedule that would cost a start too much choosing."""
-        schedule = Schedule.constant(self.weights)
+        [ Weightings ]); DatasetError for weights ``integer_weights`` refuses, a change
+        before another, or a weighting that would cost a start too much choosing."""
+        weighting = Weighting.constant(self.weights)
         for position, given in changes:
             if len(given) != len(names):
                 raise DatasetError(f"a weight change gives {len(given)} weights for {len(names)} sources")
             by_name = dict(zip(names, given, strict=True))
             try:
-                schedule = schedule.then(position, integer_weights(by_name, names))
+                weighting = weighting.then(position, integer_weights(by_name, names))
             except ValueError as exc:
                 raise DatasetError(str(exc)) from None
         n = self.epoch_samples
-        chosen = 2 * len({p // n for p, _ in schedule.changes}) * n
-        if chosen > MAX_SCHEDULE_CHOICE:
+        chosen = 2 * len({p // n for p, _ in weighting.changes}) * n
+        if chosen > MAX_WEIGHTING_CHOICE:
             raise DatasetError(
                 f"{len(changes)} weight changes over epochs of {n} samples: the service chooses at "
-                f"most {MAX_SCHEDULE_CHOICE} positions for a job's schedule (choose a smaller "
+                f"most {MAX_WEIGHTING_CHOICE} positions for a job's weighting (choose a smaller "
                 "epoch_samples, or fewer changes)"
             )
-        return dataclasses.replace(self, schedule=schedule)
+        return dataclasses.replace(self, weighting=weighting)
 
     @classmethod
     def of(
@@ -172,7 +172,7 @@ class Mixture:
                 f"a mixture's epoch holds 1 to {MAX_EPOCH_SAMPLES} samples, not {epoch_samples} "
                 "(choose a smaller epoch_samples: the run goes on across epochs)"
             )
-        return cls(tuple(sizes), seed, epoch_samples, Schedule.constant(weights))
+        return cls(tuple(sizes), seed, epoch_samples, Weighting.constant(weights))
 
     @cached_property
     def offsets(self) -> npt.NDArray[np.int64]:
@@ -219,7 +219,7 @@ class Mixture:
         self, epoch: int, counts_of: Callable[[Rule], tuple[int, ...] | None]
     ) -> tuple[int, ...] | None:
         n = self.epoch_samples
-        marks = sorted({min(p // n, epoch) for p, _ in self.schedule.changes} | {epoch})
+        marks = sorted({min(p // n, epoch) for p, _ in self.weighting.changes} | {epoch})
         totals = np.zeros(len(self.sizes), np.int64)
         for first, stop in itertools.pairwise(marks):
             for alike, times in ((first, 1), (first + 1, stop - first - 1)):
@@ -233,7 +233,7 @@ class Mixture:
 
     def _rule(self, epoch: int) -> Rule:
         n = self.epoch_samples
-        return Rule.of(n, self.schedule.within(epoch * n, (epoch + 1) * n))
+        return Rule.of(n, self.weighting.within(epoch * n, (epoch + 1) * n))
 
 
 def describe(mixture: Mixture | None, names: Sequence[str]) -> str:

@@ -1,4 +1,4 @@
-"""A weighted job changes its weights mid-run (NOTE [ Weight changes ], NOTE [ Weight schedules ])
+"""A weighted job changes its weights mid-run (NOTE [ Weight changes ], NOTE [ Weightings ])
 through a real service: from the first sample of the step it names, the very order the pure mixture
 gives; resumed at other world sizes after the change, every position once; a broadcast group reads
 a mixture, and refuses a member with other weights by name."""

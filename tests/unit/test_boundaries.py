@@ -195,6 +195,8 @@ RETIRED = {
     "ListSource": "ListFormat",
     "ParquetSource": "ParquetFormat",
     "FolderSource": "FolderFormat",
+    "Schedule": "Weighting (loader_service/dataset/mixture.py): a schedule is the task scheduler's",
+    "MAX_SCHEDULE_CHOICE": "MAX_WEIGHTING_CHOICE",
 }
 """Names a rename retired, and what took their place: no identifier of the product may use them again
 (comments and strings may, where the word means something else)."""

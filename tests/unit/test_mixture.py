@@ -1,4 +1,4 @@
-"""A mixture's order (NOTE [ Mixture order ], NOTE [ Weight schedules ]): shares exact in every prefix
+"""A mixture's order (NOTE [ Mixture order ], NOTE [ Weightings ]): shares exact in every prefix
 of an epoch, every sample of a source once per pass, weight changes that keep the past, and epochs
 shared out among ranks, resumed at another world size, as a single source's are."""
 
@@ -13,7 +13,7 @@ from hypothesis import strategies as st
 
 from loader_service.dataset import marks as marks_module
 from loader_service.dataset.marks import EpochMarks, Rule, State, epoch_draws, walk
-from loader_service.dataset.mixture import Mixture, Schedule, integer_weights
+from loader_service.dataset.mixture import Mixture, Weighting, integer_weights
 from loader_service.dataset.sampler import ShardOrder
 from loader_service.dataset.tables import DatasetError
 from protocol.shares import shard_size
@@ -72,7 +72,7 @@ def test_a_weight_change_keeps_the_past_and_follows_the_new_weights_after(
     old: list[int], new_seed: int, samples: int, cut: float
 ) -> None:
     """Within 1.5 samples of the targets the old and then the new weights accumulate: the deficits
-    left at the change carry over (0.96 is the most seen, NOTE [ Weight schedules ])."""
+    left at the change carry over (0.96 is the most seen, NOTE [ Weightings ])."""
     new = [int(x) for x in np.random.default_rng(new_seed).integers(0, 1000, len(old))]
     if not any(new):
         new[0] = 1
@@ -138,7 +138,7 @@ def test_positions_give_the_same_samples_however_they_are_asked_for() -> None:
     picked = np.array([63, 0, 17, 17, 42, 5], np.int64)
     assert np.array_equal(epoch.at(picked), whole[picked])
     assert np.array_equal(
-        Mixture.of((30, 11, 57), seed=3, epoch_samples=64, weights=mixture.schedule.changes[0][1])
+        Mixture.of((30, 11, 57), seed=3, epoch_samples=64, weights=mixture.weighting.changes[0][1])
         .epoch(5)
         .at(picked),
         whole[picked],
@@ -148,8 +148,8 @@ def test_positions_give_the_same_samples_however_they_are_asked_for() -> None:
 def test_where_the_sources_stand_at_an_epoch_is_the_sum_of_the_epochs_before_it() -> None:
     """``before`` sums runs of alike epochs; replaying every epoch gives the same, changes included."""
     base = Mixture.of((9, 4, 20), seed=5, epoch_samples=10, weights=(5, 3, 2))
-    schedule = base.schedule.then(23, (1, 1, 8)).then(24, (2, 0, 1)).then(71, (0, 1, 0))
-    mixture = Mixture(base.sizes, base.seed, base.epoch_samples, schedule)
+    weighting = base.weighting.then(23, (1, 1, 8)).then(24, (2, 0, 1)).then(71, (0, 1, 0))
+    mixture = Mixture(base.sizes, base.seed, base.epoch_samples, weighting)
     replayed = np.zeros(3, np.int64)
     for e in range(12):
         assert mixture.before(e) == tuple(replayed.tolist()), f"epoch {e}"
@@ -201,10 +201,10 @@ def test_weights_are_shares_whatever_their_scale() -> None:
 
 
 def test_a_change_is_never_in_the_past_of_another() -> None:
-    schedule = Schedule.constant((1, 1)).then(100, (1, 2))
+    weighting = Weighting.constant((1, 1)).then(100, (1, 2))
     with pytest.raises(ValueError, match="before the last one"):
-        schedule.then(99, (2, 1))
-    assert schedule.then(100, (3, 1)).changes == ((0, (1, 1)), (100, (3, 1))), "the same position: replaced"
+        weighting.then(99, (2, 1))
+    assert weighting.then(100, (3, 1)).changes == ((0, (1, 1)), (100, (3, 1))), "the same position: replaced"
 
 
 @pytest.mark.parametrize(
@@ -223,11 +223,11 @@ def test_a_mixture_that_cannot_be_is_refused(
         Mixture.of(sizes, 0, epoch_samples, weights)
 
 
-def segments_of(schedule: list[tuple[int, list[int]]]) -> tuple[tuple[int, tuple[int, ...]], ...]:
-    """A schedule of ``k`` weights from its first entry's length on, none all zero."""
-    k = len(schedule[0][1])
-    changes = {p: [*(w * k)[: k - 1], 1] for p, w in schedule[1:]}
-    return tuple((p, tuple(w)) for p, w in sorted({**changes, 0: schedule[0][1]}.items()))
+def segments_of(weighting: list[tuple[int, list[int]]]) -> tuple[tuple[int, tuple[int, ...]], ...]:
+    """A weighting of ``k`` weights from its first entry's length on, none all zero."""
+    k = len(weighting[0][1])
+    changes = {p: [*(w * k)[: k - 1], 1] for p, w in weighting[1:]}
+    return tuple((p, tuple(w)) for p, w in sorted({**changes, 0: weighting[0][1]}.items()))
 
 
 def walked_in_python(rule: Rule, state: State, stop: int, *args: object) -> State:
@@ -239,22 +239,22 @@ def walked_in_python(rule: Rule, state: State, stop: int, *args: object) -> Stat
         marks_module._mixture = built
 
 
-schedules = st.lists(
+weightings = st.lists(
     st.tuples(st.integers(0, 3000), weights_st.filter(lambda w: len(w) > 1)), min_size=1, max_size=4
 )
 
 
 @settings(max_examples=150, deadline=None)
-@given(schedule=schedules, samples=st.integers(1, 3000), cut=st.floats(0.0, 1.0))
+@given(weighting=weightings, samples=st.integers(1, 3000), cut=st.floats(0.0, 1.0))
 def test_the_c_walk_is_the_python_one(
-    schedule: list[tuple[int, list[int]]], samples: int, cut: float
+    weighting: list[tuple[int, list[int]]], samples: int, cut: float
 ) -> None:
     """``_mixture.c`` and the reference in Python give the same sources, draws and marks, changes
     included (their weights' sums differ: the walk takes their lcm), and the same state where a
     walk is cut in two."""
     if marks_module._mixture is None:
         pytest.skip("_mixture.c is not built here (no C compiler at install)")
-    rule = Rule.of(samples, segments_of(schedule))
+    rule = Rule.of(samples, segments_of(weighting))
     assume(rule.in_c)  # sums past 2^44 are walked in Python either way
     zero = np.zeros(rule.sources, np.int64)
     results = []
@@ -269,13 +269,13 @@ def test_the_c_walk_is_the_python_one(
 
 
 @settings(max_examples=100, deadline=None)
-@given(schedule=schedules, samples=st.integers(1, 3000), picked=st.lists(st.floats(0.0, 1.0), max_size=40))
+@given(weighting=weightings, samples=st.integers(1, 3000), picked=st.lists(st.floats(0.0, 1.0), max_size=40))
 def test_marks_give_every_position_the_whole_walk_gives(
-    schedule: list[tuple[int, list[int]]], samples: int, picked: list[float]
+    weighting: list[tuple[int, list[int]]], samples: int, picked: list[float]
 ) -> None:
     """NOTE [ Epoch marks ]: positions asked for in any order, windows resumed from marks or from
     where the last one ended, and the draws before any position, are the whole walk's."""
-    segments = segments_of(schedule)
+    segments = segments_of(weighting)
     whole = epoch_draws(samples, segments)
     marks = EpochMarks.choose(Rule.of(samples, segments), lambda: True)
     assert marks is not None and marks.counts == whole.counts
@@ -284,7 +284,7 @@ def test_marks_give_every_position_the_whole_walk_gives(
     assert source.tolist() == whole.source[positions].tolist()
     assert draw.tolist() == whole.draw[positions].tolist()
     for p in positions.tolist():
-        counts = np.bincount(whole.source[:p], minlength=len(schedule[0][1]))
+        counts = np.bincount(whole.source[:p], minlength=len(weighting[0][1]))
         assert marks.drawn_at(p).tolist() == counts.tolist()
     assert marks.window(0, samples)[0].tolist() == whole.source.tolist()
 

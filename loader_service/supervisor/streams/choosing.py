@@ -3,8 +3,8 @@ weights can hold the main loop up, and no trainer's requests can hold up another
 
 NOTE [ Choosing off the main loop ]
     A mixture's epoch is chosen position by position (NOTE [ Mixture order ]): in C 10 ms for a
-    million positions, 0.3 s for the largest epoch, and up to about 1.3 s for the epochs a weight
-    schedule makes the service choose at once (``MAX_SCHEDULE_CHOICE``); in Python, where the C
+    million positions, 0.3 s for the largest epoch, and up to about 1.3 s for the epochs a
+    weighting makes the service choose at once (``MAX_WEIGHTING_CHOICE``); in Python, where the C
     choice is not built, fifty times that. A trainer picks its weights, its epoch's length and its
     changes, and may attach again and again, so none of that runs in the main loop: a producer
     whose mixture's epoch is not chosen yet asks this module's one thread for it and wants no batch
@@ -26,7 +26,7 @@ NOTE [ Choosing off the main loop ]
       another trainer's by one choice at most. A requester has at most ``QUEUED_PER_REQUESTER``
       requests queued (a stream's epoch and its next one, decoded ahead): a producer asking past
       that is answered as cancelled and asks again at the next tick.
-    * Identical requests (the same mixture and epoch: its weights, schedule, length and the
+    * Identical requests (the same mixture and epoch: its weights, weighting, length and the
       sources' sizes) share one request; one whose order another order alive already holds (every
       epoch of the same weights has the same marks) is answered at once, without the thread.
     * The thread is a daemon and stops at exit, between two chunks: a stop never waits for the

@@ -38,7 +38,7 @@ WARM_PLAN: PlanKey = (0, 0, 1, "pad", 0)
 
 @dataclass
 class Handover:
-    """What a start takes from a cache: decoded batches and the ones still being decoded."""
+    """What a start takes from early batches: decoded batches and the ones still being decoded."""
 
     ready: list[tuple[int, int, int]] = field(default_factory=list)
     """(seq, slot, count)"""
@@ -100,7 +100,7 @@ class EarlyBatches(Producer):
         self.drop(plan)
 
     def serves(self, plan: PlanKey, position: int) -> bool:
-        """Are this cache's batches the first ones of that start?"""
+        """Are these early batches the first ones of that start?"""
         return position == 0 and plan == self.plan_key
 
     def wants_batch(self) -> bool:
@@ -122,12 +122,12 @@ class EarlyBatches(Producer):
         return True
 
     def receiver(self, gen: int) -> Producer | None:
-        """The stream this cache's batches of generation ``gen`` were handed to, if any."""
+        """The stream these early batches of generation ``gen`` were handed to, if any."""
         forward = self._forwards.get(gen) if gen != self.gen else None
         return None if forward is None else forward.target
 
     def take(self, taker: Producer) -> Handover:
-        """Everything planned so far, for ``taker`` at its current generation; the cache is then empty.
+        """Everything planned so far, for ``taker`` at its current generation; none are left then.
 
         Decoded batches are handed over at once; completions of those still being decoded are
         forwarded to ``taker`` as they arrive.
@@ -150,7 +150,7 @@ class EarlyBatches(Producer):
         return forward.target.filled(forward.target_gen, seq, slot, count)
 
     def drop(self, plan: PlanKey | None = None) -> None:
-        """Empty the cache and free its decoded batches (then keep ``plan`` warm, if given); those
+        """Drop these early batches and free the decoded ones (then keep ``plan`` warm, if given); those
         still being decoded are freed when they report, since they now carry an old generation."""
         self.free(slot for slot, _count in self.ready.values())
         self.ready.clear()
@@ -158,5 +158,5 @@ class EarlyBatches(Producer):
 
     @property
     def held(self) -> int:
-        """Slots this cache holds or is filling."""
+        """Slots these early batches hold or are filling."""
         return self.filling + len(self.ready)

@@ -9,7 +9,7 @@ NOTE [ Plan generations ]
     Every (re)start of a plan takes a new generation from one process-wide counter, and every task
     carries the generation it was planned under. A completion whose generation is not the
     producer's current one belongs to an abandoned plan: its slot is freed, never delivered. Because
-    the counter is shared by streams and caches, a completion can never be taken for another
+    the counter is shared by streams and early batches, a completion can never be taken for another
     producer's plan, even one recreated under the same name.
 """
 

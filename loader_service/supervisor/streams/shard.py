@@ -41,7 +41,7 @@ class ShardStream(Stream):
         """Picked run: the trainer asked this service for the plan's last batch (the next epoch's
         first ones may then be decoded ahead)."""
         self.kept: dict[int, tuple[int, int]] = {}
-        """Picked run: seq -> (slot, count) of this plan's batches a cache decoded early that the
+        """Picked run: seq -> (slot, count) of this plan's early batches (decoded before it asked) that the
         trainer has not asked for yet (NOTE [ Kept batches ])."""
 
     @property
@@ -133,7 +133,7 @@ class ShardStream(Stream):
             self.want(picked, member.session.credits)
 
     def _keep_picked(self, handover: Handover, picked: tuple[int, ...]) -> None:
-        """Picked mode: of what a cache handed over, keep the decoded batches the start did not ask
+        """Picked mode: of the early batches handed over, keep the decoded batches the start did not ask
         for aside, not announced (NOTE [ Kept batches ]); those still decoding join them when they
         complete, unless asked for by then.
 
@@ -177,7 +177,7 @@ class ShardStream(Stream):
                 continue
             if seq in self.kept:  # NOTE [ Kept batches ]: decoded already, announced now
                 self._announce_kept(seq)
-            elif seq not in self.planned:  # else handed over by a cache, or still decoding there
+            elif seq not in self.planned:  # else handed over as early batches, or still decoding there
                 if len(self.picks) >= limit:
                     continue
                 heapq.heappush(self.picks, seq)
@@ -210,7 +210,7 @@ class ShardStream(Stream):
         return self.started and bool(self.picks) and self.in_flight < self.window and self.order_ready()
 
     def filled(self, gen: int, seq: int, slot: int, count: int) -> bool:
-        """As a stream's; a picked run keeps a batch nobody asked for yet (a cache's, still decoding
+        """As a stream's; a picked run keeps a batch nobody asked for yet (an early one, still decoding
         when the start passed it over) aside (NOTE [ Kept batches ])."""
         if gen == self.gen and self.picks is not None and seq not in self.wanted:
             self.filling -= 1

@@ -142,8 +142,8 @@ class Stream(Producer):
 
     # --- starting epochs ------------------------------------------------------------------------
 
-    def schedule(self, changes: tuple[tuple[int, tuple[float, ...]], ...]) -> None:
-        """A start's weight changes (NOTE [ Weight changes ] in gpu_worker/schedule.py): the plans
+    def reweight(self, changes: tuple[tuple[int, tuple[float, ...]], ...]) -> None:
+        """A start's weight changes (NOTE [ Weight changes ] in gpu_worker/weighting.py): the plans
         from now on follow them, and the next epoch's batches decoded ahead with other weights are
         dropped. StartRefused naming what is wrong with them."""
         if self.mixture is None:
@@ -171,7 +171,7 @@ class Stream(Producer):
     ) -> None:
         """Apply a member's start, freeing the slots of an abandoned plan. May raise StartRefused.
 
-        ``warm``: the feed's warm-start cache, which a shard start may take from (NOTE [ Warm start ]).
+        ``warm``: the feed's warm-start batches, which a shard start may take from (NOTE [ Warm start ]).
         ``picked``: the seqs a picked start asks for first (None: not picked).
         ``offset``: shard mode: where the epoch's shared-out part begins (NOTE [ Elastic epochs ]).
         """
@@ -249,7 +249,7 @@ class Stream(Producer):
         return self
 
     def adopt(self, handover: Handover) -> None:
-        """Take a cache's batches of this plan, decoded and in flight (NOTE [ Warm start ])."""
+        """Take early batches of this plan, decoded and in flight (NOTE [ Warm start ])."""
         for seq, slot, count in handover.ready:
             self.batches[(self.gen, seq)] = SharedBatch(slot, count, self._active_ids())
         self.filling += len(handover.filling)

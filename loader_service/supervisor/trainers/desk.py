@@ -321,7 +321,7 @@ class TrainerDesk:
         warm = self._warm.get(stream.feed.id)
         picked = msg.want if msg.picked else None
         try:
-            stream.schedule(msg.changes)
+            stream.reweight(msg.changes)
             stream.on_start(session.session_id, msg.epoch, msg.position, warm, picked, msg.offset)
         except StartRefused as exc:
             self._outbox.reject(session.routing_id, "bad-start", str(exc), fatal=True)

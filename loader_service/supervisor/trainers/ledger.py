@@ -61,7 +61,7 @@ def _asked(mixture: Mixture | None, feed: Feed, epoch: int, position: int) -> li
         sizes = [len(index) for index in feed.sources.indexes]
         return [size / sum(sizes) for size in sizes]
     at = epoch * mixture.epoch_samples + position
-    weights = next(w for p, w in reversed(mixture.schedule.changes) if p <= at)
+    weights = next(w for p, w in reversed(mixture.weighting.changes) if p <= at)
     return [w / WEIGHT_UNIT for w in weights]
 
 

@@ -19,7 +19,7 @@ NOTE [ Weight changes ]
     not taken (at most the credits of each service) are decoded again. Refused, naming why: a
     change before the loop's next sample (already past) or before an earlier change, a batch past
     the pass, weights that are not one finite number >= 0 for each source and only those, all
-    zero. The same change given again (a script that sets its schedule at every start) is no
+    zero. The same change given again (a script that sets its weights at every start) is no
     change.
 """
 

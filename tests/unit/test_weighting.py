@@ -1,5 +1,5 @@
 """A job's weight changes as the trainer keeps them (NOTE [ Weight changes ]) and as the service
-takes them into its mixture (NOTE [ Weight schedules ]): checked, in order, in the checkpoint."""
+takes them into its mixture (NOTE [ Weightings ]): checked, in order, in the checkpoint."""
 
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ from typing import Any
 import numpy as np
 import pytest
 
-from gpu_worker.schedule import STATE_KEY, WeightChanges
+from gpu_worker.weighting import STATE_KEY, WeightChanges
 from loader_service.dataset.mixture import Mixture, integer_weights
 from loader_service.dataset.tables import DatasetError
 from loader_service.supervisor.streams.choosing import Choice, Chooser
@@ -93,7 +93,7 @@ def test_the_service_takes_changes_over_the_jobs_first_weights() -> None:
     base = mixture()
     changed = base.changed([(1500, (1.0, 0.0, 0.0))], NAMES)
     assert changed.weights == base.weights, "the fingerprint's weights stay the hello's"
-    assert changed.schedule.changes[1] == (1500, integer_weights({"a": 1, "b": 0, "c": 0}, NAMES))
+    assert changed.weighting.changes[1] == (1500, integer_weights({"a": 1, "b": 0, "c": 0}, NAMES))
     assert changed.changed([], NAMES) == base, "a start without changes: the first weights again"
     at_zero = base.changed([(0, (0.0, 1.0, 0.0))], NAMES)
     assert at_zero.weights == base.weights and at_zero.epoch(0).sources(np.arange(5)).tolist() == [1] * 5
