@@ -76,7 +76,7 @@ def one_decoded_batch(peer: FlakyPeer) -> tuple[Outbox, Stream, FeedStub, Sessio
     attached = Attachments()
     session = Session(b"t", "s1", Hello("t", 1, credits=3, mode="shard"), 0, 0.0)
     attached.add(session)
-    stream = attached.stream_for(session, cast(Feed, feed))
+    stream = attached.stream_for(session, cast(Feed, feed), None)
     stream.add(session)
     stream.on_start("s1", 0, 0)
     slot = feed.pool.acquire()

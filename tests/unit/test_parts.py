@@ -269,7 +269,7 @@ class Rig:
         self.attached = Attachments()
         hello = Hello("t", 1, credits=credits)
         self.session = Session(b"t", "t", hello, 0, 0.0)
-        self.stream = self.attached.stream_for(self.session, cast(Feed, self.feed))
+        self.stream = self.attached.stream_for(self.session, cast(Feed, self.feed), None)
         self.stream.add(self.session)
         self.stream.on_start("t", 0, 0)
         self.sent: list[tuple[bytes, Task]] = []

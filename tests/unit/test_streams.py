@@ -65,7 +65,7 @@ def session(sid: str, mode: str = "broadcast", group_size: int = 2, credits: int
 
 def group(*sids: str, group_size: int = 2) -> BroadcastStream:
     first = session(sids[0], group_size=group_size)
-    stream = BroadcastStream(("broadcast", 0, "g"), cast(Feed, FeedStub()), first)
+    stream = BroadcastStream(("broadcast", 0, "g"), cast(Feed, FeedStub()), first, None)
     for sid in sids:
         stream.add(session(sid, group_size=group_size))
     return stream
@@ -122,7 +122,7 @@ def test_evicted_member_keeps_its_slot_but_stops_counting() -> None:
 
 
 def test_shard_restart_drops_undelivered_batches() -> None:
-    stream = ShardStream(("shard", "a"), cast(Feed, FeedStub()), session("a", mode="shard"))
+    stream = ShardStream(("shard", "a"), cast(Feed, FeedStub()), session("a", mode="shard"), None)
     stream.add(session("a", mode="shard"))
     stream.on_start("a", 0, 0)
     gen, seq, _ = stream.plan_batch()
@@ -147,7 +147,7 @@ def test_members_resuming_at_different_positions_each_get_their_own_rest() -> No
 
 def test_next_epoch_takes_the_batches_decoded_ahead_and_those_still_decoding() -> None:
     # 10 samples in batches of 4: 3 batches an epoch; the trainer has 3 credits.
-    stream = ShardStream(("shard", "a"), cast(Feed, FeedStub()), session("a", mode="shard"))
+    stream = ShardStream(("shard", "a"), cast(Feed, FeedStub()), session("a", mode="shard"), None)
     stream.add(session("a", mode="shard"))
     stream.on_start("a", 0, 0)
     for slot in range(3):
@@ -171,7 +171,7 @@ def test_next_epoch_takes_the_batches_decoded_ahead_and_those_still_decoding() -
 
 
 def test_a_handed_over_batch_finishing_after_another_restart_is_refused() -> None:
-    stream = ShardStream(("shard", "a"), cast(Feed, FeedStub()), session("a", mode="shard"))
+    stream = ShardStream(("shard", "a"), cast(Feed, FeedStub()), session("a", mode="shard"), None)
     stream.add(session("a", mode="shard"))
     stream.on_start("a", 0, 0)
     for slot in range(3):
@@ -240,7 +240,7 @@ def test_members_waiting_for_the_next_epoch_still_begin_it_when_the_laggard_leav
 def picked(samples: int = 40, credits: int = 3) -> ShardStream:
     """A shard stream of 10 batches whose trainer has ``credits`` credits."""
     feed = FeedStub(samples=samples)
-    stream = ShardStream(("shard", "a"), cast(Feed, feed), session("a", mode="shard", credits=credits))
+    stream = ShardStream(("shard", "a"), cast(Feed, feed), session("a", mode="shard", credits=credits), None)
     stream.add(session("a", mode="shard", credits=credits))
     return stream
 

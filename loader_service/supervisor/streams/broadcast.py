@@ -19,6 +19,7 @@ NOTE [ Broadcast epochs ]
 
 from __future__ import annotations
 
+from loader_service.dataset.mixture import Mixture
 from loader_service.supervisor.feeds import Feed
 from loader_service.supervisor.streams.early import EarlyBatches
 from loader_service.supervisor.streams.stream import Member, StartRefused, Stream
@@ -28,8 +29,10 @@ from loader_service.supervisor.trainers.sessions import Session
 class BroadcastStream(Stream):
     """The batches of one broadcast group (NOTE [ Broadcast epochs ])."""
 
-    def __init__(self, key: tuple[object, ...], feed: Feed, session: Session) -> None:
-        super().__init__(key, feed, session)
+    def __init__(
+        self, key: tuple[object, ...], feed: Feed, session: Session, mixture: Mixture | None
+    ) -> None:
+        super().__init__(key, feed, session, mixture)
         self.waiting_since: float | None = None
         """Since when members have been waiting to begin an epoch that others have not started."""
 

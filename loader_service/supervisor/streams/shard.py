@@ -15,6 +15,7 @@ import heapq
 import logging
 from collections.abc import Iterator
 
+from loader_service.dataset.mixture import Mixture
 from loader_service.supervisor.feeds import Feed
 from loader_service.supervisor.streams.early import EarlyBatches, Handover
 from loader_service.supervisor.streams.producers import Lane
@@ -27,8 +28,10 @@ log = logging.getLogger(__name__)
 class ShardStream(Stream):
     """The batches of one shard trainer, in plan order or as it picks them."""
 
-    def __init__(self, key: tuple[object, ...], feed: Feed, session: Session) -> None:
-        super().__init__(key, feed, session)
+    def __init__(
+        self, key: tuple[object, ...], feed: Feed, session: Session, mixture: Mixture | None
+    ) -> None:
+        super().__init__(key, feed, session, mixture)
         self.picks: list[int] | None = None
         """Picked run: seqs asked for and not yet planned, a heap: the lowest is decoded next, so a
         batch the trainer waits for, asked again of this service (a backup, NOTE [ A fleet ] in

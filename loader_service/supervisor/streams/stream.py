@@ -21,11 +21,16 @@ import time
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 
+import numpy as np
+import numpy.typing as npt
+
+from loader_service.dataset.mixture import Mixture
 from loader_service.dataset.tables import DatasetError
 from loader_service.supervisor.feeds import Feed
 from loader_service.supervisor.streams.early import EarlyBatches, Handover
 from loader_service.supervisor.streams.producers import Producer
 from loader_service.supervisor.trainers.sessions import Session
+from protocol.shares import consumed
 
 BatchKey = tuple[int, int]
 
@@ -64,10 +69,13 @@ class Stream(Producer):
     """The batches of one plan and who has received which; a kind of stream says how starts are
     applied. Every method that makes a batch unneeded frees its slot itself (NOTE [ Slot lifecycle ])."""
 
-    def __init__(self, key: tuple[object, ...], feed: Feed, session: Session) -> None:
+    def __init__(
+        self, key: tuple[object, ...], feed: Feed, session: Session, mixture: Mixture | None
+    ) -> None:
         self.rank, self.world_size, self.remainder = session.rank, session.world_size, session.remainder
         super().__init__(feed, (-1, self.rank, self.world_size, self.remainder, 0), key)
         self.key = key
+        self.mixture = mixture
         self.started = False
         """Whether an epoch has begun."""
         self.group, self.group_size = session.group, session.group_size
@@ -87,6 +95,19 @@ class Stream(Producer):
         if self.group_size > 1 or len(self.members) != 1:
             return 0
         return next(iter(self.members.values())).session.encode
+
+    def front(self) -> tuple[int, npt.NDArray[np.int64] | None]:
+        """The planning front (NOTE [ Source ledger ]): where the whole job's next planned batch
+        begins in its epoch's order (its ranks move in step), and each source's draws before it in
+        the run; draws None without a mixture, or before its epoch is chosen (NOTE [ Choosing off
+        the main loop ]), and the position 0 without a mixture."""
+        if self.mixture is None:
+            return 0, None
+        _epoch, _rank, world, _remainder, offset = self.plan_key
+        n = self.mixture.epoch_samples
+        position = consumed(offset, self.planned_batches(), self.feed.config.batch_size, world, n)
+        order = self.chosen
+        return position, None if order is None else order.drawn_before(min(position, n))
 
     def planned_batches(self) -> int:
         """Batches of the epoch's plan before its planning front (a picked run plans out of order:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from collections import deque
 
+from loader_service.dataset.mixture import Mixture
 from loader_service.supervisor.feeds import Feed
 from loader_service.supervisor.streams.broadcast import BroadcastStream
 from loader_service.supervisor.streams.shard import ShardStream
@@ -55,12 +56,13 @@ class Attachments:
         (NOTE [ Giving slots back ] in loader_service/supervisor/slots.py)."""
         return max((s.pinned_through for s in self.sessions.values() if s.feed == feed), default=0)
 
-    def stream_for(self, session: Session, feed: Feed) -> Stream:
-        """The stream the session receives from, created for its first member."""
+    def stream_for(self, session: Session, feed: Feed, mixture: Mixture | None) -> Stream:
+        """The stream the session receives from, created for its first member with the mixture its
+        hello asked for (a later member's was checked to be the same)."""
         key = session.stream_key()
         stream = self.streams.get(key)
         if stream is None:
-            stream = self.streams[key] = make_stream(key, feed, session)
+            stream = self.streams[key] = make_stream(key, feed, session, mixture)
             self.order.append(key)
         return stream
 
@@ -95,7 +97,7 @@ class Attachments:
             session.loop.watch(now, self.starved(session))
 
 
-def make_stream(key: tuple[object, ...], feed: Feed, session: Session) -> Stream:
+def make_stream(key: tuple[object, ...], feed: Feed, session: Session, mixture: Mixture | None) -> Stream:
     """The kind of stream the session's mode calls for, chosen once, for its first member."""
     kind = BroadcastStream if session.mode == "broadcast" else ShardStream
-    return kind(key, feed, session)
+    return kind(key, feed, session, mixture)

@@ -12,7 +12,8 @@ import time
 from collections.abc import Callable, Sequence
 
 from loader_service.config import ServiceConfig
-from loader_service.dataset.mixture import describe
+from loader_service.dataset.mixture import Mixture, describe
+from loader_service.dataset.tables import DatasetError
 from loader_service.supervisor.feeds import Feed
 from loader_service.supervisor.streams.broadcast import BroadcastStream
 from loader_service.supervisor.streams.early import EarlyBatches
@@ -146,21 +147,27 @@ class TrainerDesk:
             return self._feeds[0]
         return next((f for f in self._feeds if f.name == name), None)
 
-    def _refusal(self, msg: Hello) -> str | None:
-        """Why a hello cannot be served, or None."""
+    def _admit(self, msg: Hello) -> tuple[Feed, Mixture | None] | str:
+        """The feed a hello asks for and the mixture its weights make (derived here once, NOTE
+        [ Mixture order ]), or why it cannot be served."""
         feed = self._find_feed(msg.feed)
         if feed is None:
             served = ", ".join(repr(f.name) for f in self._feeds)
             return f"this service serves feed(s) {served}, not {msg.feed!r}"
         refusal = feed.refusal(msg)
-        if refusal is not None or msg.mode != "broadcast":
+        if refusal is not None:
             return refusal
+        try:
+            asked = feed.mixture_of(msg)
+        except DatasetError as exc:
+            return str(exc)
+        if msg.mode != "broadcast":
+            return feed, asked
         stream = self._attached.streams.get(group_key(feed.id, msg.group, msg.group_secret))
         if stream is not None and stream.group_size != msg.group_size:
             return (
                 f"broadcast group {stream.group!r} has group_size {stream.group_size}, not {msg.group_size}"
             )
-        asked = feed.mixture_of(msg)
         if stream is not None and stream.mixture != asked:
             # One group, one order: a member with other weights would get the group's batches.
             names = feed.sources.names
@@ -168,13 +175,14 @@ class TrainerDesk:
                 f"broadcast group {stream.group!r} reads {describe(stream.mixture, names)}; "
                 f"this trainer asked for {describe(asked, names)}"
             )
-        return None
+        return feed, asked
 
     def _on_hello(self, routing_id: bytes, msg: Hello) -> None:
-        refusal = self._refusal(msg)
-        if refusal is not None:
-            self._outbox.reject(routing_id, "refused", refusal, fatal=True)
+        admitted = self._admit(msg)
+        if isinstance(admitted, str):
+            self._outbox.reject(routing_id, "refused", admitted, fatal=True)
             return
+        feed, asked = admitted
         old = self._attached.sessions.get(routing_id)
         if old is not None and old.run < 0 and old.opened_by == msg:
             # The same hello again on the same connection, before any start: the trainer resent it
@@ -194,9 +202,7 @@ class TrainerDesk:
             why = f"this service already serves its limit of {limit} trainers (--max-sessions)"
             self._outbox.reject(routing_id, "refused", why, fatal=True)
             return
-        feed = self._find_feed(msg.feed)
-        assert feed is not None
-        too_much = self._order_refusal(feed, msg)
+        too_much = self._order_refusal(feed, msg, asked)
         if too_much is not None:
             self._outbox.reject(routing_id, "refused", too_much, fatal=True)
             return
@@ -206,8 +212,7 @@ class TrainerDesk:
         if session.credits < msg.credits:
             log.info("session %s asked %d credits; granted %d", label, msg.credits, session.credits)
         self._attached.add(session)
-        stream = self._attached.stream_for(session, feed)
-        stream.mixture = stream.mixture or feed.mixture_of(msg)  # a shard stream: its one trainer's
+        stream = self._attached.stream_for(session, feed, asked)  # a group's: checked to be ``asked``
         stream.add(session)
         log.info(
             "trainer %s (pid %d) attached to feed %r as session %s (%s)",
@@ -221,12 +226,11 @@ class TrainerDesk:
         )
         self._outbox.send(routing_id, self._welcome(session))
 
-    def _order_refusal(self, feed: Feed, msg: Hello) -> str | None:
+    def _order_refusal(self, feed: Feed, msg: Hello, asked: Mixture | None) -> str | None:
         """NOTE [ Orders' memory ]: why a weighted job's orders cannot be held beside the others'."""
-        asked = feed.mixture_of(msg)
         key = group_key(feed.id, msg.group, msg.group_secret)
         if asked is None or (msg.mode == "broadcast" and key in self._attached.streams):
-            return None  # no order, or the group's (checked to be the same, ``_refusal``)
+            return None  # no order, or the group's (checked to be the same, ``_admit``)
         held = (s.mixture for s in self._attached.streams.values() if s.mixture is not None)
         return self._orders.refusal(held, asked)
 

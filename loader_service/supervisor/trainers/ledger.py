@@ -23,7 +23,6 @@ import numpy.typing as npt
 from loader_service.dataset.mixture import Mixture
 from loader_service.supervisor.feeds import Feed
 from loader_service.supervisor.streams.stream import Stream
-from protocol.shares import consumed
 from protocol.weights import WEIGHT_UNIT
 
 Counts = npt.NDArray[np.int64]
@@ -65,24 +64,13 @@ def _asked(mixture: Mixture | None, feed: Feed, epoch: int, position: int) -> li
     return [w / WEIGHT_UNIT for w in weights]
 
 
-def _front(stream: Stream, mixture: Mixture) -> tuple[int, Counts | None]:
-    """The planning front's position in the epoch and each source's draws before it in the run."""
-    _epoch, _rank, world, _remainder, offset = stream.plan_key
-    n = mixture.epoch_samples
-    position = consumed(offset, stream.planned_batches(), stream.feed.config.batch_size, world, n)
-    order = stream.chosen
-    if order is None:  # not chosen yet (NOTE [ Choosing off the main loop ]): nothing counted
-        return position, None
-    return position, order.drawn_before(min(position, n))
-
-
 def source_status(feed: Feed, stream: Stream | None, served: Counts | None) -> list[dict[str, object]]:
     """Per source, what ``status`` shows of one trainer (NOTE [ Source ledger ]); none for a feed of
     one source."""
     if served is None or stream is None:
         return []
     mixture = stream.mixture
-    position, drawn = _front(stream, mixture) if mixture is not None else (0, None)
+    position, drawn = stream.front()
     asked = _asked(mixture, feed, stream.epoch, position)
     total = int(served.sum())
     rows: list[dict[str, object]] = []
