@@ -83,17 +83,17 @@ def main(argv: Sequence[str] | None = None) -> int:
         print("gpu-worker: --epochs must be at least 1", file=sys.stderr)
         return 2
     cfg = RunConfig(
-        tuple(args.endpoint),
-        args.step,
-        args.device,
-        args.epochs,
-        args.feed,
-        args.timeout,
-        args.metrics_port,
-        args.transport,
-        args.server_key,
-        args.client_key,
-        args.resolve_interval,
+        endpoints=tuple(args.endpoint),
+        step=args.step,
+        device=args.device,
+        epochs=args.epochs,
+        feed=args.feed,
+        timeout=args.timeout,
+        metrics_port=args.metrics_port,
+        transport=args.transport,
+        server_key=args.server_key,
+        client_key=args.client_key,
+        resolve_interval=args.resolve_interval,
     )
     return _guarded(lambda: run(cfg))
 

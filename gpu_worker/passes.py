@@ -166,8 +166,8 @@ class EpochPass:
 
     def waiting_leases(self, service: Service) -> tuple[int, ...]:
         """Leases of batches taken from ``service`` that wait for the loop (``PassListener``)."""
-        incarnation = service.conn.incarnation
-        return tuple(msg.lease for g, msg in self._fleet_pass.waiting(service) if g == incarnation)
+        now = service.incarnation
+        return tuple(msg.lease for came_in, msg in self._fleet_pass.waiting(service) if came_in == now)
 
     def on_event(self, service: Service, event: SessionEvent, detail: Any) -> None:
         """What happened to a session means for this pass's batches (NOTE [ A fleet ])."""
@@ -257,7 +257,7 @@ class EpochPass:
         now = time.monotonic()
         states = []
         for service in self._fleet.services:
-            silent = now - service.conn.last_heard
+            silent = service.silent_for(now)
             if service.refused:
                 states.append(f"{service.endpoint} left out ({service.refused})")
             elif silent > self._settings.timeout / 2:
@@ -311,15 +311,14 @@ class ShardPass(EpochPass):
     def _collect(self, now: float) -> None:
         """Move what arrived from each session into the fleet pass."""
         for service in self._fleet.live:
-            while (msg := service.conn.next_message()) is not None:
+            for incarnation, msg in service.messages():
                 if not isinstance(msg, BatchReady):
                     continue  # an ``end`` of a run before this one
-                arrived = (service.conn.incarnation, msg)
                 mine = msg.run == service.run and id(service) in self._started
-                if not mine or not self._fleet_pass.arrived(service, msg.seq, arrived, now):
-                    service.unread(msg, service.conn.incarnation)
+                if not mine or not self._fleet_pass.arrived(service, msg.seq, (incarnation, msg), now):
+                    service.unread(msg, incarnation)
                 else:
-                    service.arrived(msg, service.conn.incarnation)
+                    service.arrived(msg, incarnation)
 
     def _assign(self, now: float, starting: list[Service] | None = None) -> dict[Service, list[int]]:
         """Hand out batches to services with a free credit and name them (``want``); or, for
@@ -355,13 +354,13 @@ class BroadcastPass(EpochPass):
 
     def _step(self, now: float) -> tuple[Service, BatchReady | None] | None:
         for service in self._fleet.live:
-            while (msg := service.conn.next_message()) is not None:
+            for incarnation, msg in service.messages():
                 if isinstance(msg, EpochEnd) and msg.run == service.run:
                     return service, None
                 if isinstance(msg, BatchReady) and msg.run == service.run:
                     return service, msg
                 if isinstance(msg, BatchReady):
-                    service.unread(msg, service.conn.incarnation)
+                    service.unread(msg, incarnation)
         return None
 
 

@@ -24,8 +24,10 @@ StepFn = Callable[..., Any]
 """Called with a batch's fields in the feed's order: ``step(images, labels)`` for the built-in ones."""
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class RunConfig:
+    """``gpu-worker run``'s one config, by keyword: eleven fields of which several are strings."""
+
     endpoints: tuple[str, ...]
     """One service or a fleet; () takes DATAFERRY_ENDPOINTS."""
     step: str = "gpu_worker.demo_step:step"

@@ -6,6 +6,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 
 from gpu_worker.batch import Batch
@@ -18,6 +19,7 @@ from protocol.messages import (
     BatchReady,
     Bye,
     FeedInfo,
+    Message,
     Spoiled,
     Start,
     Want,
@@ -146,6 +148,21 @@ class Service:
         if conn.service_run != start.run and conn.heard_run_at - sent_at > conn.heartbeat_interval:
             log.info("%s does not show run %d started; sending its start again", self.endpoint, start.run)
             self.send_start(start)
+
+    def messages(self) -> Iterator[tuple[int, Message]]:
+        """The open session's messages, in order, each with the session incarnation it came in; one
+        the caller stops before is left for the next call."""
+        while (msg := self.conn.next_message()) is not None:
+            yield self.conn.incarnation, msg
+
+    @property
+    def incarnation(self) -> int:
+        """The session's incarnation now (a lost session's leases died with it)."""
+        return self.conn.incarnation
+
+    def silent_for(self, now: float) -> float:
+        """Seconds since the service was last heard from."""
+        return now - self.conn.last_heard
 
     def unread(self, msg: BatchReady, incarnation: int) -> None:
         """Give back a batch the loop will not see (an older run's, a second copy, or left over).

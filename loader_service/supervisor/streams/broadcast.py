@@ -34,6 +34,8 @@ class BroadcastStream(Stream):
     ) -> None:
         super().__init__(key, feed, session, mixture)
         self.waiting_since: float | None = None
+        self.blocked_since: float | None = None
+        """Since when a laggard has held up a full window (``to_evict``)."""
         """Since when members have been waiting to begin an epoch that others have not started."""
 
     def on_start(
@@ -101,6 +103,21 @@ class BroadcastStream(Stream):
         for (gen, seq), batch in self.batches.items():
             if gen == self.gen and seq >= start:
                 batch.pending.add(member.session.session_id)
+
+    def to_evict(self, now: float, patience: float) -> list[tuple[str, str]]:
+        """NOTE [ Broadcast epochs ]: no member may hold the group up for longer than ``patience``:
+        not by staying attached without starting while the others wait to begin an epoch, nor by
+        not receiving or releasing the oldest batch of a full window for that long."""
+        out = [(sid, "never started, holding") for sid in self.never_started(now, patience)]
+        laggard = self.laggard()
+        if laggard is None:
+            self.blocked_since = None
+        elif self.blocked_since is None:
+            self.blocked_since = now
+        elif now - self.blocked_since > patience:
+            self.blocked_since = None
+            out.append((laggard, "held"))
+        return out
 
     def never_started(self, now: float, patience: float) -> list[str]:
         """Members that attached and have not started while others wait to begin an epoch, for

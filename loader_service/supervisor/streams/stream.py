@@ -84,7 +84,6 @@ class Stream(Producer):
         """Members removed for lag that still hold leases: their slots stay theirs until released."""
         self.end = 0
         self.batches: dict[BatchKey, SharedBatch] = {}
-        self.blocked_since: float | None = None
         self.ahead: EarlyBatches | None = None
         """The next epoch's first batches, decoded early where the kind does (NOTE [ Warm start ])."""
 
@@ -327,11 +326,7 @@ class Stream(Producer):
 
     # --- members that hold others up ------------------------------------------------------------
 
-    def never_started(self, now: float, patience: float) -> list[str]:
-        """Members that attached and have not started while others wait to begin an epoch, for
-        longer than ``patience`` (a kind whose members wait for each other has them)."""
+    def to_evict(self, now: float, patience: float) -> list[tuple[str, str]]:
+        """Members that have held the others up for longer than ``patience``, each with how, to be
+        evicted (a kind whose members wait for each other has them: NOTE [ Broadcast epochs ])."""
         return []
-
-    def laggard(self) -> str | None:
-        """The member holding up the others' window, if any (only where members share batches)."""
-        return None

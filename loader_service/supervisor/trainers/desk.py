@@ -405,29 +405,14 @@ class TrainerDesk:
 
     def evict_laggards(self, now: float) -> None:
         """NOTE [ Broadcast epochs ]: one member may not hold its group up beyond the lag timeout,
-        by lagging or by never starting."""
+        by lagging or by never starting; each stream says whom (``Stream.to_evict``)."""
         for stream in list(self._attached.streams.values()):
-            self._evict_idle(stream, now)
-            laggard = stream.laggard()
-            if laggard is None:
-                stream.blocked_since = None
-                continue
-            if stream.blocked_since is None:
-                stream.blocked_since = now
-            elif now - stream.blocked_since > self._config.lag_timeout:
-                stream.blocked_since = None
-                session = self._attached.by_id(laggard)
-                if session is not None:
-                    self._evict(stream, session)
+            for session_id, how in stream.to_evict(now, self._config.lag_timeout):
+                session = self._attached.by_id(session_id)
+                if session is not None and not session.evicted:
+                    self._evict(stream, session, how)
 
-    def _evict_idle(self, stream: Stream, now: float) -> None:
-        """Members that attached and never started, while the others wait to begin an epoch."""
-        for session_id in stream.never_started(now, self._config.lag_timeout):
-            session = self._attached.by_id(session_id)
-            if session is not None:
-                self._evict(stream, session, "never started, holding")
-
-    def _evict(self, stream: Stream, session: Session, how: str = "held") -> None:
+    def _evict(self, stream: Stream, session: Session, how: str) -> None:
         why = f"{how} broadcast group {stream.group!r} up for over {self._config.lag_timeout:.0f} s"
         log.warning("session %s (%s) evicted: %s", session.session_id, session.client, why)
         session.evicted = True
