@@ -270,6 +270,11 @@ class Feed:
             frames.append(whole[start + layout.bytes_offset : start + layout.bytes_offset + end])
         return frames
 
+    def slot_indices(self, slot: int, count: int) -> npt.NDArray[np.int64]:
+        """The sample numbers a slot's worker wrote for its first ``count`` rows (a view)."""
+        start = self.layout.slot_offset(slot, self.config.slots) + self.layout.indices_offset
+        return np.ndarray((count,), np.int64, self.segment.buf, start)
+
     def note_bad(self, index: int, reason: str) -> None:
         """Count a skipped sample, and log it: a bad file once, a pipeline failure once per reason.
 

@@ -34,8 +34,7 @@ def batch_sources(feed: Feed, slot: int, count: int) -> Counts | None:
     sources = len(offsets) - 1
     if sources < 2:
         return None
-    # The indices follow the fields (an encoded-row table and its bytes may follow them).
-    numbers = np.frombuffer(feed.slot_frames(slot, count)[len(feed.layout.fields)], np.int64)
+    numbers = feed.slot_indices(slot, count)
     source = np.clip(np.searchsorted(offsets, numbers, side="right") - 1, 0, sources - 1)
     counts: Counts = np.bincount(source, minlength=sources)
     return counts
