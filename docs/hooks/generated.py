@@ -20,7 +20,7 @@ from mkdocs.structure.files import File, Files
 
 REPO = Path(__file__).resolve().parents[2]
 OPENS = re.compile(r'^\s*(?:""")?NOTE \[ ([^\]]+?) \](?:$|:(.*)$)')
-PRODUCT = ("protocol", "pixels", "loader_service", "gpu_worker")
+PRODUCT = ("protocol", "loader_service", "gpu_worker")
 
 
 COMMITTED = {"reference/flags.md": "flags_page", "design/notes.md": "notes_page"}

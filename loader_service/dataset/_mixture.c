@@ -18,8 +18,8 @@
  * state at ``first`` (deficits in units of 1 / total, draws so far in the epoch), left as the
  * state at ``stop``.
  *
- * Bounds: a deficit stays within a few totals of 0 (within 2 once the rule runs; NOTE [ Weight
- * schedules ] measures 1.5 after changes), so with total < 2^44 and k <= 256 sources a deadline's
+ * Bounds: a deficit stays within a few totals of 0 (within 2 once the rule runs; NOTE
+ * [ Weightings ] measures 1.5 after changes), so with total < 2^44 and k <= 256 sources a deadline's
  * numerator, slack * (total - deficit), stays below 2^62 even for deficits of 100 totals, and two
  * of them multiplied fit __int128; a mark outside int8 is an error, never written. The caller sends
  * nothing else; this checks it again. The GIL is released while walking: a caller may walk in a

@@ -61,7 +61,7 @@ POLL_MS = 500
 @dataclass
 class OpenFeed:
     spec: WorkerFeed
-    index: FeedSources
+    sources: FeedSources
     reader: FeedReader
     segment: Segment
     pipeline: Pipeline | None
@@ -158,7 +158,7 @@ def fill_row(
 ) -> str | None:
     """Write sample ``idx`` into ``row`` of every field: None, or why the sample is bad. With
     ``room``, the row may be left encoded for the trainer instead (NOTE [ Encoded rows ])."""
-    if not 0 <= idx < len(feed.index):
+    if not 0 <= idx < len(feed.sources):
         return "index outside dataset"
     final = feed.final_cache()
     if final is not None and _copy_cached(final, feed.spec.layout, views, row, idx):
@@ -201,7 +201,7 @@ def _builtin_row(
         raise  # not the sample's fault: its task is done again (fill_slot)
     except Exception as exc:  # an OpenCV failure on one file must not take the worker down
         return f"{type(exc).__name__}: {exc}"[:200]
-    views.fields["label"][row] = feed.index.labels[idx]
+    views.fields["label"][row] = feed.sources.labels[idx]
     return None
 
 
@@ -245,7 +245,7 @@ def _through_decoded_cache(
 def _pipeline_row(
     feed: OpenFeed, pipeline: Pipeline, views: SlotViews, row: int, idx: int, epoch: int
 ) -> str | None:
-    sample = Sample(feed.reader, feed.index, idx, epoch, feed.decoded_cache())
+    sample = Sample(feed.reader, feed.sources, idx, epoch, feed.decoded_cache())
     # [row, ...]: a view even for a scalar field, where [row] would be a copy (a numpy scalar).
     rows = {name: array[row, ...] for name, array in views.fields.items()}
     reason = run_into(pipeline, sample, feed.spec.seed, feed.spec.layout.fields, rows)
@@ -379,7 +379,7 @@ def _hang_text() -> str:
 def _injected_hang(feed: OpenFeed, idx: int, text: str) -> None:
     """Stall on reaching a sample whose path contains ``text``, as on a read that never returns,
     until the service kills this worker (``--task-timeout``) or is gone."""
-    if not 0 <= idx < len(feed.index) or text not in str(feed.index.path(idx)):
+    if not 0 <= idx < len(feed.sources) or text not in str(feed.sources.path(idx)):
         return
     log.warning("sample %d: stalling, fault injected by %s=%s%s", idx, FAULT_ENV, HANG_ON, text)
     parent = os.getppid()  # the template, which ends with the service

@@ -184,10 +184,6 @@ class Feed:
                 f"feed {self.name!r} serves batches of {cfg.batch_size} samples of {served}; "
                 f"this trainer asked for {hello.batch_size or 'any'} of {hello.image_size or 'any'}px"
             )
-        try:
-            self.mixture_of(hello)
-        except DatasetError as exc:
-            return str(exc)
         return None
 
     def mixture_of(self, hello: Hello) -> Mixture | None:

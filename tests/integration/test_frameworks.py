@@ -115,8 +115,9 @@ with ServiceLoader(endpoint, timeout=60) as loader:  # rank and world size from 
             with open(out + ".checkpoints", "a") as f:
                 f.write(json.dumps({"restart": restart, "steps": step + 1}) + "\\n")
         if world == 2 and step == 4:
-            with open(f"{out}.kill-me.{os.getppid()}", "w") as f:  # the test kills one agent now
-                f.write(str(restart))
+            with open(f"{out}.kill-me.tmp{rank}", "w") as f:  # the test kills one agent now, and
+                f.write(str(restart))  # reads this agent's restart count once the file is whole
+            os.replace(f"{out}.kill-me.tmp{rank}", f"{out}.kill-me.{os.getppid()}")
             dist.recv(torch.zeros(1), src=1 - rank)  # never sent: ends when the other node is lost
 """
 
@@ -206,13 +207,14 @@ def test_torchelastic_restarts_at_a_smaller_world_size_and_sees_every_image_once
         wait_until_listening(port, first)  # the first agent hosts the rendezvous: it must not be lost
         second = elastic_agent(script, port, service.endpoint, str(ckpt), str(out))
         deadline = time.monotonic() + 120
-        while not Path(f"{out}.kill-me.{second.pid}").exists():
+        marks = [Path(f"{out}.kill-me.{agent.pid}") for agent in (first, second)]
+        while not all(mark.exists() for mark in marks):  # both ranks at their fifth step
             for agent in (first, second):
                 if agent.poll() is not None:
                     pytest.fail(f"an agent ended before the kill:\n{agent.communicate()[0][-3000:]}")
             assert time.monotonic() < deadline, "the job never reached its fifth step"
             time.sleep(0.1)  # polling a file another process writes
-        killed_in = int(Path(f"{out}.kill-me.{second.pid}").read_text())
+        killed_in = int(marks[0].read_text())  # the surviving agent's restart count at the kill
         lose_node(second)
         output, _ = first.communicate(timeout=180)
         assert first.returncode == 0, output[-4000:]

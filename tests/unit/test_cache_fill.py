@@ -168,7 +168,7 @@ def test_a_deterministic_pipeline_is_kept_finished(open_cached: OpenCached) -> N
 
 def test_a_bad_sample_is_never_kept(tmp_path: Path, open_cached: OpenCached, photos: Path) -> None:
     cached, cache = open_cached(augment="eval")
-    victim = cached.index.path(INDICES[0])
+    victim = cached.sources.path(INDICES[0])
     original = victim.read_bytes()
     victim.write_bytes(b"not an image")
     try:

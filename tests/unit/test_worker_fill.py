@@ -122,9 +122,9 @@ def test_builtin_rows_are_the_pixels_of_load_into(
     got = rows(feed)
     for row, i in enumerate(indices):
         expected = np.empty((3, 40, 40), np.uint8)
-        load_into(str(feed.index.path(i)), expected, feed.recipe, sample_rng(SEED, 2, i))
+        load_into(str(feed.sources.path(i)), expected, feed.recipe, sample_rng(SEED, 2, i))
         assert np.array_equal(got["image"][row], expected), f"sample {i}"
-        assert got["label"][row] == feed.index.labels[i] and got["indices"][row] == i
+        assert got["label"][row] == feed.sources.labels[i] and got["indices"][row] == i
 
 
 def test_bad_files_and_stray_indices_are_reported_not_written(
@@ -169,10 +169,10 @@ def test_the_numpy_example_fills_its_fields_in_place(photos: Path, open_test_fee
     got = rows(feed)
     assert feed.pipeline is not None
     for row, i in enumerate(indices):
-        direct = call_pipeline(feed.pipeline, Sample(feed.reader, feed.index, i, 3), SEED)
+        direct = call_pipeline(feed.pipeline, Sample(feed.reader, feed.sources, i, 3), SEED)
         assert isinstance(direct, dict)
         assert (
-            np.array_equal(got["image"][row], direct["image"]) and got["label"][row] == feed.index.labels[i]
+            np.array_equal(got["image"][row], direct["image"]) and got["label"][row] == feed.sources.labels[i]
         )
         assert abs(float(got["image"][row].mean())) < 3  # normalised, not raw pixels
     assert got["indices"][:3].tolist() == indices
@@ -197,7 +197,7 @@ def test_pipeline_failures_and_mismatches_are_bad_samples(
     done = fill(feed, [0, 1, 2, 3])
     assert done.count == 2
     assert dict(done.bad) == {
-        1: f"pipeline: ValueError: cannot use {feed.index.relpath(1)}",
+        1: f"pipeline: ValueError: cannot use {feed.sources.relpath(1)}",
         2: "pipeline: field x int32[2, 3], the batch has x int32[2, 2]",
     }
     got = rows(feed)

@@ -34,9 +34,9 @@ class BroadcastStream(Stream):
     ) -> None:
         super().__init__(key, feed, session, mixture)
         self.waiting_since: float | None = None
+        """Since when members have been waiting to begin an epoch that others have not started."""
         self.blocked_since: float | None = None
         """Since when a laggard has held up a full window (``to_evict``)."""
-        """Since when members have been waiting to begin an epoch that others have not started."""
 
     def on_start(
         self,
