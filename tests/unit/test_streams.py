@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass, field
 from typing import Any, cast
 
@@ -119,6 +120,33 @@ def test_evicted_member_keeps_its_slot_but_stops_counting() -> None:
     assert stream.in_flight == 0, "the group's window is free again"
     stream.release("b", (gen, seq))
     assert freed(stream) == [1]
+
+
+def test_a_laggard_is_named_once_it_has_held_a_full_window_past_the_patience() -> None:
+    """NOTE [ Broadcast epochs ]: ``b`` never takes the window's batches that ``a`` has taken and
+    released; it is named after ``patience`` seconds of that, once, and the clock starts again."""
+    stream = group("a", "b")
+    stream.on_start("a", 0, 0)
+    stream.on_start("b", 0, 0)
+    for slot in range(stream.window):
+        gen, seq, _ = stream.plan_batch()
+        stream.filled(gen, seq, slot=slot, count=4)
+        list(stream.deliverable(stream.members["a"]))
+        stream.release("a", (gen, seq))
+    assert stream.to_evict(100.0, 5.0) == [], "the clock starts"
+    assert stream.to_evict(104.0, 5.0) == []
+    assert stream.to_evict(105.5, 5.0) == [("b", "held")]
+    assert stream.to_evict(106.0, 5.0) == [], "named once; the clock starts again"
+
+
+def test_a_member_that_never_starts_is_named_while_the_others_wait() -> None:
+    stream = group("a", "b")
+    stream.on_start("a", 0, 0)  # a waits for b to begin the group's first epoch
+    t = time.monotonic()  # a member's patience counts from when it attached, too
+    assert stream.to_evict(t, 5.0) == []
+    assert stream.to_evict(t + 5.5, 5.0) == [("b", "never started, holding")]
+    shard = ShardStream(("shard", "a"), cast(Feed, FeedStub()), session("a", mode="shard"), None)
+    assert shard.to_evict(1e9, 5.0) == [], "a shard trainer holds no one up"
 
 
 def test_shard_restart_drops_undelivered_batches() -> None:
