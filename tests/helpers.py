@@ -316,20 +316,21 @@ for i, batch in enumerate(loader):
 @contextlib.contextmanager
 def shm_segment(tag: str, size: int, fill: Callable[[mmap.mmap], None]) -> Iterator[str]:
     """A real segment of ours of ``size`` bytes, named as the service names them, written by
-    ``fill``; removed afterwards, pass or fail."""
+    ``fill``; removed afterwards, pass or fail. Its flock is held while it is in use, as a service
+    holds its own (NOTE [ Shared-memory cleanup ]): a test process is no service by its command line,
+    so without it a service another test worker starts meanwhile removes the segment as stale."""
     name = f"dataferry-{os.getpid()}-{tag}-{os.urandom(3).hex()}"
     path = Path("/dev/shm") / name
     fd = os.open(path, os.O_CREAT | os.O_EXCL | os.O_RDWR, 0o600)
     try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         os.ftruncate(fd, size)
         with mmap.mmap(fd, size) as m:
             fill(m)
-    finally:
-        os.close(fd)
-    try:
         yield name
     finally:
         path.unlink(missing_ok=True)
+        os.close(fd)
 
 
 @contextlib.contextmanager

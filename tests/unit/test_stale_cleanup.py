@@ -24,6 +24,7 @@ import pytest
 
 from loader_service import shm
 from loader_service.shm import LOCK_NAME, remove_stale
+from tests.helpers import shm_segment
 
 DEADLINE = 10.0
 OTHER_UID = 65534  # nobody
@@ -154,6 +155,16 @@ def test_this_process_own_segments_are_spared(shm_dir: Path) -> None:
     segment.write_bytes(b"")
     assert clean(shm_dir) == []
     assert segment.exists()
+
+
+def test_a_segment_a_test_makes_survives_a_service_starting_beside_it() -> None:
+    """``tests.helpers.shm_segment`` holds its flock as a service does: a test process is no service
+    by its command line, and before, a service another test worker started removed a test's segment
+    in the middle of the test (seen as a FileNotFoundError in test_batch under load)."""
+    with shm_segment("probe", 4096, lambda m: None) as name:
+        cleanup = "from loader_service.shm import remove_stale; print(remove_stale())"
+        out = subprocess.run([sys.executable, "-c", cleanup], capture_output=True, text=True, check=True)
+        assert name not in out.stdout and (Path("/dev/shm") / name).exists()
 
 
 # --- hostile entries ----------------------------------------------------------------------------
