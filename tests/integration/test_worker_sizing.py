@@ -97,8 +97,12 @@ def test_a_feed_whose_workers_wait_gets_more_workers_than_cores(
     with ServiceLoader(service.endpoint, timeout=30) as loader:
         train(loader, 8.0)
         now, asked = sizing(service), time.monotonic()
-    assert now["active"] > now["budget"] >= 1, f"more workers than cores: {now}"
-    adds = [asked - d["seconds_ago"] - attached for d in now["decisions"] if "trainers wait" in d["reason"]]
+    # The addition is the feature; whether it stays is the gain check's (rule 4, tests/unit), which
+    # rightly undoes it where the host cannot carry the gain: a fresh-clone run's other tests on the
+    # same two cores let it gain +98 of the 219 images/s it promised, and it was undone.
+    added = [d for d in now["decisions"] if "trainers wait" in d["reason"]]
+    assert added and added[0]["to"] > now["budget"] >= 1, f"more workers than cores: {now}"
+    adds = [asked - d["seconds_ago"] - attached for d in added]
     # NOTE [ Early heartbeat ]: the first waiting heartbeat comes 0.25 s after the attach and the
     # first window ends 0.5 s after it (measured: 0.5 s, benchmarks.sizing); 2 s leaves a busy
     # machine its slack and still fails the 8 s a trainer once waited (tests/unit has the rule).
