@@ -10,12 +10,10 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
+from protocol.status import BATCH_WAIT
+
 if TYPE_CHECKING:
     from wsgiref.simple_server import WSGIServer
-
-WAIT_BUCKETS = (  # seconds, 100 us to 10 s
-    1e-4, 2.5e-4, 5e-4, 1e-3, 2.5e-3, 5e-3, 1e-2, 2.5e-2, 5e-2, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0,
-)  # fmt: skip
 
 
 class MetricsUnavailable(RuntimeError):
@@ -35,10 +33,10 @@ class TrainerMetrics:
             ) from None
         self.registry = CollectorRegistry()
         self._batch_wait = Histogram(
-            "dataferry_batch_wait_seconds",
-            "Time each training step waited for its next batch (the data stall).",
-            ["endpoint"],
-            buckets=WAIT_BUCKETS,
+            BATCH_WAIT.name,
+            BATCH_WAIT.help,
+            [BATCH_WAIT.by],
+            buckets=BATCH_WAIT.buckets,
             registry=self.registry,
         )
         self._server: WSGIServer | None = None

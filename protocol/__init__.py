@@ -1,6 +1,7 @@
 """What the service and its trainers agree on: the message types, codecs and limits, the
-shared-memory batch layout, the keys a CURVE client presents (``curve``) and how a batch row's
-pixels are made (``pixels``), so both sides make the same ones.
+shared-memory batch layout, the keys a CURVE client presents (``curve``), how a batch row's
+pixels are made (``pixels``), so both sides make the same ones, and the body of a status reply with
+the metrics it gives (``status``).
 
 Both sides import it and it imports neither. Nothing here opens a socket, starts a thread or holds
 process state (it may read a file it is handed, such as a key).

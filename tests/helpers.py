@@ -36,6 +36,21 @@ from protocol.codec import decode, encode
 from protocol.curve import ClientKeys
 from protocol.layout import PAGE, SlotLayout, image_fields
 from protocol.messages import StatusReply, StatusRequest
+from protocol.status import (
+    SLOT_STATES,
+    CacheStatus,
+    FeedSource,
+    FeedStatus,
+    LoadStatus,
+    ServiceStatus,
+    SessionSource,
+    SessionStatus,
+    ShmStatus,
+    SizingDecision,
+    SizingStatus,
+    SizingWindow,
+    WorkerStatus,
+)
 
 SHM = Path("/dev/shm")
 REPO = Path(__file__).resolve().parents[1]
@@ -599,3 +614,37 @@ def fake_root(root: Path, files: dict[str, str]) -> Path:
         path.parent.mkdir(parents=True, exist_ok=True)
         path.write_text(text)
     return root
+
+
+def whole_status() -> ServiceStatus:
+    """A status with every record of the body in it once, and two sessions of one trainer
+    (NOTE [ Status contract ]): a field added to the contract must be given here too."""
+    ledger = (SessionSource(source="a", served=4, share=1.0, asked=0.25, passes=1, position=3),)
+    session = SessionStatus(
+        session="t1", client="host:1", feed="train", mode="shard", rank=0, world_size=1, group="",
+        epoch=2, delivered=9, leased=1, resent=0, recovered_releases=0, credits=2, credits_asked=4,
+        lag=1, idle_seconds=0.1, demand=1.5, encode_share=0.25, spoiled=0, sources=ledger,
+    )  # fmt: skip
+    feed = FeedStatus(
+        name="train", samples=90, slots=dict.fromkeys(SLOT_STATES, 1), slots_most=8,
+        credits_most=8, pool_refused=0, pool_given_back=0, encoded_room_refused=0, decoded=10,
+        images_per_second=2.5, warm_decoded=0, split_batches=0, encoded_rows=4, encoded_row_bytes=0,
+        batches=2, bad_files=1, store_waits=0, recent_bad_files=("x.jpg",), format="folder",
+        augment="train", interpolation="bilinear", fields=("image uint8[3, 8, 8]",),
+        cache=CacheStatus(kind="decoded", bytes=9, bytes_used=1, entries=1, hits=1, misses=1, full=False,
+                          lock_timeouts=0),
+        sources=(FeedSource(source="a", samples=40, served=4), FeedSource(source="b", samples=50, served=6)),
+    )  # fmt: skip
+    sizing = SizingStatus(
+        mode="auto", active=2, started=3, most=4, budget=2.0,
+        window=SizingWindow(busy=0.5, cost=1.0, rate=9.0, demand=1.2, step_ms=None),
+        decisions=(SizingDecision(seconds_ago=1.0, before=1, after=2, reason="trainers waited"),),
+    )  # fmt: skip
+    return ServiceStatus(
+        uptime=5.0, attached=2, workers=1, worker_restarts=0, template_restarts=0, rejected_messages=0,
+        remote_send_bytes=0, load=LoadStatus(load=1.0, busy=0.5, demand=2.0),
+        shm=ShmStatus(free_bytes=3, size_bytes=10, floor_bytes=1), sizing=sizing,
+        worker_list=(WorkerStatus(worker=0, pid=7, task=None, ready=True, decoded=10,
+                                  images_per_second=2.5),),
+        feeds=(feed,), feeds_left_out=0, sessions=(session, session), sessions_left_out=0,
+    )  # fmt: skip

@@ -3,6 +3,8 @@
 * ``index.md``: the README, with its ``docs/`` links made relative to the site;
 * ``reference/flags.md``: every ``serve`` option, from its one declaration
   (``loader_service/config/options.py``): flag, TOML key, variable, default, meaning;
+* ``reference/metrics.md``: every Prometheus metric and every field of a ``status`` body, from the
+  body's one declaration (``protocol/status.py``);
 * ``design/notes.md``: every named note (``NOTE [ ... ]``) defined in the product and where;
 * ``operations/deploy.md`` and ``benchmarks/rerun.md``: ``deploy/README.md`` and
   ``benchmarks/README.md``, which live beside what they describe.
@@ -23,7 +25,11 @@ OPENS = re.compile(r'^\s*(?:""")?NOTE \[ ([^\]]+?) \](?:$|:(.*)$)')
 PRODUCT = ("protocol", "loader_service", "gpu_worker")
 
 
-COMMITTED = {"reference/flags.md": "flags_page", "design/notes.md": "notes_page"}
+COMMITTED = {
+    "reference/flags.md": "flags_page",
+    "reference/metrics.md": "metrics_page",
+    "design/notes.md": "notes_page",
+}
 """Pages made from the code and also kept in docs/, so that their links work where the Markdown is
 read on a code host; ``tests/unit/test_docs.py`` fails when one differs from what the code gives
 (``python docs/hooks/generated.py`` writes them again)."""
@@ -93,6 +99,78 @@ def flags_page() -> str:
     for flag, meaning in _other_serve_flags():
         lines.append(f"| `{flag}` | {_cell(meaning.rstrip('.'))}. |")
     return "\n".join(lines) + "\n"
+
+
+def metrics_page() -> str:
+    from dataclasses import fields
+
+    from protocol import status
+
+    path = status.paths()
+    lines = [
+        "# Metrics and the status body",
+        "",
+        "What `loader-service status --json` returns and what `serve --metrics-port` exports, generated",
+        "from the body's one declaration (`protocol/status.py`, NOTE [ Status contract ]). A histogram",
+        "is stored as its `_bucket`, `_sum` and `_count`. Where a trainer's sessions make one series,",
+        "*per trainer* says how (NOTE [ Trainer series ]). In the body, `null` stands for none.",
+        "[Operations](../operations.md) tells what to watch them for.",
+        "",
+        "## Metrics",
+        "",
+        "| metric | kind | labels | meaning | in the body |",
+        "| --- | --- | --- | --- | --- |",
+    ]
+    for cls, metric in status.metrics():
+        labels = ", ".join(status.labels_of(path[cls], metric))
+        key = next(status.key_of(f) for f in fields(cls) if status.metric_of(f) is metric)
+        where = ".".join(_record_key(path[cls][i], path[cls][i + 1]) for i in range(len(path[cls]) - 1))
+        meaning = _cell(metric.help.rstrip(".")) + "."
+        if metric.combine is not None:
+            meaning += f" *Per trainer: {COMBINED[metric.combine]}.*"
+        at = f"{where}.{key}" if where else key
+        stored = metric.name + ("_total" if metric.kind == "counter" else "")
+        lines.append(f"| `{stored}` | {metric.kind} | {labels} | {meaning} | `{at}` |")
+    lines += ["", "Observed as they happen rather than read from the body:", ""]
+    lines += ["| metric | kind | labels | meaning | exported by |", "| --- | --- | --- | --- | --- |"]
+    observed = {
+        status.READY_WAIT: "`serve --metrics-port`",
+        status.BATCH_WAIT: "`gpu-worker run --metrics-port`",
+    }
+    for histogram, by in observed.items():
+        lines.append(
+            f"| `{histogram.name}` | {histogram.kind} | {histogram.by} | {_cell(histogram.help)} | {by} |"
+        )
+    lines += ["", "## The status body", ""]
+    for cls in status.records():
+        lines += [f"### {cls.__name__}", "", _cell(" ".join((cls.__doc__ or "").split())), ""]
+        lines += ["| key | type | meaning | metric |", "| --- | --- | --- | --- |"]
+        for f in fields(cls):
+            declared = status.metric_of(f)
+            named = "" if declared is None else f"`{declared.name}`"
+            kind = _cell(re.sub(r"tuple\[(\w+), \.\.\.\]", r"list[\1]", str(f.type)))
+            lines.append(f"| `{status.key_of(f)}` | `{kind}` | {_cell(status.meaning_of(f))} | {named} |")
+        lines.append("")
+    return "\n".join(lines)
+
+
+COMBINED = {
+    "sum": "its sessions summed",
+    "largest": "the largest of its sessions",
+    "counted": "counted on over its sessions",
+}
+
+
+def _record_key(above: type, part: type) -> str:
+    """The key of ``above`` under which ``part`` hangs (``feeds[]`` for rows)."""
+    from dataclasses import fields
+
+    from protocol import status
+
+    for f in fields(above):
+        if status.part_of(f) is part:
+            return status.key_of(f) + ("[]" if str(f.type).startswith("tuple") else "")
+    raise LookupError(f"{part.__name__} is no part of {above.__name__}")
 
 
 def _other_serve_flags() -> list[tuple[str, str]]:

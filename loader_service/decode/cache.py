@@ -47,6 +47,7 @@ import numpy.typing as npt
 
 from loader_service.shm import SAMPLE_CACHE, Segment
 from protocol.layout import FieldSpec
+from protocol.status import CacheStatus
 
 log = logging.getLogger(__name__)
 
@@ -129,17 +130,17 @@ class CacheStats:
     skipped: int
     """Samples not stored because the lock could not be taken in time."""
 
-    def status(self, kind: CacheKind) -> dict[str, object]:
-        return {
-            "kind": kind.value,
-            "bytes": self.size,
-            "bytes_used": self.used,
-            "entries": self.entries,
-            "hits": self.hits,
-            "misses": self.misses,
-            "full": self.full,
-            "lock_timeouts": self.skipped,
-        }
+    def status(self, kind: CacheKind) -> CacheStatus:
+        return CacheStatus(
+            kind=kind.value,
+            bytes=self.size,
+            bytes_used=self.used,
+            entries=self.entries,
+            hits=self.hits,
+            misses=self.misses,
+            full=self.full,
+            lock_timeouts=self.skipped,
+        )
 
 
 class _Mapped:

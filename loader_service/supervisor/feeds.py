@@ -32,6 +32,7 @@ from protocol.encoded import COLUMNS, LENGTH, OFFSET, bytes_named
 from protocol.layout import CHECK_BYTES, PAGE, SlotLayout, describe_fields, image_fields
 from protocol.messages import MAX_WHERE, FeedInfo, Hello
 from protocol.shares import rank_batches, shard_size
+from protocol.status import FeedSource, FeedStatus
 
 log = logging.getLogger(__name__)
 PROBE_START_ALLOWANCE = 60.0
@@ -293,41 +294,43 @@ class Feed:
             self._logged_reasons.add(reason)
         log.warning("feed %s: bad sample skipped: %s: %s", self.name, where, reason)
 
-    def status(self) -> dict[str, object]:
-        recent = [self.sources.relpath(i)[-200:] for i in self._recent_bad]
-        return {
-            "name": self.name,
-            "samples": len(self.sources),
-            "slots": self.pool.counts(),
-            "slots_most": self.pool.capacity,
-            "credits_most": credit_cap(self.reach()),
-            "pool_refused": self.pool.refused,
-            "pool_given_back": self.pool.given_back,
-            "encoded_room_refused": self.pool.room_refused,
-            "decoded": self.counters.decoded.total,
-            "images_per_second": round(self.counters.decoded.rate(), 1),
-            "warm_decoded": self.counters.warm_decoded,
-            "split_batches": self.counters.split_batches,
-            "encoded_rows": self.counters.encoded,
-            "encoded_row_bytes": self.layout.encoded,
-            "batches": self.counters.batches,
-            "bad_files": self.counters.bad_files,
-            "store_waits": self.counters.store_waits,
-            "recent_bad_files": recent,
-            "format": self.sources.kind,
-            "augment": self.augment,
-            "interpolation": "" if self.config.pipeline else self.config.interpolation,
-            "fields": [f.describe() for f in self.layout.fields],
-            "cache": None if self.cache is None else self.cache.stats().status(self.cache.kind),
-            "sources": self._source_status(),
-        }
+    def status(self) -> FeedStatus:
+        return FeedStatus(
+            name=self.name,
+            samples=len(self.sources),
+            slots=self.pool.counts(),
+            slots_most=self.pool.capacity,
+            credits_most=credit_cap(self.reach()),
+            pool_refused=self.pool.refused,
+            pool_given_back=self.pool.given_back,
+            encoded_room_refused=self.pool.room_refused,
+            decoded=self.counters.decoded.total,
+            images_per_second=round(self.counters.decoded.rate(), 1),
+            warm_decoded=self.counters.warm_decoded,
+            split_batches=self.counters.split_batches,
+            encoded_rows=self.counters.encoded,
+            encoded_row_bytes=self.layout.encoded,
+            batches=self.counters.batches,
+            bad_files=self.counters.bad_files,
+            store_waits=self.counters.store_waits,
+            recent_bad_files=tuple(self.sources.relpath(i)[-200:] for i in self._recent_bad),
+            format=self.sources.kind,
+            augment=self.augment,
+            interpolation="" if self.config.pipeline else self.config.interpolation,
+            fields=tuple(f.describe() for f in self.layout.fields),
+            cache=None if self.cache is None else self.cache.stats().status(self.cache.kind),
+            sources=self._source_status(),
+        )
 
-    def _source_status(self) -> list[dict[str, object]]:
+    def _source_status(self) -> tuple[FeedSource, ...]:
+        """Rows served by source, for a feed of several (NOTE [ Source ledger ])."""
         served = self.counters.served_by_source
-        return [
-            {"source": name, "samples": len(index), "served": 0 if served is None else int(served[s])}
+        if len(self.sources.names) < 2:
+            return ()
+        return tuple(
+            FeedSource(source=name, samples=len(index), served=0 if served is None else int(served[s]))
             for s, (name, index) in enumerate(zip(self.sources.names, self.sources.indexes, strict=True))
-        ]
+        )
 
 
 def decoding_of(config: FeedConfig, cache: CacheSegment | None) -> str:

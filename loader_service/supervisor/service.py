@@ -410,8 +410,8 @@ class LoaderService:
             self._workers,
             self._started_at,
             outbox.rejected_messages,
+            serving.sizing.status(),
             sending,
             load,
         )
-        body["sizing"] = serving.sizing.status()
         return body

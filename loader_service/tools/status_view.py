@@ -1,9 +1,10 @@
 """``loader-service status``: ask a running service for its snapshot and show it as tables.
 
-The snapshot is the body of a ``status`` reply (``LoaderService.status``): informational, not a
-contract, so every field is read defensively and a missing one shows as ``-``. Every value is shown
-as text: a name a trainer or a dataset chose never reaches the terminal as an escape
-(NOTE [ Chosen names are shown as text ]).
+The snapshot is the body of a ``status`` reply (``LoaderService.status``), declared in
+``protocol/status.py`` (NOTE [ Status contract ]); a service of another release may lack a field or
+give it another type, so every field is read defensively and a missing one shows as ``-``. Every
+value is shown as text: a name a trainer or a dataset chose never reaches the terminal as an
+escape (NOTE [ Chosen names are shown as text ]).
 """
 
 from __future__ import annotations
@@ -21,9 +22,9 @@ from protocol.codec import decode, encode
 from protocol.curve import ClientKeys
 from protocol.messages import ErrorReply, Heartbeat, ProtocolError, StatusReply, StatusRequest
 from protocol.printable import printable
+from protocol.status import SLOT_STATES
 
 RECENT_BAD_FILES = 3  # paths shown per feed; the service keeps the last five
-SLOT_STATES = ("free", "filling", "ready", "leased")
 Column = tuple[str, str]  # (title, "<" or ">")
 
 

@@ -19,8 +19,9 @@ from rich.console import Group, JustifyMethod, RenderableType
 from rich.table import Table
 from rich.text import Text
 
-from loader_service.tools.status_view import SLOT_STATES, _duration, _records
+from loader_service.tools.status_view import _duration, _records
 from protocol.printable import printable
+from protocol.status import SLOT_STATES
 from protocol.verdict import share_from_demand, verdict
 
 REFRESH = 1.0

@@ -15,6 +15,7 @@ from typing import Any
 import pytest
 
 from loader_service.config.options import ServiceConfig
+from protocol import status
 from tests.helpers import REPO
 
 kubernetes_validate = pytest.importorskip("kubernetes_validate")
@@ -99,7 +100,7 @@ def test_the_autoscaler_scales_the_fleet_on_the_load_the_pods_export() -> None:
     (rule,) = yaml.safe_load(by_kind("ConfigMap")["data"]["config.yaml"])["rules"]
     assert rule["name"]["as"] == name and rule["seriesQuery"].startswith(name + "{")
     assert set(rule["resources"]["overrides"]) == {"namespace", "pod"}
-    assert f'"{name}"' in (REPO / "loader_service" / "supervisor" / "edges" / "metrics.py").read_text()
+    assert name in {metric.name for _, metric in status.metrics()}, "NOTE [ Status contract ]"
 
     pod = fleet["spec"]["template"]
     loader = pod["spec"]["containers"][0]

@@ -237,7 +237,7 @@ def test_a_lock_held_by_a_stopped_process_costs_one_wait_then_stores_stop(
         fcntl.flock(holder, fcntl.LOCK_EX)
         assert not cache.store(1, [image(1)], 20, 30)
         assert cache._m.table[1] == 0  # nothing reserved
-        assert seg.stats().skipped == 1 and seg.stats().status(seg.kind)["lock_timeouts"] == 1
+        assert seg.stats().skipped == 1 and seg.stats().status(seg.kind).lock_timeouts == 1
         assert not cache.admitting  # it does not wait a second time, sample after sample
         assert other.admitting  # another worker still tries
         fcntl.flock(holder, fcntl.LOCK_UN)

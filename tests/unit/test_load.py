@@ -18,6 +18,7 @@ from loader_service.supervisor.trainers.load import (
     weighted_demand,
 )
 from protocol.messages import Heartbeat
+from protocol.status import LoadStatus
 
 
 def loop_of(*samples: tuple[float, float, float], per_second: int = 10) -> TrainerLoop:
@@ -192,4 +193,4 @@ def test_without_trainers_the_load_is_what_the_workers_do() -> None:
     workers = WorkerTime()
     workers.sample(0.0, 0.0, 2)
     workers.sample(1.0, 0.0, 2)
-    assert measure(workers, []).status() == {"load": 0.0, "busy": 0.0, "demand": 1.0}
+    assert measure(workers, []).status() == LoadStatus(load=0.0, busy=0.0, demand=1.0)

@@ -10,7 +10,6 @@ query against a real Prometheus.
 
 from __future__ import annotations
 
-import ast
 import json
 import os
 import re
@@ -24,7 +23,8 @@ import yaml  # type: ignore[import-untyped]
 
 from loader_service.supervisor.edges import metrics as service_metrics
 from loader_service.supervisor.edges.status import shm_space
-from tests.helpers import REPO
+from protocol import status
+from tests.helpers import REPO, whole_status
 
 PROMTOOL = shutil.which("promtool")
 RULES_DIR = REPO / "deploy" / "prometheus"
@@ -122,17 +122,17 @@ def test_metric_names_are_read_from_promql() -> None:
 
 
 def documented_service_metrics() -> dict[str, str]:
-    """The table in edges/metrics.py's docstring: name -> type."""
-    doc = ast.get_docstring(ast.parse(Path(service_metrics.__file__).read_text())) or ""
-    table = re.findall(r"^\s*(dataferry_\w+)(?:\{[^}]*\})?\s+(gauge|counter|histogram)\b", doc, re.MULTILINE)
-    return dict(table)
+    """What the status contract declares (NOTE [ Status contract ]) and the ready-wait histogram:
+    the name Prometheus stores (a counter's with ``_total``) -> kind."""
+    declared = [metric for _, metric in status.metrics()] + [status.READY_WAIT]
+    return {m.name + ("_total" if m.kind == "counter" else ""): m.kind for m in declared}
 
 
 def exported_names() -> set[str]:
     """What Prometheus stores from the service and a trainer: the documented names, a histogram's
     series, the old names kept one release, and ``gpu-worker run``'s stall histogram."""
     names: set[str] = set(service_metrics.RENAMED.values())
-    for name, kind in {**documented_service_metrics(), "dataferry_batch_wait_seconds": "histogram"}.items():
+    for name, kind in {**documented_service_metrics(), status.BATCH_WAIT.name: "histogram"}.items():
         names |= {f"{name}_{part}" for part in ("bucket", "sum", "count")} if kind == "histogram" else {name}
     return names
 
@@ -219,7 +219,7 @@ FULL_BODY: dict[str, Any] = {
         "sources": [{"source": "a", "served": 4, "asked": 0.25, "pass": 0}],
     }],
 }  # fmt: skip
-"""A status body with every key the metrics read."""
+"""A status body with only the keys the metrics read (a reader takes what a body gives)."""
 
 
 def scrape(body: dict[str, Any]) -> dict[str, float]:
@@ -237,9 +237,9 @@ def scrape(body: dict[str, Any]) -> dict[str, float]:
     return samples
 
 
-def test_the_docstring_lists_every_metric_the_service_exports() -> None:
+def test_the_contract_declares_every_metric_the_service_exports() -> None:
     pytest.importorskip("prometheus_client")
-    stored = {re.sub(r"\{.*", "", series) for series in scrape(FULL_BODY)}
+    stored = {re.sub(r"\{.*", "", series) for series in scrape(status.to_body(whole_status()))}
     stored = {name for name in stored if not name.endswith("_created")}
     assert stored == exported_names() - {
         f"dataferry_batch_wait_seconds_{part}" for part in ("bucket", "sum", "count")
@@ -263,6 +263,6 @@ def test_shm_space_and_the_renamed_ratios_are_exported() -> None:
 def test_shm_space_is_what_df_says(tmp_path: Path) -> None:
     space = shm_space(tmp_path)
     fs = os.statvfs(tmp_path)
-    assert space is not None and space["size_bytes"] == fs.f_blocks * fs.f_frsize
-    assert 0 <= space["free_bytes"] <= space["size_bytes"]
+    assert space is not None and space.size_bytes == fs.f_blocks * fs.f_frsize
+    assert 0 <= space.free_bytes <= space.size_bytes
     assert shm_space(tmp_path / "missing") is None

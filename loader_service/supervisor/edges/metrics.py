@@ -3,50 +3,14 @@
 ``prometheus_client`` is imported only when metrics are asked for, so the service runs without it;
 asking for them without it raises ``MetricsUnavailable`` naming the package.
 
-The service's metrics are its status snapshot (``LoaderService.status``), handed to
-``ServiceMetrics.update`` from the main loop and turned into samples when Prometheus scrapes. The
-HTTP server thread never touches service state, and trainers or workers that are gone simply stop
-appearing. A trainer's series are the trainer's, not its sessions': labelled by client and feed,
-as many as the sessions a status lists at most (NOTE [ Trainer series ], in ``trainer_metrics``).
-Counters are the service's own running totals: they restart from 0 with the service, which
-Prometheus's ``rate()`` handles as a counter reset.
-
-    dataferry_uptime_seconds                                   gauge
-    dataferry_trainers_attached                                gauge
-    dataferry_decode_workers                                   gauge
-    dataferry_worker_restarts_total                            counter
-    dataferry_rejected_messages_total                          counter
-    dataferry_decoded_images_total{feed}                       counter
-    dataferry_decode_images_per_second{feed}                   gauge
-    dataferry_batches_total{feed}                              counter
-    dataferry_slots{feed, state}                               gauge   (free, filling, ready, leased)
-    dataferry_bad_files_total{feed}                            counter
-    dataferry_encoded_rows_total{feed}                         counter (decoded by their trainers)
-    dataferry_store_waits_total{feed}                          counter (tasks handed back: a silent store)
-    dataferry_cache_bytes{feed}                                gauge   (the cache's size, --cache-memory)
-    dataferry_cache_used_bytes{feed}                           gauge
-    dataferry_cache_entries{feed}                              gauge
-    dataferry_cache_hits_total{feed}                           counter
-    dataferry_cache_misses_total{feed}                         counter
-    dataferry_cache_lock_timeouts_total{feed}                  counter (stores given up: lock held)
-    dataferry_worker_decode_images_per_second{worker}          gauge
-    dataferry_trainer_lag_batches{client, feed}                gauge   (decoded, not yet taken)
-    dataferry_trainer_credits{client, feed}                    gauge
-    dataferry_trainer_leased_batches{client, feed}             gauge
-    dataferry_batch_ready_wait_seconds{feed}                   histogram (``observe_ready_wait``)
-    dataferry_decode_workers_active                            gauge   (NOTE [ Sizing workers ])
-    dataferry_cpu_budget_cores                                 gauge   (--workers auto only)
-    dataferry_load                                             gauge   (busy x demand, NOTE [ Fleet load ])
-    dataferry_decode_busy_ratio                                gauge   (0 to 1)
-    dataferry_demand                                           gauge
-    dataferry_trainer_loop_demand{client, feed}                gauge
-    dataferry_trainer_encode_ratio{client, feed}               gauge   (rows it decodes itself, 0 to 1)
-    dataferry_source_served_samples_total{feed, source}        counter (a feed of several sources)
-    dataferry_trainer_source_served_samples_total{client, feed, source}  counter
-    dataferry_trainer_source_asked_ratio{client, feed, source}           gauge (0 to 1)
-    dataferry_trainer_source_pass{client, feed, source}                  gauge (weighted jobs)
-    dataferry_shm_free_bytes                                   gauge   (/dev/shm, as ``df`` says)
-    dataferry_shm_size_bytes                                   gauge
+The service's metrics are its status body (``LoaderService.status``), handed to
+``ServiceMetrics.update`` from the main loop and turned into samples when Prometheus scrapes. Which
+fields are metrics, under what names, kinds, help and labels, is declared once with the body
+(NOTE [ Status contract ], ``protocol/status.py``); the list is docs/reference/metrics.md,
+generated from it. The HTTP server thread never touches service state, and trainers or workers
+that are gone simply stop appearing. A trainer's series are the trainer's, not its sessions'
+(NOTE [ Trainer series ], in ``trainer_metrics``). Counters are the service's own running totals:
+they restart from 0 with the service, which Prometheus's ``rate()`` handles as a counter reset.
 
 Renamed, the old name still exported with the same value for one release (``RENAMED``), then
 removed: ``dataferry_decode_busy`` is ``dataferry_decode_busy_ratio``, since a share of 0 to 1
@@ -64,7 +28,8 @@ from __future__ import annotations
 from collections.abc import Iterator, Mapping
 from typing import TYPE_CHECKING, Any
 
-from loader_service.supervisor.edges.trainer_metrics import ServedKey, ServedRows, trainer_families
+from loader_service.supervisor.edges.trainer_metrics import Counted, series
+from protocol.status import READY_WAIT, labels_of, metrics, paths, samples
 
 if TYPE_CHECKING:
     from wsgiref.simple_server import WSGIServer
@@ -74,10 +39,6 @@ if TYPE_CHECKING:
     from prometheus_client.metrics_core import Metric
 
 PACKAGE = "prometheus_client"
-WAIT_BUCKETS = (  # seconds, 100 us to 10 s
-    1e-4, 2.5e-4, 5e-4, 1e-3, 2.5e-3, 5e-3, 1e-2, 2.5e-2, 5e-2, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0,
-)  # fmt: skip
-SLOT_STATES = ("free", "filling", "ready", "leased")
 RENAMED = {"dataferry_decode_busy_ratio": "dataferry_decode_busy"}
 """New name -> the old one, exported beside it until the next release (the module's docstring)."""
 
@@ -133,14 +94,14 @@ class ServiceMetrics:
         from prometheus_client import CollectorRegistry, Histogram
 
         self.registry = CollectorRegistry()
-        self._served = ServedRows()
+        self._counted = Counted()
         self._snapshot = _SnapshotCollector()
         self.registry.register(self._snapshot)
         self._ready_wait = Histogram(
-            "dataferry_batch_ready_wait_seconds",
-            "Time a decoded batch waited in a ready slot before a trainer leased it.",
-            ["feed"],
-            buckets=WAIT_BUCKETS,
+            READY_WAIT.name,
+            READY_WAIT.help,
+            [READY_WAIT.by],
+            buckets=READY_WAIT.buckets,
             registry=self.registry,
         )
         self._server = _MetricsServer(self.registry)
@@ -159,83 +120,45 @@ class ServiceMetrics:
 
     def update(self, body: Mapping[str, Any]) -> None:
         """Take a new status snapshot (call from the main loop, about once a second)."""
-        self._snapshot.last = (body, self._served.update(_records(body, "sessions")))
+        given = list(samples(body))
+        self._snapshot.last = series(given, self._counted.update(given))
 
     def observe_ready_wait(self, feed: str, seconds: float) -> None:
         """A batch of ``feed`` went from ready to leased after waiting ``seconds``."""
         self._ready_wait.labels(feed=feed).observe(seconds)
 
 
-# --- the status snapshot as metric families ------------------------------------------------------
-
-
-def _num(value: object) -> float | None:
-    if isinstance(value, bool) or not isinstance(value, (int, float)):
-        return None
-    return float(value)
-
-
-def _records(body: Mapping[str, Any], key: str) -> list[Mapping[str, Any]]:
-    items = body.get(key)
-    return [r for r in items if isinstance(r, Mapping)] if isinstance(items, list) else []
+# --- the status body as metric families ------------------------------------------------------------
 
 
 class _SnapshotCollector:
-    """Builds every sample from the last snapshot at scrape time (nothing before the first one)."""
+    """Builds every family from the last body's series at scrape time (nothing before the first)."""
 
     def __init__(self) -> None:
-        self.last: tuple[Mapping[str, Any], Mapping[ServedKey, float]] | None = None
-        """The last snapshot, and the rows served to its trainers (NOTE [ Trainer series ])."""
+        self.last: dict[str, dict[tuple[str, ...], float]] | None = None
+        """Metric name -> label values -> value, each trainer's sessions combined (``series``)."""
 
     def collect(self) -> Iterator[Metric]:
         if self.last is None:
             return
-        body, served = self.last
-        yield from _service_families(body)
-        yield from _feed_families(_records(body, "feeds"))
-        yield from _worker_families(_records(body, "worker_list"))
-        yield from trainer_families(_records(body, "sessions"), served)
+        yield from _with_old_names(families(self.last))
 
 
-def _service_families(body: Mapping[str, Any]) -> Iterator[Metric]:
-    from prometheus_client.core import CounterMetricFamily
+def families(last: Mapping[str, Mapping[tuple[str, ...], float]]) -> Iterator[Metric]:
+    """One family per metric the body declares (NOTE [ Status contract ]), with the values given."""
+    from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
-    gauges = (
-        ("dataferry_uptime_seconds", "Seconds since the service started.", "uptime"),
-        ("dataferry_trainers_attached", "Trainer sessions attached.", "attached"),
-        ("dataferry_decode_workers", "Decode worker processes.", "workers"),
-    )
-    yield from _gauges(body, gauges)
-    counters = (
-        ("dataferry_worker_restarts", "Decode workers replaced after dying.", "worker_restarts"),
-        ("dataferry_rejected_messages", "Trainer messages rejected as invalid.", "rejected_messages"),
-    )
-    for name, doc, key in counters:
-        if (value := _num(body.get(key))) is not None:
-            yield CounterMetricFamily(name, doc, value=value)
-    yield from _gauges(body.get("sizing"), SIZING_GAUGES)
-    yield from _with_old_names(_gauges(body.get("load"), LOAD_GAUGES))
-    yield from _gauges(body.get("shm"), SHM_GAUGES)
-
-
-SIZING_GAUGES = (
-    ("dataferry_decode_workers_active", "Decode workers taking tasks (NOTE [ Sizing workers ]).", "active"),
-    ("dataferry_cpu_budget_cores", "Cores the decode workers may use (NOTE [ CPU budget ]).", "budget"),
-)
-LOAD_GAUGES = (
-    ("dataferry_load", "Decode capacity the trainers ask for, in multiples of this service's "
-     "(busy x demand; NOTE [ Fleet load ]): the autoscaling signal.", "load"),
-    ("dataferry_decode_busy_ratio", "Share of the decode workers' time on tasks, last 10 s.", "busy"),
-    ("dataferry_demand", "The trainers' (waited + computed) / computed, last 10 s, as far as the service "
-     "saw them wait, weighted by the batches each took (NOTE [ Fleet load ]).", "demand"),
-)  # fmt: skip
-
-
-SHM_GAUGES = (
-    ("dataferry_shm_free_bytes", "Bytes free on /dev/shm, where the slot pools and sample caches live.",
-     "free_bytes"),
-    ("dataferry_shm_size_bytes", "Size of /dev/shm in bytes.", "size_bytes"),
-)  # fmt: skip
+    path = paths()
+    for cls, metric in metrics():
+        labels = list(labels_of(path[cls], metric))
+        family: CounterMetricFamily | GaugeMetricFamily
+        if metric.kind == "counter":
+            family = CounterMetricFamily(metric.name, metric.help, labels=labels)
+        else:
+            family = GaugeMetricFamily(metric.name, metric.help, labels=labels)
+        for values, value in last.get(metric.name, {}).items():
+            family.add_metric(list(values), value)
+        yield family
 
 
 def _with_old_names(families: Iterator[Metric]) -> Iterator[Metric]:
@@ -248,111 +171,3 @@ def _with_old_names(families: Iterator[Metric]) -> Iterator[Metric]:
             copy = Metric(old, f"Deprecated, the same as {family.name}: {family.documentation}", family.type)
             copy.samples = [sample._replace(name=old) for sample in family.samples]
             yield copy
-
-
-def _gauges(table: object, specs: tuple[tuple[str, str, str], ...]) -> Iterator[Metric]:
-    """One gauge per (name, help, key) of ``specs`` that ``table`` (a status body's mapping) gives."""
-    from prometheus_client.core import GaugeMetricFamily
-
-    for name, doc, key in specs:
-        if isinstance(table, Mapping) and (value := _num(table.get(key))) is not None:
-            yield GaugeMetricFamily(name, doc, value=value)
-
-
-def _feed_families(feeds: list[Mapping[str, Any]]) -> Iterator[Metric]:
-    from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
-
-    decoded = CounterMetricFamily("dataferry_decoded_images", "Images decoded, per feed.", labels=["feed"])
-    rate = GaugeMetricFamily(
-        "dataferry_decode_images_per_second", "Recent decode rate, per feed.", labels=["feed"]
-    )
-    batches = CounterMetricFamily("dataferry_batches", "Batches filled, per feed.", labels=["feed"])
-    bad = CounterMetricFamily("dataferry_bad_files", "Files skipped, per feed.", labels=["feed"])
-    encoded = CounterMetricFamily(
-        "dataferry_encoded_rows",
-        "Rows left encoded for their trainers to decode, per feed (NOTE [ Encoded rows ]).",
-        labels=["feed"],
-    )
-    waits = CounterMetricFamily(
-        "dataferry_store_waits",
-        "Tasks handed back because the data's store did not answer within the read deadline, per feed.",
-        labels=["feed"],
-    )
-    slots = GaugeMetricFamily("dataferry_slots", "Batch slots per feed and state.", labels=["feed", "state"])
-    for feed in feeds:
-        name = str(feed.get("name", ""))
-        for family, key in ((decoded, "decoded"), (rate, "images_per_second"), (batches, "batches")):
-            _add(family, [name], feed.get(key))
-        _add(bad, [name], feed.get("bad_files"))
-        _add(encoded, [name], feed.get("encoded_rows"))
-        _add(waits, [name], feed.get("store_waits"))
-        counts = feed.get("slots")
-        for state in SLOT_STATES:
-            _add(slots, [name, state], counts.get(state) if isinstance(counts, Mapping) else None)
-    yield from (decoded, rate, batches, bad, encoded, waits, slots)
-    yield from _cache_families(feeds)
-    yield from _source_families(feeds)
-
-
-def _source_families(feeds: list[Mapping[str, Any]]) -> Iterator[Metric]:
-    """Rows served by source, for feeds of several (NOTE [ Source ledger ])."""
-    from prometheus_client.core import CounterMetricFamily
-
-    served = CounterMetricFamily(
-        "dataferry_source_served_samples",
-        "Rows announced to trainers, per feed and source.",
-        labels=["feed", "source"],
-    )
-    for feed in feeds:
-        sources = feed.get("sources")
-        if isinstance(sources, list) and len(sources) > 1:
-            for row in sources:
-                if isinstance(row, Mapping):
-                    _add(served, [str(feed.get("name", "")), str(row.get("source", ""))], row.get("served"))
-    yield served
-
-
-def _cache_families(feeds: list[Mapping[str, Any]]) -> Iterator[Metric]:
-    """The sample cache of each feed that has one (NOTE [ Sample cache ])."""
-    from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
-
-    families: dict[str, CounterMetricFamily | GaugeMetricFamily] = {
-        "bytes": GaugeMetricFamily("dataferry_cache_bytes", "Sample cache size, per feed.", labels=["feed"]),
-        "bytes_used": GaugeMetricFamily(
-            "dataferry_cache_used_bytes", "Sample cache bytes taken, per feed.", labels=["feed"]
-        ),
-        "entries": GaugeMetricFamily(
-            "dataferry_cache_entries", "Samples the cache keeps, per feed.", labels=["feed"]
-        ),
-        "hits": CounterMetricFamily(
-            "dataferry_cache_hits", "Samples made from the cache, per feed.", labels=["feed"]
-        ),
-        "misses": CounterMetricFamily(
-            "dataferry_cache_misses", "Samples looked up and not in the cache, per feed.", labels=["feed"]
-        ),
-        "lock_timeouts": CounterMetricFamily(
-            "dataferry_cache_lock_timeouts", "Stores given up, the lock held too long.", labels=["feed"]
-        ),
-    }
-    for feed in feeds:
-        cache = feed.get("cache")
-        if isinstance(cache, Mapping):
-            for key, family in families.items():
-                _add(family, [str(feed.get("name", ""))], cache.get(key))
-    yield from families.values()
-
-
-def _worker_families(workers: list[Mapping[str, Any]]) -> Iterator[Metric]:
-    from prometheus_client.core import GaugeMetricFamily
-
-    rate = GaugeMetricFamily(
-        "dataferry_worker_decode_images_per_second", "Recent decode rate, per worker.", labels=["worker"]
-    )
-    for worker in workers:
-        _add(rate, [str(worker.get("worker", ""))], worker.get("images_per_second"))
-    yield rate
-
-
-def _add(family: CounterMetricFamily | GaugeMetricFamily, labels: list[str], value: object) -> None:
-    if (number := _num(value)) is not None:
-        family.add_metric(labels, number)

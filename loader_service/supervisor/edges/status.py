@@ -22,6 +22,7 @@ from __future__ import annotations
 import os
 import time
 from collections.abc import Iterable
+from typing import Any
 
 import msgpack
 
@@ -35,13 +36,16 @@ from loader_service.supervisor.workers.pool import WorkerSet
 from protocol.encoded import MAX_SHARE
 from protocol.messages import MAX_FRAME_BYTES
 from protocol.printable import printable
+from protocol.status import ServiceStatus, SessionStatus, ShmStatus, SizingStatus, WorkerStatus, to_body
 
 STATUS_SESSIONS = 100
 STATUS_WORKERS = 64
 STATUS_FEEDS = 16
 STATUS_RESERVE = 8 * 1024
-"""Bytes of a status frame not given to the feeds and sessions: the envelope, the container
-headers, and what the service adds after the snapshot (its sizing, eight decisions at most)."""
+"""Bytes of a status frame not given to the feeds and sessions: the reply's envelope and the
+lists' headers."""
+Body = dict[str, Any]
+"""A record of the body as the maps it travels as (``protocol.status.to_body``)."""
 
 
 def summary(feeds: list[Feed], attached: Attachments) -> str:
@@ -66,49 +70,49 @@ def lag(attached: Attachments, session: Session) -> int:
     return max(0, stream.next_produce - stream.filling - member.next_send)
 
 
-def _session(feeds: list[Feed], attached: Attachments, s: Session, now: float) -> dict[str, object]:
-    return {
-        "session": s.session_id,
-        "client": s.client,
-        "feed": feeds[s.feed].name,
-        "mode": s.mode,
-        "rank": s.rank,
-        "world_size": s.world_size,
-        "group": s.group if s.mode == "broadcast" else "",
-        "epoch": s.epoch,
-        "delivered": s.delivered,
-        "leased": len(s.leases),
-        "resent": s.resent,
-        "recovered_releases": s.recovered,
-        "credits": s.credits,
-        "credits_asked": s.hello.credits,
-        "lag": lag(attached, s),
-        "idle_seconds": round(now - s.last_seen, 1),
-        "demand": round(s.loop.demand(), 3),
-        "encode_share": round(s.encode / MAX_SHARE, 3),
-        "spoiled": s.spoiled,
-        "sources": source_status(feeds[s.feed], attached.streams.get(s.stream_key()), s.served),
-    }
+def _session(feeds: list[Feed], attached: Attachments, s: Session, now: float) -> SessionStatus:
+    return SessionStatus(
+        session=s.session_id,
+        client=s.client,
+        feed=feeds[s.feed].name,
+        mode=s.mode,
+        rank=s.rank,
+        world_size=s.world_size,
+        group=s.group if s.mode == "broadcast" else "",
+        epoch=s.epoch,
+        delivered=s.delivered,
+        leased=len(s.leases),
+        resent=s.resent,
+        recovered_releases=s.recovered,
+        credits=s.credits,
+        credits_asked=s.hello.credits,
+        lag=lag(attached, s),
+        idle_seconds=round(now - s.last_seen, 1),
+        demand=round(s.loop.demand(), 3),
+        encode_share=round(s.encode / MAX_SHARE, 3),
+        spoiled=s.spoiled,
+        sources=source_status(feeds[s.feed], attached.streams.get(s.stream_key()), s.served),
+    )
 
 
-def _workers(workers: WorkerSet | None) -> list[dict[str, object]]:
+def _workers(workers: WorkerSet | None) -> tuple[WorkerStatus, ...]:
     if workers is None:
-        return []
-    listed: list[dict[str, object]] = [
-        {
-            "worker": h.worker,
-            "pid": h.process.pid,
-            "task": h.task,
-            "ready": h.routing_id is not None,
-            "decoded": h.decoded.total,
-            "images_per_second": round(h.decoded.rate(), 1),
-        }
+        return ()
+    listed = [
+        WorkerStatus(
+            worker=h.worker,
+            pid=h.process.pid,
+            task=h.task,
+            ready=h.routing_id is not None,
+            decoded=h.decoded.total,
+            images_per_second=round(h.decoded.rate(), 1),
+        )
         for h in workers
     ]
-    return listed[:STATUS_WORKERS]
+    return tuple(listed[:STATUS_WORKERS])
 
 
-def shm_space(folder: str | os.PathLike[str] = SHM_DIR) -> dict[str, int] | None:
+def shm_space(folder: str | os.PathLike[str] = SHM_DIR) -> ShmStatus | None:
     """The bytes free and in all of the file system the segments live on (/dev/shm), as ``df`` says:
     where it is full a sample cache fails to start, and a slot pool stops growing at the floor it
     keeps free for others (NOTE [ A /dev/shm floor ]). None where it cannot be read. One ``statvfs``."""
@@ -117,7 +121,7 @@ def shm_space(folder: str | os.PathLike[str] = SHM_DIR) -> dict[str, int] | None
     except OSError:
         return None
     size = fs.f_blocks * fs.f_frsize
-    return {"free_bytes": fs.f_bavail * fs.f_frsize, "size_bytes": size, "floor_bytes": shm_floor(size)}
+    return ShmStatus(free_bytes=fs.f_bavail * fs.f_frsize, size_bytes=size, floor_bytes=shm_floor(size))
 
 
 def snapshot(
@@ -126,37 +130,43 @@ def snapshot(
     workers: WorkerSet | None,
     started_at: float,
     rejected_messages: int,
+    sizing: SizingStatus,
     remote_send_bytes: int = 0,
     load: Load | None = None,
 ) -> dict[str, object]:
-    """A JSON-shaped snapshot of the whole service."""
+    """The body of a status reply: the whole service (NOTE [ Status contract ])."""
     now = time.monotonic()
     sessions = list(attached.sessions.values())[:STATUS_SESSIONS]
-    worker_list = _workers(workers)
-    body: dict[str, object] = {
-        "worker_list": worker_list,
-        "uptime": round(now - started_at, 1),
-        "attached": len(attached.sessions),
-        "workers": 0 if workers is None else sum(1 for _ in workers),
-        "worker_restarts": 0 if workers is None else workers.restarts,
-        "template_restarts": 0 if workers is None else workers.template_restarts,
-        "rejected_messages": rejected_messages,
-        "remote_send_bytes": remote_send_bytes,
-        "load": (load or Load(0.0, 1.0)).status(),
-        "shm": shm_space(),
-    }
+    whole = ServiceStatus(
+        uptime=round(now - started_at, 1),
+        attached=len(attached.sessions),
+        workers=0 if workers is None else sum(1 for _ in workers),
+        worker_restarts=0 if workers is None else workers.restarts,
+        template_restarts=0 if workers is None else workers.template_restarts,
+        rejected_messages=rejected_messages,
+        remote_send_bytes=remote_send_bytes,
+        load=(load or Load(0.0, 1.0)).status(),
+        shm=shm_space(),
+        sizing=sizing,
+        worker_list=_workers(workers),
+        feeds=(),
+        feeds_left_out=len(feeds),
+        sessions=(),
+        sessions_left_out=len(attached.sessions),
+    )
     # NOTE [ A status fits one frame ]: the feeds, then the sessions, in what the rest leaves.
+    body: dict[str, object] = to_body(whole)
     room = MAX_FRAME_BYTES - STATUS_RESERVE - _packed(body)
-    listed_feeds, room = _fitting((feed.status() for feed in feeds[:STATUS_FEEDS]), room)
-    listed, _ = _fitting((_session(feeds, attached, s, now) for s in sessions), room)
+    listed_feeds, room = _fitting((to_body(feed.status()) for feed in feeds[:STATUS_FEEDS]), room)
+    listed, _ = _fitting((to_body(_session(feeds, attached, s, now)) for s in sessions), room)
     body.update(feeds=listed_feeds, feeds_left_out=len(feeds) - len(listed_feeds))
     body.update(sessions=listed, sessions_left_out=len(attached.sessions) - len(listed))
     return body
 
 
-def _fitting(records: Iterable[dict[str, object]], room: int) -> tuple[list[dict[str, object]], int]:
+def _fitting(records: Iterable[Body], room: int) -> tuple[list[Body], int]:
     """The first of ``records`` whose packed sizes add up to at most ``room``, and the room left."""
-    kept: list[dict[str, object]] = []
+    kept: list[Body] = []
     for record in records:
         size = _packed(record)
         if size > room:

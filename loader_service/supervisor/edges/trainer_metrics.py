@@ -8,7 +8,8 @@ NOTE [ Trainer series ]
     only: ``client`` is the name its hello gives (``ServiceLoader``'s ``host:pid``, one per trainer
     process, escaped: NOTE [ Chosen names are shown as text ]), and its sessions on one feed are
     one series: their lag, credits and leased batches summed, their demand, asked shares and passes
-    the largest, their rows served counted on.
+    the largest, their rows served counted on (each figure's rule is declared with it, NOTE
+    [ Status contract ]).
     - Live series are bounded: each family has at most one series per session the status lists
       (NOTE [ A status fits one frame ]: at most ``STATUS_SESSIONS``, 100), and the three by source
       that many times the feed's sources (``MAX_SOURCES``).
@@ -23,119 +24,54 @@ NOTE [ Trainer series ]
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Iterator, Mapping
-from typing import TYPE_CHECKING, Any
+from collections.abc import Iterable, Mapping
 
-if TYPE_CHECKING:
-    from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
-    from prometheus_client.metrics_core import Metric
+from protocol.status import Sample
 
-TRAINER_LABELS = ("client", "feed")
-Trainer = tuple[str, str]
-"""(client, feed): what a trainer's series are labelled with."""
-ServedKey = tuple[str, str, str]
-"""(client, feed, source)."""
-
-SUMMED = (
-    ("lag", "dataferry_trainer_lag_batches", "Batches decoded for a trainer that it has not taken yet."),
-    ("credits", "dataferry_trainer_credits", "Credits a trainer has granted."),
-    ("leased", "dataferry_trainer_leased_batches", "Batches a trainer holds."),
-)
-LARGEST = (
-    ("demand", "dataferry_trainer_loop_demand", "A trainer's (waited + computed) / computed over the last "
-     "10 s, as far as the service saw it wait, its largest over its sessions (NOTE [ Exposed wait ], "
-     "NOTE [ Fleet load ])."),
-    ("encode_share", "dataferry_trainer_encode_ratio", "The share of a trainer's rows it decodes itself "
-     "(NOTE [ Encoded rows ]), its largest over its sessions."),
-)  # fmt: skip
-LARGEST_BY_SOURCE = (
-    (
-        "asked",
-        "dataferry_trainer_source_asked_ratio",
-        "The share of a source a trainer's weights ask for now.",
-    ),
-    ("pass", "dataferry_trainer_source_pass", "A weighted job's pass over a source."),
-)
+Series = dict[str, dict[tuple[str, ...], float]]
+"""Metric name -> label values -> value."""
+CountedKey = tuple[str, tuple[str, ...]]
+"""(metric name, label values): one trainer's counter."""
 
 
-class ServedRows:
-    """Rows served to each trainer by source, counted on over its sessions (NOTE [ Trainer series ])."""
+class Counted:
+    """The counters a trainer's sessions add to, counted on over sessions that come and go
+    (NOTE [ Trainer series ])."""
 
     def __init__(self) -> None:
-        self._seen: dict[str, dict[str, float]] = {}
-        """session id -> source -> its count at the last snapshot."""
-        self.totals: dict[ServedKey, float] = {}
+        self._seen: dict[tuple[str, CountedKey], float] = {}
+        """(session id, counter) -> the session's count at the last body."""
+        self.totals: dict[CountedKey, float] = {}
 
-    def update(self, sessions: list[Mapping[str, Any]]) -> dict[ServedKey, float]:
-        """Count what each listed session's rows grew; the totals of the trainers listed now."""
-        seen: dict[str, dict[str, float]] = {}
-        totals: dict[ServedKey, float] = {}
-        for session in sessions:
-            client, feed = trainer_of(session)
-            name = str(session.get("session", ""))
-            before, now = self._seen.get(name, {}), seen.setdefault(name, {})
-            for source, served in _by_source(session, "served"):
-                key = (client, feed, source)
-                grown = max(0.0, served - before.get(source, 0.0))
-                totals[key] = totals.get(key, self.totals.get(key, 0.0)) + grown
-                now[source] = served
+    def update(self, given: Iterable[Sample]) -> dict[CountedKey, float]:
+        """Count what each listed session's counts grew; the totals of the trainers listed now."""
+        seen: dict[tuple[str, CountedKey], float] = {}
+        totals: dict[CountedKey, float] = {}
+        for sample in given:
+            if sample.metric.combine != "counted":
+                continue
+            key = (sample.metric.name, tuple(value for _, value in sample.labels))
+            grown = max(0.0, sample.value - self._seen.get((sample.session, key), 0.0))
+            totals[key] = totals.get(key, self.totals.get(key, 0.0)) + grown
+            seen[(sample.session, key)] = sample.value
         self._seen, self.totals = seen, totals
         return totals
 
 
-def trainer_of(session: Mapping[str, Any]) -> Trainer:
-    return str(session.get("client", "")), str(session.get("feed", ""))
-
-
-def trainer_families(
-    sessions: list[Mapping[str, Any]], served: Mapping[ServedKey, float]
-) -> Iterator[Metric]:
-    """Each trainer's series from the listed sessions and the rows counted for them."""
-    from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
-
-    for combine, specs in ((_sum, SUMMED), (max, LARGEST)):
-        for key, name, doc in specs:
-            values: dict[Trainer, float] = {}
-            for session in sessions:
-                if (value := _num(session.get(key))) is not None:
-                    trainer = trainer_of(session)
-                    values[trainer] = combine(values[trainer], value) if trainer in values else value
-            yield _family(GaugeMetricFamily(name, doc, labels=TRAINER_LABELS), values.items())
-    for key, name, doc in LARGEST_BY_SOURCE:
-        largest: dict[ServedKey, float] = {}
-        for session in sessions:
-            for source, value in _by_source(session, key):
-                at = (*trainer_of(session), source)
-                largest[at] = max(largest.get(at, value), value)
-        yield _family(GaugeMetricFamily(name, doc, labels=[*TRAINER_LABELS, "source"]), largest.items())
-    doc = "Rows announced to a trainer, by source (NOTE [ Trainer series ])."
-    labels = [*TRAINER_LABELS, "source"]
-    yield _family(
-        CounterMetricFamily("dataferry_trainer_source_served_samples", doc, labels=labels), served.items()
-    )
-
-
-def _family(
-    family: CounterMetricFamily | GaugeMetricFamily, values: Iterable[tuple[tuple[str, ...], float]]
-) -> CounterMetricFamily | GaugeMetricFamily:
-    for labels, value in values:
-        family.add_metric(list(labels), value)
-    return family
-
-
-def _by_source(session: Mapping[str, Any], key: str) -> Iterator[tuple[str, float]]:
-    """(source, number) for each row of the session's ledger that has ``key`` (NOTE [ Source ledger ])."""
-    rows = session.get("sources")
-    for row in rows if isinstance(rows, list) else []:
-        if isinstance(row, Mapping) and (value := _num(row.get(key))) is not None:
-            yield str(row.get("source", "")), value
-
-
-def _sum(a: float, b: float) -> float:
-    return a + b
-
-
-def _num(value: object) -> float | None:
-    if isinstance(value, bool) or not isinstance(value, (int, float)):
-        return None
-    return float(value)
+def series(given: Iterable[Sample], counted: Mapping[CountedKey, float]) -> Series:
+    """Each metric's series from a body's samples: one a label set, a trainer's sessions summed or
+    their largest taken, its counters as ``Counted`` made them."""
+    out: Series = {}
+    for sample in given:
+        values = out.setdefault(sample.metric.name, {})
+        at = tuple(value for _, value in sample.labels)
+        combine = sample.metric.combine
+        if combine == "counted":
+            values[at] = counted.get((sample.metric.name, at), 0.0)
+        elif combine == "sum" and at in values:
+            values[at] += sample.value
+        elif combine == "largest" and at in values:
+            values[at] = max(values[at], sample.value)
+        else:
+            values[at] = sample.value
+    return out

@@ -23,6 +23,7 @@ import numpy.typing as npt
 from loader_service.dataset.mixture import Mixture
 from loader_service.supervisor.feeds import Feed
 from loader_service.supervisor.streams.stream import Stream
+from protocol.status import SessionSource
 from protocol.weights import WEIGHT_UNIT
 
 Counts = npt.NDArray[np.int64]
@@ -63,24 +64,28 @@ def _asked(mixture: Mixture | None, feed: Feed, epoch: int, position: int) -> li
     return [w / WEIGHT_UNIT for w in weights]
 
 
-def source_status(feed: Feed, stream: Stream | None, served: Counts | None) -> list[dict[str, object]]:
+def source_status(feed: Feed, stream: Stream | None, served: Counts | None) -> tuple[SessionSource, ...]:
     """Per source, what ``status`` shows of one trainer (NOTE [ Source ledger ]); none for a feed of
     one source."""
     if served is None or stream is None:
-        return []
+        return ()
     mixture = stream.mixture
     position, drawn = stream.front()
     asked = _asked(mixture, feed, stream.epoch, position)
     total = int(served.sum())
-    rows: list[dict[str, object]] = []
+    rows: list[SessionSource] = []
     for s, name in enumerate(feed.sources.names):
-        row: dict[str, object] = {
-            "source": name,
-            "served": int(served[s]),
-            "share": round(int(served[s]) / total, 4) if total else 0.0,
-            "asked": round(asked[s], 4),
-        }
+        passes = at = None  # a job without weights has no passes
         if drawn is not None and mixture is not None:
-            row["pass"], row["position"] = divmod(int(drawn[s]), mixture.sizes[s])
-        rows.append(row)
-    return rows
+            passes, at = divmod(int(drawn[s]), mixture.sizes[s])
+        rows.append(
+            SessionSource(
+                source=name,
+                served=int(served[s]),
+                share=round(int(served[s]) / total, 4) if total else 0.0,
+                asked=round(asked[s], 4),
+                passes=passes,
+                position=at,
+            )
+        )
+    return tuple(rows)

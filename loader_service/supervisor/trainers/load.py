@@ -45,6 +45,7 @@ from dataclasses import dataclass, field
 from typing import NamedTuple
 
 from protocol.messages import Heartbeat
+from protocol.status import LoadStatus
 
 WINDOW = 10.0
 """Seconds the load is measured over."""
@@ -192,8 +193,8 @@ class Load:
     def load(self) -> float:
         return self.busy * self.demand
 
-    def status(self) -> dict[str, float]:
-        return {"load": round(self.load, 3), "busy": round(self.busy, 3), "demand": round(self.demand, 3)}
+    def status(self) -> LoadStatus:
+        return LoadStatus(load=round(self.load, 3), busy=round(self.busy, 3), demand=round(self.demand, 3))
 
 
 @dataclass

@@ -14,6 +14,7 @@ from loader_service.supervisor.trainers.load import step_seconds, weighted_deman
 from loader_service.supervisor.trainers.sessions import Session
 from loader_service.supervisor.workers.pool import WorkerSet
 from loader_service.supervisor.workers.sizing.rule import Sample, Sizer
+from protocol.status import SizingStatus
 
 log = logging.getLogger(__name__)
 TICK = 0.25
@@ -62,9 +63,9 @@ class WorkerSizing:
         if changed is not None:
             workers.active = changed
 
-    def status(self) -> dict[str, object]:
+    def status(self) -> SizingStatus:
         """Workers taking tasks and started, and why, for status and metrics."""
         if self.sizer is not None:
-            return {"mode": "auto", **self.sizer.status(time.monotonic()), "started": self.workers.started}
+            return self.sizer.status(time.monotonic(), self.workers.started)
         count = self.workers.active
-        return {"mode": "pinned", "active": count, "started": self.workers.started, "most": count}
+        return SizingStatus(mode="pinned", active=count, started=self.workers.started, most=count)

@@ -76,6 +76,8 @@ from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
+from protocol.status import SizingDecision, SizingStatus, SizingWindow
+
 log = logging.getLogger(__name__)
 
 BUSY = 0.85
@@ -284,21 +286,26 @@ class Sizer:
         self._undone += 1
         return before, f"{why}: undone, held for {self._hold} windows"
 
-    def status(self, now: float) -> dict[str, object]:
+    def status(self, now: float, started: int) -> SizingStatus:
+        """What ``status`` shows of the sizing, with the workers ``started`` so far."""
         w = self.last
-        return {
-            "active": self.active,
-            "most": self.most,
-            "budget": round(self.budget, 2),
-            "window": None if w is None else {
-                "busy": round(w.busy, 3), "cost": round(w.cost, 3), "rate": round(w.rate, 1),
-                "demand": round(w.demand, 3), "step_ms": None if w.step is None else round(w.step * 1000, 1),
-            },
-            "decisions": [
-                {"seconds_ago": round(now - d.at, 1), "from": d.before, "to": d.after, "reason": d.reason}
-                for d in self.decisions
-            ],
-        }  # fmt: skip
+        window = (
+            None
+            if w is None
+            else SizingWindow(
+                busy=round(w.busy, 3),
+                cost=round(w.cost, 3),
+                rate=round(w.rate, 1),
+                demand=round(w.demand, 3),
+                step_ms=None if w.step is None else round(w.step * 1000, 1),
+            )
+        )
+        decisions = tuple(
+            SizingDecision(seconds_ago=round(now - d.at, 1), before=d.before, after=d.after, reason=d.reason)
+            for d in self.decisions
+        )
+        return SizingStatus(mode="auto", active=self.active, started=started, most=self.most,
+                            budget=round(self.budget, 2), window=window, decisions=decisions)  # fmt: skip
 
 
 def _slower(before: float, after: float) -> bool:
