@@ -20,6 +20,7 @@ import os
 import re
 import shutil
 import tarfile
+import zipfile
 from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
 from pathlib import Path
@@ -357,6 +358,29 @@ def make_shards(index: DatasetIndex, folder: Path, per_shard: int = SHARD_SAMPLE
     shutil.rmtree(folder, ignore_errors=True)
     partial.rename(folder)
     return folder
+
+
+def zip_path(cfg: BenchConfig, root: Path, stored: bool = False) -> Path:
+    """Where (i)'s zip archive of the dataset at ``root`` is kept: beside it in the cache."""
+    return cfg.cache / f"{root.name}{'-stored' if stored else ''}.zip"
+
+
+def make_zip(index: DatasetIndex, path: Path, stored: bool = False) -> Path:
+    """The images of ``index`` as one zip archive of their class folders, deflated as ``zip -r``
+    leaves them (JPEGs barely shrink; every member still inflates on read), or ``stored`` as
+    ``zip -0`` leaves them. Made once: kept while the stamp beside it matches the dataset, written
+    under another name and renamed."""
+    stamp = source_stamp(index)
+    stamped = path.with_name(path.name + "." + SHARDS_STAMP)
+    if path.is_file() and stamped.is_file() and stamped.read_text().strip() == stamp:
+        return path
+    partial = path.with_name(path.name + ".partial")
+    with zipfile.ZipFile(partial, "w", zipfile.ZIP_STORED if stored else zipfile.ZIP_DEFLATED) as archive:
+        for i in range(len(index)):
+            archive.write(index.path(i), index.relpath(i))
+    partial.rename(path)
+    stamped.write_text(stamp + "\n")
+    return path
 
 
 def _add_sample(tar: tarfile.TarFile, index: DatasetIndex, i: int) -> None:

@@ -16,6 +16,9 @@ whole epochs. The parts:
   same epoch. Targets: cold >= 0.8x (epoch 1), warm >= 0.97x (epoch 2), 20 ms >= 0.7x (epoch 1).
 * ``reads``: requests per batch and bytes read per image byte, counted on the reader the workers run
   (``ObjectFiles`` through ``SampleReader.prefetch``, in this process) over one epoch's batches.
+* ``zip``: the photos as one deflated zip archive in the store: indexed from its central directory
+  (seconds, bytes read of the archive), then an epoch's reads as ``reads`` counts them (target
+  <= 1.05 bytes read per image byte).
 * ``index``: a saved index of ``--samples`` (default 1,000,000) tar samples: how long
   ``load_or_build`` takes to find it current and map it (target < 1 s), against indexing anew.
 
@@ -154,14 +157,56 @@ def one_round(work: Path, server: Any, plan: Plan, r: int) -> dict[str, Run]:
 
 def reads_part(work: Path, server: Any, plan: Plan) -> dict[str, Any]:
     """Requests and bytes of one epoch's reads, counted on the reader the workers run."""
+    out = _epoch_reads(server, f"s3://{server.bucket}/shards/")
+    say(f"(n) reads: {out['requests_per_batch']:.1f} requests a batch of {BATCH}, "
+        f"{out['bytes_read_per_image_byte']:.3f} bytes read per image byte")  # fmt: skip
+    return out
+
+
+def zip_part(work: Path, server: Any, plan: Plan) -> dict[str, Any]:
+    """The photos as one zip archive (deflated, as ``zip -r`` makes it) in the store: its index from
+    the central directory alone, and an epoch's reads (target <= 1.05 bytes read per image byte)."""
+    from benchmarks.datasets import make_zip
+    from loader_service.dataset.index import build_index
+
+    archive = make_zip(build_index(plan.data), work / "train.zip")
+    server.upload(archive, "zip/train.zip")
+    url = f"s3://{server.bucket}/zip/train.zip"
+    out = _epoch_reads(server, url)
+    verdict = "PASS" if out["bytes_read_per_image_byte"] <= 1.05 else "FAIL"
+    read = out["bytes_read_per_image_byte"]
+    say(f"(n) zip in the store: indexed in {out['index_seconds']:.2f} s from {out['index_bytes']} bytes "
+        f"of a {archive.stat().st_size}-byte archive; {out['requests_per_batch']:.1f} requests a batch, "
+        f"{read:.4f} bytes read per image byte (target <= 1.05) {verdict}")  # fmt: skip
+    return out
+
+
+def _epoch_reads(server: Any, url: str) -> dict[str, Any]:
+    """The data at ``url`` indexed (its reads counted), then one epoch read in batches as a worker
+    reads them: requests a batch and bytes read per image byte."""
     from loader_service.dataset.index import build_index
     from loader_service.dataset.sampler import shard_order
+    from loader_service.dataset.storage import objectfolder
     from loader_service.dataset.storage.storeconfig import StorageConfig
     from loader_service.decode.reading import SampleReader
 
+    scanned: list[int] = []
+    ranged = objectfolder.RangedFile.readinto
+
+    def counting(self: Any, buffer: Any) -> int:
+        got = ranged(self, buffer)
+        scanned.append(got)
+        return got
+
     with _environ(server.env()):
         storage = StorageConfig()
-        index = build_index(f"s3://{server.bucket}/shards/", storage=storage)
+        objectfolder.RangedFile.readinto = counting  # type: ignore[method-assign]
+        try:
+            started = time.perf_counter()
+            index = build_index(url, storage=storage)
+            index_seconds = time.perf_counter() - started
+        finally:
+            objectfolder.RangedFile.readinto = ranged  # type: ignore[method-assign]
         reader = SampleReader(index, 1 << 28, storage)
         try:
             with counted_store_reads() as fetched:
@@ -173,13 +218,12 @@ def reads_part(work: Path, server: Any, plan: Plan) -> dict[str, Any]:
                     image_bytes += sum(len(reader.image_bytes(i)) for i in batch)
         finally:
             reader.close()
-    out = {
+    return {
         "requests_per_batch": len(fetched) / batches,
         "bytes_read_per_image_byte": sum(fetched) / image_bytes,
+        "index_seconds": index_seconds,
+        "index_bytes": sum(scanned),
     }
-    say(f"(n) reads: {out['requests_per_batch']:.1f} requests a batch of {BATCH}, "
-        f"{out['bytes_read_per_image_byte']:.3f} bytes read per image byte")  # fmt: skip
-    return out
 
 
 def index_part(work: Path, server: Any, plan: Plan) -> dict[str, Any]:
@@ -307,6 +351,7 @@ PARTS: dict[str, Callable[[Path, Any, Plan], dict[str, Any]]] = {
     "parquet": parquet_part,
     "index": index_part,
     "parquet_index": parquet_index_part,
+    "zip": zip_part,
 }
 
 

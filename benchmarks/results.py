@@ -51,17 +51,23 @@ G_RELATIVE = 0.02
 # (h) and (i), issue 11: series keys (as in the JSON) and what tables call them.
 DL_PIPELINE = "dl_pipeline"
 TAR_SHARDS = "tar_shards"
+ZIP_ARCHIVE = "zip_archive"
+ZIP_STORED = "zip_stored"
 FILES = "files"
 SERIES = {
     SERVICE: "dataferry",
     DL_PIPELINE: "DataLoader running the same function",
     TAR_SHARDS: "tar shards",
+    ZIP_ARCHIVE: "a zip archive (deflated)",
+    ZIP_STORED: "a zip archive (stored)",
     FILES: "the same images as files",
 }
 # Targets of (h) and (i) on the 2-core machine.
 H_VS_DATALOADER = 1.1
 H_GROUP_PER_TRAINER = 3.5
 I_TAR_VS_FILES = 1.0
+I_FORMAT_VS_FILES = 0.95
+"""Issue 48: each format the users already have, against the same images as files."""
 
 # (j), remote trainers: series keys (as in the JSON) and what tables call them.
 REMOTE_CURVE = "remote_curve"
@@ -396,6 +402,16 @@ def check_i(i: Measurement | None, skipped: str | None = None) -> list[Check]:
             _at_least(tar_vs_files, I_TAR_VS_FILES),
         ),
     ]
+    for key in (ZIP_ARCHIVE, ZIP_STORED):
+        versus = i.ratio(key, FILES) if i and key in i.samples else None
+        checks.append(
+            Check(
+                "i",
+                f"{SERIES[key]} >= {I_FORMAT_VS_FILES:.2f}x the same images as files",
+                _fmt(versus, ".3f", "x"),
+                _at_least(versus, I_FORMAT_VS_FILES),
+            )
+        )
     return _skipped(checks, skipped)
 
 

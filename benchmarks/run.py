@@ -57,8 +57,10 @@ from benchmarks.datasets import (
     make_dataloader,
     make_pipeline_dataloader,
     make_shards,
+    make_zip,
     prepare_data,
     shards_folder,
+    zip_path,
 )
 from benchmarks.machine import machine_facts
 from benchmarks.pipelines import H_PIPELINE, measure_identical, pipeline_spec, torchvision_problem
@@ -89,6 +91,8 @@ from benchmarks.results import (
     TAR_SHARDS,
     TCP_CURVE,
     TCP_PLAIN,
+    ZIP_ARCHIVE,
+    ZIP_STORED,
     ZMQ_CURVE,
     ZMQ_PLAIN,
     BenchResults,
@@ -608,24 +612,42 @@ class BenchRun:
         check_same_samples(index, build_index(folder, "tar"))
         return folder
 
+    def archive(self, stored: bool) -> Path:
+        """(i)'s zip archive of the run's dataset, its members deflated or ``stored`` (made once,
+        then reused), checked against it."""
+        index = build_index(self.data.root)
+        path = zip_path(self.cfg, self.data.root, stored)
+        say(f"(i) a zip archive of the {len(index)} images: {path.name} in the cache")
+        make_zip(index, path, stored)
+        check_same_samples(index, build_index(path, "zip"))
+        return path
+
     def with_shards(self) -> None:
-        """(i), step 6 of NOTE [ Scenario order ]: one service on the shards, one on the files, one
-        trainer each, timed in turn."""
+        """(i), step 6 of NOTE [ Scenario order ]: one service on the shards, one on each zip
+        archive (deflated, stored), one on the files, one trainer each, timed in turn."""
         cfg = self.cfg
-        shards = self.shards()
+        shards, deflated, stored = self.shards(), self.archive(stored=False), self.archive(stored=True)
         say(f"(i) {SCENARIO_TITLES['i']}")
         with contextlib.ExitStack() as stack:
             tar = self.start_service(
                 stack, "tar", cfg.batch_size, extra_args=("--format", "tar"), data=shards
             )
+            zipped = self.start_service(
+                stack, "zip", cfg.batch_size, extra_args=("--format", "zip"), data=deflated
+            )
+            zip_stored = self.start_service(
+                stack, "zip-stored", cfg.batch_size, extra_args=("--format", "zip"), data=stored
+            )
             files = self.start_service(stack, "files", cfg.batch_size)
             with contextlib.ExitStack() as contenders:
                 timed = [
                     self.service_contender(contenders, tar, TAR_SHARDS),
+                    self.service_contender(contenders, zipped, ZIP_ARCHIVE),
+                    self.service_contender(contenders, zip_stored, ZIP_STORED),
                     self.service_contender(contenders, files, FILES),
                 ]
                 rates, cpu, timelines = measure_rates(
-                    timed, cfg.rounds, cfg.timed_batches, "i", "tar shards against files"
+                    timed, cfg.rounds, cfg.timed_batches, "i", "formats against files"
                 )
         self.measurements += [rates, cpu]
         self.timelines.update({f"i:{k}": t for k, t in timelines.items()})

@@ -1,5 +1,6 @@
 """Fixture files the tests and benchmarks read: an ImageFolder (from ``make_sample_dataset``) written
-again as WebDataset-style tar shards or as the Parquet files Hugging Face ``datasets`` writes."""
+again as WebDataset-style tar shards, as the Parquet files Hugging Face ``datasets`` writes or as a
+zip archive ``zipfile`` writes, and what damages such an archive."""
 
 from __future__ import annotations
 
@@ -65,3 +66,57 @@ def write_parquet(root: Path, folder: Path, files: int = 1) -> Path:
             str(folder / f"train-{k:05d}-of-{files:05d}.parquet")
         )
     return folder
+
+
+def write_zip(root: Path, out: Path, top: str = "", order_seed: int | None = 3) -> Path:
+    """The ImageFolder ``root`` as one zip archive made with Python's ``zipfile``: its class folders
+    inside (under ``top`` if given), every other member deflated and the rest stored, with a
+    directory entry per class, in an order shuffled by ``order_seed`` (None: the folder's order)."""
+    import random
+    import zipfile
+
+    from loader_service.dataset.index import build_index
+
+    index = build_index(root, "imagefolder")
+    members = [index.relpath(i) for i in range(len(index))]
+    if order_seed is not None:
+        random.Random(order_seed).shuffle(members)
+    prefix = f"{top}/" if top else ""
+    out.parent.mkdir(parents=True, exist_ok=True)
+    with zipfile.ZipFile(out, "w") as archive:
+        for name in index.classes:
+            archive.writestr(zipfile.ZipInfo(f"{prefix}{name}/"), b"")
+        for k, rel in enumerate(members):
+            method = zipfile.ZIP_DEFLATED if k % 2 else zipfile.ZIP_STORED
+            archive.write(root / rel, f"{prefix}{rel}", compress_type=method)
+    return out
+
+
+def set_zip_field(path: Path, member: str, offset: int, fmt: str, value: int) -> None:
+    """Write ``value`` (``struct`` format ``fmt``) at ``offset`` of ``member``'s central directory
+    entry: a damaged or hostile archive (8: flags, 10: method, 24: uncompressed size)."""
+    import struct
+
+    data = bytearray(path.read_bytes())
+    at = data.find(b"PK\x01\x02")
+    name = member.encode()
+    while at >= 0:
+        length = struct.unpack_from("<H", data, at + 28)[0]
+        if data[at + 46 : at + 46 + length] == name:
+            struct.pack_into(fmt, data, at + offset, value)
+            path.write_bytes(bytes(data))
+            return
+        at = data.find(b"PK\x01\x02", at + 4)
+    raise LookupError(member)
+
+
+def zip_data_offset(path: Path, member: str) -> int:
+    """Where ``member``'s data begins in the archive."""
+    import struct
+    import zipfile
+
+    with zipfile.ZipFile(path) as archive:
+        info = archive.getinfo(member)
+    local = path.read_bytes()[info.header_offset : info.header_offset + 30]
+    name_len, extra_len = struct.unpack_from("<HH", local, 26)
+    return int(info.header_offset) + 30 + int(name_len) + int(extra_len)

@@ -16,6 +16,7 @@ from typing import TYPE_CHECKING
 import pytest
 
 from loader_service.tools.sample_data import make_sample_dataset
+from testkit.fixtures import write_zip
 from tests.helpers import (
     REPO,
     SHM,
@@ -137,6 +138,7 @@ def photo_sources(photos: Path, tmp_path_factory: pytest.TempPathFactory) -> dic
         "tar": folder / "shards",
         "brace": brace,
         "parquet": write_parquet(photos, folder / "parquet", files=2),
+        "zip": write_zip(photos, folder / "train.zip", top="train"),
     }
 
 
@@ -210,7 +212,7 @@ def s3_sources(
 ) -> dict[str, str]:
     """``photo_sources`` in the session's S3 server, by kind: ``tar`` (a prefix of shards), ``brace``
     (a pattern of them), ``csv`` (a list naming image objects relative to its own key's folder),
-    ``parquet`` (a prefix of the files ``datasets`` wrote)."""
+    ``parquet`` (a prefix of the files ``datasets`` wrote), ``zip`` (one archive of class folders)."""
     s3_server.upload_tree(photo_sources["tar"], "sources/shards")
     s3_server.upload_tree(photos, "sources/photos")
     listed = tmp_path_factory.mktemp("s3list") / "train.csv"
@@ -222,6 +224,7 @@ def s3_sources(
         )
     s3_server.upload(listed, "sources/train.csv")
     s3_server.upload_tree(photo_sources["parquet"], "sources/parquet")
+    s3_server.upload(photo_sources["zip"], "sources/train.zip")
     shards = sorted(p.name for p in photo_sources["tar"].iterdir())
     bucket = f"s3://{s3_server.bucket}/sources"
     return {
@@ -229,6 +232,7 @@ def s3_sources(
         "brace": f"{bucket}/shards/train-{{000000..{len(shards) - 1:06d}}}.tar",
         "csv": f"{bucket}/train.csv",
         "parquet": f"{bucket}/parquet/",
+        "zip": f"{bucket}/train.zip",
     }
 
 

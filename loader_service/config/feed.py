@@ -12,6 +12,7 @@ from loader_service.config import checks
 from loader_service.config.checks import at_least, between
 from loader_service.config.option import option
 from loader_service.config.values import ByteSize, require
+from loader_service.dataset.formats import FORMATS
 from loader_service.dataset.index import FORMAT_CHOICES
 from loader_service.dataset.storage.location import Location
 from loader_service.decode.contract import INTERPOLATIONS
@@ -50,9 +51,9 @@ class FeedOptions:
     format: str = field(
         default="auto",
         metadata=option(
-            "what --data holds: imagefolder (one sub-folder per class), list (.csv or .jsonl: path, "
-            "label, metadata), tar (WebDataset-style shards), parquet (Hugging Face datasets' files), "
-            "or auto (told by --data)",
+            "what --data holds: "
+            + "; ".join(f"{f.name}, {f.what}" for f in FORMATS.values())
+            + "; or auto (told by --data)",
             choices=FORMAT_CHOICES,
         ),
     )

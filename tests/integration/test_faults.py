@@ -33,7 +33,9 @@ KILL_EPOCHS = 5
 """Epochs a test may take to catch a worker in the middle of a task."""
 
 
-@pytest.mark.parametrize("source", ["imagefolder", "tar", "csv", "parquet", "s3-tar", "s3-csv", "s3-parquet"])
+@pytest.mark.parametrize(
+    "source", ["imagefolder", "tar", "csv", "parquet", "zip", "s3-tar", "s3-csv", "s3-parquet", "s3-zip"]
+)
 def test_killed_worker_is_replaced_and_no_image_is_lost_or_repeated(
     photo_sources: dict[str, Path], start_service: ServiceFactory, source: str, data_of: SourceData
 ) -> None:

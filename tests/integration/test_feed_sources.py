@@ -27,11 +27,12 @@ KINDS = ("imagefolder", "tar", "csv")
 def test_an_epoch_is_every_sample_of_every_source_once(
     photo_sources: dict[str, Path], start_service: ServiceFactory
 ) -> None:
-    flags = [f"{name}={photo_sources[kind]}" for name, kind in zip(NAMES, KINDS, strict=True)]
+    names, kinds = (*NAMES, "archive"), (*KINDS, "zip")
+    flags = [f"{name}={photo_sources[kind]}" for name, kind in zip(names, kinds, strict=True)]
     service = start_service(None, source=flags, batch_size=16)
-    indexes = [build_index(photo_sources[kind]) for kind in KINDS]
+    indexes = [build_index(photo_sources[kind]) for kind in kinds]
     with ServiceLoader(service.endpoint, timeout=60) as loader:
-        assert loader.sources == NAMES
+        assert loader.sources == names
         assert loader.info.samples == sum(len(i) for i in indexes)
         seen: Counter[tuple[int, int]] = Counter()
         for batch in loader:

@@ -30,11 +30,12 @@ pytestmark = pytest.mark.integration
 def test_every_source_delivers_what_the_image_folder_feed_delivers(
     photo_sources: dict[str, Path], start_service: ServiceFactory, tmp_path: Path
 ) -> None:
-    """The same photos as a csv list, a jsonl list, a folder of shards and a brace pattern, each a
-    feed of one service: every epoch gives each sample once, with the ImageFolder feed's label and
-    exactly its pixels (sample i is the same file in every source, so it draws the same crop)."""
+    """The same photos as a csv list, a jsonl list, a folder of shards, a brace pattern, Parquet
+    files and a zip archive (stored and deflated members, in shuffled order), each a feed of one
+    service: every epoch gives each sample once, with the ImageFolder feed's label and exactly its
+    pixels (sample i is the same file in every source, so it draws the same crop)."""
     common = {"batch_size": 8, "image_size": 32, "seed": 5}
-    kinds = ("csv", "jsonl", "tar", "brace", "parquet")
+    kinds = ("csv", "jsonl", "tar", "brace", "parquet", "zip")
     feeds = {kind: {"data": photo_sources[kind], **common} for kind in kinds}
     config = write_config(tmp_path / "sources.toml", {}, feeds)
     service = start_service(photo_sources["imagefolder"], config=config, **common)
@@ -48,6 +49,7 @@ def test_every_source_delivers_what_the_image_folder_feed_delivers(
         "tar": "tar",
         "brace": "tar",
         "parquet": "parquet",
+        "zip": "zip",
     }
 
 

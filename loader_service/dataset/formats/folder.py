@@ -38,12 +38,12 @@ class FolderScan(NamedTuple):
     paths: StringTable
 
 
-def _visible(name: str) -> bool:
+def is_visible(name: str) -> bool:
     return not name.startswith(".")
 
 
 def _is_image(name: str) -> bool:
-    return _visible(name) and name.lower().endswith(EXTENSIONS)
+    return is_visible(name) and name.lower().endswith(EXTENSIONS)
 
 
 def _walk_sorted(class_dir: str) -> Iterator[tuple[str, list[str]]]:
@@ -57,7 +57,7 @@ def _walk_sorted(class_dir: str) -> Iterator[tuple[str, list[str]]]:
             dirs[:] = []
             continue
         seen.add(key)
-        dirs[:] = [d for d in dirs if _visible(d)]
+        dirs[:] = [d for d in dirs if is_visible(d)]
         walked.append((root, files))
     for root, files in sorted(walked):
         yield root, sorted(files)
@@ -65,7 +65,7 @@ def _walk_sorted(class_dir: str) -> Iterator[tuple[str, list[str]]]:
 
 def find_classes(root: Path) -> list[str]:
     with os.scandir(root) as it:
-        return sorted(e.name for e in it if _visible(e.name) and e.is_dir())
+        return sorted(e.name for e in it if is_visible(e.name) and e.is_dir())
 
 
 def scan_folder(root: Path, progress: Callable[[int], None] | None = None) -> FolderScan:

@@ -72,6 +72,11 @@ class Listing(Protocol):
         """Each file as something a reader of ranges opens: a path, or the object itself."""
         ...
 
+    def ranges(self) -> Generator[tuple[str, Any], None, None]:
+        """Each file as ``sources`` gives it, but never fetched whole: a path, or the object read
+        by range (a format that reads only an index at a file's end)."""
+        ...
+
 
 @dataclass(frozen=True)
 class LocalListing:
@@ -100,6 +105,9 @@ class LocalListing:
 
     def sources(self) -> Generator[tuple[str, Any], None, None]:
         yield from ((name, str(self.root / name)) for name in self.names)
+
+    def ranges(self) -> Generator[tuple[str, Any], None, None]:
+        return self.sources()
 
 
 def _size_and_mtime(path: Path) -> tuple[int, int] | tuple[None, None]:

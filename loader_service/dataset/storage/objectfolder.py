@@ -86,6 +86,10 @@ class StoreObjects:
         else:
             yield from zip(self.names, (RangedFile(self.bucket, o) for o in self.objects), strict=True)
 
+    def ranges(self) -> Generator[tuple[str, Any], None, None]:
+        """Each object read by range, never fetched whole (even with a cache folder)."""
+        yield from zip(self.names, (RangedFile(self.bucket, o) for o in self.objects), strict=True)
+
     def local_copies(self) -> Generator[tuple[str, Path], None, None]:
         """Each object as a local file, in order; fetched ``FETCH_AHEAD`` ahead and, once scanned,
         kept in the cache or removed."""
