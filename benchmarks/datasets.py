@@ -383,6 +383,37 @@ def make_zip(index: DatasetIndex, path: Path, stored: bool = False) -> Path:
     return path
 
 
+def saved_path(cfg: BenchConfig, root: Path) -> Path:
+    """Where (i)'s ``save_to_disk`` folder of the dataset at ``root`` is kept: beside it in the cache."""
+    return cfg.cache / f"{root.name}-arrow"
+
+
+def make_saved(index: DatasetIndex, folder: Path) -> Path:
+    """The images of ``index`` as the folder ``datasets.Dataset.save_to_disk`` writes (an ``Image``
+    column, a ``ClassLabel``), in index order. Made once: kept while its stamp matches the dataset,
+    written to a sibling folder and renamed. Needs the ``datasets`` package."""
+    import datasets
+
+    stamp = source_stamp(index)
+    if (folder / SHARDS_STAMP).is_file() and (folder / SHARDS_STAMP).read_text().strip() == stamp:
+        return folder
+    partial = folder.with_name(folder.name + ".partial")
+    shutil.rmtree(partial, ignore_errors=True)
+    rows = range(len(index))
+    table = {
+        "image": [{"bytes": index.path(i).read_bytes(), "path": None} for i in rows],
+        "label": [int(index.labels[i]) for i in rows],
+    }
+    features = datasets.Features(
+        {"image": datasets.Image(), "label": datasets.ClassLabel(names=list(index.classes))}
+    )
+    datasets.Dataset.from_dict(table, features=features).save_to_disk(str(partial))
+    (partial / SHARDS_STAMP).write_text(stamp + "\n")
+    shutil.rmtree(folder, ignore_errors=True)
+    partial.rename(folder)
+    return folder
+
+
 def _add_sample(tar: tarfile.TarFile, index: DatasetIndex, i: int) -> None:
     path = index.path(i)
     key = sample_key(i)

@@ -53,6 +53,7 @@ DL_PIPELINE = "dl_pipeline"
 TAR_SHARDS = "tar_shards"
 ZIP_ARCHIVE = "zip_archive"
 ZIP_STORED = "zip_stored"
+SAVED_ARROW = "saved_arrow"
 FILES = "files"
 SERIES = {
     SERVICE: "dataferry",
@@ -60,6 +61,7 @@ SERIES = {
     TAR_SHARDS: "tar shards",
     ZIP_ARCHIVE: "a zip archive (deflated)",
     ZIP_STORED: "a zip archive (stored)",
+    SAVED_ARROW: "a save_to_disk folder",
     FILES: "the same images as files",
 }
 # Targets of (h) and (i) on the 2-core machine.
@@ -402,7 +404,7 @@ def check_i(i: Measurement | None, skipped: str | None = None) -> list[Check]:
             _at_least(tar_vs_files, I_TAR_VS_FILES),
         ),
     ]
-    for key in (ZIP_ARCHIVE, ZIP_STORED):
+    for key in (ZIP_ARCHIVE, ZIP_STORED, SAVED_ARROW):
         versus = i.ratio(key, FILES) if i and key in i.samples else None
         checks.append(
             Check(

@@ -56,9 +56,11 @@ from benchmarks.datasets import (
     PlainEval,
     make_dataloader,
     make_pipeline_dataloader,
+    make_saved,
     make_shards,
     make_zip,
     prepare_data,
+    saved_path,
     shards_folder,
     zip_path,
 )
@@ -86,6 +88,7 @@ from benchmarks.results import (
     REMOTE_CURVE,
     REMOTE_FAR,
     REMOTE_PLAIN,
+    SAVED_ARROW,
     SERVICE,
     SHM,
     TAR_SHARDS,
@@ -622,11 +625,27 @@ class BenchRun:
         check_same_samples(index, build_index(path, "zip"))
         return path
 
+    def saved(self) -> Path | None:
+        """(i)'s ``save_to_disk`` folder of the run's dataset, checked against it; None (said) where
+        ``datasets`` cannot be imported."""
+        try:
+            import datasets  # noqa: F401
+        except ImportError:
+            say("(i) no save_to_disk folder: the datasets package is not installed")
+            return None
+        index = build_index(self.data.root)
+        folder = saved_path(self.cfg, self.data.root)
+        say(f"(i) a save_to_disk folder of the {len(index)} images: {folder.name} in the cache")
+        make_saved(index, folder)
+        check_same_samples(index, build_index(folder, "arrow"))
+        return folder
+
     def with_shards(self) -> None:
         """(i), step 6 of NOTE [ Scenario order ]: one service on the shards, one on each zip
         archive (deflated, stored), one on the files, one trainer each, timed in turn."""
         cfg = self.cfg
         shards, deflated, stored = self.shards(), self.archive(stored=False), self.archive(stored=True)
+        saved = self.saved()
         say(f"(i) {SCENARIO_TITLES['i']}")
         with contextlib.ExitStack() as stack:
             tar = self.start_service(
@@ -638,12 +657,18 @@ class BenchRun:
             zip_stored = self.start_service(
                 stack, "zip-stored", cfg.batch_size, extra_args=("--format", "zip"), data=stored
             )
+            arrow = None
+            if saved is not None:
+                arrow = self.start_service(
+                    stack, "arrow", cfg.batch_size, extra_args=("--format", "arrow"), data=saved
+                )
             files = self.start_service(stack, "files", cfg.batch_size)
             with contextlib.ExitStack() as contenders:
                 timed = [
                     self.service_contender(contenders, tar, TAR_SHARDS),
                     self.service_contender(contenders, zipped, ZIP_ARCHIVE),
                     self.service_contender(contenders, zip_stored, ZIP_STORED),
+                    *([] if arrow is None else [self.service_contender(contenders, arrow, SAVED_ARROW)]),
                     self.service_contender(contenders, files, FILES),
                 ]
                 rates, cpu, timelines = measure_rates(

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
+from typing import Any
 
 
 def write_shards(root: Path, out: Path, per_shard: int = 16) -> list[Path]:
@@ -41,6 +42,18 @@ def write_parquet(root: Path, folder: Path, files: int = 1) -> Path:
     """The ImageFolder ``root`` as the Parquet files Hugging Face ``datasets`` writes (its own
     ``to_parquet``: an ``Image`` column, a ``ClassLabel`` label, a caption), in index order, split in
     ``files`` files named as the hub names them. Needs the ``datasets`` package."""
+    dataset = _as_dataset(root)
+    folder.mkdir(parents=True, exist_ok=True)
+    for k in range(files):
+        dataset.shard(files, k, contiguous=True).to_parquet(
+            str(folder / f"train-{k:05d}-of-{files:05d}.parquet")
+        )
+    return folder
+
+
+def _as_dataset(root: Path) -> Any:
+    """The ImageFolder ``root`` as a ``datasets.Dataset`` in index order: an ``Image`` column of
+    its files' bytes (and paths), a ``ClassLabel`` label and a caption."""
     import datasets
 
     from loader_service.dataset.index import build_index
@@ -59,13 +72,7 @@ def write_parquet(root: Path, folder: Path, files: int = 1) -> Path:
             "caption": datasets.Value("string"),
         }
     )
-    dataset = datasets.Dataset.from_dict(table, features=features)
-    folder.mkdir(parents=True, exist_ok=True)
-    for k in range(files):
-        dataset.shard(files, k, contiguous=True).to_parquet(
-            str(folder / f"train-{k:05d}-of-{files:05d}.parquet")
-        )
-    return folder
+    return datasets.Dataset.from_dict(table, features=features)
 
 
 def write_zip(root: Path, out: Path, top: str = "", order_seed: int | None = 3) -> Path:
@@ -120,3 +127,11 @@ def zip_data_offset(path: Path, member: str) -> int:
     local = path.read_bytes()[info.header_offset : info.header_offset + 30]
     name_len, extra_len = struct.unpack_from("<HH", local, 26)
     return int(info.header_offset) + 30 + int(name_len) + int(extra_len)
+
+
+def write_save_to_disk(root: Path, folder: Path, shards: int = 2) -> Path:
+    """The ImageFolder ``root`` as the folder Hugging Face ``datasets`` writes with ``save_to_disk``
+    (an ``Image`` column, a ``ClassLabel`` label, a caption), in index order, in ``shards`` Arrow
+    files. Needs the ``datasets`` package."""
+    _as_dataset(root).save_to_disk(str(folder), num_shards=shards)
+    return folder

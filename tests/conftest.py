@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING
 import pytest
 
 from loader_service.tools.sample_data import make_sample_dataset
-from testkit.fixtures import write_zip
+from testkit.fixtures import write_save_to_disk, write_zip
 from tests.helpers import (
     REPO,
     SHM,
@@ -139,6 +139,7 @@ def photo_sources(photos: Path, tmp_path_factory: pytest.TempPathFactory) -> dic
         "brace": brace,
         "parquet": write_parquet(photos, folder / "parquet", files=2),
         "zip": write_zip(photos, folder / "train.zip", top="train"),
+        "arrow": write_save_to_disk(photos, folder / "saved"),
     }
 
 
@@ -212,7 +213,8 @@ def s3_sources(
 ) -> dict[str, str]:
     """``photo_sources`` in the session's S3 server, by kind: ``tar`` (a prefix of shards), ``brace``
     (a pattern of them), ``csv`` (a list naming image objects relative to its own key's folder),
-    ``parquet`` (a prefix of the files ``datasets`` wrote), ``zip`` (one archive of class folders)."""
+    ``parquet`` (a prefix of the files ``datasets`` wrote), ``zip`` (one archive of class folders),
+    ``arrow`` (a ``save_to_disk`` folder)."""
     s3_server.upload_tree(photo_sources["tar"], "sources/shards")
     s3_server.upload_tree(photos, "sources/photos")
     listed = tmp_path_factory.mktemp("s3list") / "train.csv"
@@ -225,6 +227,7 @@ def s3_sources(
     s3_server.upload(listed, "sources/train.csv")
     s3_server.upload_tree(photo_sources["parquet"], "sources/parquet")
     s3_server.upload(photo_sources["zip"], "sources/train.zip")
+    s3_server.upload_tree(photo_sources["arrow"], "sources/saved")
     shards = sorted(p.name for p in photo_sources["tar"].iterdir())
     bucket = f"s3://{s3_server.bucket}/sources"
     return {
@@ -233,6 +236,7 @@ def s3_sources(
         "csv": f"{bucket}/train.csv",
         "parquet": f"{bucket}/parquet/",
         "zip": f"{bucket}/train.zip",
+        "arrow": f"{bucket}/saved/",
     }
 
 

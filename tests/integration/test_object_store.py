@@ -55,9 +55,9 @@ def test_shards_lists_and_parquet_in_a_store_deliver_what_the_local_copies_deliv
     start_service: ServiceFactory,
     tmp_path: Path,
 ) -> None:
-    """Tar shards by prefix and by pattern, a csv list of image objects, Parquet files and a zip
-    archive (read by range), each a feed beside the local shards: every epoch gives each sample
-    once, with the local feed's label and pixels."""
+    """Tar shards by prefix and by pattern, a csv list of image objects, Parquet files, a zip
+    archive (read by range) and a save_to_disk folder, each a feed beside the local shards: every
+    epoch gives each sample once, with the local feed's label and pixels."""
     common = {"batch_size": 8, "image_size": 32, "seed": 5}
     feeds = {f"s3{kind}": {"data": url, **common} for kind, url in s3_sources.items()}
     config = write_config(tmp_path / "s3.toml", {}, feeds)
@@ -70,6 +70,7 @@ def test_shards_lists_and_parquet_in_a_store_deliver_what_the_local_copies_deliv
         "s3csv": "list",
         "s3parquet": "parquet",
         "s3zip": "zip",
+        "s3arrow": "arrow",
     }
 
 

@@ -205,7 +205,7 @@ print(json.dumps(seen))
 
 
 @pytest.mark.parametrize(
-    "source", ["imagefolder", "tar", "jsonl", "parquet", "s3-tar", "s3-parquet", "s3-zip"]
+    "source", ["imagefolder", "tar", "jsonl", "parquet", "arrow", "s3-tar", "s3-parquet", "s3-zip"]
 )
 def test_trainer_killed_mid_epoch_resumes_from_its_state(
     photo_sources: dict[str, Path],

@@ -319,7 +319,7 @@ def test_a_relative_pipeline_file_is_made_absolute(tmp_path: Path, monkeypatch: 
         ('pipeline = "m:f"\nfields = 3\n', "table of one or more fields"),
         ('pipeline = "not a spec"\n', "FILE.py:FUNC or package.module:FUNC"),
         ('pipeline = "/no/such/file.py:f"\n', "does not exist"),
-        ('format = "zip"\n', "format must be one of"),
+        ('format = "rar"\n', "format must be one of"),
     ],
 )
 def test_bad_pipelines_formats_and_fields_are_refused(tmp_path: Path, text: str, message: str) -> None:

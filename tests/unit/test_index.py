@@ -170,7 +170,7 @@ def test_detect_format(sources: dict[str, Path], tmp_path: Path) -> None:
     assert [detect_format(p) for p in sources.values()] == ["imagefolder", "list", "list", "tar"]
     assert detect_format(sources["tar"] / "s-0.tar") == "tar"
     assert detect_format(f"{sources['tar']}/s-{{0..1}}.tar") == "tar"
-    assert FORMAT_CHOICES == ("auto", "imagefolder", "list", "parquet", "tar", "zip")
+    assert FORMAT_CHOICES == ("auto", "imagefolder", "list", "parquet", "tar", "zip", "arrow")
     touch(tmp_path / "both", "cls/x.jpg")
     write_tar(tmp_path / "both" / "s.tar", [("a.jpg", b"x")])
     with pytest.raises(DatasetError, match=r"both sub-folders .* and .tar files"):
@@ -182,12 +182,14 @@ def test_detect_format(sources: dict[str, Path], tmp_path: Path) -> None:
     assert detect_format(tmp_path / "pq" / "x.parquet") == detect_format(tmp_path / "pq") == "parquet"
     assert detect_format(f"{tmp_path}/pq/x-{{0..3}}.parquet") == "parquet"
     (tmp_path / "x.zip").write_bytes(b"PK")
-    with pytest.raises(DatasetError, match=r"cannot tell the format of .*x\.zip.*--format"):
-        detect_format(tmp_path / "x.zip")
+    assert detect_format(tmp_path / "x.zip") == "zip"
+    (tmp_path / "x.rar").write_bytes(b"Rar!")
+    with pytest.raises(DatasetError, match=r"cannot tell the format of .*x\.rar.*--format"):
+        detect_format(tmp_path / "x.rar")
     with pytest.raises(DatasetError, match="does not exist"):
         detect_format(tmp_path / "nothing.csv")
     with pytest.raises(DatasetError, match="format must be one of"):
-        build_index(sources["csv"], "zip")
+        build_index(sources["csv"], "rar")
 
 
 @pytest.mark.parametrize("kind", ["imagefolder", "csv", "jsonl", "tar"])

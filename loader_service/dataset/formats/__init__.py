@@ -8,6 +8,7 @@ from pathlib import Path
 
 from loader_service.dataset.format import Format
 from loader_service.dataset.formats import filelist, folder
+from loader_service.dataset.formats.arrow import format as arrow_format
 from loader_service.dataset.formats.parquet import format as parquet_format
 from loader_service.dataset.formats.tar import format as tar_format
 from loader_service.dataset.formats.zip import format as zip_format
@@ -20,7 +21,14 @@ from loader_service.dataset.tables import DatasetError
 FORMATS: dict[str, Format] = {
     # Parquet before tar: a brace pattern is tar's unless it names .parquet files.
     s.name: s
-    for s in (folder.FORMAT, filelist.FORMAT, parquet_format.FORMAT, tar_format.FORMAT, zip_format.FORMAT)
+    for s in (
+        folder.FORMAT,
+        filelist.FORMAT,
+        parquet_format.FORMAT,
+        tar_format.FORMAT,
+        zip_format.FORMAT,
+        arrow_format.FORMAT,
+    )
 }
 FORMAT_CHOICES = ("auto", *FORMATS)
 FOLDER_DEFAULT = folder.FORMAT.name

@@ -109,7 +109,8 @@ class FolderFormat(FilePerSample):
     in_store = ""  # a store has no folders to list cheaply: shards or a list there
 
     def claims_folder(self, root: Path) -> bool:
-        return holds_class_folders(root)
+        # A datasets DatasetDict's sub-folders are its splits, never classes: the arrow format's.
+        return holds_class_folders(root) and not (root / "dataset_dict.json").is_file()
 
     def claims_file(self, name: str) -> bool:
         return False

@@ -17,6 +17,7 @@ from loader_service.dataset.format import (
     Progress,
     Scanned,
 )
+from loader_service.dataset.formats.features import hf_features, is_binary, is_image
 from loader_service.dataset.formats.parquet.pagemodel import Chunk
 from loader_service.dataset.formats.parquet.rows import ParquetRows, RowGroups
 from loader_service.dataset.tables import (
@@ -29,7 +30,6 @@ from loader_service.dataset.tables import (
 NO_LABEL = -1
 MAX_ROWS_PER_FILE = 1 << 31
 """Rows of one file: a row's place in its group is an int32."""
-HF_KEY = b"huggingface"
 
 
 def _pq() -> Any:
@@ -54,8 +54,8 @@ class _Layout:
 
 def _layout(pf: Any, columns: Columns, where: str) -> _Layout:
     schema = pf.schema_arrow
-    features = _hf_features(schema.metadata or {}, where)
-    image = columns.image or next((k for k, v in features.items() if _is_image(v)), "image")
+    features = hf_features(schema.metadata or {}, where)
+    image = columns.image or next((k for k, v in features.items() if is_image(v)), "image")
     if image not in schema.names:
         raise DatasetError(f"{where} has no image column {image!r} (columns: {', '.join(schema.names)}); "
                            "say which with --image-column")  # fmt: skip
@@ -68,37 +68,18 @@ def _layout(pf: Any, columns: Columns, where: str) -> _Layout:
     feature = features.get(label or "", {})
     classes = tuple(feature.get("names") or ()) if isinstance(feature, dict) else ()
     # Bytes (a second image, a mask) would be read whole at start and kept as text: left out.
-    skipped = {n for n in schema.names if _holds_binary(schema.field(n).type) or _is_image(features.get(n))}
+    skipped = {n for n in schema.names if _holds_binary(schema.field(n).type) or is_image(features.get(n))}
     others = tuple(n for n in schema.names if n not in (image, label) and n not in skipped)
     return _Layout(leaf, md.column(leaf).max_definition_level, label, classes, others)
-
-
-def _hf_features(metadata: Mapping[bytes, bytes], where: str) -> dict[str, Any]:
-    """The features ``datasets`` wrote in the file's metadata; {} if it wrote none we can read."""
-    try:
-        info = json.loads(metadata.get(HF_KEY, b"{}"))
-        features = info.get("info", {}).get("features", {})
-    except (ValueError, AttributeError):
-        return {}
-    except RecursionError:  # the file's writer decides how deep its JSON goes
-        raise DatasetError(
-            f"{where}: its {HF_KEY.decode()} metadata is nested too deeply to read; "
-            "rewrite the file without it"
-        ) from None
-    return features if isinstance(features, dict) else {}
-
-
-def _is_image(feature: Any) -> bool:
-    return isinstance(feature, dict) and feature.get("_type") == "Image"
 
 
 def _image_leaf(field: Any, name: str, where: str) -> str:
     import pyarrow as pa
 
-    if _is_binary(field.type):
+    if is_binary(field.type):
         return name
     struct = pa.types.is_struct(field.type) and field.type.get_field_index("bytes") >= 0
-    if struct and _is_binary(field.type.field("bytes").type):
+    if struct and is_binary(field.type.field("bytes").type):
         return f"{name}.bytes"
     raise DatasetError(f"{where}: column {name!r} is {field.type}, not binary nor a struct of bytes and path")
 
@@ -107,19 +88,13 @@ def _holds_binary(kind: Any) -> bool:
     """Is ``kind`` binary, or a struct or list with binary inside?"""
     import pyarrow as pa
 
-    if _is_binary(kind):
+    if is_binary(kind):
         return True
     if pa.types.is_struct(kind):
         return any(_holds_binary(kind.field(k).type) for k in range(kind.num_fields))
     if pa.types.is_list(kind) or pa.types.is_large_list(kind) or pa.types.is_fixed_size_list(kind):
         return _holds_binary(kind.value_type)
     return False
-
-
-def _is_binary(kind: Any) -> bool:
-    import pyarrow as pa
-
-    return bool(pa.types.is_binary(kind) or pa.types.is_large_binary(kind))
 
 
 class ParquetScan:
