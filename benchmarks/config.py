@@ -24,7 +24,7 @@ SCENARIO_TITLES = {
     "f": "CPU-seconds per 1000 images, all processes",
     "g": "service memory across epochs",
     "h": "a user pipeline (torchvision v2) in the service against a DataLoader running it",
-    "i": "tar shards, zip archives and a save_to_disk folder against the same images as files",
+    "i": "tar shards, zip archives, a save_to_disk folder and TFRecords against the same images as files",
     "j": "a remote trainer over TCP with CURVE, and the transport alone",
     "k": "an eval feed (centre crop) against a DataLoader running the same eval transform",
     "l": "a remote trainer 50 ms away (each way, through a TCP proxy) against the same one with none",

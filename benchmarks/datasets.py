@@ -414,6 +414,41 @@ def make_saved(index: DatasetIndex, folder: Path) -> Path:
     return folder
 
 
+def tfrecord_path(cfg: BenchConfig, root: Path) -> Path:
+    """Where (i)'s TFRecord files of the dataset at ``root`` are kept: beside it in the cache."""
+    return cfg.cache / f"{root.name}-tfrecord"
+
+
+def make_tfrecords(index: DatasetIndex, folder: Path, per_file: int = SHARD_SAMPLES) -> Path:
+    """The images of ``index`` as TFRecord files of ``tf.train.Example`` (``image/encoded``,
+    ``image/class/label``), ``per_file`` records each, named as TensorFlow's scripts name them.
+    Made once: kept while its stamp matches the dataset, written to a sibling folder and renamed.
+    Needs the ``tfrecord`` package."""
+    from tfrecord import TFRecordWriter
+
+    stamp = source_stamp(index)
+    if (folder / SHARDS_STAMP).is_file() and (folder / SHARDS_STAMP).read_text().strip() == stamp:
+        return folder
+    partial = folder.with_name(folder.name + ".partial")
+    shutil.rmtree(partial, ignore_errors=True)
+    partial.mkdir(parents=True)
+    groups = list(shard_groups(len(index), per_file))
+    for number, group in enumerate(groups):
+        writer = TFRecordWriter(str(partial / f"train-{number:05d}-of-{len(groups):05d}"))
+        for i in group:
+            writer.write(
+                {
+                    "image/encoded": (index.path(i).read_bytes(), "byte"),
+                    "image/class/label": (int(index.labels[i]), "int"),
+                }
+            )
+        writer.close()
+    (partial / SHARDS_STAMP).write_text(stamp + "\n")
+    shutil.rmtree(folder, ignore_errors=True)
+    partial.rename(folder)
+    return folder
+
+
 def _add_sample(tar: tarfile.TarFile, index: DatasetIndex, i: int) -> None:
     path = index.path(i)
     key = sample_key(i)

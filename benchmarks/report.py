@@ -63,7 +63,7 @@ ROW_LABELS = {
     "h-cpu": "(h) pipeline, CPU-s per 1000 images",
     "h-group": "(h) pipeline, per trainer, {trainers:.0f} in a group, images/s",
     "h-equal": "(h) pipeline, samples identical",
-    "i": "(i) formats (tar, zip, arrow), one trainer, images/s",
+    "i": "(i) formats (tar, zip, arrow, tfrecord), one trainer, images/s",
     "i-cpu": "(i) tar shards, CPU-s per 1000 images",
     "j-rate": "(j) remote trainer, TCP+CURVE, images/s",
     "j-cpu-images": "(j) remote trainer, CPU-s per 1000 images",

@@ -54,6 +54,7 @@ TAR_SHARDS = "tar_shards"
 ZIP_ARCHIVE = "zip_archive"
 ZIP_STORED = "zip_stored"
 SAVED_ARROW = "saved_arrow"
+TFRECORDS = "tfrecords"
 FILES = "files"
 SERIES = {
     SERVICE: "dataferry",
@@ -62,6 +63,7 @@ SERIES = {
     ZIP_ARCHIVE: "a zip archive (deflated)",
     ZIP_STORED: "a zip archive (stored)",
     SAVED_ARROW: "a save_to_disk folder",
+    TFRECORDS: "TFRecord files",
     FILES: "the same images as files",
 }
 # Targets of (h) and (i) on the 2-core machine.
@@ -404,7 +406,7 @@ def check_i(i: Measurement | None, skipped: str | None = None) -> list[Check]:
             _at_least(tar_vs_files, I_TAR_VS_FILES),
         ),
     ]
-    for key in (ZIP_ARCHIVE, ZIP_STORED, SAVED_ARROW):
+    for key in (ZIP_ARCHIVE, ZIP_STORED, SAVED_ARROW, TFRECORDS):
         versus = i.ratio(key, FILES) if i and key in i.samples else None
         checks.append(
             Check(

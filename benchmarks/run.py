@@ -58,10 +58,12 @@ from benchmarks.datasets import (
     make_pipeline_dataloader,
     make_saved,
     make_shards,
+    make_tfrecords,
     make_zip,
     prepare_data,
     saved_path,
     shards_folder,
+    tfrecord_path,
     zip_path,
 )
 from benchmarks.machine import machine_facts
@@ -94,6 +96,7 @@ from benchmarks.results import (
     TAR_SHARDS,
     TCP_CURVE,
     TCP_PLAIN,
+    TFRECORDS,
     ZIP_ARCHIVE,
     ZIP_STORED,
     ZMQ_CURVE,
@@ -640,12 +643,27 @@ class BenchRun:
         check_same_samples(index, build_index(folder, "arrow"))
         return folder
 
+    def tfrecords(self) -> Path | None:
+        """(i)'s TFRecord files of the run's dataset, checked against it; None (said) where the
+        ``tfrecord`` package that writes them cannot be imported."""
+        try:
+            import tfrecord  # noqa: F401
+        except ImportError:
+            say("(i) no TFRecord files: the tfrecord package is not installed")
+            return None
+        index = build_index(self.data.root)
+        folder = tfrecord_path(self.cfg, self.data.root)
+        say(f"(i) TFRecord files of the {len(index)} images: {folder.name} in the cache")
+        make_tfrecords(index, folder)
+        check_same_samples(index, build_index(folder, "tfrecord"))
+        return folder
+
     def with_shards(self) -> None:
         """(i), step 6 of NOTE [ Scenario order ]: one service on the shards, one on each zip
         archive (deflated, stored), one on the files, one trainer each, timed in turn."""
         cfg = self.cfg
         shards, deflated, stored = self.shards(), self.archive(stored=False), self.archive(stored=True)
-        saved = self.saved()
+        saved, tfrecords = self.saved(), self.tfrecords()
         say(f"(i) {SCENARIO_TITLES['i']}")
         with contextlib.ExitStack() as stack:
             tar = self.start_service(
@@ -662,6 +680,11 @@ class BenchRun:
                 arrow = self.start_service(
                     stack, "arrow", cfg.batch_size, extra_args=("--format", "arrow"), data=saved
                 )
+            tfr = None
+            if tfrecords is not None:
+                tfr = self.start_service(
+                    stack, "tfrecord", cfg.batch_size, extra_args=("--format", "tfrecord"), data=tfrecords
+                )
             files = self.start_service(stack, "files", cfg.batch_size)
             with contextlib.ExitStack() as contenders:
                 timed = [
@@ -669,6 +692,7 @@ class BenchRun:
                     self.service_contender(contenders, zipped, ZIP_ARCHIVE),
                     self.service_contender(contenders, zip_stored, ZIP_STORED),
                     *([] if arrow is None else [self.service_contender(contenders, arrow, SAVED_ARROW)]),
+                    *([] if tfr is None else [self.service_contender(contenders, tfr, TFRECORDS)]),
                     self.service_contender(contenders, files, FILES),
                 ]
                 rates, cpu, timelines = measure_rates(

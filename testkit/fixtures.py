@@ -135,3 +135,29 @@ def write_save_to_disk(root: Path, folder: Path, shards: int = 2) -> Path:
     files. Needs the ``datasets`` package."""
     _as_dataset(root).save_to_disk(str(folder), num_shards=shards)
     return folder
+
+
+def write_tfrecords(root: Path, folder: Path, files: int = 2, label_offset: int = 0) -> Path:
+    """The ImageFolder ``root`` as TFRecord files the ``tfrecord`` package writes, in index order, as
+    TensorFlow's ImageNet scripts lay them out: ``train-00000-of-00002`` (no suffix), each record a
+    ``tf.train.Example`` of ``image/encoded``, ``image/class/label`` (plus ``label_offset``) and
+    ``image/filename``. Needs the ``tfrecord`` package."""
+    from tfrecord import TFRecordWriter
+
+    from loader_service.dataset.index import build_index
+
+    index = build_index(root, "imagefolder")
+    folder.mkdir(parents=True, exist_ok=True)
+    per_file = -(-len(index) // files)
+    for k in range(files):
+        writer = TFRecordWriter(str(folder / f"train-{k:05d}-of-{files:05d}"))
+        for i in range(k * per_file, min((k + 1) * per_file, len(index))):
+            writer.write(
+                {
+                    "image/encoded": ((root / index.relpath(i)).read_bytes(), "byte"),
+                    "image/class/label": (int(index.labels[i]) + label_offset, "int"),
+                    "image/filename": (index.relpath(i).encode(), "byte"),
+                }
+            )
+        writer.close()
+    return folder

@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING
 import pytest
 
 from loader_service.tools.sample_data import make_sample_dataset
-from testkit.fixtures import write_save_to_disk, write_zip
+from testkit.fixtures import write_save_to_disk, write_tfrecords, write_zip
 from tests.helpers import (
     REPO,
     SHM,
@@ -140,6 +140,7 @@ def photo_sources(photos: Path, tmp_path_factory: pytest.TempPathFactory) -> dic
         "parquet": write_parquet(photos, folder / "parquet", files=2),
         "zip": write_zip(photos, folder / "train.zip", top="train"),
         "arrow": write_save_to_disk(photos, folder / "saved"),
+        "tfrecord": write_tfrecords(photos, folder / "tfrecord", files=2),
     }
 
 
@@ -214,7 +215,8 @@ def s3_sources(
     """``photo_sources`` in the session's S3 server, by kind: ``tar`` (a prefix of shards), ``brace``
     (a pattern of them), ``csv`` (a list naming image objects relative to its own key's folder),
     ``parquet`` (a prefix of the files ``datasets`` wrote), ``zip`` (one archive of class folders),
-    ``arrow`` (a ``save_to_disk`` folder)."""
+    ``arrow`` (a ``save_to_disk`` folder), ``tfrecord`` (files named as TensorFlow's scripts name
+    them)."""
     s3_server.upload_tree(photo_sources["tar"], "sources/shards")
     s3_server.upload_tree(photos, "sources/photos")
     listed = tmp_path_factory.mktemp("s3list") / "train.csv"
@@ -228,6 +230,7 @@ def s3_sources(
     s3_server.upload_tree(photo_sources["parquet"], "sources/parquet")
     s3_server.upload(photo_sources["zip"], "sources/train.zip")
     s3_server.upload_tree(photo_sources["arrow"], "sources/saved")
+    s3_server.upload_tree(photo_sources["tfrecord"], "sources/tfrecord")
     shards = sorted(p.name for p in photo_sources["tar"].iterdir())
     bucket = f"s3://{s3_server.bucket}/sources"
     return {
@@ -237,6 +240,7 @@ def s3_sources(
         "parquet": f"{bucket}/parquet/",
         "zip": f"{bucket}/train.zip",
         "arrow": f"{bucket}/saved/",
+        "tfrecord": f"{bucket}/tfrecord/",
     }
 
 

@@ -66,7 +66,19 @@ class FeedOptions:
     )
     label_column: str = field(
         default="label",
-        metadata=option("Parquet: the column holding each label (an integer); absent: every label is -1"),
+        metadata=option(
+            "Parquet and save_to_disk: the column holding each label (an integer); TFRecord: the int64 "
+            "feature (left at label: image/class/label, unless the Example has a label); absent: every "
+            "label is -1"
+        ),
+    )
+    label_offset: int = field(
+        default=0,
+        metadata=option(
+            "TFRecord: subtracted from every label (1 for TensorFlow's Inception-era ImageNet files, whose "
+            "labels 1..1000 keep 0 for the background); a label below 0 is none (-1)",
+            check=checks.at_least(0),
+        ),
     )
     pipeline: str = field(
         default="",

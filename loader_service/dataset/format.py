@@ -45,13 +45,16 @@ class IndexPart(Protocol):
 
 @dataclass(frozen=True)
 class Columns:
-    """``--image-column`` and ``--label-column``: where a table format (Parquet) keeps a sample's
-    image and label; other formats have no columns to choose."""
+    """``--image-column`` and ``--label-column``: where a table format (Parquet, a ``save_to_disk``
+    folder) keeps a sample's image and label, or which features of a TFRecord Example hold them;
+    other formats have no columns to choose."""
 
     image: str = ""
     """"": the column ``datasets`` marks as an ``Image``, else ``image``."""
     label: str = "label"
     """A missing label column gives every sample -1."""
+    label_offset: int = 0
+    """``--label-offset``: subtracted from each TFRecord label (a label below 0 is none: -1)."""
 
 
 class Scanned(NamedTuple):

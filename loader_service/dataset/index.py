@@ -233,7 +233,11 @@ def load_or_build(
     if inputs is None:  # nothing to tell a change by (an object without an ETag): scan every start
         return build_index(data, kind, progress, storage, columns)
     cache = FetchCache(storage.cache_dir, storage.cache_size)
-    key = index_key(kind, str(data), [columns.image, columns.label])
+    key = index_key(
+        kind,
+        str(data),
+        [columns.image, columns.label, *([columns.label_offset] if columns.label_offset else [])],
+    )
     folder = cache.saved_index(key, inputs)
     if folder is not None:
         try:

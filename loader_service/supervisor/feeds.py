@@ -87,7 +87,7 @@ class Feed:
             config.format,
             functools.partial(_indexing, config),
             config.storage,
-            Columns(config.image_column, config.label_column),
+            Columns(config.image_column, config.label_column, config.label_offset),
         )
         index_dir = runtime_dir / f"feed{feed_id}"
         index_dir.mkdir()

@@ -209,7 +209,7 @@ def dry_run(config: ServiceConfig) -> int:
     # As the service does for its workers: the pixel limit holds for the files decoded here too.
     os.environ["OPENCV_IO_MAX_IMAGE_PIXELS"] = str(config.max_pixels)
     for feed in config.feeds():
-        columns = Columns(feed.image_column, feed.label_column)
+        columns = Columns(feed.image_column, feed.label_column, feed.label_offset)
         index = index_sources(
             feed.named_sources, feed.format, lambda _source: _indexing, feed.storage, columns
         )

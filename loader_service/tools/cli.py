@@ -200,8 +200,9 @@ def _add_index(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
     p.add_argument(
         "--format", choices=FORMAT_CHOICES, default="auto", help="the data's format (default auto)"
     )
-    p.add_argument("--image-column", default="", help="Parquet: as for serve")
-    p.add_argument("--label-column", default="label", help="Parquet: as for serve")
+    p.add_argument("--image-column", default="", help="Parquet, save_to_disk, TFRecord: as for serve")
+    p.add_argument("--label-column", default="label", help="Parquet, save_to_disk, TFRecord: as for serve")
+    p.add_argument("--label-offset", type=int, default=0, help="TFRecord: as for serve")
     p.add_argument("--storage-option", action="append", default=[], metavar="KEY=VALUE", help="as for serve")
     p.set_defaults(func=_cmd_index)
 
@@ -215,7 +216,7 @@ def _cmd_index(args: argparse.Namespace) -> int:
             args.format,
             lambda n: print(f"indexing: {n} samples", file=sys.stderr),
             storage,
-            Columns(args.image_column, args.label_column),
+            Columns(args.image_column, args.label_column, args.label_offset),
         )
     except (DatasetError, ConfigError) as exc:
         print(f"loader-service index: {exc}", file=sys.stderr)

@@ -56,8 +56,8 @@ def test_shards_lists_and_parquet_in_a_store_deliver_what_the_local_copies_deliv
     tmp_path: Path,
 ) -> None:
     """Tar shards by prefix and by pattern, a csv list of image objects, Parquet files, a zip
-    archive (read by range) and a save_to_disk folder, each a feed beside the local shards: every
-    epoch gives each sample once, with the local feed's label and pixels."""
+    archive (read by range), a save_to_disk folder and TFRecord files, each a feed beside the local
+    shards: every epoch gives each sample once, with the local feed's label and pixels."""
     common = {"batch_size": 8, "image_size": 32, "seed": 5}
     feeds = {f"s3{kind}": {"data": url, **common} for kind, url in s3_sources.items()}
     config = write_config(tmp_path / "s3.toml", {}, feeds)
@@ -71,6 +71,7 @@ def test_shards_lists_and_parquet_in_a_store_deliver_what_the_local_copies_deliv
         "s3parquet": "parquet",
         "s3zip": "zip",
         "s3arrow": "arrow",
+        "s3tfrecord": "tfrecord",
     }
 
 

@@ -31,12 +31,12 @@ def test_every_source_delivers_what_the_image_folder_feed_delivers(
     photo_sources: dict[str, Path], start_service: ServiceFactory, tmp_path: Path
 ) -> None:
     """The same photos as a csv list, a jsonl list, a folder of shards, a brace pattern, Parquet
-    files, a zip archive (stored and deflated members, in shuffled order) and a ``save_to_disk``
-    folder, each a feed of one
+    files, a zip archive (stored and deflated members, in shuffled order), a ``save_to_disk``
+    folder and TFRecord files, each a feed of one
     service: every epoch gives each sample once, with the ImageFolder feed's label and exactly its
     pixels (sample i is the same file in every source, so it draws the same crop)."""
     common = {"batch_size": 8, "image_size": 32, "seed": 5}
-    kinds = ("csv", "jsonl", "tar", "brace", "parquet", "zip", "arrow")
+    kinds = ("csv", "jsonl", "tar", "brace", "parquet", "zip", "arrow", "tfrecord")
     feeds = {kind: {"data": photo_sources[kind], **common} for kind in kinds}
     config = write_config(tmp_path / "sources.toml", {}, feeds)
     service = start_service(photo_sources["imagefolder"], config=config, **common)
@@ -52,6 +52,7 @@ def test_every_source_delivers_what_the_image_folder_feed_delivers(
         "parquet": "parquet",
         "zip": "zip",
         "arrow": "arrow",
+        "tfrecord": "tfrecord",
     }
 
 

@@ -32,6 +32,7 @@ from benchmarks.results import (
     TAR_SHARDS,
     TCP_CURVE,
     TCP_PLAIN,
+    TFRECORDS,
     TRAINER,
     ZIP_ARCHIVE,
     ZIP_STORED,
@@ -206,6 +207,7 @@ def byo_measurements(
                 ZIP_ARCHIVE: [zipped * 1000],
                 ZIP_STORED: [zipped * 1010],
                 SAVED_ARROW: [zipped * 1020],
+                TFRECORDS: [zipped * 1030],
                 FILES: [1000.0],
             },
             paired=True,
@@ -265,7 +267,7 @@ def test_every_target_passes_when_the_figures_meet_it() -> None:
         "e": [True, True],
         "g": [True],
         "h": [True, True, True],
-        "i": [True, True, True, True],
+        "i": [True, True, True, True, True],
         "j": [True, True, True],
         "k": [True],
     }
@@ -295,7 +297,7 @@ def test_pipeline_and_tar_targets_fail_below_their_thresholds() -> None:
     slow = byo_measurements(pipeline=1.09, group=3.4, same=(1.0, 0.0), tar=0.996, zipped=0.94)
     got = verdicts(results_with(*slow))
     assert got["h"] == [False, False, False]
-    assert got["i"] == [False, False, False, True]
+    assert got["i"] == [False, False, False, True, True]
     checks = {c.target: c.measured for c in evaluate_targets(results_with(*slow))}
     assert checks["tar shards >= 1.0x the same images as files"] == "0.996x"  # not a rounded 1.00x
     assert checks["a zip archive (deflated) >= 0.95x the same images as files"] == "0.940x"
@@ -409,7 +411,7 @@ def test_pipeline_and_tar_rows_compare_with_their_counterparts() -> None:
     assert "2/2" in lines["(h) pipeline, samples identical"]
     assert (
         "the same images as files 1000, ratio 1.010x"
-        in lines["(i) formats (tar, zip, arrow), one trainer, images/s"]
+        in lines["(i) formats (tar, zip, arrow, tfrecord), one trainer, images/s"]
     )
     doc = to_json(results, evaluate_targets(results))
     assert doc["measurements"]["i"]["ratios"] == {
@@ -423,6 +425,11 @@ def test_pipeline_and_tar_rows_compare_with_their_counterparts() -> None:
         "zip_archive/saved_arrow": pytest.approx(0.97 / 0.9894),
         "zip_stored/saved_arrow": pytest.approx(0.9797 / 0.9894),
         "saved_arrow/files": pytest.approx(0.9894),
+        "tar_shards/tfrecords": pytest.approx(1.01 / 0.9991),
+        "zip_archive/tfrecords": pytest.approx(0.97 / 0.9991),
+        "zip_stored/tfrecords": pytest.approx(0.9797 / 0.9991),
+        "saved_arrow/tfrecords": pytest.approx(0.9894 / 0.9991),
+        "tfrecords/files": pytest.approx(0.9991),
     }
     assert doc["measurements"]["h"]["ratios"] == {"service/dl_pipeline": pytest.approx(1.2)}
     text = markdown(results, evaluate_targets(results), "python -m benchmarks --scenarios h,i")

@@ -227,8 +227,9 @@ def test_flags_not_given_leave_the_lower_layers_alone(tmp_path: Path) -> None:
 
 def test_feed_tables_accept_exactly_the_feed_options(tmp_path: Path) -> None:
     assert set(FEED_OPTIONS) == {
-        "data", "format", "image_column", "label_column", "pipeline", "batch_size", "image_size", "augment",
-        "interpolation", "encoded_row_bytes", "seed", "slots", "cache_memory", "pipeline_deterministic"
+        "data", "format", "image_column", "label_column", "label_offset", "pipeline", "batch_size",
+        "image_size", "augment", "interpolation", "encoded_row_bytes", "seed", "slots", "cache_memory",
+        "pipeline_deterministic"
     }  # fmt: skip
     table = f'data = "{tmp_path}"\nbatch_size = 8\nimage_size = 32\naugment = "none"\nseed = 3\nslots = 4\n'
     cfg_file = tmp_path / "svc.toml"

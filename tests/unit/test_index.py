@@ -170,7 +170,7 @@ def test_detect_format(sources: dict[str, Path], tmp_path: Path) -> None:
     assert [detect_format(p) for p in sources.values()] == ["imagefolder", "list", "list", "tar"]
     assert detect_format(sources["tar"] / "s-0.tar") == "tar"
     assert detect_format(f"{sources['tar']}/s-{{0..1}}.tar") == "tar"
-    assert FORMAT_CHOICES == ("auto", "imagefolder", "list", "parquet", "tar", "zip", "arrow")
+    assert FORMAT_CHOICES == ("auto", "imagefolder", "list", "parquet", "tfrecord", "tar", "zip", "arrow")
     touch(tmp_path / "both", "cls/x.jpg")
     write_tar(tmp_path / "both" / "s.tar", [("a.jpg", b"x")])
     with pytest.raises(DatasetError, match=r"both sub-folders .* and .tar files"):

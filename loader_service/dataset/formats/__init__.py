@@ -11,6 +11,7 @@ from loader_service.dataset.formats import filelist, folder
 from loader_service.dataset.formats.arrow import format as arrow_format
 from loader_service.dataset.formats.parquet import format as parquet_format
 from loader_service.dataset.formats.tar import format as tar_format
+from loader_service.dataset.formats.tfrecord import format as tfrecord_format
 from loader_service.dataset.formats.zip import format as zip_format
 from loader_service.dataset.storage.location import Location
 from loader_service.dataset.storage.objectstore import SCAN_DEADLINE, Bucket
@@ -19,12 +20,13 @@ from loader_service.dataset.storage.urls import split_url
 from loader_service.dataset.tables import DatasetError
 
 FORMATS: dict[str, Format] = {
-    # Parquet before tar: a brace pattern is tar's unless it names .parquet files.
+    # Parquet and TFRecord before tar: a brace pattern is tar's unless it names their files.
     s.name: s
     for s in (
         folder.FORMAT,
         filelist.FORMAT,
         parquet_format.FORMAT,
+        tfrecord_format.FORMAT,
         tar_format.FORMAT,
         zip_format.FORMAT,
         arrow_format.FORMAT,

@@ -21,7 +21,9 @@ from pathlib import Path
 from typing import Any, Protocol
 
 from loader_service.dataset.storage.location import Location
-from loader_service.dataset.storage.objectfolder import store_object, store_objects
+from loader_service.dataset.storage.objectfolder import Suffix, store_object, store_objects
+from loader_service.dataset.storage.patterns import expand_braces, is_brace_pattern
+from loader_service.dataset.tables import DatasetError
 
 Stamps = list[list[Any]] | None
 """Each file's name and present state, as JSON; None when a state cannot be told (an object
@@ -120,7 +122,7 @@ def _size_and_mtime(path: Path) -> tuple[int, int] | tuple[None, None]:
 
 
 def list_files(
-    data: Location, suffix: str, what: str, local: Callable[[Path], tuple[Path, tuple[str, ...]]]
+    data: Location, suffix: Suffix, what: str, local: Callable[[Path], tuple[Path, tuple[str, ...]]]
 ) -> Listing:
     """The files ``data`` names: a store's ``suffix`` objects (one, a brace pattern of them, or
     those directly under a prefix), or what ``local`` lists on this host; ``what`` they are, for
@@ -138,3 +140,29 @@ def list_file(data: Location, local: Callable[[Path], tuple[Path, tuple[str, ...
         return store_object(data.text, data.storage)
     root, names = local(data.path)
     return LocalListing(root, names)
+
+
+def local_named(data: Path, matches: Suffix, what: str) -> tuple[Path, tuple[str, ...]]:
+    """A format's local files and their root: the ``matches`` files of a folder (sorted by name), one
+    file, or a brace pattern's; each must exist (``what`` they are, for messages)."""
+    text = str(data)
+    if os.path.isdir(text):
+        with os.scandir(text) as it:
+            found = sorted(e.name for e in it if e.is_file() and _matches(matches, e.name))
+        if not found:
+            raise DatasetError(f"no {what} in {text}")
+        return Path(text), tuple(found)
+    if is_brace_pattern(text) and not os.path.exists(text):
+        paths = expand_braces(text)
+        root = Path(os.path.commonpath([os.path.dirname(p) or "." for p in paths]))
+        names: tuple[str, ...] = tuple(os.path.relpath(p, root) for p in paths)
+    else:
+        root, names = Path(text).parent, (Path(text).name,)
+    for name in names:
+        if not (root / name).is_file():
+            raise DatasetError(f"{root / name} does not exist (of the {what} --data names)")
+    return root, names
+
+
+def _matches(matches: Suffix, name: str) -> bool:
+    return matches(name) if callable(matches) else name.endswith(matches)

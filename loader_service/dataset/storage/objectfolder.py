@@ -17,7 +17,7 @@ import io
 import logging
 import posixpath
 from collections import deque
-from collections.abc import Generator
+from collections.abc import Callable, Generator
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
@@ -201,9 +201,14 @@ class RangedFile(io.RawIOBase):
         return len(data)
 
 
-def store_objects(data: str, storage: StorageConfig, suffix: str, what: str) -> StoreObjects:
+Suffix = str | Callable[[str], bool]
+"""How a folder's objects of a format are told: by the end of their names, or a test of the name."""
+
+
+def store_objects(data: str, storage: StorageConfig, suffix: Suffix, what: str) -> StoreObjects:
     """The objects of a URL: one object, a brace pattern of them, or the ``suffix`` objects directly
-    under a prefix (as a local folder's, not its sub-folders'); ``what`` they are, for messages."""
+    under a prefix (as a local folder's, not its sub-folders'); ``what`` they are, for messages.
+    ``suffix`` may be a test of a name instead (TFRecord files need not have one)."""
     bucket = Bucket(data, storage, SCAN_DEADLINE)
     _, key = split_url(data)
     if is_brace_pattern(data):
@@ -241,10 +246,10 @@ def _as_prefix(folder: str) -> str:
     return f"{folder}/" if folder else ""
 
 
-def _in_folder(bucket: Bucket, folder: str, suffix: str, what: str) -> list[ObjectInfo]:
+def _in_folder(bucket: Bucket, folder: str, suffix: Suffix, what: str) -> list[ObjectInfo]:
     prefix = _as_prefix(folder)
     here = [o for o in bucket.list(prefix) if "/" not in o.key[len(prefix) :]]
-    found = [o for o in here if o.key.endswith(suffix)]
+    found = [o for o in here if (suffix(o.key) if callable(suffix) else o.key.endswith(suffix))]
     if found:
         return found
     where = f"{bucket.url}/{prefix}"
@@ -255,4 +260,4 @@ def _in_folder(bucket: Bucket, folder: str, suffix: str, what: str) -> list[Obje
                 f"{where} holds only compressed shards ({', '.join(compressed[:3])}...): dataferry reads "
                 "members in place, so shards must be uncompressed .tar files (decompress them once)"
             )
-    raise DatasetError(f"no {suffix} {what} in {where}")
+    raise DatasetError(f"no {what} in {where}" if callable(suffix) else f"no {suffix} {what} in {where}")

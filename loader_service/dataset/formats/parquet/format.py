@@ -39,13 +39,12 @@ from loader_service.dataset.formats.parquet.reader import ParquetReader
 from loader_service.dataset.formats.parquet.rows import ParquetRows
 from loader_service.dataset.formats.parquet.scan import ParquetScan
 from loader_service.dataset.storage.files import open_files
-from loader_service.dataset.storage.listing import list_files
+from loader_service.dataset.storage.listing import list_files, local_named
 from loader_service.dataset.storage.location import Location
 from loader_service.dataset.storage.objectstore import Heard
-from loader_service.dataset.storage.patterns import expand_braces, is_brace_pattern
+from loader_service.dataset.storage.patterns import is_brace_pattern
 from loader_service.dataset.storage.storeconfig import StorageConfig
 from loader_service.dataset.tables import (
-    DatasetError,
     ListMetadata,
     StringTable,
 )
@@ -55,25 +54,7 @@ SUFFIX = ".parquet"
 
 def local_files(data: str | Path) -> tuple[Path, tuple[str, ...]]:
     """The root folder and the files relative to it, in row order; each must exist."""
-    root, names = _local_names(str(data))
-    for name in names:
-        if not (root / name).is_file():
-            raise DatasetError(f"Parquet file {root / name} does not exist")
-    return root, names
-
-
-def _local_names(text: str) -> tuple[Path, tuple[str, ...]]:
-    if os.path.isdir(text):
-        with os.scandir(text) as it:
-            names = sorted(e.name for e in it if e.name.endswith(SUFFIX) and e.is_file())
-        if not names:
-            raise DatasetError(f"no {SUFFIX} files in {text}")
-        return Path(text), tuple(names)
-    if os.path.exists(text) or not is_brace_pattern(text):
-        return Path(text).parent, (Path(text).name,)
-    paths = expand_braces(text)
-    root = os.path.commonpath([os.path.dirname(p) or "." for p in paths])
-    return Path(root), tuple(os.path.relpath(p, root) for p in paths)
+    return local_named(Path(data), SUFFIX, ".parquet files")
 
 
 class ParquetFormat:
