@@ -50,6 +50,7 @@ SampleKey = tuple[int, int]
 SHARD_SAMPLES = 256
 """Samples per tar shard made for (i): 10 shards for the full run's 2560 images."""
 SHARDS_STAMP = "SOURCE"
+ZIP_NAME = "train.zip"
 """File in a shard folder naming the dataset it was made from; shards are remade when it differs."""
 
 
@@ -337,50 +338,55 @@ def source_stamp(index: DatasetIndex) -> str:
     return f"{index.fingerprint()} {len(index)} {total}"
 
 
-def make_shards(index: DatasetIndex, folder: Path, per_shard: int = SHARD_SAMPLES) -> Path:
-    """The images of ``index`` as WebDataset shards ``train-NNNNNN.tar`` in ``folder``: per sample, in
-    index order, ``KEY.jpg`` (the file's bytes, under its own extension) then ``KEY.cls`` (the label).
-
-    Made once: kept while its stamp matches the dataset, written to a sibling folder and renamed, so
-    an interrupted run never leaves half a set of shards that looks complete.
-    """
+def made_once(index: DatasetIndex, folder: Path, write: Callable[[Path], object]) -> Path:
+    """``folder``, filled by ``write`` with the images of ``index`` in some format: made once, kept
+    while its stamp matches the dataset, written to a sibling folder and renamed, so an interrupted
+    run never leaves half of it looking complete."""
     stamp = source_stamp(index)
     if (folder / SHARDS_STAMP).is_file() and (folder / SHARDS_STAMP).read_text().strip() == stamp:
         return folder
     partial = folder.with_name(folder.name + ".partial")
     shutil.rmtree(partial, ignore_errors=True)
     partial.mkdir(parents=True)
-    for number, group in enumerate(shard_groups(len(index), per_shard)):
-        with tarfile.open(partial / f"train-{number:06d}.tar", "w", format=tarfile.USTAR_FORMAT) as tar:
-            for i in group:
-                _add_sample(tar, index, i)
+    write(partial)
     (partial / SHARDS_STAMP).write_text(stamp + "\n")
     shutil.rmtree(folder, ignore_errors=True)
     partial.rename(folder)
     return folder
 
 
+def make_shards(index: DatasetIndex, folder: Path, per_shard: int = SHARD_SAMPLES) -> Path:
+    """The images of ``index`` as WebDataset shards ``train-NNNNNN.tar`` in ``folder``: per sample, in
+    index order, ``KEY.jpg`` (the file's bytes, under its own extension) then ``KEY.cls`` (the label).
+    Made once (``made_once``)."""
+
+    def write(out: Path) -> None:
+        for number, group in enumerate(shard_groups(len(index), per_shard)):
+            with tarfile.open(out / f"train-{number:06d}.tar", "w", format=tarfile.USTAR_FORMAT) as tar:
+                for i in group:
+                    _add_sample(tar, index, i)
+
+    return made_once(index, folder, write)
+
+
 def zip_path(cfg: BenchConfig, root: Path, stored: bool = False) -> Path:
-    """Where (i)'s zip archive of the dataset at ``root`` is kept: beside it in the cache."""
-    return cfg.cache / f"{root.name}{'-stored' if stored else ''}.zip"
+    """Where (i)'s zip archive of the dataset at ``root`` is kept: a folder beside it in the cache."""
+    return cfg.cache / f"{root.name}-zip{'-stored' if stored else ''}"
 
 
-def make_zip(index: DatasetIndex, path: Path, stored: bool = False) -> Path:
-    """The images of ``index`` as one zip archive of their class folders, deflated as ``zip -r``
-    leaves them (JPEGs barely shrink; every member still inflates on read), or ``stored`` as
-    ``zip -0`` leaves them. Made once: kept while the stamp beside it matches the dataset, written
-    under another name and renamed."""
-    stamp = source_stamp(index)
-    stamped = path.with_name(path.name + "." + SHARDS_STAMP)
-    if path.is_file() and stamped.is_file() and stamped.read_text().strip() == stamp:
-        return path
-    partial = path.with_name(path.name + ".partial")
-    with zipfile.ZipFile(partial, "w", zipfile.ZIP_STORED if stored else zipfile.ZIP_DEFLATED) as archive:
-        for i in range(len(index)):
-            archive.write(index.path(i), index.relpath(i))
-    partial.rename(path)
-    stamped.write_text(stamp + "\n")
-    return path
+def make_zip(index: DatasetIndex, folder: Path, stored: bool = False) -> Path:
+    """The images of ``index`` as one zip archive of their class folders, ``folder/train.zip``,
+    deflated as ``zip -r`` leaves them (JPEGs barely shrink; every member still inflates on read), or
+    ``stored`` as ``zip -0`` leaves them. Made once (``made_once``); returns the archive."""
+
+    def write(out: Path) -> None:
+        with zipfile.ZipFile(
+            out / ZIP_NAME, "w", zipfile.ZIP_STORED if stored else zipfile.ZIP_DEFLATED
+        ) as z:
+            for i in range(len(index)):
+                z.write(index.path(i), index.relpath(i))
+
+    return made_once(index, folder, write) / ZIP_NAME
 
 
 def saved_path(cfg: BenchConfig, root: Path) -> Path:
@@ -390,28 +396,21 @@ def saved_path(cfg: BenchConfig, root: Path) -> Path:
 
 def make_saved(index: DatasetIndex, folder: Path) -> Path:
     """The images of ``index`` as the folder ``datasets.Dataset.save_to_disk`` writes (an ``Image``
-    column, a ``ClassLabel``), in index order. Made once: kept while its stamp matches the dataset,
-    written to a sibling folder and renamed. Needs the ``datasets`` package."""
+    column, a ``ClassLabel``), in index order. Made once (``made_once``). Needs ``datasets``."""
     import datasets
 
-    stamp = source_stamp(index)
-    if (folder / SHARDS_STAMP).is_file() and (folder / SHARDS_STAMP).read_text().strip() == stamp:
-        return folder
-    partial = folder.with_name(folder.name + ".partial")
-    shutil.rmtree(partial, ignore_errors=True)
-    rows = range(len(index))
-    table = {
-        "image": [{"bytes": index.path(i).read_bytes(), "path": None} for i in rows],
-        "label": [int(index.labels[i]) for i in rows],
-    }
-    features = datasets.Features(
-        {"image": datasets.Image(), "label": datasets.ClassLabel(names=list(index.classes))}
-    )
-    datasets.Dataset.from_dict(table, features=features).save_to_disk(str(partial))
-    (partial / SHARDS_STAMP).write_text(stamp + "\n")
-    shutil.rmtree(folder, ignore_errors=True)
-    partial.rename(folder)
-    return folder
+    def write(out: Path) -> None:
+        rows = range(len(index))
+        table = {
+            "image": [{"bytes": index.path(i).read_bytes(), "path": None} for i in rows],
+            "label": [int(index.labels[i]) for i in rows],
+        }
+        features = datasets.Features(
+            {"image": datasets.Image(), "label": datasets.ClassLabel(names=list(index.classes))}
+        )
+        datasets.Dataset.from_dict(table, features=features).save_to_disk(str(out))
+
+    return made_once(index, folder, write)
 
 
 def tfrecord_path(cfg: BenchConfig, root: Path) -> Path:
@@ -422,31 +421,22 @@ def tfrecord_path(cfg: BenchConfig, root: Path) -> Path:
 def make_tfrecords(index: DatasetIndex, folder: Path, per_file: int = SHARD_SAMPLES) -> Path:
     """The images of ``index`` as TFRecord files of ``tf.train.Example`` (``image/encoded``,
     ``image/class/label``), ``per_file`` records each, named as TensorFlow's scripts name them.
-    Made once: kept while its stamp matches the dataset, written to a sibling folder and renamed.
-    Needs the ``tfrecord`` package."""
+    Made once (``made_once``). Needs the ``tfrecord`` package."""
     from tfrecord import TFRecordWriter
 
-    stamp = source_stamp(index)
-    if (folder / SHARDS_STAMP).is_file() and (folder / SHARDS_STAMP).read_text().strip() == stamp:
-        return folder
-    partial = folder.with_name(folder.name + ".partial")
-    shutil.rmtree(partial, ignore_errors=True)
-    partial.mkdir(parents=True)
-    groups = list(shard_groups(len(index), per_file))
-    for number, group in enumerate(groups):
-        writer = TFRecordWriter(str(partial / f"train-{number:05d}-of-{len(groups):05d}"))
-        for i in group:
-            writer.write(
-                {
+    def write(out: Path) -> None:
+        groups = list(shard_groups(len(index), per_file))
+        for number, group in enumerate(groups):
+            writer = TFRecordWriter(str(out / f"train-{number:05d}-of-{len(groups):05d}"))
+            for i in group:
+                example = {
                     "image/encoded": (index.path(i).read_bytes(), "byte"),
                     "image/class/label": (int(index.labels[i]), "int"),
                 }
-            )
-        writer.close()
-    (partial / SHARDS_STAMP).write_text(stamp + "\n")
-    shutil.rmtree(folder, ignore_errors=True)
-    partial.rename(folder)
-    return folder
+                writer.write(example)
+            writer.close()
+
+    return made_once(index, folder, write)
 
 
 def _add_sample(tar: tarfile.TarFile, index: DatasetIndex, i: int) -> None:

@@ -170,7 +170,7 @@ def zip_part(work: Path, server: Any, plan: Plan) -> dict[str, Any]:
     from benchmarks.datasets import make_zip
     from loader_service.dataset.index import build_index
 
-    archive = make_zip(build_index(plan.data), work / "train.zip")
+    archive = make_zip(build_index(plan.data), work / "zip")
     server.upload(archive, "zip/train.zip")
     out = _epoch_reads(server, f"s3://{server.bucket}/zip/train.zip")
     return _said("a zip archive", out, f"from {out['index_bytes']} bytes of its {archive.stat().st_size}")

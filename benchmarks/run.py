@@ -36,10 +36,12 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import datetime
+import functools
+import importlib.util
 import json
 import tempfile
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import asdict
 from pathlib import Path
 from typing import Any
@@ -609,90 +611,42 @@ class BenchRun:
             self.pipeline_rates(service, PipelineSamples(self.data.root, pipeline, self.cfg.seed))
             self.pipeline_group(service, pipeline)
 
-    def shards(self) -> Path:
-        """(i)'s tar shards of the run's dataset (made once, then reused), checked against it."""
+    def made(self, what: str, folder: Path, make: Callable[[DatasetIndex, Path], Path], kind: str) -> Path:
+        """(i)'s ``what``: the run's dataset as ``kind`` in ``folder`` (made once, then reused),
+        checked against it (same count, labels and order)."""
         index = build_index(self.data.root)
-        folder = shards_folder(self.cfg, self.data.root)
-        say(f"(i) tar shards of the {len(index)} images: {folder.name} in the cache")
-        make_shards(index, folder)
-        check_same_samples(index, build_index(folder, "tar"))
-        return folder
-
-    def archive(self, stored: bool) -> Path:
-        """(i)'s zip archive of the run's dataset, its members deflated or ``stored`` (made once,
-        then reused), checked against it."""
-        index = build_index(self.data.root)
-        path = zip_path(self.cfg, self.data.root, stored)
-        say(f"(i) a zip archive of the {len(index)} images: {path.name} in the cache")
-        make_zip(index, path, stored)
-        check_same_samples(index, build_index(path, "zip"))
-        return path
-
-    def saved(self) -> Path | None:
-        """(i)'s ``save_to_disk`` folder of the run's dataset, checked against it; None (said) where
-        ``datasets`` cannot be imported."""
-        try:
-            import datasets  # noqa: F401
-        except ImportError:
-            say("(i) no save_to_disk folder: the datasets package is not installed")
-            return None
-        index = build_index(self.data.root)
-        folder = saved_path(self.cfg, self.data.root)
-        say(f"(i) a save_to_disk folder of the {len(index)} images: {folder.name} in the cache")
-        make_saved(index, folder)
-        check_same_samples(index, build_index(folder, "arrow"))
-        return folder
-
-    def tfrecords(self) -> Path | None:
-        """(i)'s TFRecord files of the run's dataset, checked against it; None (said) where the
-        ``tfrecord`` package that writes them cannot be imported."""
-        try:
-            import tfrecord  # noqa: F401
-        except ImportError:
-            say("(i) no TFRecord files: the tfrecord package is not installed")
-            return None
-        index = build_index(self.data.root)
-        folder = tfrecord_path(self.cfg, self.data.root)
-        say(f"(i) TFRecord files of the {len(index)} images: {folder.name} in the cache")
-        make_tfrecords(index, folder)
-        check_same_samples(index, build_index(folder, "tfrecord"))
-        return folder
+        say(f"(i) {what} of the {len(index)} images: {folder.name} in the cache")
+        data = make(index, folder)
+        check_same_samples(index, build_index(data, kind))
+        return data
 
     def with_shards(self) -> None:
         """(i), step 6 of NOTE [ Scenario order ]: one service on the shards, one on each zip
         archive (deflated, stored), one on the files, one trainer each, timed in turn."""
-        cfg = self.cfg
-        shards, deflated, stored = self.shards(), self.archive(stored=False), self.archive(stored=True)
-        saved, tfrecords = self.saved(), self.tfrecords()
+        cfg, root = self.cfg, self.data.root
+        formats = [
+            ("tar", TAR_SHARDS, self.made("tar shards", shards_folder(cfg, root), make_shards, "tar")),
+            ("zip", ZIP_ARCHIVE, self.made("a deflated zip archive", zip_path(cfg, root), make_zip, "zip")),
+            ("zip", ZIP_STORED, self.made("a stored zip archive", zip_path(cfg, root, stored=True),
+                                          functools.partial(make_zip, stored=True), "zip")),
+        ]  # fmt: skip
+        if installed("datasets", "save_to_disk folder"):
+            saved = self.made("a save_to_disk folder", saved_path(cfg, root), make_saved, "arrow")
+            formats.append(("arrow", SAVED_ARROW, saved))
+        if installed("tfrecord", "TFRecord files"):
+            tfrecords = self.made("TFRecord files", tfrecord_path(cfg, root), make_tfrecords, "tfrecord")
+            formats.append(("tfrecord", TFRECORDS, tfrecords))
         say(f"(i) {SCENARIO_TITLES['i']}")
         with contextlib.ExitStack() as stack:
-            tar = self.start_service(
-                stack, "tar", cfg.batch_size, extra_args=("--format", "tar"), data=shards
-            )
-            zipped = self.start_service(
-                stack, "zip", cfg.batch_size, extra_args=("--format", "zip"), data=deflated
-            )
-            zip_stored = self.start_service(
-                stack, "zip-stored", cfg.batch_size, extra_args=("--format", "zip"), data=stored
-            )
-            arrow = None
-            if saved is not None:
-                arrow = self.start_service(
-                    stack, "arrow", cfg.batch_size, extra_args=("--format", "arrow"), data=saved
-                )
-            tfr = None
-            if tfrecords is not None:
-                tfr = self.start_service(
-                    stack, "tfrecord", cfg.batch_size, extra_args=("--format", "tfrecord"), data=tfrecords
-                )
+            batch = cfg.batch_size
+            services = [
+                (self.start_service(stack, key, batch, extra_args=("--format", kind), data=data), key)
+                for kind, key, data in formats
+            ]
             files = self.start_service(stack, "files", cfg.batch_size)
             with contextlib.ExitStack() as contenders:
                 timed = [
-                    self.service_contender(contenders, tar, TAR_SHARDS),
-                    self.service_contender(contenders, zipped, ZIP_ARCHIVE),
-                    self.service_contender(contenders, zip_stored, ZIP_STORED),
-                    *([] if arrow is None else [self.service_contender(contenders, arrow, SAVED_ARROW)]),
-                    *([] if tfr is None else [self.service_contender(contenders, tfr, TFRECORDS)]),
+                    *(self.service_contender(contenders, service, key) for service, key in services),
                     self.service_contender(contenders, files, FILES),
                 ]
                 rates, cpu, timelines = measure_rates(
@@ -773,3 +727,11 @@ def run(cfg: BenchConfig) -> BenchResults:
         seconds=time.monotonic() - begin,
         skipped=bench.skipped,
     )
+
+
+def installed(package: str, what: str) -> bool:
+    """Whether ``package`` (which writes (i)'s ``what``) can be imported; said when it cannot."""
+    if importlib.util.find_spec(package) is None:
+        say(f"(i) no {what}: the {package} package is not installed")
+        return False
+    return True
